@@ -1,0 +1,36 @@
+# Two commands on a fresh machine: `make demo` runs the main job, `make test` runs the tests.
+# Both create (or reuse) the virtual environment in $(VENV) and install what they need.
+# torch is asked for in the same pip command as everything else, so pip takes the CPU build on
+# this machine; on a GPU machine override it: `make test TORCH_SPEC="torch==2.9.1"`.
+PY ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= all,dev
+STAMP := $(VENV)/.fp8track-installed
+BIN := $(VENV)/bin
+
+.PHONY: install demo test test-gpu bench lint
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/fp8track demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# On a machine with CUDA (and Transformer Engine for the TE tests): only the gpu-marked tests.
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m gpu tests/gpu
+
+bench: $(STAMP)
+	for b in bench/*_bench.py; do $(BIN)/python $$b; done
+
+lint: $(STAMP)
+	$(BIN)/python -m ruff check fp8track tests bench

@@ -1,0 +1,246 @@
+"""Scale maths: current (per-tensor), delayed (amax history), and block scales.
+
+Convention (as in Transformer Engine and torchao): the *scale* multiplies the high-precision
+tensor on the way into FP8, ``q = saturating_cast(x * scale)``, and dequantisation divides,
+``d = q / scale``. GEMM kernels are given ``scale_inv = 1 / scale``.
+
+All functions are pure tensor maths that stay on the tensor's device (no host synchronisation),
+work under ``torch.no_grad`` and compute in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fp8track.errors import ConfigError, invalid_choice
+from fp8track.formats import FP8Format, get_format
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """``max(|x|)`` as a float32 0-d tensor (0 for an empty tensor; NaN/inf propagate)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return x.detach().abs().amax().to(torch.float32)
+
+
+def current_scale(
+    amax_value: torch.Tensor,
+    fmt: str | FP8Format,
+    margin: int = 0,
+    previous: torch.Tensor | float = 1.0,
+) -> torch.Tensor:
+    """Current-scaling factor ``fmt.max / amax / 2**margin`` (float32, same shape as ``amax_value``).
+
+    Guards follow Transformer Engine's ``_default_sf_compute``: where amax is 0, inf or NaN the
+    previous scale is kept (default 1.0), and an infinite result (a tiny amax) is clamped to the
+    float32 maximum so the scale stays finite.
+    """
+    fmt = get_format(fmt)
+    amax_value = amax_value.to(torch.float32)
+    scale = (fmt.max / amax_value) / (2.0**margin)
+    prev = torch.as_tensor(previous, dtype=torch.float32, device=amax_value.device).expand_as(scale)
+    usable = (amax_value > 0) & torch.isfinite(amax_value)
+    scale = torch.where(usable, scale, prev)
+    return torch.where(torch.isinf(scale), torch.full_like(scale, FLOAT32_MAX), scale)
+
+
+def saturating_cast(x_scaled: torch.Tensor, fmt: str | FP8Format) -> torch.Tensor:
+    """Cast an already scaled float tensor to FP8, clamping to ``±fmt.max`` first.
+
+    The explicit clamp makes the result independent of the torch version and device: torch < 2.13
+    and CUDA may turn e4m3 overflow into NaN, torch 2.13 on CPU saturates (DESIGN.md section 4).
+    NaN stays NaN; ±inf becomes ±max.
+    """
+    fmt = get_format(fmt)
+    return x_scaled.clamp(-fmt.max, fmt.max).to(fmt.dtype)
+
+
+def quantize(x: torch.Tensor, fmt: str | FP8Format, scale: torch.Tensor | float) -> torch.Tensor:
+    """``saturating_cast(x * scale)``; ``scale`` may be a scalar or broadcast against ``x``."""
+    return saturating_cast(x.to(torch.float32) * scale, fmt)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q / scale`` in ``dtype`` (float32 by default)."""
+    return (q.to(torch.float32) / scale).to(dtype)
+
+
+def fake_quantize(x: torch.Tensor, fmt: str | FP8Format, scale: torch.Tensor | float) -> torch.Tensor:
+    """Quantise then dequantise (float32 result): what the FP8 GEMM actually sees of ``x``."""
+    return dequantize(quantize(x, fmt, scale), scale)
+
+
+class DelayedScaler:
+    """Delayed scaling of one tensor, as Transformer Engine's ``DelayedScaling`` recipe does it.
+
+    State: an amax history of ``history_len`` float32 slots and the current scale (starts at 1.0,
+    as in TE, so the very first step quantises with scale 1). One step:
+
+    1. quantise with the *current* scale (:meth:`quantize` returns it as ``scale_used``);
+    2. write this tensor's amax into history slot 0 (:meth:`observe`);
+    3. :meth:`update`: amax = max over the history (``"max"``) or slot 0 (``"most_recent"``);
+       scale = :func:`current_scale` (amax, margin, previous scale); then the history rolls by -1
+       and slot 0 is zeroed, exactly as TE's ``_update_amax_history``.
+
+    Tensors live on the device of the first tensor observed; nothing synchronises with the host.
+    """
+
+    def __init__(
+        self,
+        fmt: str | FP8Format,
+        history_len: int = 1024,
+        algo: str = "max",
+        margin: int = 0,
+    ) -> None:
+        self.fmt = get_format(fmt)
+        if not isinstance(history_len, int) or isinstance(history_len, bool) or history_len < 1:
+            raise ConfigError(f"amax_history_len must be an integer >= 1, got {history_len!r}")
+        if algo not in AMAX_COMPUTE_ALGOS:
+            raise invalid_choice("amax_compute_algo", algo, AMAX_COMPUTE_ALGOS)
+        if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
+            raise ConfigError(f"margin must be an integer >= 0, got {margin!r}")
+        self.history_len = history_len
+        self.algo = algo
+        self.margin = margin
+        self.amax_history = torch.zeros(history_len, dtype=torch.float32)
+        self.scale = torch.ones((), dtype=torch.float32)
+
+    def _to(self, device: torch.device) -> None:
+        if self.scale.device != device:
+            self.amax_history = self.amax_history.to(device)
+            self.scale = self.scale.to(device)
+
+    def observe(self, amax_value: torch.Tensor) -> None:
+        """Record ``amax_value`` in slot 0 (the max, if several micro-batches write before an update)."""
+        self._to(amax_value.device)
+        self.amax_history[0] = torch.maximum(self.amax_history[0], amax_value.to(torch.float32))
+
+    def update(self) -> torch.Tensor:
+        """Compute the next scale from the history, roll the history; returns the new scale."""
+        if self.algo == "max":
+            amax_value = self.amax_history.amax()
+        else:
+            amax_value = self.amax_history[0].clone()
+        self.scale = current_scale(amax_value, self.fmt, self.margin, self.scale)
+        if self.history_len > 1:
+            self.amax_history = torch.roll(self.amax_history, -1, 0)
+        self.amax_history[0] = 0.0
+        return self.scale
+
+    @torch.no_grad()
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One delayed-scaling step on ``x``: returns ``(fp8 tensor, scale_used)`` and updates state."""
+        self._to(x.device)
+        scale_used = self.scale.clone()
+        q = quantize(x, self.fmt, scale_used)
+        self.observe(amax(x))
+        self.update()
+        return q, scale_used
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-data state (CPU tensors), enough to resume bit for bit."""
+        return {
+            "amax_history": self.amax_history.detach().cpu().clone(),
+            "scale": self.scale.detach().cpu().clone(),
+            "history_len": self.history_len,
+            "algo": self.algo,
+            "margin": self.margin,
+            "fmt": self.fmt.name,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict`; tolerant of missing keys (they keep their value)."""
+        if "amax_history" in state:
+            hist = torch.as_tensor(state["amax_history"], dtype=torch.float32)
+            if hist.numel() != self.history_len:
+                raise ConfigError(
+                    f"checkpointed amax history has length {hist.numel()}, this scaler expects {self.history_len}"
+                )
+            self.amax_history = hist.to(self.amax_history.device).clone()
+        if "scale" in state:
+            self.scale = torch.as_tensor(state["scale"], dtype=torch.float32).to(self.scale.device).clone()
+
+
+# --- block scales --------------------------------------------------------------------------------
+
+
+def blockify_rows(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
+    """View ``x`` as 1 x ``block`` blocks along its last dimension.
+
+    Returns ``(blocks, pad)``: ``blocks`` has shape ``[num_blocks, block]`` and ``pad`` is the number
+    of zeros appended to complete the last block of each row (zeros change no statistic except
+    the element count, which callers correct with ``pad``).
+    """
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() > 0 else x.reshape(1, 1)
+    cols = rows.shape[1]
+    pad_cols = (-cols) % block
+    if pad_cols:
+        rows = torch.nn.functional.pad(rows, (0, pad_cols))
+    return rows.reshape(-1, block), pad_cols * rows.shape[0]
+
+
+def unblockify_rows(blocks: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Inverse of :func:`blockify_rows` for a tensor of the original ``shape``."""
+    cols = shape[-1] if len(shape) else 1
+    rows = blocks.reshape(-1, cols + ((-cols) % blocks.shape[1]))
+    return rows[:, :cols].reshape(shape)
+
+
+def blockify_tiles(x: torch.Tensor, tile: int) -> tuple[torch.Tensor, int]:
+    """View a 2-D ``x`` as ``tile x tile`` tiles: ``([num_tiles, tile*tile], pad)``."""
+    if x.dim() != 2:
+        raise ValueError(f"2-D tiles need a 2-D tensor, got shape {tuple(x.shape)}")
+    r, c = x.shape
+    pr, pc = (-r) % tile, (-c) % tile
+    padded = torch.nn.functional.pad(x, (0, pc, 0, pr)) if (pr or pc) else x
+    R, C = padded.shape
+    tiles = padded.reshape(R // tile, tile, C // tile, tile).permute(0, 2, 1, 3).reshape(-1, tile * tile)
+    return tiles, R * C - r * c
+
+
+def unblockify_tiles(tiles: torch.Tensor, shape: torch.Size, tile: int) -> torch.Tensor:
+    """Inverse of :func:`blockify_tiles`."""
+    r, c = shape
+    R, C = r + (-r) % tile, c + (-c) % tile
+    padded = tiles.reshape(R // tile, C // tile, tile, tile).permute(0, 2, 1, 3).reshape(R, C)
+    return padded[:r, :c]
+
+
+def mx_block_scales(block_amax: torch.Tensor, fmt: str | FP8Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 scales for blocks with the given amax: ``(scale float32, E8M0 codes uint8)``.
+
+    Transformer Engine's MXFP8 cast computes ``scale_inv = 2**ceil(log2(amax / fmt.max))`` (its
+    ``float_to_e8m0`` rounds *up*), so a block's amax never exceeds ``fmt.max`` after scaling;
+    the OCP MX spec's ``floor(log2(amax)) - emax`` can instead saturate the largest element.
+    An all-zero block gets code 0 (scale_inv 2**-127), as TE's rounding of 0 does.
+    """
+    fmt = get_format(fmt)
+    ratio = block_amax.to(torch.float32) * (1.0 / fmt.max)
+    mantissa, exponent = torch.frexp(ratio)  # ratio = mantissa * 2**exponent, mantissa in [0.5, 1)
+    # ceil(log2(ratio)) is exponent - 1 when ratio is an exact power of two, else exponent.
+    exp_ceil = torch.where(mantissa == 0.5, exponent - 1, exponent)
+    exp_ceil = torch.where(ratio > 0, exp_ceil, torch.full_like(exp_ceil, -127)).clamp(-127, 127)
+    codes = (exp_ceil + 127).to(torch.uint8)
+    scale = torch.exp2(-exp_ceil.to(torch.float32))
+    return scale, codes
+
+
+def pow2_block_scales(block_amax: torch.Tensor, fmt: str | FP8Format) -> torch.Tensor:
+    """Float8 block-scaling (128 / 128x128) scales: ``fmt.max / amax`` rounded *down* to a power of two.
+
+    Rounding the scale down keeps ``amax * scale <= fmt.max`` (TE's default power-of-two scales);
+    an all-zero or non-finite block gets scale 1.
+    """
+    fmt = get_format(fmt)
+    a = block_amax.to(torch.float32)
+    raw = fmt.max / a
+    mantissa, exponent = torch.frexp(raw)
+    del mantissa
+    scale = torch.exp2((exponent - 1).to(torch.float32))  # 2**floor(log2(raw)) for finite raw > 0
+    usable = (a > 0) & torch.isfinite(a) & torch.isfinite(raw)
+    return torch.where(usable, scale, torch.ones_like(scale))

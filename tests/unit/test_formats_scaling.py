@@ -1,0 +1,97 @@
+import math
+
+import pytest
+import torch
+
+from fp8track.errors import ConfigError
+from fp8track.formats import E4M3, E5M2, e8m0_decode, e8m0_encode, get_format, get_format_pair
+from fp8track.scaling import DelayedScaler, current_scale, mx_block_scales, pow2_block_scales
+
+
+def test_format_limits_match_torch_finfo():
+    for fmt in (E4M3, E5M2):
+        fi = torch.finfo(fmt.dtype)
+        assert fmt.max == fi.max
+        assert fmt.smallest_normal == fi.tiny
+        smallest = torch.tensor([fmt.smallest_subnormal]).to(fmt.dtype).float().item()
+        assert smallest == fmt.smallest_subnormal
+        half = torch.tensor([fmt.smallest_subnormal / 2]).to(fmt.dtype).float().item()
+        assert half == 0.0  # round-half-to-even to zero
+        assert 2.0**fmt.emax <= fmt.max < 2.0 ** (fmt.emax + 1)
+
+
+def test_unknown_format_names_valid_ones():
+    with pytest.raises(ConfigError, match=r"'e3m4'.*'e4m3', 'e5m2'"):
+        get_format("e3m4")
+    with pytest.raises(ConfigError, match=r"'e5m2'.*'hybrid', 'e4m3'"):
+        get_format_pair("e5m2")
+
+
+def test_hybrid_pair():
+    pair = get_format_pair("hybrid")
+    assert pair.for_tensor("activation") is E4M3
+    assert pair.for_tensor("weight") is E4M3
+    assert pair.for_tensor("gradient") is E5M2
+
+
+def test_e8m0_round_trip():
+    exps = torch.tensor([-127, -1, 0, 1, 127])
+    codes = e8m0_encode(exps)
+    assert codes.tolist() == [0, 126, 127, 128, 254]
+    assert e8m0_decode(codes).tolist() == [2.0**-127, 0.5, 1.0, 2.0, 2.0**127]
+    assert math.isnan(e8m0_decode(torch.tensor([255], dtype=torch.uint8)).item())
+
+
+def test_current_scale_guards_like_te():
+    amax = torch.tensor([2.0, 0.0, float("inf"), float("nan"), 1e-45])
+    s = current_scale(amax, "e4m3", margin=1, previous=3.0)
+    assert s[0].item() == 448.0 / 2.0 / 2.0
+    assert s[1].item() == 3.0 and s[2].item() == 3.0 and s[3].item() == 3.0
+    assert s[4].item() == torch.finfo(torch.float32).max
+
+
+def test_delayed_scaling_hand_worked_sequence():
+    # history length 3, algo max, e4m3, margin 0; amaxes 4, 8, 2, 1, 1.
+    sc = DelayedScaler("e4m3", history_len=3, algo="max")
+    used = []
+    for a in (4.0, 8.0, 2.0, 1.0, 1.0):
+        _, s = sc.quantize(torch.tensor([a, -a / 2]))
+        used.append(s.item())
+    # Worked by hand: step 0 uses the initial scale 1; the scale after step k is
+    # 448 / max(amax of steps k-2..k) (the window is the last 3 amaxes: TE rolls the history by -1
+    # and zeroes slot 0, dropping the oldest). Histories after each update:
+    # [0,0,4] [0,4,8] [0,8,2] [0,2,1] [0,1,1].
+    assert used == [1.0, 448 / 4, 448 / 8, 448 / 8, 448 / 8]
+    assert sc.scale.item() == 448 / 2
+    assert sc.amax_history.tolist() == [0.0, 1.0, 1.0]
+
+
+def test_delayed_scaling_most_recent_and_state_round_trip():
+    sc = DelayedScaler("e5m2", history_len=4, algo="most_recent", margin=2)
+    for a in (16.0, 4.0):
+        sc.quantize(torch.tensor([a]))
+    assert sc.scale.item() == 57344 / 4 / 4
+    clone = DelayedScaler("e5m2", history_len=4, algo="most_recent", margin=2)
+    clone.load_state_dict(sc.state_dict())
+    for a in (3.0, 100.0):
+        assert sc.quantize(torch.tensor([a]))[1].item() == clone.quantize(torch.tensor([a]))[1].item()
+
+
+@pytest.mark.parametrize("bad", [{"history_len": 0}, {"algo": "mean"}, {"margin": -1}])
+def test_delayed_scaler_rejects_bad_config(bad):
+    with pytest.raises(ConfigError):
+        DelayedScaler("e4m3", **bad)
+
+
+def test_mx_block_scales_round_up_like_te():
+    amax = torch.tensor([448.0, 449.0, 1.0, 0.0])
+    scale, codes = mx_block_scales(amax, "e4m3")
+    # 448/448 = 1 -> 2^0; 449/448 -> 2^1; 1/448 -> ceil(log2) = -8.
+    assert scale.tolist() == [1.0, 0.5, 256.0, 2.0**127]
+    assert codes.tolist() == [127, 128, 119, 0]
+    assert bool(((amax * scale) <= 448).all())
+
+
+def test_pow2_block_scales_round_down():
+    amax = torch.tensor([1.0, 448.0, 500.0, 0.0])
+    assert pow2_block_scales(amax, "e4m3").tolist() == [256.0, 1.0, 0.5, 1.0]
