@@ -1,0 +1,235 @@
+"""Forward/backward hooks that turn a layer's GEMM operands into statistics partials.
+
+For every chosen layer, on sampled steps only, the hooks see:
+
+* ``activation``: the forward GEMM input (the layer's first positional input);
+* ``weight``: the layer's weight, once per sampled step;
+* ``gradient``: dY, the gradient of the layer's output (a tensor hook on the output, which fires
+  before the layer's own backward in every case).
+
+Each observation becomes a device-side partial (``fp8track.stats``) merged into the layer's
+accumulator for the step: micro-batches combine exactly, nothing waits for the device, and no
+tensor is kept. The scale a tensor is judged with comes from the layer's :class:`LayerPlan`:
+the backend's own scale where it exposes one (delayed scaling), else the recipe's rule applied to
+the tensor itself (current or block scaling), or current scaling for BF16 layers (shadow mode:
+what FP8 would do to them).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fp8track.errors import ConfigError, invalid_choice
+from fp8track.formats import TENSOR_KINDS, get_format_pair
+from fp8track.stats import block_partial_stats, empty_partial, merge_partials, partial_stats
+
+# How a tensor is scaled, per recipe family. "per_tensor" covers delayed, current and
+# fp8_input_bf16_gemm (one scale per tensor); block recipes carry their own per-block scales.
+SCALING_KINDS = ("per_tensor", "mxfp8", "block")
+WHATIF_VARIANTS = ("current", "mxfp8", "block")
+
+ScaleFn = Callable[[], "torch.Tensor | None"]
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """How one layer's tensors are judged.
+
+    Attributes:
+        fqn: qualified module name.
+        fp8: True when the layer really runs in FP8; False for BF16 layers (shadow statistics).
+        formats: FP8 element format per tensor kind (``"e4m3"``/``"e5m2"``).
+        scaling: one of :data:`SCALING_KINDS`.
+        scale_fns: per tensor kind, a function returning the backend's scale for the tensor being
+            observed (``None`` -> current scaling computed from the tensor itself).
+        margin: current-scaling margin.
+    """
+
+    fqn: str
+    fp8: bool
+    formats: dict[str, str]
+    scaling: str = "per_tensor"
+    scale_fns: dict[str, ScaleFn] = field(default_factory=dict)
+    margin: int = 0
+
+    @property
+    def variant(self) -> str:
+        return "actual" if self.fp8 else "shadow"
+
+
+def _block_recipe(scaling: str, tensor: str) -> str:
+    if scaling == "mxfp8":
+        return "mxfp8"
+    return "block128x128" if tensor == "weight" else "block128"
+
+
+def tensor_partial(x: torch.Tensor, plan: LayerPlan, tensor: str, scaling: str | None = None) -> torch.Tensor:
+    """Partial of ``x`` as ``plan`` quantises it (or as ``scaling`` would, for what-if variants)."""
+    fmt = plan.formats[tensor]
+    scaling = scaling or plan.scaling
+    if scaling == "per_tensor" or scaling == "current":
+        scale_fn = plan.scale_fns.get(tensor) if scaling == "per_tensor" else None
+        scale = scale_fn() if scale_fn is not None else None
+        return partial_stats(x, fmt, scale, plan.margin)
+    if x.dim() < 1 or x.shape[-1] == 0:
+        return partial_stats(x, fmt, None, plan.margin)
+    return block_partial_stats(x, _block_recipe(scaling, tensor), fmt)
+
+
+def is_linear_like(module: nn.Module) -> bool:
+    """nn.Linear and subclasses (emulated FP8 linear, torchao Float8Linear) and TE Linear layers."""
+    if isinstance(module, nn.Linear):
+        return True
+    cls = type(module)
+    return cls.__module__.startswith("transformer_engine") and cls.__name__ in ("Linear", "LayerNormLinear")
+
+
+LayerFilter = Callable[[nn.Module, str], bool]
+
+
+def select_layers(
+    model: nn.Module,
+    layers: str | Sequence[str] | LayerFilter | None = None,
+) -> list[tuple[str, nn.Module]]:
+    """The linear-like layers to monitor, in registration order.
+
+    Args:
+        layers: ``None`` (every linear-like layer), a regex string prefixed ``re:`` (searched in
+            the qualified name), a list of exact qualified names (and/or ``re:`` patterns), or a
+            ``(module, fqn) -> bool`` filter.
+
+    Raises:
+        ConfigError: when nothing is linear-like, or a name/pattern matches no linear-like layer
+            (the message lists candidates).
+    """
+    candidates = [(fqn, m) for fqn, m in model.named_modules() if is_linear_like(m)]
+    if not candidates:
+        raise ConfigError(f"{type(model).__name__} has no linear layer to monitor (nn.Linear, FP8 linear or TE Linear)")
+    names = [fqn for fqn, _ in candidates]
+    if layers is None:
+        return candidates
+    if callable(layers):
+        chosen = [(fqn, m) for fqn, m in candidates if layers(m, fqn)]
+        if not chosen:
+            raise ConfigError(f"the layer filter matched none of the linear layers: {_preview(names)}")
+        return chosen
+    specs = [layers] if isinstance(layers, str) else list(layers)
+    picked: set[str] = set()
+    for spec in specs:
+        if not isinstance(spec, str):
+            raise ConfigError(f"layer selectors must be strings or a callable, got {spec!r}")
+        if spec.startswith("re:"):
+            try:
+                pattern = re.compile(spec[3:])
+            except re.error as e:
+                raise ConfigError(f"bad layer regex {spec!r}: {e}") from None
+            hits = {n for n in names if pattern.search(n)}
+        else:
+            hits = {spec} if spec in names else set()
+        if not hits:
+            raise ConfigError(f"layer selector {spec!r} matches no linear layer; candidates: {_preview(names)}")
+        picked |= hits
+    return [(fqn, m) for fqn, m in candidates if fqn in picked]
+
+
+def _preview(names: Sequence[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def validate_tensors(tensors: Iterable[str]) -> tuple[str, ...]:
+    tensors = tuple(tensors)
+    if not tensors:
+        raise ConfigError(f"tensors must name at least one of {TENSOR_KINDS}")
+    for t in tensors:
+        if t not in TENSOR_KINDS:
+            raise invalid_choice("tensor kind", t, TENSOR_KINDS)
+    return tensors
+
+
+def validate_whatif(whatif: Iterable[str]) -> tuple[str, ...]:
+    whatif = tuple(whatif)
+    for v in whatif:
+        if v not in WHATIF_VARIANTS:
+            raise invalid_choice("what-if variant", v, WHATIF_VARIANTS)
+    return whatif
+
+
+def shadow_plan(fqn: str, fmt_pair: str = "hybrid") -> LayerPlan:
+    """Plan for a BF16 layer: current scaling in ``fmt_pair`` (what FP8 would do to it)."""
+    pair = get_format_pair(fmt_pair)
+    formats = {t: pair.for_tensor(t).name for t in TENSOR_KINDS}
+    return LayerPlan(fqn=fqn, fp8=False, formats=formats)
+
+
+class LayerCapture:
+    """Hooks and per-step accumulators of one layer.
+
+    ``partials[(tensor, variant)]`` is the merged partial of the current sampled step (or absent).
+    """
+
+    def __init__(self, module: nn.Module, plan: LayerPlan, tensors: Sequence[str], whatif: Sequence[str]) -> None:
+        self.module = module
+        self.plan = plan
+        self.tensors = tuple(tensors)
+        self.whatif = tuple(v for v in whatif if not (v == "current" and plan.scaling == "per_tensor" and not plan.fp8))
+        self.active = False
+        self._weight_done = False
+        self.partials: dict[tuple[str, str], torch.Tensor] = {}
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def keys(self) -> list[tuple[str, str]]:
+        """Every (tensor, variant) this layer reports, in a fixed order (same on every rank)."""
+        variants = [self.plan.variant, *self.whatif]
+        return [(t, v) for t in self.tensors for v in variants]
+
+    def attach(self) -> None:
+        if not self._handles:
+            self._handles.append(self.module.register_forward_hook(self._forward_hook))
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def begin_step(self, sampled: bool) -> None:
+        self.active = sampled
+        self._weight_done = False
+
+    def take(self, device: torch.device) -> list[torch.Tensor]:
+        """The step's partials in :meth:`keys` order (empty partials where nothing was seen); resets."""
+        out = [self.partials.get(k, empty_partial(device)).to(device) for k in self.keys()]
+        self.partials.clear()
+        return out
+
+    def _add(self, tensor: str, x: torch.Tensor) -> None:
+        x = x.detach()
+        observations = [(self.plan.variant, None), *((v, v) for v in self.whatif)]
+        for variant, scaling in observations:
+            p = tensor_partial(x, self.plan, tensor, scaling)
+            key = (tensor, variant)
+            prev = self.partials.get(key)
+            self.partials[key] = p if prev is None else merge_partials([prev, p])
+
+    @torch.no_grad()
+    def _forward_hook(self, module: nn.Module, args: tuple, output: object) -> None:
+        if not self.active:
+            return
+        if "activation" in self.tensors and args and isinstance(args[0], torch.Tensor):
+            self._add("activation", args[0])
+        if "weight" in self.tensors and not self._weight_done:
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.Tensor):
+                self._add("weight", weight)
+                self._weight_done = True
+        if "gradient" in self.tensors and isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(self._gradient_hook)
+
+    @torch.no_grad()
+    def _gradient_hook(self, grad: torch.Tensor) -> None:
+        self._add("gradient", grad)

@@ -1,0 +1,176 @@
+"""``FP8Monitor``: the Lightning callback, a thin adapter over :class:`fp8track.monitor.Monitor`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+
+from fp8track.capture import LayerFilter, validate_tensors, validate_whatif
+from fp8track.errors import ConfigError
+from fp8track.formats import TENSOR_KINDS
+from fp8track.monitor import DEFAULT_SCALAR_STATS, Monitor, MonitorConfig
+from fp8track.records import RunMeta
+
+
+class FP8Monitor(Callback):
+    """Log FP8 tensor diagnostics of every linear layer to the run directory and the trainer's trackers.
+
+    Add it to a Trainer: ``Trainer(callbacks=[FP8Monitor(every_n_steps=10)], logger=[WandbLogger(...)])``.
+    FP8 layers (emulated, torchao, Transformer Engine) are judged with the scale their recipe used;
+    on a model without FP8 layers (the BF16 control) the linear layers are judged in shadow mode:
+    what current-scaling FP8 would do to their tensors.
+
+    Args:
+        every_n_steps: sample every N-th optimizer step (N >= 1).
+        layers: ``None`` (all linear layers), ``"re:<regex>"``, a list of names, or a
+            ``(module, fqn) -> bool`` filter.
+        tensors: subset of ``("activation", "weight", "gradient")``.
+        log_dir: parent of the local run directory (default ``<trainer.default_root_dir>/fp8track``).
+        trackers: ``"auto"`` (W&B and MLflow loggers found in ``trainer.loggers``), ``"none"``, or a
+            list of tracker names / objects.
+        steps: extra steps to sample.
+        scalar_stats: statistics logged as per-layer scalars.
+        whatif: other recipes evaluated on the same tensors (``"current"``, ``"mxfp8"``, ``"block"``).
+        per_layer_scalars: False keeps per-layer detail in tables only.
+        run_name: name stored in the run metadata.
+
+    Raises:
+        ConfigError: at construction for bad values; in ``setup`` when a layer selector matches
+            nothing or the model has no linear layer (before the first step).
+
+    Logged metrics: see :class:`fp8track.monitor.Monitor` (``loss``, ``fp8/<layer>/<tensor>/<stat>``,
+    ``fp8/worst/<stat>``, ``fp8/grad_norm``), and the ``fp8_tensor_stats`` table.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 10,
+        layers: str | Sequence[str] | LayerFilter | None = None,
+        tensors: Sequence[str] = TENSOR_KINDS,
+        log_dir: str | Path | None = None,
+        trackers: str | Sequence[Any] = "auto",
+        *,
+        steps: Sequence[int] = (),
+        scalar_stats: Sequence[str] = DEFAULT_SCALAR_STATS,
+        whatif: Sequence[str] = (),
+        per_layer_scalars: bool = True,
+        run_name: str = "fp8track",
+    ) -> None:
+        self.config = MonitorConfig(
+            every_n_steps=every_n_steps,
+            steps=tuple(steps),
+            tensors=validate_tensors(tensors),
+            scalar_stats=tuple(scalar_stats),
+            whatif=validate_whatif(whatif),
+            per_layer_scalars=per_layer_scalars,
+        )
+        if layers is not None and not (callable(layers) or isinstance(layers, (str, list, tuple))):
+            raise ConfigError(f"layers must be None, a string, a list of strings or a callable, got {layers!r}")
+        if isinstance(trackers, str) and trackers not in ("auto", "none"):
+            raise ConfigError(f"trackers must be 'auto', 'none' or a list, got {trackers!r}")
+        self.layers = layers
+        self.log_dir = log_dir
+        self.trackers = trackers
+        self.run_name = run_name
+        self.monitor: Monitor | None = None
+        self._restored: Mapping[str, Any] | None = None
+        self._step_at_batch_start = 0
+        self._loss_sum: Any = None
+        self._micro_batches = 0
+        self._grad_norm: Any = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_steps=self.config.every_n_steps, tensors=self.config.tensors)
+
+    # -- setup: validate against the model before any step -----------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or self.monitor is not None:
+            return
+        self.monitor = self._build_monitor(trainer, pl_module)
+
+    def _build_monitor(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Monitor:
+        log_dir = Path(self.log_dir) if self.log_dir is not None else Path(trainer.default_root_dir) / "fp8track"
+        trackers: list[Any] = []
+        if trainer.is_global_zero and self.trackers != "none":
+            from fp8track.trackers import make_trackers
+
+            trackers = make_trackers(self.trackers, trainer.loggers)
+        meta = RunMeta(name=self.run_name, config={"monitor": _config_dict(self.config)})
+        return Monitor(
+            pl_module,
+            self.config,
+            layers=self.layers,
+            log_dir=log_dir,
+            trackers=trackers,
+            meta=meta,
+            is_writer=trainer.is_global_zero,
+        )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Attach here, not in setup: precision plugins (Transformer Engine) swap layers after setup.
+        if self.monitor is None:
+            return
+        if self._restored is not None:
+            self.monitor.load_state_dict(self._restored)
+        self.monitor.attach()
+        self.monitor.begin_step(trainer.global_step)
+
+    # -- per step -----------------------------------------------------------------------------------
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.monitor is None:
+            return
+        if self._micro_batches == 0:  # first micro-batch of an optimizer step
+            self.monitor.begin_step(trainer.global_step)
+        self._step_at_batch_start = trainer.global_step
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        # Gradients are final (accumulated, AMP-unscaled) here and not yet clipped.
+        if self.monitor is not None and self.monitor.config.track_grad_norm:
+            from fp8track.monitor import total_grad_norm
+
+            self._grad_norm = total_grad_norm(pl_module)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.monitor is None:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if loss is not None:
+            # Lightning divides the loss by accumulate_grad_batches; undo it.
+            loss = loss.detach() * trainer.accumulate_grad_batches
+            self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+            self._micro_batches += 1
+        if trainer.global_step > self._step_at_batch_start:  # an optimizer step completed
+            mean_loss = self._loss_sum / self._micro_batches if self._micro_batches else None
+            self.monitor.end_step(mean_loss, self._grad_norm)
+            self._loss_sum, self._micro_batches, self._grad_norm = None, 0, None
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
+
+    # -- checkpointing ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return self.monitor.state_dict() if self.monitor is not None else dict(self._restored or {})
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Lightning restores callbacks after setup and before on_fit_start: keep it for attach time.
+        self._restored = dict(state_dict)
+        if self.monitor is not None:
+            self.monitor.load_state_dict(state_dict)
+
+
+def _config_dict(config: MonitorConfig) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return asdict(config)

@@ -1,0 +1,424 @@
+"""Framework-agnostic FP8 monitor: capture -> statistics -> rank reduction -> records -> trackers.
+
+Plain PyTorch::
+
+    monitor = Monitor(model, MonitorConfig(every_n_steps=10), log_dir="runs")
+    for batch in loader:
+        loss = model(batch).loss
+        loss.backward(); opt.step(); opt.zero_grad()
+        monitor.step(loss=loss)            # one call per optimizer step
+    monitor.close()
+
+Per sampled step the hooks accumulate device-side partials; :meth:`Monitor.step` then does one
+reduction across ranks (one SUM and one MAX collective for all layers, losses included), one
+host copy, and on rank 0 alone writes the run directory and forwards the batch to trackers.
+Losses of unsampled steps stay on the device until the next sampled step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from fp8track.capture import (
+    LayerCapture,
+    LayerFilter,
+    LayerPlan,
+    select_layers,
+    shadow_plan,
+    validate_tensors,
+    validate_whatif,
+)
+from fp8track.errors import ConfigError, invalid_choice
+from fp8track.formats import TENSOR_KINDS, get_format_pair
+from fp8track.naming import metric_name, run_metric, worst_metric
+from fp8track.records import EventRecord, MetricsRecord, RunMeta, RunWriter, TensorStatsRow
+from fp8track.stats import NUM_SUM, PARTIAL_SIZE, STAT_NAMES, finalize
+
+DEFAULT_SCALAR_STATS = (
+    "underflow_pct",
+    "overflow_pct",
+    "mse",
+    "cos",
+    "sqnr_db",
+    "amax",
+    "scale",
+    "scale_drift_log2",
+    "nonfinite_pct",
+)
+# Worst over layers: these are worse when larger...
+WORST_MAX = ("underflow_pct", "overflow_pct", "mse", "nonfinite_pct")
+# ...and these when smaller.
+WORST_MIN = ("cos", "sqnr_db")
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """What to capture and how often. Validated at construction.
+
+    Attributes:
+        every_n_steps: sample every N-th optimizer step (step % N == 0), N >= 1.
+        steps: extra steps to sample, whatever N says.
+        tensors: subset of ``("activation", "weight", "gradient")``.
+        scalar_stats: statistics logged as per-layer scalars (all go to the tensor-stats table).
+        whatif: extra recipes to evaluate on the same tensors (``"current"``, ``"mxfp8"``,
+            ``"block"``), table only.
+        per_layer_scalars: False logs per-layer detail to tables only (bounded metric count).
+        shadow_format: format pair used to judge BF16 layers (``"hybrid"`` or ``"e4m3"``).
+        track_grad_norm: compute the total gradient norm each step (for spike attribution).
+    """
+
+    every_n_steps: int = 10
+    steps: tuple[int, ...] = ()
+    tensors: tuple[str, ...] = TENSOR_KINDS
+    scalar_stats: tuple[str, ...] = DEFAULT_SCALAR_STATS
+    whatif: tuple[str, ...] = ()
+    per_layer_scalars: bool = True
+    shadow_format: str = "hybrid"
+    track_grad_norm: bool = True
+
+    def __post_init__(self) -> None:
+        n = self.every_n_steps
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(f"every_n_steps must be an integer >= 1, got {n!r}")
+        for s in self.steps:
+            if not isinstance(s, int) or s < 0:
+                raise ConfigError(f"steps must be non-negative integers, got {s!r}")
+        object.__setattr__(self, "steps", tuple(self.steps))
+        object.__setattr__(self, "tensors", validate_tensors(self.tensors))
+        object.__setattr__(self, "whatif", validate_whatif(self.whatif))
+        stats = tuple(self.scalar_stats)
+        for s in stats:
+            if s not in STAT_NAMES:
+                raise invalid_choice("statistic", s, STAT_NAMES)
+        object.__setattr__(self, "scalar_stats", stats)
+        get_format_pair(self.shadow_format)
+
+    def samples(self, step: int) -> bool:
+        return step % self.every_n_steps == 0 or step in self.steps
+
+
+class StepAnalyzer(Protocol):
+    """Analysis run on rank 0 at each flush (spikes, drift, baseline gap...)."""
+
+    def observe(
+        self, losses: Sequence[tuple[int, float, float | None]], rows: Sequence[TensorStatsRow]
+    ) -> tuple[dict[str, float], list[EventRecord]]: ...
+
+    def close(self, last_step: int) -> list[EventRecord]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+def _dist_world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _dist_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+@dataclass
+class _PendingStep:
+    step: int
+    loss: torch.Tensor | None
+    grad_norm: torch.Tensor | None
+
+
+class Monitor:
+    """Watches a model's linear layers and writes FP8 diagnostics (see module docstring).
+
+    Args:
+        model: the model (hooks go on its linear-like layers).
+        config: :class:`MonitorConfig`.
+        layers: which layers (see :func:`fp8track.capture.select_layers`).
+        plans: per-layer :class:`LayerPlan` overrides keyed by fqn (FP8 layers from a backend);
+            layers without a plan are judged in shadow mode (current scaling).
+        log_dir: parent of the run directory (rank 0 writes ``<log_dir>/<run_id>``).
+        trackers: tracker objects (``fp8track.trackers``) fed after the records are written.
+        meta: run metadata written to ``meta.json``.
+        analyzers: rank-0 analysis components (spikes, drift, baseline).
+        is_writer: whether this process writes (default: global rank 0).
+
+    Logged metrics (per sampled step):
+        ``loss``; ``fp8/<layer>/<tensor>/<stat>`` for each stat in ``config.scalar_stats``
+        (units: ``_pct`` in percent of the finite elements, ``mse`` in squared tensor units,
+        ``sqnr_db`` in dB, ``*_log2`` in binades); ``fp8/worst/<stat>`` (max over layers of
+        underflow/overflow/mse/nonfinite, min of cos/sqnr_db, max |scale_drift_log2| as
+        ``fp8/worst/abs_scale_drift_log2``); plus what analyzers add (``fp8/spikes/count``, ...).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: MonitorConfig | None = None,
+        *,
+        layers: str | Sequence[str] | LayerFilter | None = None,
+        plans: Mapping[str, LayerPlan] | None = None,
+        log_dir: str | Path | None = "fp8track-runs",
+        trackers: Sequence[Any] = (),
+        meta: RunMeta | None = None,
+        analyzers: Sequence[StepAnalyzer] = (),
+        is_writer: bool | None = None,
+    ) -> None:
+        self.model = model
+        self.config = config or MonitorConfig()
+        plans = dict(plans or {})
+        chosen = select_layers(model, layers)
+        self.captures: dict[str, LayerCapture] = {}
+        for fqn, module in chosen:
+            plan = plans.get(fqn) or shadow_plan(fqn, self.config.shadow_format)
+            self.captures[fqn] = LayerCapture(module, plan, self.config.tensors, self.config.whatif)
+        self.analyzers = list(analyzers)
+        self.is_writer = (_dist_rank() == 0) if is_writer is None else is_writer
+        self.meta = meta or RunMeta()
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self._tracker_objs = list(trackers)
+        self._writer: RunWriter | None = None
+        self._fanout: Any = None
+        self.global_step = 0
+        self._sampled = False
+        self._pending: list[_PendingStep] = []
+        self._closed = False
+        self._attached = False
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    @property
+    def run_dir(self) -> Path | None:
+        return self._writer.run_dir if self._writer else None
+
+    def attach(self) -> Monitor:
+        """Register hooks and (on the writer) open the run directory and trackers. Idempotent."""
+        if self._attached:
+            return self
+        for cap in self.captures.values():
+            cap.attach()
+        if self.is_writer and self.log_dir is not None and self._writer is None:
+            self._writer = RunWriter.create(self.log_dir, self.meta)
+            if self._tracker_objs:
+                from fp8track.trackers import TrackerFanout
+
+                self._fanout = TrackerFanout(self._tracker_objs, self._writer.run_dir)
+                self._fanout.start(self.meta)
+        self._attached = True
+        self.begin_step(self.global_step)
+        return self
+
+    def begin_step(self, step: int) -> None:
+        """Mark the start of optimizer step ``step`` (before its first forward)."""
+        self.global_step = step
+        self._sampled = self.config.samples(step)
+        for cap in self.captures.values():
+            cap.begin_step(self._sampled)
+
+    def step(self, loss: torch.Tensor | float | None = None, grad_norm: torch.Tensor | float | None = None) -> None:
+        """End the current optimizer step (plain-loop API): record, maybe flush, advance."""
+        self.end_step(loss, grad_norm)
+        self.begin_step(self.global_step + 1)
+
+    def end_step(self, loss: torch.Tensor | float | None = None, grad_norm: torch.Tensor | float | None = None) -> None:
+        """Record the step's loss (un-normalised, mean over micro-batches) and flush if sampled."""
+        if not self._attached:
+            self.attach()
+        if self.config.track_grad_norm and grad_norm is None:
+            grad_norm = total_grad_norm(self.model)
+        self._pending.append(_PendingStep(self.global_step, _detached(loss), _detached(grad_norm)))
+        if self._sampled:
+            self.flush()
+
+    def close(self) -> None:
+        """Flush what is pending, close analyzers, trackers and the run directory."""
+        if self._closed:
+            return
+        if self._pending:
+            self.flush(with_stats=False)
+        for cap in self.captures.values():
+            cap.detach()
+        if self.is_writer:
+            events: list[EventRecord] = []
+            for a in self.analyzers:
+                events.extend(a.close(self.global_step))
+            events.append(EventRecord("run_end", self.global_step, {}))
+            self._emit(self.global_step, {}, [], events, write_metrics=False)
+            if self._fanout is not None:
+                self._fanout.finish()
+            if self._writer is not None:
+                self._writer.close()
+        self._closed = True
+
+    # -- the flush: reduce, finalize, write --------------------------------------------------------
+    def _device(self) -> torch.device:
+        for p in self.model.parameters():
+            return p.device
+        return torch.device("cpu")
+
+    def flush(self, with_stats: bool = True) -> None:
+        """Reduce pending partials and losses across ranks, then write on the writer rank."""
+        device = self._device()
+        keys: list[tuple[str, str, str]] = []
+        parts: list[torch.Tensor] = []
+        if with_stats:
+            for fqn, cap in self.captures.items():
+                keys.extend((fqn, t, v) for t, v in cap.keys())
+                parts.extend(cap.take(device))
+        pending, self._pending = self._pending, []
+        losses = _stack_or_nan([p.loss for p in pending], device)
+        gnorms = _stack_or_nan([p.grad_norm for p in pending], device)
+        stacked = torch.stack(parts) if parts else torch.zeros((0, PARTIAL_SIZE), dtype=torch.float64, device=device)
+        world = _dist_world()
+        if world > 1:
+            import torch.distributed as dist
+
+            from fp8track.stats import all_reduce_partials
+
+            if len(parts):
+                stacked = all_reduce_partials(stacked)
+            # Mean loss over ranks: every rank takes part in the same SUM collective.
+            scalars = torch.cat([losses, gnorms]).to(torch.float64)
+            dist.all_reduce(scalars, op=dist.ReduceOp.SUM)
+            scalars = scalars / world
+            losses, gnorms = scalars[: len(pending)], scalars[len(pending) :]
+        if not self.is_writer:
+            return
+        # The one host copy of this logging step.
+        host = torch.cat([stacked.reshape(-1), losses.to(torch.float64), gnorms.to(torch.float64)]).cpu().tolist()
+        n = len(keys) * PARTIAL_SIZE
+        rows = self._rows(keys, host[:n])
+        loss_vals = host[n : n + len(pending)]
+        gnorm_vals = host[n + len(pending) :]
+        series = [
+            (p.step, loss_vals[i], None if math.isnan(gnorm_vals[i]) else gnorm_vals[i]) for i, p in enumerate(pending)
+        ]
+        for step, loss, gnorm in series[:-1]:
+            if not math.isnan(loss) and self._writer is not None:
+                self._writer.write_metrics(MetricsRecord(step, _loss_metrics(loss, gnorm)))
+        last_step = series[-1][0] if series else self.global_step
+        metrics: dict[str, float] = {}
+        if series and not math.isnan(series[-1][1]):
+            metrics.update(_loss_metrics(series[-1][1], series[-1][2]))
+        metrics.update(self._scalars(rows))
+        events: list[EventRecord] = []
+        for a in self.analyzers:
+            m, ev = a.observe(series, rows)
+            metrics.update(m)
+            events.extend(ev)
+        self._emit(last_step, metrics, rows, events)
+
+    def _rows(self, keys: Sequence[tuple[str, str, str]], flat: Sequence[float]) -> list[TensorStatsRow]:
+        rows = []
+        for i, (fqn, tensor, variant) in enumerate(keys):
+            part = flat[i * PARTIAL_SIZE : (i + 1) * PARTIAL_SIZE]
+            if part[0] == 0 and part[NUM_SUM] == -math.inf:
+                continue  # nothing observed (e.g. a layer unused this step)
+            plan = self.captures[fqn].plan
+            stats = finalize(part, plan.formats[tensor], plan.margin)
+            rows.append(TensorStatsRow(self.global_step, fqn, tensor, stats, variant))
+        return rows
+
+    def _scalars(self, rows: Sequence[TensorStatsRow]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        main = [r for r in rows if r.variant in ("actual", "shadow")]
+        if self.config.per_layer_scalars:
+            for r in main:
+                for s in self.config.scalar_stats:
+                    out[metric_name(r.layer, r.tensor, s)] = r.stats[s]
+        if main:
+            for s in WORST_MAX:
+                out[worst_metric(s)] = max(r.stats[s] for r in main)
+            for s in WORST_MIN:
+                out[worst_metric(s)] = min(r.stats[s] for r in main)
+            out[worst_metric("abs_scale_drift_log2")] = max(abs(r.stats["scale_drift_log2"]) for r in main)
+        return out
+
+    def _emit(
+        self,
+        step: int,
+        metrics: dict[str, float],
+        rows: Sequence[TensorStatsRow],
+        events: Sequence[EventRecord],
+        write_metrics: bool = True,
+    ) -> None:
+        if self._writer is not None:
+            if write_metrics and metrics:
+                self._writer.write_metrics(MetricsRecord(step, metrics))
+            self._writer.write_tensor_stats(rows)
+            self._writer.write_events(events)
+        if self._fanout is not None:
+            from fp8track.trackers import StepBatch
+
+            self._fanout.log(StepBatch(step, metrics, tuple(rows), tuple(events)))
+
+    # -- checkpointing -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data: step counter, losses not yet flushed, analyzer states."""
+        pending = [(p.step, _to_float(p.loss), _to_float(p.grad_norm)) for p in self._pending]
+        return {
+            "global_step": self.global_step,
+            "pending": pending,
+            "run_id": self.meta.run_id,
+            "analyzers": [a.state_dict() for a in self.analyzers],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from :meth:`state_dict`; missing keys keep their current value."""
+        self.global_step = int(state.get("global_step", self.global_step))
+        if "pending" in state:
+            self._pending = [
+                _PendingStep(s, _tensor_or_none(loss), _tensor_or_none(g)) for s, loss, g in state["pending"]
+            ]
+        for a, s in zip(self.analyzers, state.get("analyzers", []), strict=False):
+            a.load_state_dict(s)
+
+
+def _loss_metrics(loss: float, grad_norm: float | None) -> dict[str, float]:
+    out = {"loss": loss}
+    if grad_norm is not None:
+        out[run_metric("grad_norm")] = grad_norm
+    return out
+
+
+def _detached(v: torch.Tensor | float | None) -> torch.Tensor | None:
+    if v is None:
+        return None
+    if isinstance(v, torch.Tensor):
+        return v.detach().reshape(()).to(torch.float32)
+    return torch.tensor(float(v), dtype=torch.float32)
+
+
+def _to_float(v: torch.Tensor | None) -> float | None:
+    return None if v is None else float(v)
+
+
+def _tensor_or_none(v: float | None) -> torch.Tensor | None:
+    return None if v is None else torch.tensor(v, dtype=torch.float32)
+
+
+def _stack_or_nan(values: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+    if not values:
+        return torch.zeros(0, dtype=torch.float32, device=device)
+    nan = torch.tensor(math.nan, dtype=torch.float32, device=device)
+    return torch.stack([nan if v is None else v.to(device) for v in values])
+
+
+def total_grad_norm(model: nn.Module) -> torch.Tensor | None:
+    """L2 norm of all parameter gradients as a device tensor (no host sync); None without grads."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return None
+    norms = torch._foreach_norm(grads)
+    return torch.linalg.vector_norm(torch.stack([n.to(torch.float32) for n in norms]))
+
+
+__all__ = ["Monitor", "MonitorConfig", "StepAnalyzer", "DEFAULT_SCALAR_STATS"]

@@ -1,0 +1,47 @@
+"""DDP with 2 CPU processes (gloo): one run directory, statistics reduced over both ranks' data."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8track.records import RunReader
+from fp8track.stats import finalize, merge_partials, partial_stats
+
+SCRIPT = Path(__file__).parent / "scripts" / "ddp_monitor.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import ddp_monitor  # noqa: E402
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_reduce_to_single_process_statistics(tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dirs = [p.parent for p in tmp_path.rglob("meta.json")]
+    assert len(run_dirs) == 1, f"expected one run directory (rank 0 only), got {run_dirs}"
+    reader = RunReader(run_dirs[0])
+    rows = {(r.step, r.layer, r.tensor): r.stats for r in reader.tensor_stats()}
+    assert {s for s, _, _ in rows} == {0, 3}
+
+    # Step 0: the first layer's input is the raw batch each rank saw (saved by the script). The
+    # logged statistic must equal one computed over both ranks' rows together.
+    rank_batches = [torch.load(tmp_path / f"rank{r}_step0_input.pt") for r in range(2)]
+    assert not torch.equal(rank_batches[0], rank_batches[1])
+    expected = finalize(merge_partials([partial_stats(b, "e4m3") for b in rank_batches]), "e4m3")
+    got = rows[(0, "net.0", "activation")]
+    assert got["numel"] == 2 * ddp_monitor.BATCH * ddp_monitor.D_IN
+    for k in ("amax", "amin", "underflow_pct", "mse", "cos", "sqnr_db", "scale"):
+        assert got[k] == pytest.approx(expected[k], rel=1e-9, abs=1e-12), k
+    # The same union as one tensor: scales differ per rank (current scaling), so it is not equal
+    # in general, but amax/amin/numel are order-free and must agree exactly.
+    whole = torch.cat(rank_batches)
+    assert got["amax"] == pytest.approx(whole.abs().max().item())
+    assert got["amin"] == pytest.approx(whole.abs()[whole != 0].min().item())
+    # The loss series is the mean over ranks and covers every step.
+    assert sorted(reader.series("loss")) == list(range(6))
