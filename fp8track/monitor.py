@@ -5,8 +5,9 @@ Plain PyTorch::
     monitor = Monitor(model, MonitorConfig(every_n_steps=10), log_dir="runs")
     for batch in loader:
         loss = model(batch).loss
-        loss.backward(); opt.step(); opt.zero_grad()
-        monitor.step(loss=loss)            # one call per optimizer step
+        loss.backward(); opt.step()
+        monitor.step(loss=loss)            # once per optimizer step, before zero_grad
+        opt.zero_grad()
     monitor.close()
 
 Per sampled step the hooks accumulate device-side partials; :meth:`Monitor.step` then does one
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -374,6 +375,10 @@ class Monitor:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from :meth:`state_dict`; missing keys keep their current value."""
         self.global_step = int(state.get("global_step", self.global_step))
+        if "run_id" in state and self._writer is None:
+            # A resumed run appends to the run directory it started (readers keep the last value
+            # of a step written twice: steps replayed after the checkpoint).
+            self.meta = replace(self.meta, run_id=str(state["run_id"]))
         if "pending" in state:
             self._pending = [
                 _PendingStep(s, _tensor_or_none(loss), _tensor_or_none(g)) for s, loss, g in state["pending"]

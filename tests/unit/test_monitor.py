@@ -1,0 +1,103 @@
+"""Monitor core on a plain PyTorch loop: sampling, micro-batch merging, names, validation."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from fp8track.errors import ConfigError
+from fp8track.monitor import Monitor, MonitorConfig
+from fp8track.records import RunReader
+from fp8track.stats import finalize, merge_partials, partial_stats, quant_stats
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"every_n_steps": 0}, "every_n_steps must be an integer >= 1, got 0"),
+        ({"every_n_steps": 2.5}, "every_n_steps"),
+        ({"tensors": ("activation", "grads")}, "'grads'.*'activation', 'weight', 'gradient'"),
+        ({"scalar_stats": ("mse", "snr")}, "'snr'.*'amax'"),
+        ({"whatif": ("nvfp4",)}, "'nvfp4'.*'current', 'mxfp8', 'block'"),
+        ({"shadow_format": "e5m2"}, "'e5m2'.*'hybrid'"),
+    ],
+)
+def test_config_errors_name_value_and_choices(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        MonitorConfig(**kwargs)
+
+
+def test_layer_selection_errors_list_candidates(tmp_path):
+    with pytest.raises(ConfigError, match=r"'re:attn' matches no linear layer; candidates: 0, 2"):
+        Monitor(_mlp(), layers="re:attn", log_dir=tmp_path)
+    with pytest.raises(ConfigError, match="no linear layer to monitor"):
+        Monitor(nn.Sequential(nn.ReLU()), log_dir=tmp_path)
+    assert list(Monitor(_mlp(), layers=["2"], log_dir=tmp_path).captures) == ["2"]
+
+
+def test_sampling_and_records(tmp_path):
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = Monitor(model, MonitorConfig(every_n_steps=4, steps=(5,)), log_dir=tmp_path).attach()
+    inputs = {}
+    for step in range(9):
+        x = torch.randn(8, 16)
+        inputs[step] = x
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        mon.step(loss=loss)  # before zero_grad, so the gradient norm is measured
+        opt.zero_grad()
+    mon.close()
+    reader = RunReader(mon.run_dir)
+    rows = list(reader.tensor_stats())
+    assert sorted({r.step for r in rows}) == [0, 4, 5, 8]
+    assert {r.variant for r in rows} == {"shadow"}  # plain nn.Linear: what FP8 would do
+    assert len(reader.series("loss")) == 9
+    # the first layer's activation is the raw input: its statistics are exactly quant_stats(x)
+    row = next(r for r in rows if r.step == 4 and r.layer == "0" and r.tensor == "activation")
+    assert row.stats == pytest.approx(quant_stats(inputs[4], "e4m3"))
+    grad_row = next(r for r in rows if r.step == 4 and r.layer == "2" and r.tensor == "gradient")
+    assert grad_row.stats["current_scale"] == pytest.approx(57344 / grad_row.stats["amax"])  # hybrid: e5m2
+    metrics = {r.step: r.metrics for r in reader.metrics() if "fp8/worst/mse" in r.metrics}
+    assert metrics[4]["fp8/0/activation/mse"] == pytest.approx(row.stats["mse"])
+    assert metrics[4]["fp8/worst/mse"] == max(r.stats["mse"] for r in rows if r.step == 4)
+    assert metrics[4]["fp8/worst/cos"] == min(r.stats["cos"] for r in rows if r.step == 4)
+    assert math.isfinite(metrics[4]["fp8/grad_norm"])
+
+
+def test_micro_batches_merge_exactly(tmp_path):
+    model = _mlp()
+    mon = Monitor(model, MonitorConfig(every_n_steps=1, tensors=("activation",)), log_dir=tmp_path).attach()
+    xs = [torch.randn(4, 16) * s for s in (1.0, 100.0, 1e-3)]
+    total = 0.0
+    for x in xs:  # three micro-batches of one optimizer step
+        loss = model(x).sum()
+        loss.backward()
+        total += loss.item()
+    mon.step(loss=total / 3)
+    mon.close()
+    row = next(r for r in RunReader(mon.run_dir).tensor_stats() if r.layer == "0")
+    expected = finalize(merge_partials([partial_stats(x, "e4m3") for x in xs]), "e4m3")
+    assert row.stats == pytest.approx(expected)
+    assert row.stats["numel"] == 3 * 4 * 16
+    # each micro-batch has its own current scale; the reported scale is the smallest one
+    assert row.stats["scale"] == pytest.approx(448 / xs[1].abs().max().item(), rel=1e-6)
+
+
+def test_state_round_trip_keeps_pending_losses(tmp_path):
+    model = _mlp()
+    mon = Monitor(model, MonitorConfig(every_n_steps=10), log_dir=tmp_path).attach()
+    for v in (1.0, 2.0, 3.0):
+        mon.step(loss=torch.tensor(v))
+    state = mon.state_dict()
+    assert state["global_step"] == 3 and [p[1] for p in state["pending"]] == [2.0, 3.0]
+    other = Monitor(model, MonitorConfig(every_n_steps=10), log_dir=tmp_path)
+    other.load_state_dict(state)
+    assert other.state_dict() == state
