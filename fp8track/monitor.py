@@ -227,10 +227,11 @@ class Monitor:
     def step(self, loss: torch.Tensor | float | None = None, grad_norm: torch.Tensor | float | None = None) -> None:
         """End the current optimizer step (plain-loop API): record, maybe flush, advance."""
         self.end_step(loss, grad_norm)
-        self.begin_step(self.global_step + 1)
+        self.begin_step(self.global_step)
 
     def end_step(self, loss: torch.Tensor | float | None = None, grad_norm: torch.Tensor | float | None = None) -> None:
-        """Record the step's loss (un-normalised, mean over micro-batches) and flush if sampled."""
+        """Record the step's loss (un-normalised, mean over micro-batches), flush if sampled, and
+        advance the step counter (``global_step`` then names the next step, as Lightning's does)."""
         if not self._attached:
             self.attach()
         if self.config.track_grad_norm and grad_norm is None:
@@ -238,6 +239,7 @@ class Monitor:
         self._pending.append(_PendingStep(self.global_step, _detached(loss), _detached(grad_norm)))
         if self._sampled:
             self.flush()
+        self.global_step += 1
 
     def close(self) -> None:
         """Flush what is pending, close analyzers, trackers and the run directory."""
@@ -249,10 +251,11 @@ class Monitor:
             cap.detach()
         if self.is_writer:
             events: list[EventRecord] = []
+            last = max(self.global_step - 1, 0)
             for a in self.analyzers:
-                events.extend(a.close(self.global_step))
-            events.append(EventRecord("run_end", self.global_step, {}))
-            self._emit(self.global_step, {}, [], events, write_metrics=False)
+                events.extend(a.close(last))
+            events.append(EventRecord("run_end", last, {}))
+            self._emit(last, {}, [], events, write_metrics=False)
             if self._fanout is not None:
                 self._fanout.finish()
             if self._writer is not None:
@@ -296,16 +299,16 @@ class Monitor:
         # The one host copy of this logging step.
         host = torch.cat([stacked.reshape(-1), losses.to(torch.float64), gnorms.to(torch.float64)]).cpu().tolist()
         n = len(keys) * PARTIAL_SIZE
-        rows = self._rows(keys, host[:n])
+        step = pending[-1].step if pending else self.global_step
+        rows = self._rows(step, keys, host[:n])
         loss_vals = host[n : n + len(pending)]
         gnorm_vals = host[n + len(pending) :]
         series = [
             (p.step, loss_vals[i], None if math.isnan(gnorm_vals[i]) else gnorm_vals[i]) for i, p in enumerate(pending)
         ]
-        for step, loss, gnorm in series[:-1]:
+        for s, loss, gnorm in series[:-1]:
             if not math.isnan(loss) and self._writer is not None:
-                self._writer.write_metrics(MetricsRecord(step, _loss_metrics(loss, gnorm)))
-        last_step = series[-1][0] if series else self.global_step
+                self._writer.write_metrics(MetricsRecord(s, _loss_metrics(loss, gnorm)))
         metrics: dict[str, float] = {}
         if series and not math.isnan(series[-1][1]):
             metrics.update(_loss_metrics(series[-1][1], series[-1][2]))
@@ -315,9 +318,9 @@ class Monitor:
             m, ev = a.observe(series, rows)
             metrics.update(m)
             events.extend(ev)
-        self._emit(last_step, metrics, rows, events)
+        self._emit(step, metrics, rows, events)
 
-    def _rows(self, keys: Sequence[tuple[str, str, str]], flat: Sequence[float]) -> list[TensorStatsRow]:
+    def _rows(self, step: int, keys: Sequence[tuple[str, str, str]], flat: Sequence[float]) -> list[TensorStatsRow]:
         rows = []
         for i, (fqn, tensor, variant) in enumerate(keys):
             part = flat[i * PARTIAL_SIZE : (i + 1) * PARTIAL_SIZE]
@@ -325,7 +328,7 @@ class Monitor:
                 continue  # nothing observed (e.g. a layer unused this step)
             plan = self.captures[fqn].plan
             stats = finalize(part, plan.formats[tensor], plan.margin)
-            rows.append(TensorStatsRow(self.global_step, fqn, tensor, stats, variant))
+            rows.append(TensorStatsRow(step, fqn, tensor, stats, variant))
         return rows
 
     def _scalars(self, rows: Sequence[TensorStatsRow]) -> dict[str, float]:

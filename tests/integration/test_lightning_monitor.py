@@ -1,0 +1,98 @@
+"""FP8Monitor inside a real Lightning Trainer: accumulation, loss un-normalisation, resume, errors."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from fp8track.errors import ConfigError
+from fp8track.lightning import FP8Monitor
+from fp8track.records import RunReader
+
+
+class Net(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        self.raw_losses: list[tuple[int, float]] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.body(x), y)
+        self.raw_losses.append((self.global_step, loss.item()))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(256, 16, generator=g)
+        return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+
+
+def _trainer(tmp_path, callbacks, **kw):
+    return pl.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=callbacks,
+        **kw,
+    )
+
+
+def _run_dir(tmp_path):
+    dirs = [p.parent for p in (tmp_path / "fp8").rglob("meta.json")]
+    assert len(dirs) == 1
+    return dirs[0]
+
+
+def test_accumulation_sampling_and_unnormalised_loss(tmp_path):
+    model = Net()
+    mon = FP8Monitor(every_n_steps=2, log_dir=tmp_path / "fp8", trackers="none")
+    _trainer(tmp_path, [mon], max_steps=6, accumulate_grad_batches=2, enable_checkpointing=False).fit(model)
+    reader = RunReader(_run_dir(tmp_path))
+    rows = list(reader.tensor_stats())
+    assert sorted({r.step for r in rows}) == [0, 2, 4]
+    # two micro-batches of 8 rows of 16 features each per sampled step
+    act = [r for r in rows if r.layer == "body.0" and r.tensor == "activation"]
+    assert all(r.stats["numel"] == 2 * 8 * 16 for r in act)
+    # the logged loss is the mean of the two micro-batch losses, not Lightning's loss / 2
+    series = reader.series("loss")
+    assert sorted(series) == list(range(6))
+    for step, value in series.items():
+        raw = [v for s, v in model.raw_losses if s == step]
+        assert len(raw) == 2
+        assert value == pytest.approx(sum(raw) / 2, rel=1e-6)
+
+
+def test_resume_from_checkpoint_continues_the_same_run(tmp_path):
+    ckpt_cb = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    mon = FP8Monitor(every_n_steps=3, log_dir=tmp_path / "fp8", trackers="none")
+    _trainer(tmp_path, [mon, ckpt_cb], max_steps=5).fit(Net())
+    ckpt = next((tmp_path / "ckpt").glob("*step=4.ckpt"))
+    saved = torch.load(ckpt, weights_only=False)["callbacks"][mon.state_key]
+    assert saved["global_step"] == 4
+
+    mon2 = FP8Monitor(every_n_steps=3, log_dir=tmp_path / "fp8", trackers="none")
+    _trainer(tmp_path, [mon2], max_steps=8, enable_checkpointing=False).fit(Net(), ckpt_path=ckpt)
+    reader = RunReader(_run_dir(tmp_path))  # one run directory: the resumed run appended to it
+    assert sorted(reader.series("loss")) == list(range(8))
+    assert sorted({r.step for r in reader.tensor_stats()}) == [0, 3, 6]
+
+
+def test_bad_layer_selector_fails_before_the_first_step(tmp_path):
+    model = Net()
+    with pytest.raises(ConfigError, match="'re:attention' matches no linear layer; candidates: body.0, body.2"):
+        _trainer(tmp_path, [FP8Monitor(layers="re:attention", trackers="none")], max_steps=2).fit(model)
+    assert model.raw_losses == []
+
+
+def test_constructor_validation():
+    with pytest.raises(ConfigError, match="every_n_steps must be an integer >= 1, got 0"):
+        FP8Monitor(every_n_steps=0)
+    with pytest.raises(ConfigError, match="trackers must be 'auto', 'none' or a list, got 'tensorboard'"):
+        FP8Monitor(trackers="tensorboard")
