@@ -1,0 +1,293 @@
+"""CPU (and any-device) emulation of Transformer Engine's FP8 linear layer.
+
+:class:`EmulatedFP8Linear` is an ``nn.Linear`` whose matmuls run through an autograd Function
+that quantises exactly what TE quantises, with the recipe's formats and scales:
+
+* forward GEMM ``y = x W^T``: activation ``x`` and weight ``W`` in the forward format;
+* backward: ``dY`` in the backward format (E5M2 under ``hybrid``); ``dgrad = dY W`` and
+  ``wgrad = dY^T x`` run from quantised operands. Per-tensor recipes reuse the forward FP8
+  copies of ``x`` and ``W`` (one scale per tensor serves both orientations, as in TE); block
+  recipes quantise each operand along the GEMM's reduction dimension, as TE's row-wise and
+  column-wise copies do: MXFP8 1x32 blocks with E8M0 scales for every operand; ``block`` 1x128
+  blocks for activation and gradient, 128x128 tiles for the weight, power-of-two scales.
+* the bias gradient comes from the high-precision ``dY`` (TE's dbias does too).
+
+Scales (all from :mod:`fp8track.scaling`):
+
+* ``delayed``: one :class:`~fp8track.scaling.DelayedScaler` per tensor kind. Each training
+  forward quantises with the current scale, records the amax, recomputes the scale from the
+  history (``max`` or ``most_recent``, margin) and rolls the history, as TE does when the
+  outermost autocast exits; the gradient scaler updates in backward. In eval mode (or under
+  ``no_grad``) the scales are used but not updated. The histories travel in ``state_dict``
+  (``_extra_state``, like TE).
+* ``current`` / ``fp8_input_bf16_gemm``: ``FP8_MAX / amax(x) / 2**margin`` per tensor.
+
+GEMM modes:
+
+* ``fp8``: per-tensor recipes call ``torch._scaled_mm`` (FP8 x FP8, float32 accumulation,
+  ``scale_inv`` applied to the accumulator; it runs on CPU in torch >= 2.11). When an operand
+  dimension is not a multiple of 16 (what the CUDA kernel demands) the same quantised operands
+  are dequantised to float32 and multiplied there instead: identical inputs, float32 accumulation.
+  Block-scaled recipes always use that dequantised path (``_scaled_mm`` has no block scales on
+  CPU); dequantised block operands are exact in BF16 because their scales are powers of two.
+* ``bf16``: operands quantised, dequantised to BF16, BF16 matmul ("FP8 input, BF16 GEMM").
+
+The ``bf16`` recipe runs ``F.linear`` unchanged, so the control goes through the same module.
+The output dtype is the autocast dtype when autocast is on, else the input's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8track.formats import FP8Format
+from fp8track.recipes import Recipe
+from fp8track.scaling import (
+    DelayedScaler,
+    amax,
+    blockify_rows,
+    blockify_tiles,
+    current_scale,
+    dequantize,
+    mx_block_scales,
+    pow2_block_scales,
+    quantize,
+    unblockify_rows,
+    unblockify_tiles,
+)
+
+__all__ = ["EmulatedFP8Linear", "block_fake_quantize"]
+
+BLOCK_KINDS = ("mx32", "row128", "tile128")
+
+
+def block_fake_quantize(x2d: torch.Tensor, kind: str, fmt: FP8Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-quantise then dequantise a 2-D tensor along its last dimension.
+
+    Args:
+        x2d: 2-D tensor; blocks run along dim 1 (the GEMM's reduction dimension).
+        kind: ``mx32`` (1x32, E8M0 scales rounded up as TE), ``row128`` (1x128, power-of-two
+            scales), ``tile128`` (128x128 tiles, power-of-two scales).
+        fmt: element format.
+
+    Returns:
+        ``(dequantised float32 tensor of x2d's shape, scales)``; scales have shape
+        ``[rows, blocks per row]`` (``[row tiles, column tiles]`` for ``tile128``).
+    """
+    x = x2d.to(torch.float32)
+    if kind == "tile128":
+        tiles, _ = blockify_tiles(x, 128)
+        tile_amax = torch.nan_to_num(tiles.abs(), nan=0.0, posinf=0.0).amax(dim=1, keepdim=True)
+        scale = pow2_block_scales(tile_amax, fmt)
+        deq = dequantize(quantize(tiles, fmt, scale), scale)
+        r, c = x.shape
+        return unblockify_tiles(deq, x.shape, 128), scale.reshape(-(-r // 128), -(-c // 128))
+    block = 32 if kind == "mx32" else 128
+    blocks, _ = blockify_rows(x, block)
+    block_amax = torch.nan_to_num(blocks.abs(), nan=0.0, posinf=0.0).amax(dim=1, keepdim=True)
+    if kind == "mx32":
+        scale, _codes = mx_block_scales(block_amax, fmt)
+    else:
+        scale = pow2_block_scales(block_amax, fmt)
+    deq = dequantize(quantize(blocks, fmt, scale), scale)
+    return unblockify_rows(deq, x.shape), scale.reshape(x.shape[0], -1)
+
+
+def _fits_scaled_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # cuBLASLt FP8 GEMMs need both inner and outer dims in multiples of 16.
+    return a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0 and a.shape[0] % 16 == 0
+
+
+def _fp8_mm(
+    a: torch.Tensor, sa: torch.Tensor, b_t: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``(a / sa) @ (b_t / sb)^T`` from FP8 ``a`` [M, K] and ``b_t`` [N, K] with per-tensor scales."""
+    if _fits_scaled_mm(a, b_t):
+        # _scaled_mm wants a row-major and b column-major; b_t.t() of a contiguous [N, K] is that.
+        return torch._scaled_mm(
+            a.contiguous(), b_t.contiguous().t(), scale_a=sa.reciprocal(), scale_b=sb.reciprocal(), out_dtype=out_dtype
+        )
+    return (dequantize(a, sa) @ dequantize(b_t, sb).t()).to(out_dtype)
+
+
+def _bf16_mm(a_deq: torch.Tensor, b_t_deq: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return (a_deq.to(torch.bfloat16) @ b_t_deq.to(torch.bfloat16).t()).to(out_dtype)
+
+
+class _Quantizers:
+    """Per-tensor scale choice for one layer: delayed scalers or current scaling."""
+
+    def __init__(self, recipe: Recipe) -> None:
+        self.recipe = recipe
+        fmts = recipe.formats
+        self.fmt = {k: fmts.for_tensor(k) for k in ("activation", "weight", "gradient")}
+        self.delayed: dict[str, DelayedScaler] = {}
+        if recipe.scaling == "delayed":
+            self.delayed = {
+                k: DelayedScaler(f, recipe.amax_history_len, recipe.amax_compute_algo, recipe.margin)
+                for k, f in self.fmt.items()
+            }
+
+    def quantize(self, kind: str, x: torch.Tensor, update: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(fp8 tensor, scale used)`` for one tensor of kind ``kind``."""
+        if self.delayed:
+            scaler = self.delayed[kind]
+            if update:
+                return scaler.quantize(x)
+            scaler._to(x.device)
+            return quantize(x, self.fmt[kind], scaler.scale), scaler.scale.clone()
+        s = current_scale(amax(x), self.fmt[kind], self.recipe.margin)
+        return quantize(x, self.fmt[kind], s), s
+
+
+class _EmulatedFP8LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: EmulatedFP8Linear, out_dtype: torch.dtype, update: bool) -> torch.Tensor:  # noqa: E501
+        recipe = layer.fp8_recipe
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, x.shape[-1])
+        with torch.autocast(x.device.type, enabled=False):
+            if recipe.scaling in ("mxfp8", "block"):
+                fmt = recipe.formats.forward
+                xk = "mx32" if recipe.scaling == "mxfp8" else "row128"
+                wk = "mx32" if recipe.scaling == "mxfp8" else "tile128"
+                xd, sx = block_fake_quantize(x2d, xk, fmt)
+                wd, sw = block_fake_quantize(weight, wk, fmt)
+                out = _bf16_mm(xd, wd, out_dtype)
+                ctx.save_for_backward(x2d, weight)
+            else:
+                qx, sx = layer._quantizers.quantize("activation", x2d, update)
+                qw, sw = layer._quantizers.quantize("weight", weight, update)
+                if recipe.gemm_mode == "fp8":
+                    out = _fp8_mm(qx, sx, qw, sw, out_dtype)
+                else:
+                    out = _bf16_mm(dequantize(qx, sx), dequantize(qw, sw), out_dtype)
+                ctx.save_for_backward(qx, qw, sx, sw)
+            if bias is not None:
+                out = out + bias.to(out_dtype)
+        layer._last_scales["activation"] = sx
+        layer._last_scales["weight"] = sw
+        ctx.layer, ctx.update, ctx.has_bias = layer, update, bias is not None
+        ctx.x_dtype, ctx.w_dtype, ctx.out_dtype = x.dtype, weight.dtype, out_dtype
+        return out.reshape(*lead, out.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        layer: EmulatedFP8Linear = ctx.layer
+        recipe = layer.fp8_recipe
+        lead = grad_out.shape[:-1]
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        with torch.autocast(g.device.type, enabled=False):
+            if recipe.scaling in ("mxfp8", "block"):
+                x2d, weight = ctx.saved_tensors
+                fwd, bwd = recipe.formats.forward, recipe.formats.backward
+                mx = recipe.scaling == "mxfp8"
+                gk = "mx32" if mx else "row128"
+                # dgrad reduces over N: dY row-wise, W column-wise (tiles are orientation-free).
+                g_row, sg = block_fake_quantize(g, gk, bwd)
+                w_col = block_fake_quantize(weight.t(), "mx32" if mx else "tile128", fwd)[0]
+                grad_x = _bf16_mm(g_row, w_col, ctx.x_dtype)
+                # wgrad reduces over M (tokens): dY and x column-wise.
+                g_col = block_fake_quantize(g.t(), gk, bwd)[0]
+                x_col = block_fake_quantize(x2d.t(), "mx32" if mx else "row128", fwd)[0]
+                grad_w = _bf16_mm(g_col, x_col, torch.float32)
+            else:
+                qx, qw, sx, sw = ctx.saved_tensors
+                qg, sg = layer._quantizers.quantize("gradient", g, ctx.update)
+                if recipe.gemm_mode == "fp8":
+                    grad_x = _fp8_mm(qg, sg, qw.t(), sw, ctx.x_dtype)
+                    grad_w = _fp8_mm(qg.t(), sg, qx.t(), sx, torch.float32)
+                else:
+                    gd = dequantize(qg, sg)
+                    grad_x = _bf16_mm(gd, dequantize(qw, sw).t(), ctx.x_dtype)
+                    grad_w = _bf16_mm(gd.t(), dequantize(qx, sx).t(), torch.float32)
+            grad_b = g.to(torch.float32).sum(0) if ctx.has_bias else None
+        layer._last_scales["gradient"] = sg
+        grad_x = grad_x.reshape(*lead, grad_x.shape[-1])
+        return (
+            grad_x,
+            grad_w.to(ctx.w_dtype),
+            grad_b.to(ctx.w_dtype) if grad_b is not None else None,
+            None,
+            None,
+            None,
+        )
+
+
+class EmulatedFP8Linear(nn.Linear):
+    """An ``nn.Linear`` that runs its GEMMs in emulated FP8 under a :class:`~fp8track.recipes.Recipe`.
+
+    Attributes:
+        fp8_recipe: the recipe (the ``bf16`` recipe runs plain ``F.linear``).
+
+    Example:
+        >>> import torch
+        >>> from fp8track.recipes import Recipe
+        >>> layer = EmulatedFP8Linear.from_linear(torch.nn.Linear(32, 16), Recipe("current"))
+        >>> y = layer(torch.randn(4, 32)); sorted(layer.fp8_scales())
+        ['activation', 'weight']
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        recipe: Recipe,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.fp8_recipe = Recipe.parse(recipe)
+        self._quantizers = _Quantizers(self.fp8_recipe)
+        self._last_scales: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: Recipe | str) -> EmulatedFP8Linear:
+        """Wrap ``linear``'s own ``weight``/``bias`` Parameters (identity kept, no copy)."""
+        new = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe=Recipe.parse(recipe), device="meta")
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        return new
+
+    def fp8_scales(self) -> dict[str, torch.Tensor]:
+        """Scale actually used per tensor kind on the most recent forward / backward (on device).
+
+        Per-tensor recipes give 0-d float32 tensors; block recipes the block-scale tensor of the
+        forward GEMM's operands (activation, weight) and of ``dY`` for the dgrad GEMM (gradient).
+        Kinds not yet seen (no backward so far) are absent; the ``bf16`` recipe gives ``{}``.
+        """
+        return dict(self._last_scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fp8_recipe.quantizes:
+            return F.linear(x, self.weight, self.bias)
+        dev = x.device.type
+        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            out_dtype = torch.float32
+        update = self.training and torch.is_grad_enabled()
+        return _EmulatedFP8LinearFn.apply(x, self.weight, self.bias, self, out_dtype, update)
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """Delayed-scaling amax histories and scales (empty for other recipes)."""
+        return {k: s.state_dict() for k, s in self._quantizers.delayed.items()}
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        for k, s in (state or {}).items():
+            if k in self._quantizers.delayed:
+                self._quantizers.delayed[k].load_state_dict(s)
+
+    @property
+    def delayed_scalers(self) -> dict[str, DelayedScaler]:
+        """The per-tensor :class:`DelayedScaler` objects (empty unless the recipe is ``delayed``)."""
+        return dict(self._quantizers.delayed)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.fp8_recipe}"

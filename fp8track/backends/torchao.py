@@ -1,0 +1,107 @@
+"""torchao float8 backend: ``convert_to_float8_training`` with the fallback spec as its filter.
+
+Recipe mapping (torchao >= 0.10 offers dynamic scaling only):
+
+=========================  =============================================================
+fp8track recipe            torchao ``Float8LinearConfig``
+=========================  =============================================================
+``current`` (tensorwise)   ``from_recipe_name("tensorwise")``; with ``fp8_format="e4m3"``
+                           the gradient casts to e4m3 instead of e5m2
+``current`` rowwise        ``from_recipe_name("rowwise")`` (e4m3 everywhere)
+``current`` rowwise_w_gw   ``from_recipe_name("rowwise_with_gw_hp")``
+``fp8_input_bf16_gemm``    tensorwise with ``emulate=True``: FP8 operands, dequantised,
+                           high-precision (float32) GEMM
+``delayed``                error: torchao removed delayed scaling (pytorch/ao#1680, v0.10)
+``mxfp8``, ``block``       error: not part of torchao's float8 training API
+``bf16``                   no conversion
+=========================  =============================================================
+
+On CPU (or any device without an FP8 GEMM) ``emulate=True`` is set with ``dataclasses.replace``
+(the config is frozen). torchao has no margin; a non-zero margin is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection
+from typing import Any
+
+import torch
+from torch import nn
+
+from fp8track.errors import ConfigError
+from fp8track.recipes import Recipe
+
+INSTALL_HINT = "install it with `pip install fp8track[torchao]` (torchao>=0.18)"
+
+
+def _import_torchao() -> Any:
+    try:
+        import torchao.float8 as float8
+    except ImportError as exc:
+        raise ConfigError(f"backend 'torchao' needs torchao: {exc}; {INSTALL_HINT}") from None
+    return float8
+
+
+def torchao_config(recipe: Recipe, device_type: str = "cpu") -> Any:
+    """The ``Float8LinearConfig`` for ``recipe`` (see the module table); raises :class:`ConfigError`."""
+    if recipe.scaling == "delayed":
+        raise ConfigError(
+            "torchao does not offer delayed scaling (removed in torchao 0.10, pytorch/ao#1680); "
+            "use recipe 'current', or backend 'emulated' or 'te' for delayed scaling"
+        )
+    if recipe.scaling in ("mxfp8", "block"):
+        raise ConfigError(
+            f"recipe {recipe.name!r} is not part of torchao's float8 training API (tensorwise/rowwise only); "
+            "use backend 'emulated' or 'te'"
+        )
+    if recipe.margin:
+        raise ConfigError(f"torchao has no scaling margin; got margin={recipe.margin}, use 0")
+    float8 = _import_torchao()
+    from torchao.float8.config import CastConfig
+
+    cfg = float8.Float8LinearConfig.from_recipe_name(recipe.variant)
+    if recipe.variant == "tensorwise" and recipe.fp8_format == "e4m3":
+        e4m3 = CastConfig(target_dtype=torch.float8_e4m3fn)
+        cfg = dataclasses.replace(cfg, cast_config_grad_output=e4m3, cast_config_grad_output_for_grad_weight=e4m3)
+    if device_type != "cuda" or recipe.name == "fp8_input_bf16_gemm":
+        cfg = dataclasses.replace(cfg, emulate=True)
+    return cfg
+
+
+def convert(model: nn.Module, recipe: Recipe, keep_bf16: Collection[str], device_type: str = "cpu") -> list[str]:
+    """Convert every plain ``nn.Linear`` not in ``keep_bf16`` to torchao's ``Float8Linear``.
+
+    Returns the converted layers' qualified names. Parameters keep their identity.
+    """
+    cfg = torchao_config(recipe, device_type)
+    float8 = _import_torchao()
+    converted: list[str] = []
+
+    def keep_fp8(module: nn.Module, fqn: str) -> bool:
+        # type() is exact: Float8Linear subclasses nn.Linear and must not be wrapped twice.
+        ok = type(module) is nn.Linear and fqn not in keep_bf16
+        if ok:
+            converted.append(fqn)
+        return ok
+
+    float8.convert_to_float8_training(model, module_filter_fn=keep_fp8, config=cfg)
+    for name in converted:
+        model.get_submodule(name).fp8_recipe = recipe
+    return converted
+
+
+def is_torchao_fp8(module: nn.Module) -> bool:
+    """True for torchao's ``Float8Linear`` (checked by class name, so torchao is not imported)."""
+    return type(module).__name__ == "Float8Linear" and type(module).__module__.startswith("torchao.")
+
+
+def torchao_format(module: nn.Module, tensor: str) -> str:
+    """Element format of ``tensor`` in a ``Float8Linear``, read from its config."""
+    cfg = module.config
+    cast = {
+        "activation": cfg.cast_config_input,
+        "weight": cfg.cast_config_weight,
+        "gradient": cfg.cast_config_grad_output,
+    }[tensor]
+    return "e5m2" if "e5m2" in str(cast.target_dtype) else "e4m3"

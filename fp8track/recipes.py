@@ -1,0 +1,221 @@
+"""FP8 recipes: what is quantised, in which format, with which scales, and how the GEMM runs.
+
+A :class:`Recipe` is a frozen, validated description that every backend reads. Names follow
+Transformer Engine and Megatron-LM where they exist (``--fp8-recipe``, ``--fp8-format``,
+``--fp8-amax-history-len``, ``--fp8-amax-compute-algo``, ``--fp8-margin``):
+
+======================  ====================================================================
+name                    meaning (TE class)
+======================  ====================================================================
+``bf16``                no quantisation: the control run, through the same code path
+``delayed``             per-tensor delayed scaling from an amax history (``DelayedScaling``)
+``current``             per-tensor current scaling (``Float8CurrentScaling``; Megatron's
+                        ``tensorwise``; torchao's ``tensorwise``/``rowwise`` variants)
+``mxfp8``               1x32 blocks, E8M0 power-of-two scales (``MXFP8BlockScaling``)
+``block``               1x128 blocks for activation and gradient, 128x128 tiles for the weight,
+                        power-of-two scales (``Float8BlockScaling``; Megatron's ``blockwise``)
+``fp8_input_bf16_gemm`` current scaling, operands quantised then dequantised, BF16 GEMM
+======================  ====================================================================
+
+String grammar (:meth:`Recipe.from_string`): ``NAME[:TOKEN]...`` where each token is one of
+``hybrid`` | ``e4m3`` (format), ``h<N>`` (amax history length), ``max`` | ``most_recent``
+(amax compute algorithm), ``m<N>`` (margin), ``gemm=fp8`` | ``gemm=bf16`` (GEMM mode),
+``variant=<torchao variant>``. Example: ``"delayed:hybrid:h16:max"``. Aliases:
+``tensorwise`` = ``current``, ``blockwise`` = ``block``, ``rowwise`` and ``rowwise_with_gw_hp``
+= ``current`` with that torchao variant and ``e4m3`` (torchao uses e4m3 for every operand there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fp8track.errors import ConfigError, invalid_choice
+from fp8track.formats import FORMAT_PAIRS, FormatPair, get_format_pair
+from fp8track.scaling import AMAX_COMPUTE_ALGOS
+
+RECIPE_NAMES = ("bf16", "delayed", "current", "mxfp8", "block", "fp8_input_bf16_gemm")
+GEMM_MODES = ("auto", "fp8", "bf16")
+"""``fp8``: FP8 x FP8 GEMM with scales applied to the float32 accumulator (``torch._scaled_mm``);
+``bf16``: operands quantised, dequantised to BF16, BF16 GEMM; ``auto``: the recipe's own choice
+(``bf16`` for ``fp8_input_bf16_gemm``, ``fp8`` otherwise)."""
+TORCHAO_VARIANTS = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+ALIASES: dict[str, dict[str, Any]] = {
+    "tensorwise": {"name": "current"},
+    "blockwise": {"name": "block"},
+    "rowwise": {"name": "current", "variant": "rowwise", "fp8_format": "e4m3"},
+    "rowwise_with_gw_hp": {"name": "current", "variant": "rowwise_with_gw_hp", "fp8_format": "e4m3"},
+}
+# Megatron-LM / NeMo key spellings accepted by from_dict, mapped to field names.
+_KEY_ALIASES = {
+    "fp8_recipe": "name",
+    "recipe": "name",
+    "fp8_margin": "margin",
+    "fp8_amax_history_len": "amax_history_len",
+    "fp8_amax_compute_algo": "amax_compute_algo",
+    "format": "fp8_format",
+    "gemm_mode": "gemm",
+}
+
+
+def _check_int(what: str, value: object, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{what} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One FP8 training recipe (validated at construction; raises :class:`ConfigError`).
+
+    Attributes:
+        name: one of :data:`RECIPE_NAMES`.
+        fp8_format: ``"hybrid"`` (E4M3 forward, E5M2 gradients) or ``"e4m3"`` (E4M3 everywhere).
+        amax_history_len: delayed scaling's amax history length (TE default 1024; Megatron 1).
+        amax_compute_algo: ``"max"`` over the history or ``"most_recent"`` entry.
+        margin: scale = FP8_MAX / amax / 2**margin (delayed and current scaling).
+        gemm: one of :data:`GEMM_MODES` (emulated backend).
+        variant: torchao variant of ``current`` (:data:`TORCHAO_VARIANTS`); only ``tensorwise``
+            is emulated and run by TE, the row-wise ones run on the torchao backend only.
+    """
+
+    name: str = "delayed"
+    fp8_format: str = "hybrid"
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    margin: int = 0
+    gemm: str = "auto"
+    variant: str = "tensorwise"
+
+    def __post_init__(self) -> None:
+        if self.name not in RECIPE_NAMES:
+            raise invalid_choice("recipe name", self.name, RECIPE_NAMES + tuple(ALIASES))
+        if str(self.fp8_format) not in FORMAT_PAIRS:
+            raise invalid_choice("fp8_format", self.fp8_format, FORMAT_PAIRS, "Pure E5M2 training is not supported")
+        _check_int("amax_history_len", self.amax_history_len, 1)
+        if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise invalid_choice("amax_compute_algo", self.amax_compute_algo, AMAX_COMPUTE_ALGOS)
+        _check_int("margin", self.margin, 0)
+        if self.gemm not in GEMM_MODES:
+            raise invalid_choice("gemm mode", self.gemm, GEMM_MODES)
+        if self.name == "fp8_input_bf16_gemm" and self.gemm == "fp8":
+            raise ConfigError("recipe 'fp8_input_bf16_gemm' runs a BF16 GEMM by definition; gemm='fp8' contradicts it")
+        if self.variant not in TORCHAO_VARIANTS:
+            raise invalid_choice("variant", self.variant, TORCHAO_VARIANTS)
+        if self.variant != "tensorwise":
+            if self.name != "current":
+                raise ConfigError(f"variant {self.variant!r} only exists for recipe 'current', got {self.name!r}")
+            if self.fp8_format != "e4m3":
+                raise ConfigError(
+                    f"torchao's {self.variant!r} uses e4m3 for every operand; set fp8_format='e4m3' "
+                    f"(got {self.fp8_format!r})"
+                )
+
+    # --- derived properties -------------------------------------------------------------------
+    @property
+    def quantizes(self) -> bool:
+        """False only for the ``bf16`` control."""
+        return self.name != "bf16"
+
+    @property
+    def scaling(self) -> str:
+        """How scales are chosen: ``none``, ``delayed``, ``current``, ``mxfp8`` or ``block``."""
+        if self.name == "bf16":
+            return "none"
+        return "current" if self.name == "fp8_input_bf16_gemm" else self.name
+
+    @property
+    def gemm_mode(self) -> str:
+        """The resolved GEMM mode, ``"fp8"`` or ``"bf16"`` (``"none"`` for the bf16 control)."""
+        if self.name == "bf16":
+            return "none"
+        if self.gemm != "auto":
+            return self.gemm
+        return "bf16" if self.name == "fp8_input_bf16_gemm" else "fp8"
+
+    @property
+    def formats(self) -> FormatPair:
+        """The :class:`~fp8track.formats.FormatPair` (forward / backward element formats)."""
+        return get_format_pair(self.fp8_format)
+
+    # --- (de)serialisation --------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data; ``Recipe.from_dict(r.to_dict()) == r``."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Recipe:
+        """Build from a mapping; accepts field names and Megatron spellings (``fp8_recipe``,
+        ``fp8_margin``, ``fp8_amax_history_len``, ``fp8_amax_compute_algo``; ``-`` or ``_``).
+
+        Raises:
+            ConfigError: for unknown keys (listing the valid ones) or invalid values.
+        """
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            k = str(key).lstrip("-").replace("-", "_")
+            k = _KEY_ALIASES.get(k, k)
+            if k not in fields:
+                raise invalid_choice("recipe key", key, sorted(fields | set(_KEY_ALIASES)))
+            kwargs[k] = value
+        name = kwargs.get("name", "delayed")
+        if name in ALIASES:
+            kwargs = {**ALIASES[name], **{k: v for k, v in kwargs.items() if k != "name"}}
+        return cls(**kwargs)
+
+    @classmethod
+    def from_string(cls, text: str) -> Recipe:
+        """Parse the grammar in the module docstring, e.g. ``"delayed:hybrid:h16:max"``."""
+        if not isinstance(text, str) or not text.strip():
+            raise ConfigError(f"recipe string must be non-empty, got {text!r}")
+        head, *tokens = text.strip().split(":")
+        data: dict[str, Any] = {"name": head}
+        for tok in tokens:
+            data.update(_parse_token(tok, text))
+        return cls.from_dict(data)
+
+    @classmethod
+    def parse(cls, spec: Recipe | str | Mapping[str, Any]) -> Recipe:
+        """Accept a :class:`Recipe`, a recipe string or a mapping."""
+        if isinstance(spec, Recipe):
+            return spec
+        if isinstance(spec, str):
+            return cls.from_string(spec)
+        if isinstance(spec, Mapping):
+            return cls.from_dict(spec)
+        raise ConfigError(f"recipe must be a Recipe, a string or a mapping, got {type(spec).__name__}")
+
+    def to_string(self) -> str:
+        """Canonical string form; ``Recipe.from_string(r.to_string()) == r``."""
+        parts = [self.name, self.fp8_format, f"h{self.amax_history_len}", self.amax_compute_algo, f"m{self.margin}"]
+        if self.gemm != "auto":
+            parts.append(f"gemm={self.gemm}")
+        if self.variant != "tensorwise":
+            parts.append(f"variant={self.variant}")
+        return ":".join(parts)
+
+    def __str__(self) -> str:
+        return self.to_string()
+
+
+def _parse_token(tok: str, text: str) -> dict[str, Any]:
+    grammar = "tokens are hybrid|e4m3, h<N>, max|most_recent, m<N>, gemm=fp8|bf16, variant=<name>"
+    t = tok.strip()
+    if t in FORMAT_PAIRS:
+        return {"fp8_format": t}
+    if t in AMAX_COMPUTE_ALGOS:
+        return {"amax_compute_algo": t}
+    if t[:1] in ("h", "m") and t[1:].isdigit():
+        return {"amax_history_len" if t[0] == "h" else "margin": int(t[1:])}
+    if "=" in t:
+        key, value = t.split("=", 1)
+        if key in ("gemm", "variant"):
+            return {key: value}
+    raise ConfigError(f"cannot parse token {tok!r} in recipe string {text!r}; {grammar}")
+
+
+def recipe_choices() -> tuple[str, ...]:
+    """Every name :meth:`Recipe.from_string` accepts as the first token."""
+    return RECIPE_NAMES + tuple(ALIASES)
