@@ -233,3 +233,49 @@ class LayerCapture:
     @torch.no_grad()
     def _gradient_hook(self, grad: torch.Tensor) -> None:
         self._add("gradient", grad)
+
+
+def plan_for(fqn: str, module: nn.Module, shadow_format: str = "hybrid") -> LayerPlan:
+    """The :class:`LayerPlan` for one layer, asking its backend how it quantises.
+
+    * Emulated delayed scaling: activation and weight are judged with the scales the forward just
+      used (``fp8_scales()``, read in the forward hook); the gradient with the scale the
+      backward is about to use (the gradient scaler's current scale, read in the dY hook, which
+      fires before the layer's backward).
+    * Transformer Engine delayed scaling: the scales in ``fp8_meta`` (TE updates them when autocast
+      exits, after the hooks have run).
+    * Current scaling (emulated, torchao tensorwise, TE current): the same rule on the same tensor,
+      ``M / amax / 2**margin``, so the monitor's scale is the backend's. torchao's rowwise
+      variants are judged tensor-wise (a documented approximation).
+    * Block recipes (MXFP8, 128 blocks): the monitor re-derives the block scales with the
+      functions the emulated backend uses.
+    * Anything not in FP8 (plain or fallback layers, the bf16 recipe): shadow mode.
+    """
+    from fp8track import backends
+
+    if not backends.is_fp8_linear(module):
+        return shadow_plan(fqn, shadow_format)
+    formats = {t: backends.fp8_format_for(module, t) for t in TENSOR_KINDS}
+    recipe = backends.recipe_of(module)
+    scaling_name = recipe.scaling if recipe is not None else "current"
+    margin = recipe.margin if recipe is not None else 0
+    if scaling_name in ("mxfp8", "block"):
+        return LayerPlan(fqn, True, formats, scaling=scaling_name, margin=margin)
+    scale_fns: dict[str, ScaleFn] = {}
+    if scaling_name == "delayed":
+        scalers = getattr(module, "delayed_scalers", None) or {}
+
+        def used(kind: str) -> ScaleFn:
+            return lambda: (backends.used_scales(module) or {}).get(kind)
+
+        scale_fns["activation"] = used("activation")
+        scale_fns["weight"] = used("weight")
+        if "gradient" in scalers:
+            grad_scaler = scalers["gradient"]
+            scale_fns["gradient"] = lambda: grad_scaler.scale.clone()
+        else:
+            scale_fns["gradient"] = used("gradient")
+    elif recipe is None and backends.used_scales(module) is not None:
+        # A backend that exposes its scales without an fp8track recipe (TE delayed): use them.
+        scale_fns = {k: (lambda k=k: (backends.used_scales(module) or {}).get(k)) for k in TENSOR_KINDS}
+    return LayerPlan(fqn, True, formats, scaling="per_tensor", scale_fns=scale_fns, margin=margin)

@@ -31,8 +31,8 @@ from fp8track.capture import (
     LayerCapture,
     LayerFilter,
     LayerPlan,
+    plan_for,
     select_layers,
-    shadow_plan,
     validate_tensors,
     validate_whatif,
 )
@@ -145,8 +145,8 @@ class Monitor:
         model: the model (hooks go on its linear-like layers).
         config: :class:`MonitorConfig`.
         layers: which layers (see :func:`fp8track.capture.select_layers`).
-        plans: per-layer :class:`LayerPlan` overrides keyed by fqn (FP8 layers from a backend);
-            layers without a plan are judged in shadow mode (current scaling).
+        plans: per-layer :class:`LayerPlan` overrides keyed by fqn; other layers get
+            :func:`fp8track.capture.plan_for` (their backend's scales, or shadow mode for BF16 layers).
         log_dir: parent of the run directory (rank 0 writes ``<log_dir>/<run_id>``).
         trackers: tracker objects (``fp8track.trackers``) fed after the records are written.
         meta: run metadata written to ``meta.json``.
@@ -180,7 +180,7 @@ class Monitor:
         chosen = select_layers(model, layers)
         self.captures: dict[str, LayerCapture] = {}
         for fqn, module in chosen:
-            plan = plans.get(fqn) or shadow_plan(fqn, self.config.shadow_format)
+            plan = plans.get(fqn) or plan_for(fqn, module, self.config.shadow_format)
             self.captures[fqn] = LayerCapture(module, plan, self.config.tensors, self.config.whatif)
         self.analyzers = list(analyzers)
         self.is_writer = (_dist_rank() == 0) if is_writer is None else is_writer
