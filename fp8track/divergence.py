@@ -3,10 +3,10 @@
 :class:`DivergenceDetector` is fed one host float per optimizer step, keeps ``O(window)`` memory
 and reports one :class:`DivergenceEvent` per excursion, for three reasons:
 
-* ``"rise"``: over the last ``window`` finite losses, the median of the newer half exceeds the
-  median of the older half by ``rise_threshold`` (relative), for ``patience`` consecutive steps.
-  Medians of halves ignore short spikes (a spike must cover half of the newer half to count) and a
-  healthy, decaying loss always gives a negative rise.
+* ``"rise"``: over the last ``window`` finite losses, the lower quartile (``quantile``) of the
+  newer half exceeds that of the older half by ``rise_threshold`` (relative), for ``patience``
+  consecutive steps. Lower quartiles ignore spikes (a spike must lift three quarters of the newer
+  half to count) and a healthy, decaying loss always gives a negative rise.
 * ``"gap"`` (with a control): the median of the last ``gap_window`` relative gaps
   ``(loss - control) / |control|`` reaches ``gap_tolerance``.
 * ``"nonfinite"``: ``nonfinite_patience`` consecutive non-finite losses.
@@ -52,7 +52,10 @@ class DivergenceConfig:
     Attributes:
         window: finite losses compared half against half (200: long enough that the median of
             100 noisy losses moves less than 1% under 2% per-step noise).
-        rise_threshold: relative rise of the newer half's median that counts (0.05).
+        rise_threshold: relative rise of the newer half's ``quantile`` that counts (0.05).
+        quantile: which quantile of each half is compared (0.25, the lower quartile: a spike
+            lifts the upper values of a half, a divergence lifts all of them, so a spike must
+            cover three quarters of the newer half to look like a rise).
         patience: consecutive steps the rise must hold (50).
         min_samples: losses needed before the rise rule runs (default ``window // 2``).
         gap_window: relative gaps to the control in the rolling median (100).
@@ -66,6 +69,7 @@ class DivergenceConfig:
 
     window: int = 200
     rise_threshold: float = 0.05
+    quantile: float = 0.25
     patience: int = 50
     min_samples: int | None = None
     gap_window: int = 100
@@ -80,6 +84,9 @@ class DivergenceConfig:
         _check_int("window", self.window, 4)
         _check_float("rise_threshold", self.rise_threshold, 0.0, strict=True)
         _check_int("patience", self.patience, 1)
+        _check_float("quantile", self.quantile, 0.0)
+        if self.quantile > 1.0:
+            raise ConfigError(f"quantile must be in [0, 1], got {self.quantile!r}")
         if self.min_samples is not None:
             _check_int("min_samples", self.min_samples, 4)
             if self.min_samples > self.window:
@@ -121,7 +128,7 @@ class DivergenceEvent:
         start_step: estimated step the divergence started (see module docstring).
         detect_step: step at which it was detected.
         phase: ``"start"`` (failure kind 3: suspect software/config) or ``"mid"`` (kind 4).
-        magnitude: relative rise of the halves' medians (``"rise"``), median relative gap
+        magnitude: relative rise of the halves' quantiles (``"rise"``), median relative gap
             (``"gap"``) or the number of non-finite steps (``"nonfinite"``).
         loss_at_start: smoothed loss at ``start_step`` (NaN if unknown).
         loss_at_detect: median of the newest ``smooth`` finite losses at detection.
@@ -155,7 +162,7 @@ class DivergenceEvent:
     def to_record(self) -> EventRecord:
         """``EventRecord(kind="divergence", step=detect_step)`` with an alert (level ``"ERROR"``)."""
         what = {
-            "rise": f"the loss rose {100 * self.magnitude:.1f}% (median of recent steps vs the steps before)",
+            "rise": f"the loss rose {100 * self.magnitude:.1f}% (lower quartile of recent steps vs the steps before)",
             "gap": f"the loss is {100 * self.magnitude:.1f}% above the control (median over recent steps)",
             "nonfinite": f"the loss was non-finite for {int(self.magnitude)} consecutive steps",
         }[self.reason]
@@ -219,6 +226,20 @@ class HalvesWindow:
     def medians(self) -> tuple[float, float]:
         """``(median of older half, median of newer half)``."""
         return _median_sorted(self._older), _median_sorted(self._newer)
+
+    def quantiles(self, q: float) -> tuple[float, float]:
+        """``(q-quantile of older half, q-quantile of newer half)`` (linear interpolation, as numpy)."""
+        return _quantile_sorted(self._older, q), _quantile_sorted(self._newer, q)
+
+
+def _quantile_sorted(s: list[float], q: float) -> float:
+    n = len(s)
+    if n == 0:
+        return math.nan
+    pos = q * (n - 1)
+    lo = int(pos)
+    hi = min(lo + 1, n - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def _remove(sorted_list: list[float], value: float) -> None:
@@ -311,7 +332,7 @@ class DivergenceDetector:
         n = len(self._losses)
         if n < c.effective_min_samples:
             return []
-        older, newer = self._losses.medians()
+        older, newer = self._losses.quantiles(c.quantile)
         rise = (newer - older) / abs(older) if older != 0 else 0.0
         if rise >= c.rise_threshold:
             self._rise_run += 1
