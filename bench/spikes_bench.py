@@ -149,7 +149,12 @@ def main() -> None:
     rng = np.random.default_rng(a.seed)
     t = time.perf_counter()
     result = {
-        "config": {"streams_per_noise_kind": a.streams, "steps": a.steps, "planted": a.planted, "seed": a.seed},
+        "config": {
+            "streams_per_noise_kind": a.streams,
+            "steps": a.steps,
+            "planted": a.planted,
+            "seed": a.seed,
+        },
         "false_positives": false_positives(a.streams, a.steps, rng),
         "planted_spikes": planted_spikes(a.planted, a.steps, rng),
         "planted_divergences": planted_divergences(a.planted, a.steps, rng),

@@ -176,7 +176,9 @@ def classify_spike(
     """
     if not isinstance(window, int) or isinstance(window, bool) or window < 0:
         raise ConfigError(f"window must be an integer >= 0, got {window!r}")
-    candidates = [c for c in baseline.spikes if c.kind == event.kind and abs(c.start_step - event.start_step) <= window]
+    candidates = [
+        c for c in baseline.spikes if c.kind == event.kind and abs(c.start_step - event.start_step) <= window
+    ]
     if not candidates:
         return SpikeClassification("fp8_only", window, recover_steps=event.recover_steps)
     match = min(candidates, key=lambda c: (abs(c.start_step - event.start_step), c.start_step))
@@ -235,7 +237,9 @@ def _pick_key(available: Iterable[str], key: str | None, source: str) -> str:
     avail = set(available)
     if key is not None:
         if key not in avail:
-            raise ConfigError(f"baseline {source} has no metric {key!r}; it has: {', '.join(sorted(avail)) or 'none'}")
+            raise ConfigError(
+                f"baseline {source} has no metric {key!r}; it has: {', '.join(sorted(avail)) or 'none'}"
+            )
         return key
     for k in LOSS_KEYS:
         if k in avail:
@@ -378,13 +382,17 @@ def load_baseline(
     else:
         path = Path(text).expanduser()
         if not path.exists():
-            raise ConfigError(f"baseline reference {text!r} does not exist; give one of: {'; '.join(REF_FORMS)}")
+            raise ConfigError(
+                f"baseline reference {text!r} does not exist; give one of: {'; '.join(REF_FORMS)}"
+            )
         if (path / "meta.json").is_file():
             series, k = _load_run_dir(path, key)
         else:
             wandb_file = find_wandb_run(path)
             if wandb_file is None:
-                raise ConfigError(f"baseline reference {text!r} is not a run; give one of: {'; '.join(REF_FORMS)}")
+                raise ConfigError(
+                    f"baseline reference {text!r} is not a run; give one of: {'; '.join(REF_FORMS)}"
+                )
             series, k = _load_wandb(wandb_file, key)
     if not series:
         raise ConfigError(f"baseline {text!r} has no values of {k!r}")

@@ -296,7 +296,9 @@ class DivergenceDetector:
         """
         step = int(step)
         if self._last_step is not None and step <= self._last_step:
-            raise ValueError(f"DivergenceDetector steps must increase: got step {step} after {self._last_step}")
+            raise ValueError(
+                f"DivergenceDetector steps must increase: got step {step} after {self._last_step}"
+            )
         self._last_step = step
         if self._first_step is None:
             self._first_step = step
@@ -309,7 +311,11 @@ class DivergenceDetector:
             if self._nonfinite_run >= self.config.nonfinite_patience and self._armed["nonfinite"]:
                 self._armed["nonfinite"] = False
                 start = self._nonfinite_start if self._nonfinite_start is not None else step
-                out.append(self._event("nonfinite", start, step, float(self._nonfinite_run), self._level_before(start)))
+                out.append(
+                    self._event(
+                        "nonfinite", start, step, float(self._nonfinite_run), self._level_before(start)
+                    )
+                )
             return self._record(out)
         self._nonfinite_run = 0
         self._armed["nonfinite"] = True
@@ -390,7 +396,9 @@ class DivergenceDetector:
         first = self._first_step if self._first_step is not None else start
         initial = self.initial_loss
         no_progress = (
-            math.isfinite(level) and math.isfinite(initial) and level > initial - c.min_progress * abs(initial)
+            math.isfinite(level)
+            and math.isfinite(initial)
+            and level > initial - c.min_progress * abs(initial)
         )
         phase = "start" if (start - first <= c.start_phase_steps or no_progress) else "mid"
         recent = [x for _, x in list(self._hist)[-c.smooth :]]
@@ -435,7 +443,9 @@ class DivergenceDetector:
             for x in state["losses"]:
                 self._losses.append(x)
         if "hist" in state:
-            self._hist = deque(((int(s), float(x)) for s, x in state["hist"]), maxlen=self.config.effective_lookback)
+            self._hist = deque(
+                ((int(s), float(x)) for s, x in state["hist"]), maxlen=self.config.effective_lookback
+            )
         if "gaps" in state:
             self._gaps = RobustWindow(self.config.gap_window)
             for x in state["gaps"]:
@@ -446,7 +456,11 @@ class DivergenceDetector:
             )
         if "first" in state:
             self._first = [float(x) for x in state["first"]]
-        for key, attr in (("first_step", "_first_step"), ("last_step", "_last_step"), ("nonfinite_start", "_nonfinite_start")):
+        for key, attr in (
+            ("first_step", "_first_step"),
+            ("last_step", "_last_step"),
+            ("nonfinite_start", "_nonfinite_start"),
+        ):
             if key in state:
                 setattr(self, attr, None if state[key] is None else int(state[key]))
         if "rise_run" in state:
@@ -459,4 +473,11 @@ class DivergenceDetector:
             self.events = [DivergenceEvent.from_dict(d) for d in state["events"]]
 
 
-__all__ = ["DivergenceConfig", "DivergenceEvent", "DivergenceDetector", "DIVERGENCE_REASONS", "PHASES", "centred_median"]
+__all__ = [
+    "DivergenceConfig",
+    "DivergenceEvent",
+    "DivergenceDetector",
+    "DIVERGENCE_REASONS",
+    "PHASES",
+    "centred_median",
+]

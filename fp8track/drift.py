@@ -102,7 +102,9 @@ class DriftEvent:
     @property
     def severity(self) -> float:
         """``|peak drift| / threshold`` (>= 1; 2 means twice as many binades off as the threshold)."""
-        return abs(self.peak_drift_log2) / self.threshold_log2 if math.isfinite(self.peak_drift_log2) else 10.0
+        return (
+            abs(self.peak_drift_log2) / self.threshold_log2 if math.isfinite(self.peak_drift_log2) else 10.0
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -190,7 +192,10 @@ class DriftTracker:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; missing keys keep their current value."""
         if "runs" in state:
-            self._runs = {(r[0], r[1]): [int(r[2]), int(r[3]), int(r[4]), float(r[5]), bool(r[6])] for r in state["runs"]}
+            self._runs = {
+                (r[0], r[1]): [int(r[2]), int(r[3]), int(r[4]), float(r[5]), bool(r[6])]
+                for r in state["runs"]
+            }
         if "events" in state:
             self.events = [DriftEvent(**d) for d in state["events"]]
 
@@ -237,7 +242,9 @@ class WhatIfDelayed:
         algo: str = "max",
         margin: int = 0,
     ) -> None:
-        if isinstance(formats, FP8Format) or (isinstance(formats, str) and formats.lower() in ("e4m3", "e5m2")):
+        if isinstance(formats, FP8Format) or (
+            isinstance(formats, str) and formats.lower() in ("e4m3", "e5m2")
+        ):
             fmt = get_format(formats)
             self.formats = FormatPair(fmt.name, fmt, fmt)
         else:
@@ -255,7 +262,9 @@ class WhatIfDelayed:
         if key not in self._scalers:
             if tensor not in TENSOR_KINDS:
                 raise invalid_choice("tensor kind", tensor, TENSOR_KINDS)
-            self._scalers[key] = DelayedScaler(self.formats.for_tensor(tensor), self.history_len, self.algo, self.margin)
+            self._scalers[key] = DelayedScaler(
+                self.formats.for_tensor(tensor), self.history_len, self.algo, self.margin
+            )
             self._seen[key] = 0
         return self._scalers[key]
 
@@ -276,9 +285,13 @@ class WhatIfDelayed:
         self._seen[key] += 1
         return WhatIf(scale=used, current_scale=cur, drift_log2=drift)
 
-    def observe_many(self, step: int, amaxes: Mapping[tuple[str, str], float]) -> dict[tuple[str, str], WhatIf]:
+    def observe_many(
+        self, step: int, amaxes: Mapping[tuple[str, str], float]
+    ) -> dict[tuple[str, str], WhatIf]:
         """:meth:`observe` for every ``(layer, tensor) -> amax`` of one sampled step."""
-        return {(layer, tensor): self.observe(step, layer, tensor, a) for (layer, tensor), a in amaxes.items()}
+        return {
+            (layer, tensor): self.observe(step, layer, tensor, a) for (layer, tensor), a in amaxes.items()
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data (lists, not tensors): histories, scales and sample counts per (layer, tensor)."""

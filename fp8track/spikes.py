@@ -59,7 +59,9 @@ def _check_int(name: str, value: object, low: int) -> None:
         raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
-def _check_float(name: str, value: object, low: float, *, strict: bool = False, allow_inf: bool = False) -> None:
+def _check_float(
+    name: str, value: object, low: float, *, strict: bool = False, allow_inf: bool = False
+) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
     if ok:
         ok = (value > low if strict else value >= low) and (allow_inf or math.isfinite(value))
@@ -224,7 +226,11 @@ class SpikeEvent:
                 level="ERROR",
                 title="Non-finite loss",
                 text=f"loss was {self.peak_loss} at step {self.start_step}"
-                + (f"; finite again after {self.recover_steps} steps" if self.recover_steps is not None else ""),
+                + (
+                    f"; finite again after {self.recover_steps} steps"
+                    if self.recover_steps is not None
+                    else ""
+                ),
             )
         if classification is not None:
             data.update(classification.to_dict())
@@ -369,7 +375,13 @@ class SpikeDetector:
         if not math.isfinite(loss):
             if self._nonfinite is None:
                 med, sig = self.baseline()
-                self._nonfinite = {"start": step, "loss": loss, "baseline": med, "sigma": sig, "grad": grad_spiked}
+                self._nonfinite = {
+                    "start": step,
+                    "loss": loss,
+                    "baseline": med,
+                    "sigma": sig,
+                    "grad": grad_spiked,
+                }
                 out.append(self._nonfinite_event("open", None))
             else:
                 self._nonfinite["grad"] = _or(self._nonfinite["grad"], grad_spiked)
@@ -515,7 +527,9 @@ class SpikeDetector:
         o = self._open
         assert o is not None  # internal invariant, not a user error
         o["grad"] = _or(o["grad"], grad_spiked)
-        close_level = o["baseline"] + max(cfg.recover_z * o["sigma"], cfg.recover_tolerance * abs(o["baseline"]))
+        close_level = o["baseline"] + max(
+            cfg.recover_z * o["sigma"], cfg.recover_tolerance * abs(o["baseline"])
+        )
         if loss <= close_level:
             back = o.setdefault("back", [])
             back.append(loss)
@@ -606,9 +620,7 @@ def _or_all(values: Iterable[bool | None]) -> bool | None:
     return out
 
 
-def detect_spikes(
-    series: Mapping[int, float], config: SpikeConfig | None = None
-) -> tuple[SpikeEvent, ...]:
+def detect_spikes(series: Mapping[int, float], config: SpikeConfig | None = None) -> tuple[SpikeEvent, ...]:
     """Run a fresh :class:`SpikeDetector` over ``{step: loss}`` (sorted by step) and finalize it.
 
     Returns every event in its final state (open spikes become ``"not_recovered"``).

@@ -39,7 +39,9 @@ def test_halves_window_matches_numpy():
 
 
 def test_centred_median_hand_worked():
-    np.testing.assert_allclose(centred_median(np.array([5.0, 1.0, 3.0, 2.0, 4.0]), 3), [3.0, 3.0, 2.0, 3.0, 3.0])
+    np.testing.assert_allclose(
+        centred_median(np.array([5.0, 1.0, 3.0, 2.0, 4.0]), 3), [3.0, 3.0, 2.0, 3.0, 3.0]
+    )
 
 
 def test_mid_training_divergence_start_and_phase():

@@ -81,7 +81,10 @@ def test_relative_margin_blocks_tiny_sigma_spikes():
     # +6% for 10 steps passes both tests
     det = SpikeDetector(SpikeConfig(window=64, warmup=32, min_sigma_rel=0.0))
     ev = feed(det, flat(100, amp=1e-4) + [2.12] * 10 + flat(20, amp=1e-4))
-    assert [(e.status, e.start_step, e.end_step) for e in ev] == [("open", 100, None), ("recovered", 100, 110)]
+    assert [(e.status, e.start_step, e.end_step) for e in ev] == [
+        ("open", 100, None),
+        ("recovered", 100, 110),
+    ]
 
 
 def test_no_spike_during_warmup():
@@ -107,12 +110,20 @@ def test_not_recovered_at_finalize_and_after_max_open_steps():
     feed(det, flat(100) + [3.0] * 50)
     assert det.open_event is not None and det.open_event.status == "open"
     (final,) = det.finalize()
-    assert (final.status, final.start_step, final.end_step, final.recover_steps) == ("not_recovered", 100, 149, None)
+    assert (final.status, final.start_step, final.end_step, final.recover_steps) == (
+        "not_recovered",
+        100,
+        149,
+        None,
+    )
     assert det.events == [final] and det.open_event is None
 
     det = SpikeDetector(SpikeConfig(window=64, warmup=32, max_open_steps=30))
     ev = feed(det, flat(100) + [3.0] * 200)
-    assert [(e.status, e.start_step, e.end_step) for e in ev] == [("open", 100, None), ("not_recovered", 100, 130)]
+    assert [(e.status, e.start_step, e.end_step) for e in ev] == [
+        ("open", 100, None),
+        ("not_recovered", 100, 130),
+    ]
     # baseline re-learned at the new level: 3.0 is now normal, no new spike
     assert det.baseline()[0] == pytest.approx(3.0)
 
@@ -249,7 +260,9 @@ def test_to_record_fields_and_severity():
     assert rec.data["rel_excess"] == pytest.approx(0.5)
     assert rec.data["severity"] == pytest.approx(0.5 * (1 + math.log10(10)))
     assert "alert" not in rec.data
-    nan_rec = SpikeEvent("nonfinite", 5, 5, math.nan, 2.0, 0.01, math.nan, None, None, None, "open").to_record()
+    nan_rec = SpikeEvent(
+        "nonfinite", 5, 5, math.nan, 2.0, 0.01, math.nan, None, None, None, "open"
+    ).to_record()
     assert nan_rec.data["alert"] is True and nan_rec.data["level"] == "ERROR"
     assert nan_rec.data["severity"] == pytest.approx(10.0)
 
