@@ -1,0 +1,413 @@
+"""The control (baseline) run: load its loss curve, align it by step, compare spikes.
+
+A reference names the control in one of three forms (:func:`load_baseline`):
+
+* a local fp8track run directory (has ``meta.json``; read with :class:`fp8track.records.RunReader`);
+* ``mlflow:<run_id>``, read with ``MlflowClient(tracking_uri).get_metric_history`` where the URI is
+  the one given (e.g. the trainer's ``MLFlowLogger``), else ``MLFLOW_TRACKING_URI``;
+* a W&B offline run directory (``.../wandb/offline-run-<ts>-<id>``, its ``run-<id>.wandb`` file, or
+  a ``wandb`` directory holding exactly one run), read with ``wandb leet inspect <path> --json``
+  (W&B 0.31 has no Python reader for offline runs). The step is ``trainer/global_step`` when logged
+  (Lightning's ``WandbLogger``), else W&B's ``_step``.
+
+The loss metric is the first of :data:`LOSS_KEYS` present unless ``key`` is given. The control's
+spikes are found by running :class:`fp8track.spikes.SpikeDetector` over its loss.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from fp8track.errors import ConfigError
+from fp8track.spikes import SpikeConfig, SpikeEvent, detect_spikes
+
+LOSS_KEYS = ("loss", "train_loss", "train/loss", "train_loss_step")
+REF_FORMS = (
+    "a local fp8track run directory (with meta.json)",
+    "'mlflow:<run_id>'",
+    "a W&B offline run directory (wandb/offline-run-*) or its run-*.wandb file",
+)
+CLASSIFICATIONS = ("shared", "fp8_only")
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """A control run's loss curve and the spikes found in it.
+
+    Attributes:
+        source: the reference it was loaded from (for reports).
+        loss: ``{step: loss}``.
+        spikes: events of :func:`fp8track.spikes.detect_spikes` on ``loss`` (final states).
+        key: the metric name the loss was read from.
+    """
+
+    source: str
+    loss: Mapping[int, float]
+    spikes: tuple[SpikeEvent, ...] = ()
+    key: str = "loss"
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_series(
+        cls,
+        source: str,
+        loss: Mapping[int, float],
+        spike_config: SpikeConfig | None = None,
+        key: str = "loss",
+        meta: Mapping[str, Any] | None = None,
+    ) -> Baseline:
+        """Build from ``{step: loss}``, detecting the control's spikes."""
+        series = {int(s): float(v) for s, v in sorted(loss.items())}
+        return cls(source, series, detect_spikes(series, spike_config), key, dict(meta or {}))
+
+    @cached_property
+    def steps(self) -> list[int]:
+        """Sorted steps of :attr:`loss`."""
+        return sorted(self.loss)
+
+    @cached_property
+    def step_spacing(self) -> int:
+        """Median distance between consecutive logged steps (1 for fewer than two steps)."""
+        s = self.steps
+        if len(s) < 2:
+            return 1
+        diffs = sorted(b - a for a, b in zip(s, s[1:], strict=False))
+        return max(1, diffs[len(diffs) // 2])
+
+    def loss_at(self, step: int, max_lag: int | None = None) -> float | None:
+        """Control loss at the nearest logged step ``<= step`` at most ``max_lag`` steps earlier.
+
+        ``max_lag`` defaults to :attr:`step_spacing` (one logging interval of the control).
+        Returns ``None`` when there is no such step.
+        """
+        lag = self.step_spacing if max_lag is None else max_lag
+        i = bisect.bisect_right(self.steps, int(step)) - 1
+        if i < 0 or step - self.steps[i] > lag:
+            return None
+        return self.loss[self.steps[i]]
+
+
+def loss_gap(
+    step: int, loss: float, baseline: Baseline, max_lag: int | None = None
+) -> tuple[float, float] | None:
+    """Step-aligned ``(loss - control, (loss - control) / |control|)``.
+
+    The control value is :meth:`Baseline.loss_at` (nearest earlier logged step within
+    ``max_lag``). ``None`` when there is no control value or either loss is non-finite; the
+    relative gap is NaN when the control loss is 0.
+
+    Example:
+        >>> b = Baseline("demo", {0: 4.0, 10: 2.0})
+        >>> loss_gap(12, 2.5, b), loss_gap(25, 2.5, b)
+        ((0.5, 0.25), None)
+    """
+    ref = baseline.loss_at(step, max_lag)
+    loss = float(loss)
+    if ref is None or not (math.isfinite(ref) and math.isfinite(loss)):
+        return None
+    gap = loss - ref
+    return gap, (gap / abs(ref) if ref != 0 else math.nan)
+
+
+@dataclass(frozen=True)
+class SpikeClassification:
+    """An FP8 spike compared with the control's spikes.
+
+    Attributes:
+        label: ``"shared"`` (the control had a spike of the same kind starting within ``window``
+            steps) or ``"fp8_only"``.
+        window: the matching window in steps.
+        control_start_step: start of the matched control spike (``None`` if FP8-only).
+        step_offset: FP8 start minus control start.
+        recover_steps, control_recover_steps: steps to recover (``None`` = not recovered or no match).
+        recover_ratio: ``recover_steps / control_recover_steps`` when both recovered (control
+            recovery of 0 counts as 1 step).
+        slower_recovery: FP8 recovered ``slower_factor`` times slower than the control or not at
+            all while the control did; ``None`` without a match.
+    """
+
+    label: str
+    window: int
+    control_start_step: int | None = None
+    step_offset: int | None = None
+    recover_steps: int | None = None
+    control_recover_steps: int | None = None
+    recover_ratio: float | None = None
+    slower_recovery: bool | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "control": self.label,
+            "control_window": self.window,
+            "control_start_step": self.control_start_step,
+            "control_step_offset": self.step_offset,
+            "control_recover_steps": self.control_recover_steps,
+            "recover_ratio": self.recover_ratio,
+            "slower_recovery": self.slower_recovery,
+        }
+
+
+def classify_spike(
+    event: SpikeEvent, baseline: Baseline, window: int = 50, slower_factor: float = 2.0
+) -> SpikeClassification:
+    """Shared with the control or FP8-only, with the recovery-time comparison.
+
+    A control event of the same kind whose start is within ``window`` steps of ``event``'s start
+    makes it shared (the nearest one is the match).
+
+    Example:
+        >>> ctl = SpikeEvent("spike", 100, 101, 5.0, 3.0, 0.1, 20.0, 10, 110, None, "recovered")
+        >>> fp8 = SpikeEvent("spike", 120, 121, 6.0, 3.0, 0.1, 30.0, 40, 160, None, "recovered")
+        >>> c = classify_spike(fp8, Baseline("ctl", {}, (ctl,)), window=50)
+        >>> c.label, c.step_offset, c.recover_ratio, c.slower_recovery
+        ('shared', 20, 4.0, True)
+        >>> classify_spike(fp8, Baseline("ctl", {}, (ctl,)), window=10).label
+        'fp8_only'
+    """
+    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+        raise ConfigError(f"window must be an integer >= 0, got {window!r}")
+    candidates = [
+        c for c in baseline.spikes if c.kind == event.kind and abs(c.start_step - event.start_step) <= window
+    ]
+    if not candidates:
+        return SpikeClassification("fp8_only", window, recover_steps=event.recover_steps)
+    match = min(candidates, key=lambda c: (abs(c.start_step - event.start_step), c.start_step))
+    ratio = None
+    slower = None
+    if match.recover_steps is not None:
+        if event.recover_steps is None:
+            slower = True
+        else:
+            ratio = event.recover_steps / max(match.recover_steps, 1)
+            slower = ratio >= slower_factor
+    elif event.recover_steps is not None:
+        slower = False
+    return SpikeClassification(
+        "shared",
+        window,
+        control_start_step=match.start_step,
+        step_offset=event.start_step - match.start_step,
+        recover_steps=event.recover_steps,
+        control_recover_steps=match.recover_steps,
+        recover_ratio=ratio,
+        slower_recovery=slower,
+    )
+
+
+def spike_summary(events: Iterable[SpikeEvent], baseline: Baseline, window: int = 50) -> dict[str, Any]:
+    """Counts for the troubleshooting path's step 2: FP8 spikes, shared, FP8-only, control spikes,
+    and median recovery steps of each side (recovered spikes only; ``None`` if there are none)."""
+    spikes = [e for e in events if e.kind == "spike"]
+    labels = [classify_spike(e, baseline, window).label for e in spikes]
+    ctl = [e for e in baseline.spikes if e.kind == "spike"]
+
+    def med(xs: Sequence[int | None]) -> float | None:
+        vals = sorted(x for x in xs if x is not None)
+        if not vals:
+            return None
+        n = len(vals)
+        return float(vals[n // 2]) if n % 2 else (vals[n // 2 - 1] + vals[n // 2]) / 2.0
+
+    return {
+        "fp8_spikes": len(spikes),
+        "shared": labels.count("shared"),
+        "fp8_only": labels.count("fp8_only"),
+        "control_spikes": len(ctl),
+        "fp8_median_recover_steps": med([e.recover_steps for e in spikes]),
+        "control_median_recover_steps": med([e.recover_steps for e in ctl]),
+        "fp8_not_recovered": sum(1 for e in spikes if e.status == "not_recovered"),
+        "control_not_recovered": sum(1 for e in ctl if e.status == "not_recovered"),
+    }
+
+
+# --- loading -----------------------------------------------------------------------------------
+
+
+def _pick_key(available: Iterable[str], key: str | None, source: str) -> str:
+    avail = set(available)
+    if key is not None:
+        if key not in avail:
+            raise ConfigError(
+                f"baseline {source} has no metric {key!r}; it has: {', '.join(sorted(avail)) or 'none'}"
+            )
+        return key
+    for k in LOSS_KEYS:
+        if k in avail:
+            return k
+    raise ConfigError(
+        f"baseline {source} has none of the loss metrics {', '.join(LOSS_KEYS)}; it has: "
+        f"{', '.join(sorted(avail)) or 'none'}. Pass key=<metric name>"
+    )
+
+
+def _load_run_dir(path: Path, key: str | None) -> tuple[dict[int, float], str]:
+    from fp8track.records import RunReader
+
+    reader = RunReader(path)
+    names: set[str] = set()
+    for rec in reader.metrics():
+        names.update(rec.metrics)
+    k = _pick_key(names, key, str(path))
+    return reader.series(k), k
+
+
+def _load_mlflow(run_id: str, tracking_uri: str | None, key: str | None) -> tuple[dict[int, float], str]:
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        raise ConfigError(
+            f"baseline 'mlflow:{run_id}' needs a tracking URI: pass tracking_uri (the trainer's MLFlowLogger "
+            "has one) or set MLFLOW_TRACKING_URI, e.g. sqlite:///mlflow.db"
+        )
+    try:
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+    except ImportError as err:
+        raise ConfigError("an mlflow: baseline needs MLflow: pip install 'fp8track[mlflow]'") from err
+    client = MlflowClient(tracking_uri=uri)
+    try:
+        run = client.get_run(run_id)
+    except MlflowException as err:
+        raise ConfigError(f"baseline 'mlflow:{run_id}': no such run at {uri} ({err})") from err
+    k = _pick_key(run.data.metrics, key, f"mlflow:{run_id}")
+    # Several values at one step (e.g. a resumed run): the latest write wins.
+    history = sorted(client.get_metric_history(run_id, k), key=lambda m: (m.step, m.timestamp))
+    return {int(m.step): float(m.value) for m in history}, k
+
+
+def find_wandb_run(path: Path) -> Path | None:
+    """The ``run-*.wandb`` file that ``path`` designates, ``None`` if it is not a W&B run.
+
+    Raises:
+        ConfigError: when ``path`` holds several W&B runs.
+    """
+    if path.is_file() and path.suffix == ".wandb":
+        return path
+    if not path.is_dir():
+        return None
+    files = sorted(path.glob("run-*.wandb"))
+    if len(files) == 1:
+        return files[0]
+    runs = sorted(p for pat in ("*run-*/run-*.wandb", "wandb/*run-*/run-*.wandb") for p in path.glob(pat))
+    if len(runs) > 1:
+        raise ConfigError(
+            f"{path} holds {len(runs)} W&B runs; pass one run directory: "
+            + ", ".join(str(p.parent) for p in runs[:5])
+        )
+    return runs[0] if runs else None
+
+
+def read_wandb_history(wandb_file: Path) -> list[dict[str, Any]]:
+    """History rows of an offline W&B run via ``wandb leet inspect --json`` (NaN/inf restored)."""
+    cmd = [sys.executable, "-m", "wandb", "leet", "inspect", str(wandb_file), "--json"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise ConfigError(f"could not read W&B run {wandb_file}: {err}") from err
+    if proc.returncode != 0:
+        raise ConfigError(
+            f"could not read W&B run {wandb_file} with `wandb leet inspect` (needs wandb>=0.31: "
+            f"pip install 'fp8track[wandb]'): {proc.stderr.strip()[-500:]}"
+        )
+    rows = []
+    for line in proc.stdout.splitlines():
+        if not line.startswith("{"):
+            continue
+        rec = json.loads(line)
+        if rec.get("type") == "history":
+            rows.append(rec["history"]["item"])
+    return rows
+
+
+def _as_float(v: Any) -> float | None:
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, str) and v in ("NaN", "Infinity", "-Infinity"):
+        return float(v)
+    return None
+
+
+def _load_wandb(wandb_file: Path, key: str | None) -> tuple[dict[int, float], str]:
+    rows = read_wandb_history(wandb_file)
+    names = {k for r in rows for k, v in r.items() if not k.startswith("_") and _as_float(v) is not None}
+    k = _pick_key(names, key, str(wandb_file.parent))
+    series: dict[int, float] = {}
+    for r in rows:
+        value = _as_float(r.get(k))
+        step = _as_float(r.get("trainer/global_step", r.get("_step")))
+        if value is not None and step is not None and math.isfinite(step):
+            series[int(step)] = value
+    return series, k
+
+
+def load_baseline(
+    ref: str | os.PathLike[str],
+    tracking_uri: str | None = None,
+    *,
+    key: str | None = None,
+    spike_config: SpikeConfig | None = None,
+) -> Baseline:
+    """Load a control run's loss curve and detect its spikes.
+
+    Args:
+        ref: a local fp8track run directory, ``"mlflow:<run_id>"``, or a W&B offline run directory
+            (or its ``.wandb`` file).
+        tracking_uri: MLflow tracking URI for ``mlflow:`` refs (else ``MLFLOW_TRACKING_URI``).
+        key: the loss metric's name; default: the first of :data:`LOSS_KEYS` the run has.
+        spike_config: thresholds for the control's spike detection (default :class:`SpikeConfig`).
+
+    Raises:
+        ConfigError: for a reference in none of the forms (naming them), a missing run, or a run
+            without a loss metric.
+    """
+    text = os.fspath(ref)
+    if not isinstance(text, str) or not text:
+        raise ConfigError(f"baseline reference {ref!r} is empty; give one of: {'; '.join(REF_FORMS)}")
+    if text.startswith("mlflow:"):
+        run_id = text[len("mlflow:") :].strip()
+        if not run_id:
+            raise ConfigError(f"baseline reference {text!r} has no run id; expected 'mlflow:<run_id>'")
+        series, k = _load_mlflow(run_id, tracking_uri, key)
+    else:
+        path = Path(text).expanduser()
+        if not path.exists():
+            raise ConfigError(
+                f"baseline reference {text!r} does not exist; give one of: {'; '.join(REF_FORMS)}"
+            )
+        if (path / "meta.json").is_file():
+            series, k = _load_run_dir(path, key)
+        else:
+            wandb_file = find_wandb_run(path)
+            if wandb_file is None:
+                raise ConfigError(
+                    f"baseline reference {text!r} is not a run; give one of: {'; '.join(REF_FORMS)}"
+                )
+            series, k = _load_wandb(wandb_file, key)
+    if not series:
+        raise ConfigError(f"baseline {text!r} has no values of {k!r}")
+    return Baseline.from_series(text, series, spike_config, key=k)
+
+
+__all__ = [
+    "Baseline",
+    "SpikeClassification",
+    "load_baseline",
+    "loss_gap",
+    "classify_spike",
+    "spike_summary",
+    "find_wandb_run",
+    "read_wandb_history",
+    "LOSS_KEYS",
+    "REF_FORMS",
+]

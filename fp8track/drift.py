@@ -1,0 +1,314 @@
+"""Scale drift: the recipe's scale against the tensor's own current scale, per layer and tensor.
+
+``scale_drift_log2 = log2(scale / current_scale)`` (DESIGN.md section 4): ``> 0`` means the
+scale in use is too large for today's amax (overflow risk), ``< 0`` means range is wasted
+(underflow risk). One unit is one binade (a factor of 2).
+
+* :class:`DriftTracker` turns per-sample drift values into :class:`DriftEvent` s: an event when
+  ``|drift| >= threshold_log2`` for ``consecutive`` samples in a row of one (layer, tensor), in
+  one direction. One event per excursion; the (layer, tensor) re-arms when ``|drift|`` falls
+  back below the threshold (or flips direction).
+* :class:`WhatIfDelayed` answers "what scale would delayed scaling with an amax history of L have
+  used here?" for runs on other recipes: fed with each tensor's observed amax on every sampled
+  step, it runs a Transformer-Engine-faithful :class:`fp8track.scaling.DelayedScaler` per
+  (layer, tensor) and returns that scale and its drift against the current scale.
+
+Both keep plain-data state (``state_dict`` / ``load_state_dict``) that round-trips through JSON.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+
+from fp8track.errors import ConfigError, invalid_choice
+from fp8track.formats import TENSOR_KINDS, FormatPair, FP8Format, get_format, get_format_pair
+from fp8track.records import EventRecord
+from fp8track.scaling import AMAX_COMPUTE_ALGOS, DelayedScaler, current_scale
+from fp8track.spikes import _check_float, _check_int
+
+DIRECTIONS = ("overflow_risk", "underflow_risk")
+
+
+def drift_log2(scale: float, current: float) -> float:
+    """``log2(scale / current)``; NaN when either is not a positive finite number.
+
+    Example:
+        >>> drift_log2(4.0, 1.0), drift_log2(1.0, 8.0)
+        (2.0, -3.0)
+    """
+    if not (scale > 0 and current > 0 and math.isfinite(scale) and math.isfinite(current)):
+        return math.nan
+    return math.log2(scale) - math.log2(current)
+
+
+@dataclass(frozen=True)
+class DriftConfig:
+    """When drift becomes an event.
+
+    Attributes:
+        threshold_log2: ``|drift|`` in binades that counts (1.0: the scale is off by 2x or more;
+            e4m3 has 17 binades of normal range so one binade is a large but common excursion).
+        consecutive: samples in a row (of one layer and tensor, same direction) before the event
+            (3: a single stale step after an amax jump is what delayed scaling always does).
+    """
+
+    threshold_log2: float = 1.0
+    consecutive: int = 3
+
+    def __post_init__(self) -> None:
+        _check_float("threshold_log2", self.threshold_log2, 0.0, strict=True)
+        _check_int("consecutive", self.consecutive, 1)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> DriftConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise invalid_choice("DriftConfig key", unknown[0], sorted(known))
+        return cls(**dict(d))
+
+
+@dataclass(frozen=True)
+class DriftEvent:
+    """``|scale_drift_log2| >= threshold`` for ``consecutive`` samples of one layer's tensor.
+
+    Attributes:
+        step: step at which the event fired (the K-th sample).
+        layer, tensor: the layer's qualified name and the tensor kind.
+        start_step: first sample of the excursion.
+        drift_log2: drift at ``step``; ``peak_drift_log2``: largest ``|drift|`` so far (signed).
+        direction: ``"overflow_risk"`` (drift > 0) or ``"underflow_risk"`` (drift < 0).
+        consecutive: samples in the excursion when it fired (= the configured K).
+        threshold_log2: the threshold used.
+        source: ``"recipe"`` (the run's own scales) or ``"what_if"`` (:class:`WhatIfDelayed`).
+    """
+
+    step: int
+    layer: str
+    tensor: str
+    start_step: int
+    drift_log2: float
+    peak_drift_log2: float
+    direction: str
+    consecutive: int
+    threshold_log2: float
+    source: str = "recipe"
+
+    @property
+    def severity(self) -> float:
+        """``|peak drift| / threshold`` (>= 1; 2 means twice as many binades off as the threshold)."""
+        return (
+            abs(self.peak_drift_log2) / self.threshold_log2 if math.isfinite(self.peak_drift_log2) else 10.0
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_record(self) -> EventRecord:
+        data = self.to_dict()
+        data["severity"] = self.severity
+        return EventRecord(kind="drift", step=self.step, data=data)
+
+
+class DriftTracker:
+    """Per (layer, tensor) excursion counter over ``scale_drift_log2`` samples.
+
+    Example:
+        >>> tr = DriftTracker(DriftConfig(threshold_log2=1.0, consecutive=2))
+        >>> [e.direction for s, d in enumerate([0.2, 1.5, 1.2, 1.7, 0.1, -2.0, -2.5]) for e in tr.update(s, "fc1", "weight", d)]
+        ['overflow_risk', 'underflow_risk']
+    """
+
+    def __init__(self, config: DriftConfig | None = None, source: str = "recipe") -> None:
+        self.config = config if config is not None else DriftConfig()
+        if not isinstance(self.config, DriftConfig):
+            raise ConfigError(f"config must be a DriftConfig, got {type(self.config).__name__}")
+        if source not in ("recipe", "what_if"):
+            raise invalid_choice("drift source", source, ("recipe", "what_if"))
+        self.source = source
+        self.events: list[DriftEvent] = []
+        # (layer, tensor) -> [sign, count, start_step, peak, fired]
+        self._runs: dict[tuple[str, str], list[Any]] = {}
+
+    def update(self, step: int, layer: str, tensor: str, drift: float) -> list[DriftEvent]:
+        """Feed one sample; returns the event if this sample completes an excursion of K samples.
+
+        A NaN drift (no usable scale, e.g. an all-zero tensor) is not a sample: it neither counts
+        nor breaks a run.
+        """
+        drift = float(drift)
+        if math.isnan(drift):
+            return []
+        key = (layer, tensor)
+        thr = self.config.threshold_log2
+        if abs(drift) < thr:
+            self._runs.pop(key, None)
+            return []
+        sign = 1 if drift > 0 else -1
+        run = self._runs.get(key)
+        if run is None or run[0] != sign:
+            run = [sign, 0, int(step), drift, False]
+            self._runs[key] = run
+        run[1] += 1
+        if abs(drift) > abs(run[3]):
+            run[3] = drift
+        if run[1] >= self.config.consecutive and not run[4]:
+            run[4] = True
+            event = DriftEvent(
+                step=int(step),
+                layer=layer,
+                tensor=tensor,
+                start_step=run[2],
+                drift_log2=drift,
+                peak_drift_log2=run[3],
+                direction="overflow_risk" if sign > 0 else "underflow_risk",
+                consecutive=run[1],
+                threshold_log2=thr,
+                source=self.source,
+            )
+            self.events.append(event)
+            return [event]
+        return []
+
+    def update_many(self, step: int, drifts: Mapping[tuple[str, str], float]) -> list[DriftEvent]:
+        """:meth:`update` for every ``(layer, tensor) -> drift`` sample of one step."""
+        out: list[DriftEvent] = []
+        for (layer, tensor), d in drifts.items():
+            out += self.update(step, layer, tensor, d)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "runs": [[layer, tensor, *run] for (layer, tensor), run in self._runs.items()],
+            "events": [e.to_dict() for e in self.events],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; missing keys keep their current value."""
+        if "runs" in state:
+            self._runs = {
+                (r[0], r[1]): [int(r[2]), int(r[3]), int(r[4]), float(r[5]), bool(r[6])]
+                for r in state["runs"]
+            }
+        if "events" in state:
+            self.events = [DriftEvent(**d) for d in state["events"]]
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """What delayed scaling would have used at one sampled step for one tensor.
+
+    Attributes:
+        scale: the delayed scale (from the history of *earlier* samples; 1.0 before any, as in TE).
+        current_scale: ``fmt.max / amax / 2**margin`` of this sample's amax.
+        drift_log2: ``log2(scale / current_scale)``; NaN for the first sample (no history yet) or
+            an unusable amax.
+    """
+
+    scale: float
+    current_scale: float
+    drift_log2: float
+
+
+class WhatIfDelayed:
+    """Simulates delayed scaling (history ``history_len``, ``algo``, ``margin``) on observed amaxes.
+
+    Feed :meth:`observe` with each (layer, tensor)'s amax at every sampled step, in step order.
+    The history counts *samples*: when statistics are sampled every ``n`` steps the simulated
+    history spans ``history_len * n`` training steps and, with ``algo="max"``, its amax is a lower
+    bound of what real delayed scaling would see (it misses unsampled steps).
+
+    Args:
+        formats: a :class:`FormatPair` / its name (``"hybrid"``: e4m3 forward, e5m2 gradients) or
+            one :class:`FP8Format` for every tensor.
+        history_len, algo, margin: as Transformer Engine's ``DelayedScaling``.
+
+    Example:
+        >>> w = WhatIfDelayed("e4m3", history_len=4)
+        >>> [round(w.observe(s, "fc1", "activation", a).drift_log2, 3) for s, a in enumerate([1.0, 1.0, 4.0])][1:]
+        [0.0, 2.0]
+    """
+
+    def __init__(
+        self,
+        formats: str | FormatPair | FP8Format = "hybrid",
+        history_len: int = 1024,
+        algo: str = "max",
+        margin: int = 0,
+    ) -> None:
+        if isinstance(formats, FP8Format) or (
+            isinstance(formats, str) and formats.lower() in ("e4m3", "e5m2")
+        ):
+            fmt = get_format(formats)
+            self.formats = FormatPair(fmt.name, fmt, fmt)
+        else:
+            self.formats = get_format_pair(formats)
+        _check_int("history_len", history_len, 1)
+        if algo not in AMAX_COMPUTE_ALGOS:
+            raise invalid_choice("amax_compute_algo", algo, AMAX_COMPUTE_ALGOS)
+        _check_int("margin", margin, 0)
+        self.history_len, self.algo, self.margin = history_len, algo, margin
+        self._scalers: dict[tuple[str, str], DelayedScaler] = {}
+        self._seen: dict[tuple[str, str], int] = {}
+
+    def _scaler(self, layer: str, tensor: str) -> DelayedScaler:
+        key = (layer, tensor)
+        if key not in self._scalers:
+            if tensor not in TENSOR_KINDS:
+                raise invalid_choice("tensor kind", tensor, TENSOR_KINDS)
+            self._scalers[key] = DelayedScaler(
+                self.formats.for_tensor(tensor), self.history_len, self.algo, self.margin
+            )
+            self._seen[key] = 0
+        return self._scalers[key]
+
+    def observe(self, step: int, layer: str, tensor: str, amax: float | torch.Tensor) -> WhatIf:
+        """One sample: the what-if scale for this step, then the amax enters the history.
+
+        ``step`` is informational (samples must come in step order). NaN/inf/0 amaxes are handled
+        as in TE (the scale keeps its previous value).
+        """
+        scaler = self._scaler(layer, tensor)
+        a = torch.as_tensor(float(amax), dtype=torch.float32)
+        used = float(scaler.scale)
+        cur = float(current_scale(a, scaler.fmt, self.margin, math.nan))
+        key = (layer, tensor)
+        drift = drift_log2(used, cur) if self._seen[key] > 0 else math.nan
+        scaler.observe(a)
+        scaler.update()
+        self._seen[key] += 1
+        return WhatIf(scale=used, current_scale=cur, drift_log2=drift)
+
+    def observe_many(
+        self, step: int, amaxes: Mapping[tuple[str, str], float]
+    ) -> dict[tuple[str, str], WhatIf]:
+        """:meth:`observe` for every ``(layer, tensor) -> amax`` of one sampled step."""
+        return {
+            (layer, tensor): self.observe(step, layer, tensor, a) for (layer, tensor), a in amaxes.items()
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data (lists, not tensors): histories, scales and sample counts per (layer, tensor)."""
+        return {
+            "version": 1,
+            "scalers": [
+                [layer, tensor, s.amax_history.tolist(), float(s.scale), self._seen[(layer, tensor)]]
+                for (layer, tensor), s in self._scalers.items()
+            ],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; missing keys keep their current value."""
+        for layer, tensor, hist, scale, seen in state.get("scalers", []):
+            scaler = self._scaler(layer, tensor)
+            scaler.load_state_dict({"amax_history": hist, "scale": scale})
+            self._seen[(layer, tensor)] = int(seen)
+
+
+__all__ = ["DriftConfig", "DriftEvent", "DriftTracker", "WhatIf", "WhatIfDelayed", "drift_log2", "DIRECTIONS"]
