@@ -10,10 +10,12 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from fp8track.capture import LayerFilter, validate_tensors, validate_whatif
-from fp8track.errors import ConfigError
+from fp8track.errors import ConfigError, invalid_choice
 from fp8track.formats import TENSOR_KINDS
 from fp8track.monitor import DEFAULT_SCALAR_STATS, Monitor, MonitorConfig
 from fp8track.records import RunMeta
+
+SPIKE_ACTIONS = ("log", "stop", "checkpoint")
 
 
 class FP8Monitor(Callback):
@@ -37,6 +39,12 @@ class FP8Monitor(Callback):
         whatif: other recipes evaluated on the same tensors (``"current"``, ``"mxfp8"``, ``"block"``).
         per_layer_scalars: False keeps per-layer detail in tables only.
         run_name: name stored in the run metadata.
+        baseline: the BF16 control: a local run directory, ``"mlflow:<run_id>"`` (resolved against
+            the trainer's MLFlowLogger tracking URI, else ``MLFLOW_TRACKING_URI``) or a W&B
+            offline run directory. Adds ``fp8/loss_gap_vs_baseline`` and shared / FP8-only spikes.
+        on_spike: ``"log"`` (default: never interferes), ``"stop"`` (stop training when a spike
+            or non-finite loss opens) or ``"checkpoint"`` (save a checkpoint then).
+        analyzers: replace the default analyzers (spikes/divergence and drift).
 
     Raises:
         ConfigError: at construction for bad values; in ``setup`` when a layer selector matches
@@ -59,6 +67,9 @@ class FP8Monitor(Callback):
         whatif: Sequence[str] = (),
         per_layer_scalars: bool = True,
         run_name: str = "fp8track",
+        baseline: str | Path | None = None,
+        on_spike: str = "log",
+        analyzers: Sequence[Any] | None = None,
     ) -> None:
         self.config = MonitorConfig(
             every_n_steps=every_n_steps,
@@ -72,6 +83,11 @@ class FP8Monitor(Callback):
             raise ConfigError(f"layers must be None, a string, a list of strings or a callable, got {layers!r}")
         if isinstance(trackers, str) and trackers not in ("auto", "none"):
             raise ConfigError(f"trackers must be 'auto', 'none' or a list, got {trackers!r}")
+        if on_spike not in SPIKE_ACTIONS:
+            raise invalid_choice("on_spike action", on_spike, SPIKE_ACTIONS)
+        self.baseline = baseline
+        self.on_spike = on_spike
+        self.analyzers = analyzers
         self.layers = layers
         self.log_dir = log_dir
         self.trackers = trackers
@@ -100,7 +116,23 @@ class FP8Monitor(Callback):
             from fp8track.trackers import make_trackers
 
             trackers = make_trackers(self.trackers, trainer.loggers)
-        meta = RunMeta(name=self.run_name, config={"monitor": _config_dict(self.config)})
+        baseline = None
+        if self.baseline is not None:
+            from fp8track.baseline import load_baseline
+
+            baseline = load_baseline(self.baseline, _mlflow_uri(trainer.loggers))
+        report = getattr(pl_module, "fp8track_report", None)
+        meta = RunMeta(
+            name=self.run_name,
+            recipe=report.recipe.to_dict() if report is not None else None,
+            fp8_layers=tuple(report.fp8_layers) if report is not None else (),
+            bf16_layers=tuple(n for n, _ in report.bf16_layers) if report is not None else (),
+            config={
+                "monitor": _config_dict(self.config),
+                "baseline": str(self.baseline) if self.baseline is not None else None,
+                "apply": report.to_dict() if report is not None else None,
+            },
+        )
         return Monitor(
             pl_module,
             self.config,
@@ -108,6 +140,8 @@ class FP8Monitor(Callback):
             log_dir=log_dir,
             trackers=trackers,
             meta=meta,
+            analyzers=self.analyzers,
+            baseline=baseline,
             is_writer=trainer.is_global_zero,
         )
 
@@ -148,8 +182,27 @@ class FP8Monitor(Callback):
             self._micro_batches += 1
         if trainer.global_step > self._step_at_batch_start:  # an optimizer step completed
             mean_loss = self._loss_sum / self._micro_batches if self._micro_batches else None
+            flushed = self.monitor.config.samples(self.monitor.global_step)
             self.monitor.end_step(mean_loss, self._grad_norm)
             self._loss_sum, self._micro_batches, self._grad_norm = None, 0, None
+            if flushed and self.on_spike != "log":
+                self._act_on_spikes(trainer)
+
+    def _act_on_spikes(self, trainer: pl.Trainer) -> None:
+        # Rank 0 saw the events; every rank takes part in the decision (no collective in a
+        # rank-0-only branch), then all stop or all save.
+        if self.monitor is None:
+            return
+        opened = any(
+            e.kind in ("spike", "nonfinite") and e.data.get("status") == "open" for e in self.monitor.last_events
+        )
+        if not trainer.strategy.reduce_boolean_decision(opened, all=False):
+            return
+        if self.on_spike == "stop":
+            trainer.should_stop = True
+        else:
+            path = Path(trainer.default_root_dir) / "fp8track-spikes" / f"spike-step{trainer.global_step}.ckpt"
+            trainer.save_checkpoint(path)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.monitor is not None:
@@ -168,6 +221,14 @@ class FP8Monitor(Callback):
         self._restored = dict(state_dict)
         if self.monitor is not None:
             self.monitor.load_state_dict(state_dict)
+
+
+def _mlflow_uri(loggers: Sequence[Any]) -> str | None:
+    """Tracking URI of the trainer's MLFlowLogger (for ``mlflow:<run_id>`` baselines), if any."""
+    for logger in loggers:
+        if type(logger).__name__ == "MLFlowLogger":
+            return getattr(logger, "_tracking_uri", None) or logger.experiment.tracking_uri
+    return None
 
 
 def _config_dict(config: MonitorConfig) -> dict[str, Any]:

@@ -150,7 +150,11 @@ class Monitor:
         log_dir: parent of the run directory (rank 0 writes ``<log_dir>/<run_id>``).
         trackers: tracker objects (``fp8track.trackers``) fed after the records are written.
         meta: run metadata written to ``meta.json``.
-        analyzers: rank-0 analysis components (spikes, drift, baseline).
+        analyzers: rank-0 analysis components; default: :class:`fp8track.analysis.LossAnalyzer`
+            (spikes, divergence; against ``baseline`` when given) and
+            :class:`fp8track.analysis.DriftAnalyzer`.
+        baseline: the control run for the default loss analyzer (a loaded
+            :class:`fp8track.baseline.Baseline`).
         is_writer: whether this process writes (default: global rank 0).
 
     Logged metrics (per sampled step):
@@ -171,7 +175,8 @@ class Monitor:
         log_dir: str | Path | None = "fp8track-runs",
         trackers: Sequence[Any] = (),
         meta: RunMeta | None = None,
-        analyzers: Sequence[StepAnalyzer] = (),
+        analyzers: Sequence[StepAnalyzer] | None = None,
+        baseline: Any = None,
         is_writer: bool | None = None,
     ) -> None:
         self.model = model
@@ -182,7 +187,12 @@ class Monitor:
         for fqn, module in chosen:
             plan = plans.get(fqn) or plan_for(fqn, module, self.config.shadow_format)
             self.captures[fqn] = LayerCapture(module, plan, self.config.tensors, self.config.whatif)
+        if analyzers is None:
+            from fp8track.analysis import DriftAnalyzer, LossAnalyzer
+
+            analyzers = [LossAnalyzer(baseline=baseline), DriftAnalyzer()]
         self.analyzers = list(analyzers)
+        self.last_events: list[EventRecord] = []
         self.is_writer = (_dist_rank() == 0) if is_writer is None else is_writer
         self.meta = meta or RunMeta()
         self.log_dir = Path(log_dir) if log_dir is not None else None
@@ -216,6 +226,12 @@ class Monitor:
         self._attached = True
         self.begin_step(self.global_step)
         return self
+
+    def detach(self) -> None:
+        """Remove the hooks (state, run directory and trackers stay open; :meth:`attach` re-adds)."""
+        for cap in self.captures.values():
+            cap.detach()
+        self._attached = False
 
     def begin_step(self, step: int) -> None:
         """Mark the start of optimizer step ``step`` (before its first forward)."""
@@ -318,6 +334,7 @@ class Monitor:
             m, ev = a.observe(series, rows)
             metrics.update(m)
             events.extend(ev)
+        self.last_events = events
         self._emit(step, metrics, rows, events)
 
     def _rows(self, step: int, keys: Sequence[tuple[str, str, str]], flat: Sequence[float]) -> list[TensorStatsRow]:
