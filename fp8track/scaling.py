@@ -42,7 +42,9 @@ def current_scale(
     """
     fmt = get_format(fmt)
     amax_value = amax_value.to(torch.float32)
-    scale = (fmt.max / amax_value) / (2.0**margin)
+    # A tensor numerator: ``python_float / tensor`` runs as reciprocal-then-multiply, which rounds
+    # twice and can miss the correctly rounded quotient TE and torchao compute by one ulp.
+    scale = torch.div(torch.full_like(amax_value, fmt.max), amax_value) / (2.0**margin)
     prev = torch.as_tensor(previous, dtype=torch.float32, device=amax_value.device).expand_as(scale)
     usable = (amax_value > 0) & torch.isfinite(amax_value)
     scale = torch.where(usable, scale, prev)

@@ -1,0 +1,130 @@
+import pytest
+import torch
+from torch import nn
+
+from fp8track.errors import ConfigError
+from fp8track.examples.gpt import GPT, GPTConfig
+from fp8track.fallback import FallbackSpec, repeated_blocks, resolve_fallback
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return GPT(GPTConfig(n_layer=3, n_embd=32, n_head=2, block_size=16))
+
+
+def block_linears(i):
+    return [f"blocks.{i}.attn.qkv", f"blocks.{i}.attn.proj", f"blocks.{i}.mlp.fc", f"blocks.{i}.mlp.proj"]
+
+
+class Stage(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.blocks = nn.ModuleList(Inner() for _ in range(n))
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 32)
+        self.heads = nn.ModuleList(nn.Linear(32, 16) for _ in range(4))  # bare-linear lists never win
+
+
+class Nested(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(8, 16)
+        self.stages = nn.ModuleList([Stage(2), Stage(3)])
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for st in self.stages:
+            for b in st.blocks:
+                x = b.heads[0](b.up(x))
+        return self.head(x)
+
+
+def test_first_last_on_gpt(gpt):
+    assert repeated_blocks(gpt) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert list(resolve_fallback(gpt, "none")) == []
+    assert list(resolve_fallback(gpt, "first")) == block_linears(0)
+    assert list(resolve_fallback(gpt, "last:2")) == block_linears(1) + block_linears(2)
+    got = resolve_fallback(gpt, "first_last")
+    assert list(got) == block_linears(0) + block_linears(2)
+    assert got["blocks.2.mlp.fc"] == "last:1 (block blocks.2)"
+
+
+def test_regex_names_and_auto(gpt):
+    assert list(resolve_fallback(gpt, "re:lm_head$,blocks.1.mlp")) == ["blocks.1.mlp.fc", "blocks.1.mlp.proj", "lm_head"]
+    assert list(resolve_fallback(gpt, ["re:attn\\.(qkv|proj)$"])) == [n for i in range(3) for n in block_linears(i)[:2]]
+    ranked = resolve_fallback(gpt, "auto:2", ranking={"lm_head": 0.1, "blocks.2.mlp.fc": 3.0, "blocks.0.attn.qkv": 2.0})
+    assert ranked == {"blocks.0.attn.qkv": "auto:2 (rank 2)", "blocks.2.mlp.fc": "auto:2 (rank 1)"}
+    assert list(resolve_fallback(gpt, "auto:1", ranking=["lm_head", "blocks.0.mlp.fc"])) == ["lm_head"]
+
+
+def test_nested_blocks_count_inner_blocks_across_stages():
+    m = Nested()
+    assert repeated_blocks(m) == [
+        "stages.0.blocks.0", "stages.0.blocks.1", "stages.1.blocks.0", "stages.1.blocks.1", "stages.1.blocks.2",
+    ]
+    first = resolve_fallback(m, "first:1")
+    assert list(first) == ["stages.0.blocks.0.up"] + [f"stages.0.blocks.0.heads.{i}" for i in range(4)]
+    last2 = resolve_fallback(m, "last:2")
+    assert {n.rsplit(".", 2)[0] if ".heads." in n else n.rsplit(".", 1)[0] for n in last2} == {
+        "stages.1.blocks.1", "stages.1.blocks.2"
+    }
+    assert "stem" not in resolve_fallback(m, "first_last:5") and "head" not in resolve_fallback(m, "first_last:5")
+
+
+def test_model_without_blocks_counts_single_linears():
+    # Registration order differs from execution order here: b runs first.
+    class Swapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(16, 16)
+            self.b = nn.Linear(16, 16)
+            self.c = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.c(self.a(self.b(x)))
+
+    m = Swapped()
+    assert repeated_blocks(m) == []
+    assert list(resolve_fallback(m, "first")) == ["a"]
+    assert list(resolve_fallback(m, "first", example_inputs=torch.randn(2, 16))) == ["b"]
+    seq = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
+    assert list(resolve_fallback(seq, "first_last")) == ["0", "4"]
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("re:^nothing", "matches no linear layer; candidates: blocks.0.attn.qkv"),
+        ("blocks.9", "missing module 'blocks.9'; linear layers: blocks.0.attn.qkv"),
+        ("ln_f", "holds no linear layer"),
+        ("first:4", "asks for 4 blocks but the model has 3: blocks.0, blocks.1, blocks.2"),
+        ("auto:2", "needs a layer ranking"),
+    ],
+)
+def test_errors_name_candidates(gpt, spec, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        resolve_fallback(gpt, spec)
+
+
+@pytest.mark.parametrize("spec", ["first:0", "last:x", "auto:", "re:(", ""])
+def test_malformed_terms_fail_at_parse(spec):
+    if spec == "":
+        assert FallbackSpec.parse(spec).terms == ()
+        return
+    with pytest.raises(ConfigError):
+        FallbackSpec.parse(spec)
+
+
+def test_megatron_equivalent_and_str():
+    assert FallbackSpec.from_megatron(True, 1, 2).terms == ("first:1", "last:2")
+    assert FallbackSpec.from_megatron(False).terms == ()
+    assert str(FallbackSpec.parse("first_last:2")) == "first:2,last:2"
+    with pytest.raises(ConfigError, match="cannot be combined"):
+        FallbackSpec.parse("none,first")
+    with pytest.raises(ConfigError, match="ranking names layers the model lacks"):
+        resolve_fallback(GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2)), "auto:1", ranking=["ghost"])

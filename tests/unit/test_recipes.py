@@ -1,0 +1,77 @@
+import pytest
+
+from fp8track.errors import ConfigError
+from fp8track.recipes import RECIPE_NAMES, Recipe
+
+
+def test_defaults_match_transformer_engine_delayed_scaling():
+    r = Recipe()
+    assert (r.name, r.fp8_format, r.amax_history_len, r.amax_compute_algo, r.margin) == ("delayed", "hybrid", 1024, "max", 0)
+    assert r.formats.forward.name == "e4m3" and r.formats.backward.name == "e5m2"
+
+
+@pytest.mark.parametrize(
+    "kwargs, bad, valid",
+    [
+        ({"name": "fp4"}, "'fp4'", "'mxfp8'"),
+        ({"fp8_format": "e5m2"}, "'e5m2'", "'hybrid'"),
+        ({"amax_compute_algo": "mean"}, "'mean'", "'most_recent'"),
+        ({"amax_history_len": 0}, "0", ">= 1"),
+        ({"amax_history_len": 2.5}, "2.5", ">= 1"),
+        ({"margin": -1}, "-1", ">= 0"),
+        ({"gemm": "fp16"}, "'fp16'", "'bf16'"),
+    ],
+)
+def test_bad_values_fail_at_construction_naming_valid_ones(kwargs, bad, valid):
+    with pytest.raises(ConfigError) as err:
+        Recipe(**kwargs)
+    assert bad in str(err.value) and valid in str(err.value)
+
+
+def test_contradictions_are_rejected():
+    with pytest.raises(ConfigError, match="BF16 GEMM"):
+        Recipe("fp8_input_bf16_gemm", gemm="fp8")
+    with pytest.raises(ConfigError, match="e4m3"):
+        Recipe("current", variant="rowwise")
+    with pytest.raises(ConfigError, match="only exists for recipe 'current'"):
+        Recipe("delayed", fp8_format="e4m3", variant="rowwise")
+
+
+def test_from_string_grammar():
+    r = Recipe.from_string("delayed:hybrid:h16:max")
+    assert r == Recipe("delayed", "hybrid", 16, "max", 0)
+    r = Recipe.from_string("delayed:e4m3:most_recent:h1:m2:gemm=bf16")
+    assert (r.fp8_format, r.amax_compute_algo, r.amax_history_len, r.margin, r.gemm) == ("e4m3", "most_recent", 1, 2, "bf16")
+    assert r.gemm_mode == "bf16"
+    with pytest.raises(ConfigError, match="cannot parse token 'x16'"):
+        Recipe.from_string("delayed:x16")
+    with pytest.raises(ConfigError, match="valid values"):
+        Recipe.from_string("fancy")
+
+
+@pytest.mark.parametrize("name", RECIPE_NAMES)
+def test_round_trips(name):
+    r = Recipe(name, amax_history_len=7, margin=1)
+    assert Recipe.from_string(r.to_string()) == r
+    assert Recipe.from_dict(r.to_dict()) == r
+
+
+def test_aliases_and_megatron_keys():
+    assert Recipe.from_string("tensorwise").name == "current"
+    assert Recipe.from_string("blockwise").name == "block"
+    rw = Recipe.from_string("rowwise")
+    assert (rw.name, rw.variant, rw.fp8_format) == ("current", "rowwise", "e4m3")
+    r = Recipe.from_dict({"--fp8-recipe": "delayed", "fp8_amax_history_len": 1, "fp8-amax-compute-algo": "most_recent", "fp8_margin": 0})
+    assert r == Recipe("delayed", amax_history_len=1, amax_compute_algo="most_recent")
+    with pytest.raises(ConfigError, match="unknown recipe key 'history'"):
+        Recipe.from_dict({"history": 3})
+
+
+def test_derived_properties():
+    assert Recipe("bf16").quantizes is False and Recipe("bf16").gemm_mode == "none"
+    assert Recipe("fp8_input_bf16_gemm").scaling == "current"
+    assert Recipe("fp8_input_bf16_gemm").gemm_mode == "bf16"
+    assert Recipe("mxfp8").gemm_mode == "fp8"
+    assert Recipe.parse("current:e4m3") == Recipe("current", "e4m3")
+    with pytest.raises(ConfigError):
+        Recipe.parse(3)
