@@ -133,7 +133,7 @@ def heatmap_figure(rows: Sequence[TensorStatsRow], stats: Sequence[str] = ("unde
     n_labels = max(len(p[1]) for p in panels)
     fig = Figure(figsize=(10, 1.5 + 0.3 * n_labels * len(panels)), layout="constrained")
     axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
-    for ax, (stat, labels, steps, m) in zip(axes, panels):
+    for ax, (stat, labels, steps, m) in zip(axes, panels, strict=True):
         title = stat
         if stat == "mse":
             with np.errstate(divide="ignore", invalid="ignore"):
