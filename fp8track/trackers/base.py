@@ -45,6 +45,16 @@ TENSOR_KEY_COLUMNS: tuple[str, ...] = ("step", "layer", "tensor", "variant")
 """Leading columns of the long-format tensor statistics table; one column per statistic follows."""
 
 
+class TablesNotWritten(Exception):
+    """A step's scalars reached the tracker but its table rows/events did not (e.g. the final
+    table write failed). Recorded as ``what="tables"``; replay then re-sends only the rows and
+    events of that step, so scalar histories get no duplicate points."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.__cause__ = cause
+
+
 @dataclass(frozen=True)
 class StepBatch:
     """Everything the monitor produced for one logging step.
@@ -286,7 +296,8 @@ class TrackerFanout:
 
     On the first failure of a tracker it warns once (``RuntimeWarning``); every failure appends
     ``{"step", "what", "error", "time"}`` to ``<run_dir>/sync/<name>.missed.jsonl`` (``step`` is
-    null for a failed ``start``/``finish``). Owned by one monitor instance; nothing global.
+    null for a failed ``start``/``finish``; ``what`` is ``"tables"`` when only the step's table
+    rows were lost, see :class:`TablesNotWritten`). Owned by one monitor instance; nothing global.
 
     Args:
         trackers: :class:`Tracker` instances with distinct ``name`` s.
@@ -316,6 +327,8 @@ class TrackerFanout:
     def _fail(self, tracker: Tracker, step: int | None, what: str, exc: BaseException) -> None:
         self.failures[tracker.name] = self.failures.get(tracker.name, 0) + 1
         path = missed_path(self.run_dir, tracker.name)
+        if isinstance(exc, TablesNotWritten):
+            what = "tables"
         entry = {"step": step, "what": what, "error": f"{type(exc).__name__}: {exc}"[:2000], "time": time.time()}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

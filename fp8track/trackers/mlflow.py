@@ -31,6 +31,7 @@ from fp8track.trackers.base import (
     TENSOR_KEY_COLUMNS,
     QueuedTracker,
     StepBatch,
+    TablesNotWritten,
     event_row,
     event_severity,
     scalar_metrics,
@@ -329,7 +330,14 @@ class MLflowTracker(QueuedTracker):
 
     def _close(self) -> None:
         run_id = self._ensure_run()
-        self._write_tables()
+        try:
+            self._write_tables()
+        except Exception as exc:
+            # The rows are lost with this process unless replayed: name their steps.
+            steps = {r.step for r in self._unwritten_rows} | {row[0] for rows in self._events.values() for row in rows}
+            for step in sorted(steps):
+                self._record_failure(step, TablesNotWritten(exc))
+            raise
         if self.heatmap and self._rows:
             fig = heatmap_figure(self._rows, self.heatmap_stats)
             if fig is not None:

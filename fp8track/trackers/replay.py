@@ -13,6 +13,7 @@ in a metric history; W&B gains a second row with the same ``trainer/global_step`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import queue
@@ -61,7 +62,8 @@ def replay(run_dir: str | os.PathLike[str], tracker: Tracker, only_missed: bool 
     """Send the missed (or all) steps of a run directory to ``tracker``.
 
     Calls ``tracker.start(meta)``, ``tracker.log`` for each step in order, then
-    ``tracker.finish()``. Failures do not raise: they stay (or are added) in the tracker's missed
+    ``tracker.finish()``. A step whose only loss was its table rows (``what == "tables"``) is
+    sent without its scalars. Failures do not raise: they stay (or are added) in the tracker's missed
     file. Entries for a failed ``start``/``finish`` are cleared when this replay's own start and
     finish succeed.
 
@@ -76,10 +78,14 @@ def replay(run_dir: str | os.PathLike[str], tracker: Tracker, only_missed: bool 
     run_dir = Path(run_dir)
     batches = step_batches(run_dir)
     old = read_missed(run_dir, tracker.name)
+    parts: dict[int, set[str]] = {}  # step -> what was missed ("log", "tables", ...)
+    for e in old:
+        if e.get("step") is not None:
+            parts.setdefault(int(e["step"]), set()).add(str(e.get("what", "log")))
     if only_missed:
-        wanted = sorted({int(e["step"]) for e in old if e.get("step") is not None})
         if not old:
             return 0
+        wanted = sorted(parts)
     else:
         wanted = sorted(batches)
     failed: dict[int | None, str] = {}
@@ -96,6 +102,8 @@ def replay(run_dir: str | os.PathLike[str], tracker: Tracker, only_missed: bool 
         batch = batches.get(s)
         if batch is None:
             continue  # listed as missed but absent from the records: nothing to send
+        if only_missed and parts.get(s) == {"tables"}:
+            batch = dataclasses.replace(batch, metrics={})  # its scalars did arrive
         try:
             try:
                 tracker.log(batch)

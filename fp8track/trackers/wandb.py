@@ -27,6 +27,7 @@ from fp8track.trackers.base import (
     TENSOR_KEY_COLUMNS,
     QueuedTracker,
     StepBatch,
+    TablesNotWritten,
     event_row,
     scalar_metrics,
     tensor_stat_columns,
@@ -103,6 +104,7 @@ class WandbTracker(QueuedTracker):
         self._tables: dict[str, Any] = {}  # table name -> wandb.Table (INCREMENTAL)
         self._stat_columns: list[str] | None = None
         self._pending: set[str] = set()  # tables with rows not yet logged
+        self._pending_steps: set[int] = set()  # steps whose rows are in those tables
         self._steps_since_table = 0
         self._last_step = 0
         self._last_alert: dict[str, float] = {}  # title -> time.monotonic() of the last alert sent
@@ -204,7 +206,10 @@ class WandbTracker(QueuedTracker):
         if self._pending and self._steps_since_table >= self.table_every_n_steps:
             data.update({k: self._tables[k] for k in self._pending})
             self._pending.clear()
+            self._pending_steps.clear()
             self._steps_since_table = 0
+        elif batch.tensor_rows or any(ev.kind in EVENT_TABLES for ev in batch.events):
+            self._pending_steps.add(batch.step)
         self.run.log(data)
         self._last_step = batch.step
         if batch.events:
@@ -215,7 +220,12 @@ class WandbTracker(QueuedTracker):
             data: dict[str, Any] = {k: self._tables[k] for k in self._pending}
             data[self.step_metric] = self._last_step
             self._pending.clear()
-            self.run.log(data)
+            try:
+                self.run.log(data)
+            except Exception as exc:
+                for step in sorted(self._pending_steps):
+                    self._record_failure(step, TablesNotWritten(exc))
+                raise
         if self.own_run:
             self.run.finish()
 

@@ -231,3 +231,24 @@ def test_replay_all_steps(tmp_path):
     rec = Recorder(name="fresh", max_queue=2)  # replay waits for a full queue instead of dropping
     assert replay(tmp_path, rec, only_missed=False) == 6
     assert [b.step for b in rec.got] == [0, 1, 2, 3, 4, 99]
+
+
+def test_lost_tables_replay_rows_without_scalars(tmp_path):
+    from fp8track.trackers.base import TablesNotWritten
+
+    _write_run(tmp_path)
+
+    class TablesFail(Recorder):
+        def _close(self):
+            for s in (0, 1):
+                self._record_failure(s, TablesNotWritten(OSError("disk full")))
+
+    fan = TrackerFanout([TablesFail(name="t")], tmp_path)
+    with pytest.warns(RuntimeWarning):
+        for b in step_batches(tmp_path).values():
+            fan.log(b)
+        fan.finish()
+    assert {(e["step"], e["what"]) for e in read_missed(tmp_path, "t")} == {(0, "tables"), (1, "tables")}
+    rec = Recorder(name="t")
+    assert replay(tmp_path, rec) == 2
+    assert [(b.step, dict(b.metrics), len(b.tensor_rows)) for b in rec.got] == [(0, {}, 1), (1, {}, 1)]
