@@ -1,0 +1,144 @@
+"""Tracker adapters: views of the local run directory in W&B and MLflow.
+
+Public surface:
+
+- :class:`StepBatch`, :class:`Tracker`, :class:`QueuedTracker`, :class:`TrackerFanout` (base)
+- :func:`trackers_from_loggers`, :func:`make_trackers` (discovery from Lightning loggers)
+- :func:`replay` (``fp8track sync``)
+- ``fp8track.trackers.wandb.WandbTracker``, ``fp8track.trackers.mlflow.MLflowTracker`` and
+  ``fp8track.trackers.nvdlfw.TEStatsBridge`` are imported from their modules (they pull in their
+  optional dependency on first use only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fp8track.errors import ConfigError, invalid_choice
+from fp8track.trackers.base import QueuedTracker, StepBatch, Tracker, TrackerFanout
+
+TRACKER_NAMES = ("wandb", "mlflow")
+"""Tracker names accepted by :func:`make_trackers` besides ``"auto"`` and ``"none"``."""
+
+_LOGGER_MODULES = ("lightning.pytorch.loggers", "pytorch_lightning.loggers")
+
+
+def _logger_kind(logger: Any) -> str | None:
+    """``"wandb"``/``"mlflow"`` for Lightning's WandbLogger/MLFlowLogger (or subclasses), else None.
+
+    Decided from the class hierarchy's names so that neither wandb nor mlflow (nor Lightning's
+    logger modules) is imported to find out.
+    """
+    for cls in type(logger).__mro__:
+        if not cls.__module__.startswith(_LOGGER_MODULES):
+            continue
+        if cls.__name__ == "WandbLogger":
+            return "wandb"
+        if cls.__name__ == "MLFlowLogger":
+            return "mlflow"
+    return None
+
+
+def trackers_from_loggers(loggers: Sequence[Any], **options: Any) -> list[Tracker]:
+    """Trackers for the W&B and MLflow loggers of a Lightning trainer; other loggers are ignored.
+
+    ``WandbLogger`` -> ``WandbTracker(logger.experiment)``; ``MLFlowLogger`` ->
+    ``MLflowTracker(client=logger.experiment, run_id=logger.run_id)``. Accessing ``experiment``
+    creates the logger's run, so call this on global rank 0 only. A second logger of the same kind
+    gets the name ``wandb-1``, ``mlflow-1``, ... ``options`` maps a kind to keyword arguments for
+    its tracker, e.g. ``wandb={"table_every_n_steps": 10}``.
+    """
+    bad = sorted(set(options) - set(TRACKER_NAMES))
+    if bad:
+        raise invalid_choice("tracker option group", bad[0], TRACKER_NAMES)
+    out: list[Tracker] = []
+    counts: dict[str, int] = {}
+    for logger in loggers:
+        kind = _logger_kind(logger)
+        if kind is None:
+            continue
+        n = counts.get(kind, 0)
+        counts[kind] = n + 1
+        kwargs = dict(options.get(kind, {}))
+        kwargs.setdefault("name", kind if n == 0 else f"{kind}-{n}")
+        if kind == "wandb":
+            from fp8track.trackers.wandb import WandbTracker
+
+            out.append(WandbTracker(logger.experiment, **kwargs))
+        else:
+            from fp8track.trackers.mlflow import MLflowTracker
+
+            out.append(MLflowTracker(client=logger.experiment, run_id=logger.run_id, **kwargs))
+    return out
+
+
+def validate_tracker_spec(spec: Any) -> None:
+    """Check a tracker spec without touching any logger (for a constructor to fail early).
+
+    Raises:
+        ConfigError: naming the bad value and the valid ones.
+    """
+    if spec is None or (isinstance(spec, str) and spec in ("auto", "none", *TRACKER_NAMES)):
+        return
+    if isinstance(spec, str):
+        raise invalid_choice("tracker spec", spec, ("auto", "none", *TRACKER_NAMES), "Or pass a list of names / Tracker objects")
+    if not isinstance(spec, Sequence):
+        raise ConfigError(f"tracker spec must be 'auto', 'none' or a list of names / Tracker objects, got {spec!r}")
+    for item in spec:
+        if not isinstance(item, Tracker) and (not isinstance(item, str) or item not in TRACKER_NAMES):
+            raise invalid_choice("tracker", item, TRACKER_NAMES, "Or pass a Tracker object")
+
+
+def make_trackers(spec: str | Sequence[str | Tracker] | None, loggers: Sequence[Any] = (), **options: Any) -> list[Tracker]:
+    """Resolve a tracker spec.
+
+    Args:
+        spec: ``"auto"`` (one tracker per W&B/MLflow logger in ``loggers``), ``"none"`` or None
+            (no tracker), a name, or a list whose items are tracker names (``"wandb"``,
+            ``"mlflow"``: built from the matching loggers) or :class:`Tracker` objects (used as given).
+        loggers: the trainer's loggers (``trainer.loggers``).
+        options: per-kind keyword arguments, see :func:`trackers_from_loggers`.
+
+    Raises:
+        ConfigError: an unknown spec or name (listing the valid ones), or a name whose logger is
+            not among ``loggers``.
+    """
+    validate_tracker_spec(spec)
+    if spec is None or spec == "none":
+        return []
+    if spec == "auto":
+        return trackers_from_loggers(loggers, **options)
+    items = [spec] if isinstance(spec, str) else list(spec)
+    wanted = {i for i in items if isinstance(i, str)}
+    for name in sorted(wanted):
+        if not any(_logger_kind(lg) == name for lg in loggers):
+            logger_cls, tracker_cls = {"wandb": ("WandbLogger", "WandbTracker"), "mlflow": ("MLFlowLogger", "MLflowTracker")}[name]
+            raise ConfigError(
+                f"tracker {name!r} was requested but trainer.loggers has no {logger_cls}; add one to the "
+                f"Trainer, or pass a tracker object such as fp8track.trackers.{name}.{tracker_cls}(...)"
+            )
+    built = trackers_from_loggers([lg for lg in loggers if _logger_kind(lg) in wanted], **options)
+    out: list[Tracker] = [i for i in items if isinstance(i, Tracker)]
+    out.extend(built)
+    return out
+
+
+def replay(*args: Any, **kwargs: Any) -> int:
+    """See :func:`fp8track.trackers.replay.replay`."""
+    from fp8track.trackers.replay import replay as _replay
+
+    return _replay(*args, **kwargs)
+
+
+__all__ = [
+    "StepBatch",
+    "Tracker",
+    "QueuedTracker",
+    "TrackerFanout",
+    "TRACKER_NAMES",
+    "trackers_from_loggers",
+    "make_trackers",
+    "validate_tracker_spec",
+    "replay",
+]

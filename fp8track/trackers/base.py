@@ -1,0 +1,378 @@
+"""Tracker interface, the background-delivery base class and the failure-tolerant fan-out.
+
+A tracker is a *view* of the local run directory (DESIGN.md section 6): the monitor writes every
+record there first, then hands one :class:`StepBatch` per logging step to a
+:class:`TrackerFanout`. The fan-out never lets a tracker stop training: a tracker that raises (or
+whose background worker fails later) is warned about once, and each step it missed is appended to
+``<run_dir>/sync/<tracker.name>.missed.jsonl`` so ``fp8track sync`` can replay it
+(:func:`fp8track.trackers.replay.replay`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import queue
+import threading
+import time
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fp8track import naming
+from fp8track.errors import ConfigError
+from fp8track.records import EventRecord, RunMeta, TensorStatsRow
+
+SYNC_DIR = "sync"
+"""Sub-directory of a run directory holding one ``<tracker>.missed.jsonl`` file per tracker."""
+
+EVENT_TABLES: Mapping[str, str] = {
+    "spike": naming.TABLE_SPIKE_EVENTS,
+    "nonfinite": naming.TABLE_SPIKE_EVENTS,
+    "divergence": naming.TABLE_SPIKE_EVENTS,
+    "drift": naming.TABLE_DRIFT_EVENTS,
+    "finding": naming.TABLE_FINDINGS,
+}
+"""Event kind -> tracker table. Other kinds (tracker failures, end markers) stay local only."""
+
+EVENT_COLUMNS: tuple[str, ...] = ("step", "kind", "layer", "tensor", "severity", "title", "data")
+"""Columns of every event table; ``data`` is the event's full payload as JSON text."""
+
+TENSOR_KEY_COLUMNS: tuple[str, ...] = ("step", "layer", "tensor", "variant")
+"""Leading columns of the long-format tensor statistics table; one column per statistic follows."""
+
+
+class TablesNotWritten(Exception):
+    """A step's scalars reached the tracker but its table rows/events did not (e.g. the final
+    table write failed). Recorded as ``what="tables"``; replay then re-sends only the rows and
+    events of that step, so scalar histories get no duplicate points."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.__cause__ = cause
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """Everything the monitor produced for one logging step.
+
+    Attributes:
+        step: the trainer's global step (optimizer steps), >= 0.
+        metrics: scalar name -> value; names from :mod:`fp8track.naming` (plus ``"loss"``).
+        tensor_rows: per (layer, tensor, variant) statistics of this step (long-format table rows).
+        events: spikes, divergence, drift, findings that happened at or were reported at this step.
+    """
+
+    step: int
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    tensor_rows: Sequence[TensorStatsRow] = ()
+    events: Sequence[EventRecord] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
+            raise ConfigError(f"StepBatch.step must be an int >= 0, got {self.step!r}")
+        if not isinstance(self.metrics, Mapping):
+            raise ConfigError(f"StepBatch.metrics must be a mapping name -> float, got {type(self.metrics).__name__}")
+        # Sequences become tuples so a batch handed to a worker thread cannot change under it.
+        object.__setattr__(self, "tensor_rows", tuple(self.tensor_rows))
+        object.__setattr__(self, "events", tuple(self.events))
+
+
+def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The entries of ``metrics`` that are real numbers, as floats (bools, strings, None dropped)."""
+    out: dict[str, float] = {}
+    for k, v in metrics.items():
+        if isinstance(v, bool) or v is None:
+            continue
+        try:
+            out[k] = float(v)
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def event_row(event: EventRecord) -> list[Any]:
+    """One row of an event table (columns :data:`EVENT_COLUMNS`)."""
+    d = event.data
+    severity = d.get("severity")
+    return [
+        int(event.step),
+        event.kind,
+        str(d.get("layer", "")),
+        str(d.get("tensor", "")),
+        float(severity) if isinstance(severity, (int, float)) and not isinstance(severity, bool) else None,
+        str(d.get("title", "")),
+        json.dumps(dict(d), default=str, sort_keys=True),
+    ]
+
+
+def event_severity(event: EventRecord) -> float:
+    """``data["severity"]`` as a float (higher is worse); ``-inf`` when absent or not a finite number."""
+    s = event.data.get("severity")
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or math.isnan(s):
+        return -math.inf
+    return float(s)
+
+
+def tensor_stat_columns(rows: Sequence[TensorStatsRow]) -> list[str]:
+    """Statistic columns for a table started with ``rows``: fp8track's statistics first, in their
+    fixed order, then any other names (e.g. from Transformer Engine) in order of appearance."""
+    from fp8track.stats import STAT_NAMES
+
+    seen: dict[str, None] = {}
+    for r in rows:
+        for k in r.stats:
+            seen.setdefault(k, None)
+    known = [s for s in STAT_NAMES if s in seen]
+    return known + [k for k in seen if k not in STAT_NAMES]
+
+
+class Tracker(ABC):
+    """A destination for step batches (W&B, MLflow, ...).
+
+    Subclasses implement :meth:`log`; :meth:`start` and :meth:`finish` are optional. ``log`` must
+    not block the training thread for long (see :class:`QueuedTracker`). Errors may be raised
+    directly, or reported later through :meth:`take_failures`; :class:`TrackerFanout` handles both.
+    """
+
+    name: str = "tracker"
+
+    def start(self, meta: RunMeta) -> None:  # noqa: B027 (optional hook)
+        """Record what the run is (recipe, BF16 layers, versions) as config/params/tags."""
+
+    @abstractmethod
+    def log(self, batch: StepBatch) -> None:
+        """Deliver (or enqueue) one logging step."""
+
+    def finish(self) -> None:  # noqa: B027 (optional hook)
+        """Flush everything, write tables and figures, close what this tracker opened."""
+
+    def take_failures(self) -> list[tuple[int | None, BaseException]]:
+        """Failures found since the last call, as ``(step or None, exception)``; clears them."""
+        return []
+
+
+class QueuedTracker(Tracker):
+    """A tracker that delivers batches from one background thread.
+
+    :meth:`log` only puts the batch on a bounded queue (microseconds), so the training thread is
+    not blocked by network or database I/O. Subclasses implement :meth:`_deliver` (runs in the
+    worker) and optionally :meth:`_close` (runs in :meth:`finish` after the queue is drained).
+    A failing ``_deliver`` is recorded with its step and surfaces through :meth:`take_failures`;
+    the worker keeps going. When the queue is full, ``log`` raises :class:`queue.Full` instead of
+    blocking: the fan-out records the step as missed (it is on disk; ``fp8track sync`` replays it).
+
+    Args:
+        background: deliver in a worker thread (default); ``False`` delivers inside :meth:`log`.
+        max_queue: batches that may wait for the worker before :meth:`log` refuses more.
+        finish_timeout_s: how long :meth:`finish` waits for the worker to drain the queue.
+    """
+
+    def __init__(self, *, background: bool = True, max_queue: int = 1000, finish_timeout_s: float = 600.0) -> None:
+        if not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 1:
+            raise ConfigError(f"max_queue must be an int >= 1, got {max_queue!r}")
+        if not finish_timeout_s > 0:
+            raise ConfigError(f"finish_timeout_s must be > 0 seconds, got {finish_timeout_s!r}")
+        self.background = bool(background)
+        self.finish_timeout_s = float(finish_timeout_s)
+        self._queue: queue.Queue[StepBatch | None] = queue.Queue(maxsize=max_queue)
+        self._failures: list[tuple[int | None, BaseException]] = []
+        self._failures_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._inflight: int | None = None
+        self._finished = False
+
+    @abstractmethod
+    def _deliver(self, batch: StepBatch) -> None:
+        """Send one batch to the tracker (runs in the worker thread when ``background``)."""
+
+    def _close(self) -> None:  # noqa: B027 (optional hook)
+        """Final writes (tables, figures) after every batch was delivered."""
+
+    def _record_failure(self, step: int | None, exc: BaseException) -> None:
+        with self._failures_lock:
+            self._failures.append((step, exc))
+
+    def take_failures(self) -> list[tuple[int | None, BaseException]]:
+        with self._failures_lock:
+            out, self._failures = self._failures, []
+        return out
+
+    def _run(self) -> None:
+        while True:
+            batch = self._queue.get()
+            try:
+                if batch is None:
+                    return
+                self._inflight = batch.step
+                try:
+                    self._deliver(batch)
+                except Exception as exc:  # a tracker error must never kill the process
+                    self._record_failure(batch.step, exc)
+                finally:
+                    self._inflight = None
+            finally:
+                self._queue.task_done()
+
+    def _ensure_worker(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name=f"fp8track-{self.name}", daemon=True)
+            self._thread.start()
+
+    def log(self, batch: StepBatch) -> None:
+        if self._finished:
+            raise RuntimeError(f"tracker {self.name!r} already finished")
+        if not self.background:
+            self._deliver(batch)
+            return
+        self._ensure_worker()
+        self._queue.put_nowait(batch)
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued batch was handled; ``False`` if ``timeout_s`` passed first."""
+        if not self.background or self._thread is None:
+            return True
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._queue.all_tasks_done:
+            while self._queue.unfinished_tasks:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._queue.all_tasks_done.wait(remaining)
+        return True
+
+    def finish(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        if self.background and self._thread is not None:
+            drained = self.flush(self.finish_timeout_s)
+            if not drained:
+                # The worker is stuck (e.g. a dead server): report the batch it holds and whatever is
+                # still queued as missed, and leave it behind (it is a daemon thread).
+                timeout = TimeoutError(f"not delivered within {self.finish_timeout_s} s")
+                if self._inflight is not None:
+                    self._record_failure(self._inflight, timeout)
+                while True:
+                    try:
+                        batch = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if batch is not None:
+                        self._record_failure(batch.step, timeout)
+                    self._queue.task_done()
+                raise timeout
+            else:
+                self._queue.put(None)
+                self._thread.join(timeout=self.finish_timeout_s)
+        self._close()
+
+
+def missed_path(run_dir: str | Path, tracker_name: str) -> Path:
+    """``<run_dir>/sync/<tracker_name>.missed.jsonl``."""
+    return Path(run_dir) / SYNC_DIR / f"{tracker_name}.missed.jsonl"
+
+
+def read_missed(run_dir: str | Path, tracker_name: str) -> list[dict[str, Any]]:
+    """The entries of a tracker's missed-steps file (``[]`` when there is none)."""
+    path = missed_path(run_dir, tracker_name)
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # torn last line
+    return out
+
+
+class TrackerFanout:
+    """Sends each step to every tracker; a failing tracker never stops training.
+
+    On the first failure of a tracker it warns once (``RuntimeWarning``); every failure appends
+    ``{"step", "what", "error", "time"}`` to ``<run_dir>/sync/<name>.missed.jsonl`` (``step`` is
+    null for a failed ``start``/``finish``; ``what`` is ``"tables"`` when only the step's table
+    rows were lost, see :class:`TablesNotWritten`). Owned by one monitor instance; nothing global.
+
+    Args:
+        trackers: :class:`Tracker` instances with distinct ``name`` s.
+        run_dir: the run directory the records were written to.
+
+    Raises:
+        ConfigError: an element is not a Tracker, or two trackers share a name.
+    """
+
+    def __init__(self, trackers: Sequence[Tracker], run_dir: str | Path) -> None:
+        trackers = list(trackers)
+        for t in trackers:
+            if not isinstance(t, Tracker):
+                raise ConfigError(f"TrackerFanout expects Tracker instances, got {type(t).__name__}: {t!r}")
+        names = [t.name for t in trackers]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ConfigError(
+                f"two trackers share the name(s) {dupes}; their missed-step files would collide. "
+                "Pass name=... to the tracker constructors to tell them apart"
+            )
+        self.trackers = trackers
+        self.run_dir = Path(run_dir)
+        self._warned: set[str] = set()
+        self.failures: dict[str, int] = {t.name: 0 for t in trackers}
+
+    def _fail(self, tracker: Tracker, step: int | None, what: str, exc: BaseException) -> None:
+        self.failures[tracker.name] = self.failures.get(tracker.name, 0) + 1
+        path = missed_path(self.run_dir, tracker.name)
+        if isinstance(exc, TablesNotWritten):
+            what = "tables"
+        entry = {"step": step, "what": what, "error": f"{type(exc).__name__}: {exc}"[:2000], "time": time.time()}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(entry) + "\n")
+        except OSError as os_exc:  # even the local record failed: say so, still never raise
+            warnings.warn(f"fp8track: could not record a missed step in {path}: {os_exc}", RuntimeWarning, stacklevel=3)
+        if tracker.name not in self._warned:
+            self._warned.add(tracker.name)
+            warnings.warn(
+                f"fp8track: tracker {tracker.name!r} failed during {what} (step {step}): {entry['error']}. "
+                f"Training continues; missed steps are listed in {path} and can be replayed with "
+                f"`fp8track sync {self.run_dir}`. Further failures of this tracker are recorded silently.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def _collect(self, tracker: Tracker, what: str) -> None:
+        try:
+            failures = tracker.take_failures()
+        except Exception as exc:
+            failures = [(None, exc)]
+        for step, exc in failures:
+            self._fail(tracker, step, what, exc)
+
+    def start(self, meta: RunMeta) -> None:
+        for t in self.trackers:
+            try:
+                t.start(meta)
+            except Exception as exc:
+                self._fail(t, None, "start", exc)
+
+    def log(self, batch: StepBatch) -> None:
+        for t in self.trackers:
+            try:
+                t.log(batch)
+            except Exception as exc:
+                self._fail(t, batch.step, "log", exc)
+            self._collect(t, "log")
+
+    def finish(self) -> None:
+        for t in self.trackers:
+            try:
+                t.finish()
+            except Exception as exc:
+                self._fail(t, None, "finish", exc)
+            self._collect(t, "log")

@@ -1,0 +1,216 @@
+"""Replay a local run directory into a tracker: the ``fp8track sync`` command.
+
+The run directory is the source of truth; a tracker that failed during training has its missed
+steps listed in ``<run_dir>/sync/<name>.missed.jsonl``. :func:`replay` rebuilds the
+:class:`~fp8track.trackers.base.StepBatch` of those steps (or of every step) from the records and
+sends them again; what was delivered is removed from the missed file.
+
+Replay re-sends whole steps: a step that had partly reached the tracker (say its metrics but not
+its table rows) is sent again in full. MLflow keeps every point, so such a step can appear twice
+in a metric history; W&B gains a second row with the same ``trainer/global_step``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import queue
+import time
+from collections.abc import Iterable
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from fp8track.records import RunMeta, RunReader
+from fp8track.trackers.base import QueuedTracker, StepBatch, Tracker, missed_path, read_missed
+
+
+def step_batches(run_dir: str | os.PathLike[str]) -> dict[int, StepBatch]:
+    """Every logging step of a run directory as a :class:`StepBatch`, keyed by step.
+
+    Several metrics records of one step are merged (later values win); tensor rows and events are
+    attached to their step (a step with only events still gets a batch).
+    """
+    reader = RunReader(run_dir)
+    metrics: dict[int, dict[str, float]] = {}
+    rows: dict[int, list[Any]] = {}
+    events: dict[int, list[Any]] = {}
+    for rec in reader.metrics():
+        metrics.setdefault(int(rec.step), {}).update(rec.metrics)
+    for row in reader.tensor_stats():
+        rows.setdefault(int(row.step), []).append(row)
+    for ev in reader.events():
+        events.setdefault(int(ev.step), []).append(ev)
+    steps = sorted(set(metrics) | set(rows) | set(events))
+    return {
+        s: StepBatch(step=s, metrics=metrics.get(s, {}), tensor_rows=rows.get(s, ()), events=events.get(s, ()))
+        for s in steps
+        if s >= 0
+    }
+
+
+def run_meta(run_dir: str | os.PathLike[str]) -> RunMeta:
+    """The :class:`RunMeta` stored in ``meta.json`` (unknown keys ignored)."""
+    d = RunReader(run_dir).meta()
+    known = {f.name for f in fields(RunMeta)}
+    return RunMeta(**{k: v for k, v in d.items() if k in known})
+
+
+def replay(run_dir: str | os.PathLike[str], tracker: Tracker, only_missed: bool = True) -> int:
+    """Send the missed (or all) steps of a run directory to ``tracker``.
+
+    Calls ``tracker.start(meta)``, ``tracker.log`` for each step in order, then
+    ``tracker.finish()``. A step whose only loss was its table rows (``what == "tables"``) is
+    sent without its scalars. Failures do not raise: they stay (or are added) in the tracker's missed
+    file. Entries for a failed ``start``/``finish`` are cleared when this replay's own start and
+    finish succeed.
+
+    Args:
+        run_dir: an fp8track run directory.
+        tracker: where to send the steps; its ``name`` selects the missed file.
+        only_missed: send only the steps listed in the missed file (default), else every step.
+
+    Returns:
+        The number of steps delivered.
+    """
+    run_dir = Path(run_dir)
+    batches = step_batches(run_dir)
+    old = read_missed(run_dir, tracker.name)
+    parts: dict[int, set[str]] = {}  # step -> what was missed ("log", "tables", ...)
+    for e in old:
+        if e.get("step") is not None:
+            parts.setdefault(int(e["step"]), set()).add(str(e.get("what", "log")))
+    if only_missed:
+        if not old:
+            return 0
+        wanted = sorted(parts)
+    else:
+        wanted = sorted(batches)
+    failed: dict[int | None, str] = {}
+
+    def fail(step: int | None, exc: BaseException) -> None:
+        failed.setdefault(step, f"{type(exc).__name__}: {exc}"[:2000])
+
+    try:
+        tracker.start(run_meta(run_dir))
+    except Exception as exc:
+        fail(None, exc)
+    sent = []
+    for s in wanted:
+        batch = batches.get(s)
+        if batch is None:
+            continue  # listed as missed but absent from the records: nothing to send
+        if only_missed and parts.get(s) == {"tables"}:
+            batch = dataclasses.replace(batch, metrics={})  # its scalars did arrive
+        try:
+            try:
+                tracker.log(batch)
+            except queue.Full:  # replay is not the training thread: wait for the worker instead
+                if not isinstance(tracker, QueuedTracker):
+                    raise
+                tracker.flush()
+                tracker.log(batch)
+            sent.append(s)
+        except Exception as exc:
+            fail(s, exc)
+    try:
+        tracker.finish()
+    except Exception as exc:
+        fail(None, exc)
+    for step, exc in tracker.take_failures():
+        fail(step, exc)
+
+    delivered = [s for s in sent if s not in failed]
+    _rewrite_missed(run_dir, tracker.name, old, set(wanted), failed)
+    return len(delivered)
+
+
+def _rewrite_missed(
+    run_dir: Path, name: str, old: list[dict[str, Any]], attempted: set[int], failed: dict[int | None, str]
+) -> None:
+    """Keep old entries not attempted now, plus this replay's failures; remove the file if empty."""
+    keep = [e for e in old if e.get("step") is not None and int(e["step"]) not in attempted]
+    now = time.time()
+    keep += [{"step": s, "what": "replay", "error": err, "time": now} for s, err in sorted(failed.items(), key=lambda kv: -1 if kv[0] is None else kv[0])]
+    path = missed_path(run_dir, name)
+    if not keep:
+        path.unlink(missing_ok=True)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(e) + "\n" for e in keep), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def missed_steps(run_dir: str | os.PathLike[str], tracker_name: str) -> list[int]:
+    """Sorted distinct steps listed in a tracker's missed file."""
+    return sorted({int(e["step"]) for e in read_missed(run_dir, tracker_name) if e.get("step") is not None})
+
+
+# -- CLI -------------------------------------------------------------------------------------------
+def _cmd_sync(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    RunReader(run_dir)  # fails early with a clear message if this is not a run directory
+    if not args.mlflow_uri and not args.wandb_dir:
+        raise SystemExit("fp8track sync: give --mlflow-uri (with --mlflow-run-id) and/or --wandb-dir")
+    report: dict[str, Any] = {}
+    meta = run_meta(run_dir)
+    if args.mlflow_uri:
+        from fp8track.trackers.mlflow import MLflowTracker
+
+        tracker = MLflowTracker(
+            tracking_uri=args.mlflow_uri, run_id=args.mlflow_run_id, experiment_name=args.mlflow_experiment,
+            run_name=meta.name, name=args.mlflow_name, background=False,
+        )
+        # A new run has seen nothing yet, so it gets every step; an existing one only what it missed.
+        only_missed = args.mlflow_run_id is not None and not args.all
+        n = replay(run_dir, tracker, only_missed=only_missed)
+        report["mlflow"] = {"run_id": tracker.run_id, "steps": n, "still_missed": missed_steps(run_dir, tracker.name)}
+    if args.wandb_dir:
+        from fp8track.trackers.wandb import WandbTracker
+
+        tracker = WandbTracker.create(
+            project=args.wandb_project, name=meta.name, dir=args.wandb_dir, mode=args.wandb_mode,
+            run_id=args.wandb_run_id, tracker_name=args.wandb_name, background=False,
+        )
+        n = replay(run_dir, tracker, only_missed=args.wandb_run_id is not None and not args.all)
+        report["wandb"] = {"run_dir": str(tracker.run.dir), "steps": n, "still_missed": missed_steps(run_dir, tracker.name)}
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def add_subparser(sub: Any) -> argparse.ArgumentParser:
+    """Register ``fp8track sync`` on an ``argparse`` sub-parsers object."""
+    p = sub.add_parser(
+        "sync",
+        help="replay a run directory's missed (or all) steps into MLflow and/or W&B",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("run_dir", help="fp8track run directory (holds meta.json, metrics.jsonl, ...)")
+    p.add_argument("--mlflow-uri", help="MLflow tracking URI, e.g. sqlite:///mlflow.db or http://127.0.0.1:5000")
+    p.add_argument("--mlflow-run-id", help="existing run to complete (default: a new run with every step)")
+    p.add_argument("--mlflow-experiment", default="fp8track", help="experiment for a new MLflow run")
+    p.add_argument("--mlflow-name", default="mlflow", help="tracker name whose missed file to read")
+    p.add_argument("--wandb-dir", help="directory for a new W&B run (upload it later with `wandb sync`)")
+    p.add_argument("--wandb-run-id", help="existing online run to resume and complete (default: a new run with every step)")
+    p.add_argument("--wandb-project", default="fp8track")
+    p.add_argument("--wandb-mode", default="offline", choices=("online", "offline"))
+    p.add_argument("--wandb-name", default="wandb", help="tracker name whose missed file to read")
+    p.add_argument("--all", action="store_true", help="send every step, not only the missed ones")
+    p.set_defaults(func=_cmd_sync)
+    return p
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    """``python -m fp8track.trackers.replay RUN_DIR ...`` (same as ``fp8track sync``)."""
+    parser = argparse.ArgumentParser(prog="fp8track")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_subparser(sub)
+    args = parser.parse_args(["sync", *(argv if argv is not None else __import__("sys").argv[1:])])
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

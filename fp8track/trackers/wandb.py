@@ -1,0 +1,239 @@
+"""Weights & Biases adapter.
+
+One ``run.log`` per logging step carrying the trainer step as a metric (``trainer/global_step``,
+the same convention as Lightning's ``WandbLogger``; W&B's own ``step=`` must only increase, so
+replayed or out-of-order steps would be dropped). ``define_metric`` makes every ``fp8/*`` metric
+plot against that step with ``min`` and ``max`` summaries. Per-layer rows go to an
+``INCREMENTAL`` ``wandb.Table`` (each log uploads only the new rows); events go to one
+incremental table per kind. Events whose data has ``"alert": True`` raise ``run.alert``,
+throttled per title. The run config holds the recipe and the BF16 fallback set.
+
+``wandb`` is imported only when a tracker is built; this module never sets ``WANDB_MODE``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from fp8track import naming
+from fp8track.errors import ConfigError, invalid_choice
+from fp8track.records import EventRecord, RunMeta, TensorStatsRow
+from fp8track.trackers.base import (
+    EVENT_COLUMNS,
+    EVENT_TABLES,
+    TENSOR_KEY_COLUMNS,
+    QueuedTracker,
+    StepBatch,
+    TablesNotWritten,
+    event_row,
+    scalar_metrics,
+    tensor_stat_columns,
+)
+
+if TYPE_CHECKING:
+    import wandb
+
+DEFAULT_STEP_METRIC = "trainer/global_step"
+ALERT_LEVELS = ("INFO", "WARN", "ERROR")
+_SUMMARY_OPS = ("min", "max", "mean", "last", "first", "none")
+MAX_ALERT_TITLE = 63  # W&B: "must be less than 64 characters long"
+
+
+def _import_wandb() -> Any:
+    try:
+        import wandb
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("the W&B tracker needs wandb: pip install 'fp8track[wandb]'") from exc
+    return wandb
+
+
+class WandbTracker(QueuedTracker):
+    """Logs step batches to a ``wandb`` run.
+
+    Args:
+        run: a live ``wandb.Run`` (e.g. ``WandbLogger.experiment``). Use :meth:`create` to open one.
+        step_metric: the metric carrying the trainer step; ``fp8/*`` plots against it.
+        summaries: comma-separated W&B summary ops for ``fp8/*`` (``min``, ``max``, ``mean``,
+            ``last``, ``first``, ``none``).
+        table_every_n_steps: log the incremental tables on every n-th step that has new rows
+            (rows are kept until then; ``finish`` logs any rest). 1 = every such step.
+        alert_wait_s: minimum seconds between two alerts with the same title (also passed to
+            ``run.alert`` as ``wait_duration``).
+        own_run: finish the run in :meth:`finish` (True when :meth:`create` opened it).
+        name: tracker name (missed-step file name); change it to run two W&B trackers.
+        background, max_queue, finish_timeout_s: see :class:`~fp8track.trackers.base.QueuedTracker`.
+
+    Raises:
+        ConfigError: bad ``summaries``, ``table_every_n_steps`` or ``alert_wait_s``.
+    """
+
+    def __init__(
+        self,
+        run: wandb.Run,
+        *,
+        step_metric: str = DEFAULT_STEP_METRIC,
+        summaries: str = "min,max",
+        table_every_n_steps: int = 1,
+        alert_wait_s: float = 60.0,
+        own_run: bool = False,
+        name: str = "wandb",
+        background: bool = True,
+        max_queue: int = 1000,
+        finish_timeout_s: float = 600.0,
+    ) -> None:
+        super().__init__(background=background, max_queue=max_queue, finish_timeout_s=finish_timeout_s)
+        for op in summaries.split(","):
+            if op.strip().lower() not in _SUMMARY_OPS:
+                raise invalid_choice("W&B summary op", op, _SUMMARY_OPS)
+        if not isinstance(table_every_n_steps, int) or table_every_n_steps < 1:
+            raise ConfigError(f"table_every_n_steps must be an int >= 1, got {table_every_n_steps!r}")
+        if not alert_wait_s >= 0:
+            raise ConfigError(f"alert_wait_s must be >= 0 seconds, got {alert_wait_s!r}")
+        if not step_metric:
+            raise ConfigError("step_metric must be a non-empty metric name")
+        self.run = run
+        self.name = name
+        self.step_metric = step_metric
+        self.summaries = summaries
+        self.table_every_n_steps = table_every_n_steps
+        self.alert_wait_s = float(alert_wait_s)
+        self.own_run = own_run
+        self._tables: dict[str, Any] = {}  # table name -> wandb.Table (INCREMENTAL)
+        self._stat_columns: list[str] | None = None
+        self._pending: set[str] = set()  # tables with rows not yet logged
+        self._pending_steps: set[int] = set()  # steps whose rows are in those tables
+        self._steps_since_table = 0
+        self._last_step = 0
+        self._last_alert: dict[str, float] = {}  # title -> time.monotonic() of the last alert sent
+        self.alerts_sent = 0
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        project: str = "fp8track",
+        name: str | None = None,
+        dir: str | None = None,
+        mode: str = "online",
+        run_id: str | None = None,
+        tracker_name: str = "wandb",
+        **kwargs: Any,
+    ) -> WandbTracker:
+        """Open a run owned by the tracker: ``wandb.init(project, name, dir, mode,
+        reinit="create_new")``, resuming ``run_id`` when given (``resume="must"``). ``mode`` is
+        passed to ``wandb.init`` only; the environment is not touched. ``kwargs`` go to the
+        tracker's constructor."""
+        wandb = _import_wandb()
+        valid_modes = ("online", "offline", "disabled", "shared")
+        if mode not in valid_modes:
+            raise invalid_choice("W&B mode", mode, valid_modes)
+        resume = {"id": run_id, "resume": "must"} if run_id else {}
+        run = wandb.init(project=project, name=name, dir=dir, mode=mode, reinit="create_new", **resume)
+        return cls(run, own_run=True, name=tracker_name, **kwargs)
+
+    # -- run metadata -----------------------------------------------------------------------
+    def start(self, meta: RunMeta) -> None:
+        """Put the recipe, BF16/FP8 layer sets and versions in ``run.config["fp8track"]`` and
+        define the step axis and ``fp8/*`` summaries."""
+        m = asdict(meta)
+        config = {
+            "run_id": m["run_id"],
+            "recipe": m["recipe"],
+            "bf16_layers": list(m["bf16_layers"]),
+            "fp8_layers": list(m["fp8_layers"]),
+            "versions": m["versions"],
+            "config": m["config"],
+        }
+        self.run.config.update({"fp8track": config}, allow_val_change=True)
+        self.run.define_metric(self.step_metric)
+        self.run.define_metric(f"{naming.PREFIX}/*", step_metric=self.step_metric, summary=self.summaries)
+        self.run.define_metric("loss", step_metric=self.step_metric, summary=self.summaries)
+
+    # -- per step (worker thread) -------------------------------------------------------------
+    def _table(self, key: str, columns: Sequence[str]) -> Any:
+        table = self._tables.get(key)
+        if table is None:
+            wandb = _import_wandb()
+            table = wandb.Table(columns=list(columns), log_mode="INCREMENTAL", allow_mixed_types=True)
+            self._tables[key] = table
+        return table
+
+    def _add_tensor_rows(self, rows: Sequence[TensorStatsRow]) -> None:
+        if self._stat_columns is None:
+            self._stat_columns = tensor_stat_columns(rows)
+        table = self._table(naming.TABLE_TENSOR_STATS, [*TENSOR_KEY_COLUMNS, *self._stat_columns])
+        for r in rows:
+            stats = r.stats
+            table.add_data(int(r.step), r.layer, r.tensor, r.variant, *(_num(stats.get(c)) for c in self._stat_columns))
+        self._pending.add(naming.TABLE_TENSOR_STATS)
+
+    def _add_events(self, events: Sequence[EventRecord]) -> None:
+        for ev in events:
+            key = EVENT_TABLES.get(ev.kind)
+            if key is None:
+                continue
+            self._table(key, EVENT_COLUMNS).add_data(*event_row(ev))
+            self._pending.add(key)
+
+    def _alert(self, events: Sequence[EventRecord]) -> None:
+        for ev in events:
+            d = ev.data
+            if not d.get("alert"):
+                continue
+            title = str(d.get("title") or f"fp8track {ev.kind} at step {ev.step}")[:MAX_ALERT_TITLE]
+            now = time.monotonic()
+            last = self._last_alert.get(title)
+            if last is not None and now - last < self.alert_wait_s:
+                continue
+            level = str(d.get("level", "WARN")).upper()
+            if level not in ALERT_LEVELS:
+                level = "WARN"
+            self.run.alert(title=title, text=str(d.get("text", title)), level=level, wait_duration=self.alert_wait_s)
+            self._last_alert[title] = now
+            self.alerts_sent += 1
+
+    def _deliver(self, batch: StepBatch) -> None:
+        data: dict[str, Any] = scalar_metrics(batch.metrics)
+        data[self.step_metric] = batch.step
+        if batch.tensor_rows:
+            self._add_tensor_rows(batch.tensor_rows)
+        if batch.events:
+            self._add_events(batch.events)
+        self._steps_since_table += 1
+        if self._pending and self._steps_since_table >= self.table_every_n_steps:
+            data.update({k: self._tables[k] for k in self._pending})
+            self._pending.clear()
+            self._pending_steps.clear()
+            self._steps_since_table = 0
+        elif batch.tensor_rows or any(ev.kind in EVENT_TABLES for ev in batch.events):
+            self._pending_steps.add(batch.step)
+        self.run.log(data)
+        self._last_step = batch.step
+        if batch.events:
+            self._alert(batch.events)
+
+    def _close(self) -> None:
+        if self._pending:
+            data: dict[str, Any] = {k: self._tables[k] for k in self._pending}
+            data[self.step_metric] = self._last_step
+            self._pending.clear()
+            try:
+                self.run.log(data)
+            except Exception as exc:
+                for step in sorted(self._pending_steps):
+                    self._record_failure(step, TablesNotWritten(exc))
+                raise
+        if self.own_run:
+            self.run.finish()
+
+
+def _num(v: Any) -> float | None:
+    if v is None or isinstance(v, bool):
+        return None
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None

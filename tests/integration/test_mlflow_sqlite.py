@@ -1,0 +1,173 @@
+"""MLflowTracker against a real MLflow store on a temporary SQLite database."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+mlflow = pytest.importorskip("mlflow")
+
+from mlflow import MlflowClient  # noqa: E402
+
+from fp8track import naming  # noqa: E402
+from fp8track.records import EventRecord, MetricsRecord, RunMeta, RunWriter, TensorStatsRow  # noqa: E402
+from fp8track.trackers import TrackerFanout, replay  # noqa: E402
+from fp8track.trackers.base import StepBatch  # noqa: E402
+from fp8track.trackers.mlflow import HEATMAP_FILE, MLflowTracker  # noqa: E402
+from fp8track.trackers.replay import missed_steps, step_batches  # noqa: E402
+
+LAYERS = ("blocks.0.qkv", "blocks.0.proj", "head")
+
+
+def load_table(client, run_id, artifact_file):
+    """Read a ``log_table`` artifact back. (``MlflowClient.load_table`` searches runs through the
+    process-global tracking URI, not the client's, so it is not used here.)"""
+    import pandas as pd
+
+    path = client.download_artifacts(run_id, artifact_file)
+    return pd.read_json(path, orient="split")
+
+
+@pytest.fixture(scope="module")
+def _db(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{root}/mlflow.db"
+    return uri, MlflowClient(uri), root
+
+
+@pytest.fixture
+def store(_db, request):
+    """One SQLite database per module (creating one runs MLflow's migrations, seconds each);
+    one experiment per test."""
+    uri, client, root = _db
+    name = request.node.name
+    exp = client.create_experiment(name, artifact_location=str(root / name))
+    return uri, client, exp
+
+
+def _batch(step: int) -> StepBatch:
+    rows = [
+        TensorStatsRow(step=step, layer=layer, tensor="activation", stats={"underflow_pct": i + step / 10, "mse": 10.0 ** -(i + 1)})
+        for i, layer in enumerate(LAYERS)
+    ]
+    metrics = {naming.metric_name(r.layer, r.tensor, "underflow%"): r.stats["underflow_pct"] for r in rows}
+    metrics["loss"] = 5.0 - step / 10
+    events = []
+    if step in (2, 4, 6):
+        severity = {2: 1.5, 4: 7.0, 6: 3.0}[step]
+        events.append(EventRecord(kind="spike", step=step, data={"severity": severity, "title": f"spike@{step}", "layer": "head"}))
+    return StepBatch(step=step, metrics=metrics, tensor_rows=rows, events=events)
+
+
+def test_metrics_params_tags_tables_and_heatmap(store, tmp_path):
+    uri, client, exp = store
+    run_id = client.create_run(exp).info.run_id
+    tracker = MLflowTracker(client=client, run_id=run_id)
+    fan = TrackerFanout([tracker], tmp_path / "run")
+    fan.start(RunMeta(recipe={"name": "delayed", "amax_history_len": 16}, bf16_layers=("head",), fp8_layers=LAYERS[:2]))
+    for s in range(8):
+        fan.log(_batch(s))
+    fan.finish()
+    assert fan.failures == {"mlflow": 0}
+
+    run = client.get_run(run_id)
+    assert run.data.params["fp8.recipe.name"] == "delayed"
+    assert run.data.params["fp8.recipe.amax_history_len"] == "16"
+    assert run.data.params["fp8.bf16_layers"] == "head"
+    assert run.data.tags["fp8.recipe"] == "delayed"
+    # the most severe event (severity 7 at step 4), not the last one
+    assert run.data.tags["fp8.worst_event.step"] == "4"
+    assert run.data.tags["fp8.worst_event.severity"] == "7.0"
+    assert run.data.tags["fp8.worst_event.title"] == "spike@4"
+    assert run.info.status == "RUNNING"  # the run belongs to whoever created it
+
+    hist = client.get_metric_history(run_id, "fp8/blocks.0.proj/activation/underflow_pct")
+    assert [(m.step, m.value) for m in sorted(hist, key=lambda m: m.step)] == [(s, 1 + s / 10) for s in range(8)]
+    loss = client.get_metric_history(run_id, "loss")
+    assert [m.value for m in sorted(loss, key=lambda m: m.step)] == pytest.approx([5.0 - s / 10 for s in range(8)])
+
+    table = load_table(client, run_id, f"{naming.TABLE_TENSOR_STATS}.json")
+    assert len(table) == 8 * len(LAYERS)
+    assert list(table.columns[:6]) == ["step", "layer", "tensor", "variant", "underflow_pct", "mse"]
+    row = table[(table.step == 5) & (table.layer == "head")].iloc[0]
+    assert row.underflow_pct == pytest.approx(2.5) and row.mse == pytest.approx(1e-3)
+    spikes = load_table(client, run_id, f"{naming.TABLE_SPIKE_EVENTS}.json")
+    assert sorted(spikes.step.tolist()) == [2, 4, 6]
+    assert sorted(spikes.severity.tolist()) == [1.5, 3.0, 7.0]
+
+    arts = {a.path for a in client.list_artifacts(run_id)}
+    assert HEATMAP_FILE in arts
+    png = client.download_artifacts(run_id, HEATMAP_FILE, str(tmp_path / "dl"))
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tables_written_in_chunks_not_every_step(store, tmp_path):
+    uri, client, exp = store
+    run_id = client.create_run(exp).info.run_id
+    tracker = MLflowTracker(client=client, run_id=run_id, table_every_n_steps=3, heatmap=False)
+    calls = []
+    original = client.log_table
+
+    def counting_log_table(*a, **k):  # counts real calls; the real method still runs
+        calls.append(k.get("artifact_file"))
+        return original(*a, **k)
+
+    client.log_table = counting_log_table
+    fan = TrackerFanout([tracker], tmp_path / "run")
+    for s in range(7):
+        fan.log(StepBatch(step=s, tensor_rows=_batch(s).tensor_rows))
+    fan.finish()
+    # steps 0-2, 3-5 and the rest at finish: three writes, every row once
+    assert calls == [f"{naming.TABLE_TENSOR_STATS}.json"] * 3
+    table = load_table(client, run_id, f"{naming.TABLE_TENSOR_STATS}.json")
+    assert sorted(table.step.tolist()) == sorted(s for s in range(7) for _ in LAYERS)
+
+
+def test_batches_over_1000_metrics_and_name_sanitising(store, tmp_path):
+    uri, client, exp = store
+    experiment_name = client.get_experiment(exp).name
+    tracker = MLflowTracker(tracking_uri=uri, experiment_name=experiment_name, heatmap=False, background=False)
+    metrics = {f"fp8/layer{i}/weight/mse": float(i) for i in range(1500)}
+    metrics["fp8/odd:name%/x"] = 1.0
+    metrics["fp8/nan"] = math.nan
+    tracker.log(StepBatch(step=3, metrics=metrics))
+    tracker.finish()
+    run = client.get_run(tracker.run_id)
+    assert run.info.status == "FINISHED"  # the tracker created this run, so it ends it
+    assert len(run.data.metrics) == 1502
+    assert run.data.metrics["fp8/layer1499/weight/mse"] == 1499.0
+    assert run.data.metrics["fp8/odd_name_pct/x"] == 1.0
+    assert math.isnan(run.data.metrics["fp8/nan"])
+
+
+def test_failed_steps_are_replayed_into_the_same_run(store, tmp_path):
+    """A tracker pointed at a run that does not exist fails every step; replay fills the real run."""
+    uri, client, exp = store
+    run_dir = tmp_path / "run"
+    writer = RunWriter(run_dir, RunMeta(recipe={"name": "current"}))
+    real_run = client.create_run(exp).info.run_id
+    broken = MLflowTracker(client=client, run_id="0" * 32, heatmap=False)
+    fan = TrackerFanout([broken], run_dir)
+    with pytest.warns(RuntimeWarning, match="'mlflow' failed") as record:
+        fan.start(writer.meta)
+        for s in range(4):
+            b = _batch(s)
+            writer.write_metrics(MetricsRecord(step=s, metrics=dict(b.metrics)))
+            writer.write_tensor_stats(list(b.tensor_rows))
+            writer.write_events(list(b.events))
+            fan.log(b)
+        fan.finish()
+    assert len([w for w in record if "'mlflow' failed" in str(w.message)]) == 1
+    writer.close()
+    assert missed_steps(run_dir, "mlflow") == [0, 1, 2, 3]
+    assert len(step_batches(run_dir)) == 4
+
+    n = replay(run_dir, MLflowTracker(client=client, run_id=real_run, heatmap=False))
+    assert n == 4
+    assert missed_steps(run_dir, "mlflow") == []
+    hist = client.get_metric_history(real_run, "loss")
+    assert sorted((m.step, m.value) for m in hist) == [(s, pytest.approx(5.0 - s / 10)) for s in range(4)]
+    assert client.get_run(real_run).data.tags["fp8.worst_event.step"] == "2"
+    table = load_table(client, real_run, f"{naming.TABLE_TENSOR_STATS}.json")
+    assert len(table) == 4 * len(LAYERS)

@@ -1,0 +1,254 @@
+"""TrackerFanout, QueuedTracker and replay, with small trackers of our own (no W&B/MLflow needed)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import warnings
+
+import pytest
+
+from fp8track.errors import ConfigError
+from fp8track.records import EventRecord, MetricsRecord, RunMeta, RunWriter, TensorStatsRow
+from fp8track.trackers import TrackerFanout
+from fp8track.trackers.base import (
+    EVENT_COLUMNS,
+    QueuedTracker,
+    StepBatch,
+    Tracker,
+    event_row,
+    event_severity,
+    missed_path,
+    read_missed,
+    scalar_metrics,
+    tensor_stat_columns,
+)
+from fp8track.trackers.replay import missed_steps, replay, step_batches
+
+
+class Recorder(QueuedTracker):
+    """Keeps what it receives; fails on the steps in ``fail_steps``."""
+
+    def __init__(self, name="rec", fail_steps=(), **kw):
+        super().__init__(**kw)
+        self.name = name
+        self.fail_steps = set(fail_steps)
+        self.got: list[StepBatch] = []
+        self.started: list[RunMeta] = []
+        self.closed = 0
+
+    def start(self, meta):
+        self.started.append(meta)
+
+    def _deliver(self, batch):
+        if batch.step in self.fail_steps:
+            raise ConnectionError(f"server said no at {batch.step}")
+        self.got.append(batch)
+
+    def _close(self):
+        self.closed += 1
+
+
+class Raising(Tracker):
+    """Raises synchronously from log (a tracker without a worker)."""
+
+    name = "raising"
+
+    def log(self, batch):
+        raise RuntimeError("boom")
+
+
+def batch(step, **metrics):
+    return StepBatch(step=step, metrics=metrics or {"loss": float(step)})
+
+
+def test_step_batch_validates_and_freezes():
+    with pytest.raises(ConfigError, match="-1"):
+        StepBatch(step=-1)
+    with pytest.raises(ConfigError, match="True"):
+        StepBatch(step=True)
+    rows = [TensorStatsRow(step=1, layer="a", tensor="weight", stats={"mse": 1.0})]
+    b = StepBatch(step=1, tensor_rows=rows)
+    rows.append(rows[0])
+    assert len(b.tensor_rows) == 1 and isinstance(b.tensor_rows, tuple)
+
+
+def test_scalar_metrics_drops_non_numbers():
+    assert scalar_metrics({"a": 1, "b": True, "c": "x", "d": None, "e": 2.5}) == {"a": 1.0, "e": 2.5}
+
+
+def test_event_row_and_severity():
+    ev = EventRecord(kind="spike", step=7, data={"layer": "fc1", "severity": 3, "title": "t", "alert": True})
+    row = event_row(ev)
+    assert len(row) == len(EVENT_COLUMNS)
+    assert row[:6] == [7, "spike", "fc1", "", 3.0, "t"]
+    assert json.loads(row[6]) == {"alert": True, "layer": "fc1", "severity": 3, "title": "t"}
+    assert event_severity(ev) == 3.0
+    assert event_severity(EventRecord(kind="drift", step=1, data={"severity": "high"})) == float("-inf")
+
+
+def test_tensor_stat_columns_put_fp8track_stats_first_in_fixed_order():
+    rows = [
+        TensorStatsRow(step=0, layer="a", tensor="weight", stats={"std": 1.0, "mse": 2.0, "amax": 3.0}),
+        TensorStatsRow(step=0, layer="b", tensor="weight", stats={"l2_norm": 1.0, "amax": 3.0}),
+    ]
+    assert tensor_stat_columns(rows) == ["amax", "mse", "std", "l2_norm"]
+
+
+def test_queued_tracker_delivers_in_order_and_finish_drains(tmp_path):
+    rec = Recorder()
+    fan = TrackerFanout([rec], tmp_path)
+    fan.start(RunMeta(name="r"))
+    for s in range(50):
+        fan.log(batch(s))
+    fan.finish()
+    assert [b.step for b in rec.got] == list(range(50))
+    assert rec.closed == 1 and rec.started[0].name == "r"
+    assert not missed_path(tmp_path, "rec").exists()
+
+
+def test_failing_tracker_warns_once_keeps_others_and_records_missed_steps(tmp_path):
+    bad = Recorder(name="bad", fail_steps={1, 3, 4})
+    good = Recorder(name="good")
+    raising = Raising()
+    fan = TrackerFanout([bad, raising, good], tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in range(6):
+            fan.log(batch(s))
+        fan.finish()
+    msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len([m for m in msgs if "'bad'" in m]) == 1
+    assert len([m for m in msgs if "'raising'" in m]) == 1
+    assert [b.step for b in good.got] == list(range(6))
+    assert missed_steps(tmp_path, "bad") == [1, 3, 4]
+    assert missed_steps(tmp_path, "raising") == list(range(6))
+    entry = read_missed(tmp_path, "bad")[0]
+    assert entry["what"] == "log" and "server said no at 1" in entry["error"]
+    assert fan.failures == {"bad": 3, "raising": 6, "good": 0}
+
+
+def test_full_queue_refuses_instead_of_blocking(tmp_path):
+    gate = threading.Event()
+
+    class Stuck(Recorder):
+        def _deliver(self, b):
+            gate.wait(10)
+            super()._deliver(b)
+
+    t = Stuck(name="stuck", max_queue=1)
+    fan = TrackerFanout([t], tmp_path)
+    with pytest.warns(RuntimeWarning, match="stuck"):
+        t0 = time.perf_counter()
+        for s in range(5):
+            fan.log(batch(s))
+            time.sleep(0.02)  # let the worker pick up step 0
+        blocked = time.perf_counter() - t0
+    assert blocked < 1.0  # five refusals, no waiting on the stuck worker
+    missed = missed_steps(tmp_path, "stuck")
+    assert missed == [2, 3, 4]  # 0 is in the worker, 1 waits in the queue
+    gate.set()
+    fan.finish()
+    assert [b.step for b in t.got] == [0, 1]
+
+
+def test_finish_timeout_reports_inflight_and_queued_steps(tmp_path):
+    gate = threading.Event()
+
+    class Stuck(Recorder):
+        def _deliver(self, b):
+            gate.wait(10)
+
+    t = Stuck(name="stuck", finish_timeout_s=0.3)
+    fan = TrackerFanout([t], tmp_path)
+    for s in range(3):
+        fan.log(batch(s))
+    with pytest.warns(RuntimeWarning, match="stuck"):
+        fan.finish()  # must not raise nor hang
+    gate.set()
+    entries = read_missed(tmp_path, "stuck")
+    assert sorted(e["step"] for e in entries if e["step"] is not None) == [0, 1, 2]
+    assert any(e["what"] == "finish" and "TimeoutError" in e["error"] for e in entries)
+
+
+def test_duplicate_names_and_non_trackers_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="'rec'"):
+        TrackerFanout([Recorder(), Recorder()], tmp_path)
+    with pytest.raises(ConfigError, match="Tracker instances"):
+        TrackerFanout(["wandb"], tmp_path)
+    with pytest.raises(ConfigError, match="max_queue"):
+        Recorder(max_queue=0)
+
+
+def _write_run(run_dir, steps=5):
+    w = RunWriter(run_dir, RunMeta(name="demo", recipe={"name": "delayed"}, bf16_layers=("head",)))
+    for s in range(steps):
+        w.write_metrics(MetricsRecord(step=s, metrics={"loss": 10.0 - s}))
+        w.write_metrics(MetricsRecord(step=s, metrics={"fp8/fc1/weight/mse": s / 100}))
+        w.write_tensor_stats([TensorStatsRow(step=s, layer="fc1", tensor="weight", stats={"mse": s / 100})])
+    w.write_events([EventRecord(kind="spike", step=3, data={"severity": 2.0})])
+    w.write_events([EventRecord(kind="finding", step=99, data={"title": "only an event"})])
+    w.close()
+
+
+def test_step_batches_merge_records_of_one_step(tmp_path):
+    _write_run(tmp_path)
+    batches = step_batches(tmp_path)
+    assert sorted(batches) == [0, 1, 2, 3, 4, 99]
+    assert dict(batches[2].metrics) == {"loss": 8.0, "fp8/fc1/weight/mse": 0.02}
+    assert [r.stats["mse"] for r in batches[4].tensor_rows] == [0.04]
+    assert [e.kind for e in batches[3].events] == ["spike"]
+    assert dict(batches[99].metrics) == {} and batches[99].events[0].data["title"] == "only an event"
+
+
+def test_replay_sends_only_missed_steps_then_clears_them(tmp_path):
+    _write_run(tmp_path)
+    flaky = Recorder(name="trk", fail_steps={1, 3})
+    fan = TrackerFanout([flaky], tmp_path)
+    with pytest.warns(RuntimeWarning):
+        for b in step_batches(tmp_path).values():
+            fan.log(b)
+        fan.finish()
+    assert missed_steps(tmp_path, "trk") == [1, 3]
+
+    still_flaky = Recorder(name="trk", fail_steps={3})
+    assert replay(tmp_path, still_flaky) == 1
+    assert [b.step for b in still_flaky.got] == [1]
+    assert still_flaky.got[0].metrics["loss"] == 9.0
+    assert still_flaky.started[0].recipe == {"name": "delayed"} and list(still_flaky.started[0].bf16_layers) == ["head"]
+    assert missed_steps(tmp_path, "trk") == [3]
+
+    fixed = Recorder(name="trk")
+    assert replay(tmp_path, fixed) == 1
+    assert [(b.step, b.metrics["fp8/fc1/weight/mse"], len(b.events)) for b in fixed.got] == [(3, 0.03, 1)]
+    assert not missed_path(tmp_path, "trk").exists()
+    assert replay(tmp_path, Recorder(name="trk")) == 0  # nothing left
+
+
+def test_replay_all_steps(tmp_path):
+    _write_run(tmp_path)
+    rec = Recorder(name="fresh", max_queue=2)  # replay waits for a full queue instead of dropping
+    assert replay(tmp_path, rec, only_missed=False) == 6
+    assert [b.step for b in rec.got] == [0, 1, 2, 3, 4, 99]
+
+
+def test_lost_tables_replay_rows_without_scalars(tmp_path):
+    from fp8track.trackers.base import TablesNotWritten
+
+    _write_run(tmp_path)
+
+    class TablesFail(Recorder):
+        def _close(self):
+            for s in (0, 1):
+                self._record_failure(s, TablesNotWritten(OSError("disk full")))
+
+    fan = TrackerFanout([TablesFail(name="t")], tmp_path)
+    with pytest.warns(RuntimeWarning):
+        for b in step_batches(tmp_path).values():
+            fan.log(b)
+        fan.finish()
+    assert {(e["step"], e["what"]) for e in read_missed(tmp_path, "t")} == {(0, "tables"), (1, "tables")}
+    rec = Recorder(name="t")
+    assert replay(tmp_path, rec) == 2
+    assert [(b.step, dict(b.metrics), len(b.tensor_rows)) for b in rec.got] == [(0, {}, 1), (1, {}, 1)]
