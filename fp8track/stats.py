@@ -30,6 +30,7 @@ numel               element count, non-finite elements included
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,9 +39,9 @@ import torch
 from fp8track.errors import ConfigError, invalid_choice
 from fp8track.formats import FP8Format, get_format
 from fp8track.scaling import (
+    FLOAT32_MAX,
     blockify_rows,
     blockify_tiles,
-    current_scale,
     mx_block_scales,
     pow2_block_scales,
 )
@@ -83,40 +84,234 @@ def empty_partial(device: torch.device | str | None = None) -> torch.Tensor:
     return p
 
 
-def _partial_impl(x: torch.Tensor, scale: torch.Tensor, fmt_max: float, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """Fused body of :func:`partial_stats`; ``scale`` broadcasts against ``x`` (float32)."""
-    x = x.to(torch.float32)
+# --- the fused kernel ------------------------------------------------------------------------------
+#
+# One code path serves eager and compiled execution. The tensor is seen as rows ``[R, C]`` (block
+# recipes: one block per row, per-row scales); statistics are reduced per row, then over rows in
+# float64. Two passes over the data are the minimum for current scaling (amax decides the scale);
+# a given scale takes the same two passes because amax also fixes the normalisation below.
+#
+# Products are formed in float32 on values normalised by p = 2**-floor(log2(amax)) (exact: a power of
+# two), so squares cannot overflow float32 even for |x| near 3e38; the sums are rescaled by 1/p**2 in
+# float64 at the end. Compiled: rows of _CHUNK elements summed in float32 (counts exact, products to
+# ~C ulp), rows summed in float64. Eager: each row summed directly in float64.
+
+_CHUNK = 1024
+_ROW_FIELDS = SUM_FIELDS[1:]  # numel is known on the host
+_F32_EXP_MASK = 0x7F800000
+
+
+def _pow2_normaliser(amax_v: torch.Tensor) -> torch.Tensor:
+    """``2**(127 - e)`` where ``e`` is the biased float32 exponent of ``amax`` (so ``amax * p < 4``)."""
+    biased = ((amax_v.view(torch.int32) >> 23) & 0xFF).clamp(max=253)
+    return ((254 - biased) << 23).view(torch.float32)
+
+
+def round_to_fp8_grid(v: torch.Tensor, mantissa_bits: int, smallest_subnormal_bits: int) -> torch.Tensor:
+    """Round float32 ``v`` (already within ±max) to the nearest FP8 value, ties to even, staying float32.
+
+    Pure float32/int32 arithmetic, so inductor vectorises it (its float8 cast is scalar code): the
+    spacing of FP8 values around ``v`` is ``2**(exponent(v) - mantissa_bits)``, never below the
+    smallest subnormal; dividing by a power of two is exact and ``torch.round`` rounds half to even.
+    Bit-exact with ``v.to(float8).float()`` (checked on every bfloat16 and float16 value).
+
+    Args:
+        v: float32 tensor with ``|v| <= fmt.max``.
+        mantissa_bits: explicit mantissa bits of the format (3 for e4m3, 2 for e5m2).
+        smallest_subnormal_bits: float32 bit pattern of the format's smallest subnormal.
+    """
+    exp_bits = v.abs().view(torch.int32) & _F32_EXP_MASK
+    ulp = (exp_bits - (mantissa_bits << 23)).clamp(min=smallest_subnormal_bits).view(torch.float32)
+    return torch.round(v / ulp) * ulp
+
+
+def _fmt_consts(fmt: FP8Format, margin: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Format constants as device tensors (cached), so one compiled graph serves every format and margin.
+
+    Returns ``(f, i)``: float32 ``[fmt.max, 2**-margin]`` and int32 ``[mantissa_bits << 23, bits of the
+    smallest subnormal]``.
+    """
+    key = (fmt.name, margin, str(device))
+    hit = _CONST_CACHE.get(key)
+    if hit is None:
+        sub_bits = (127 + round(math.log2(fmt.smallest_subnormal))) << 23
+        f = torch.tensor([fmt.max, 2.0**-margin], dtype=torch.float32, device=device)
+        i = torch.tensor([fmt.mantissa_bits, sub_bits], dtype=torch.int32, device=device)
+        hit = _CONST_CACHE[key] = (f, i)
+    return hit
+
+
+_CONST_CACHE: dict[tuple[str, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _finite_abs(x: torch.Tensor) -> torch.Tensor:
+    xf = x.to(torch.float32)
+    return torch.where(torch.isfinite(xf), xf.abs(), 0.0)
+
+
+def _row_sums(
+    x2: torch.Tensor,
+    scale: torch.Tensor,
+    p: torch.Tensor,
+    fconst: torch.Tensor,
+    iconst: torch.Tensor,
+    fp8_dtype: torch.dtype | None,
+    acc: torch.dtype,
+) -> torch.Tensor:
+    """Per-row ``[R, len(_ROW_FIELDS)]`` sums of the quantisation of ``x2 [R, C]`` (products normalised by ``p``).
+
+    ``fp8_dtype`` None rounds with :func:`round_to_fp8_grid` (compiled path), else with the real cast.
+    """
+    fmt_max = fconst[0]
+    x = x2.to(torch.float32)
     finite = torch.isfinite(x)
     xf = torch.where(finite, x, 0.0)
-    a = xf.abs()
     # x == 0 must stay 0 even for an infinite scale (0 * inf is NaN).
     xs = torch.where(xf == 0, 0.0, xf * scale)
     # The tolerance absorbs float32 rounding of scale * amax (a current scale M / amax can give
     # amax * scale = M + 1 ulp); such an element rounds to M in FP8 and loses nothing to clipping.
-    n_overflow = (xs.abs() > fmt_max * OVERFLOW_RTOL).sum(dtype=torch.float64)
-    q = xs.clamp(-fmt_max, fmt_max).to(fp8_dtype).to(torch.float32)
+    overflow = xs.abs() > fmt_max * OVERFLOW_RTOL
+    clipped = torch.minimum(torch.maximum(xs, -fmt_max), fmt_max)
+    if fp8_dtype is None:
+        q = round_to_fp8_grid(clipped, iconst[0], iconst[1])
+    else:
+        q = clipped.to(fp8_dtype).to(torch.float32)
     # q == 0 must dequantise to 0 even for a zero scale (0 / 0 is NaN).
     d = torch.where(q == 0, 0.0, q / scale)
-    err = xf - d
-    f64 = torch.float64
-    sums = torch.stack(
-        [
-            torch.tensor(float(x.numel()), dtype=f64, device=x.device),
-            finite.sum(dtype=f64),
-            (xf != 0).sum(dtype=f64),
-            (d != 0).sum(dtype=f64),
-            n_overflow,
-            (xf * xf).sum(dtype=f64),
-            (d * d).sum(dtype=f64),
-            (xf * d).sum(dtype=f64),
-            (err * err).sum(dtype=f64),
-        ]
-    )
-    amax_v = a.amax() if a.numel() else a.new_zeros(())
-    amin_v = torch.where(a > 0, a, math.inf).amin() if a.numel() else a.new_full((), math.inf)
-    s = scale.to(torch.float32)
-    maxes = torch.stack([amax_v, -amin_v, s.amax(), -s.amin()]).to(f64)
+    xn = xf * p
+    dn = d * p
+    en = xn - dn
+    terms = (finite, xf != 0, d != 0, overflow, xn * xn, dn * dn, xn * dn, en * en)
+    return torch.stack([t.sum(dim=1, dtype=acc) for t in terms], dim=1)
+
+
+def _current_scale(amax_v: torch.Tensor, fconst: torch.Tensor) -> torch.Tensor:
+    """:func:`fp8track.scaling.current_scale` (previous scale 1.0) with the format as a tensor."""
+    raw = fconst[0] / amax_v * fconst[1]
+    usable = (amax_v > 0) & torch.isfinite(amax_v)
+    s = torch.where(usable, raw, 1.0)
+    return torch.where(torch.isinf(s), FLOAT32_MAX, s)
+
+
+def _tensor_partial_body(
+    main: torch.Tensor,
+    tail: torch.Tensor | None,
+    scale: torch.Tensor,
+    use_current: torch.Tensor,
+    fconst: torch.Tensor,
+    iconst: torch.Tensor,
+    fp8_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """Partial without ``numel`` (``PARTIAL_SIZE - 1`` float64 values) of rows ``main`` plus rows ``tail``.
+
+    ``use_current`` (bool 0-d) selects current scaling over ``scale``; ``fp8_dtype`` None = compiled
+    flavour (emulated rounding, float32 row sums).
+    """
+    parts = [main] if tail is None else [main, tail]
+    absvals = [_finite_abs(t) for t in parts]
+    amax_v = torch.stack([a.amax() for a in absvals]).amax()
+    amin_v = torch.stack([torch.where(a > 0, a, math.inf).amin() for a in absvals]).amin()
+    s = torch.where(use_current, _current_scale(amax_v, fconst), scale)
+    p = _pow2_normaliser(amax_v)
+    acc = torch.float32 if fp8_dtype is None else torch.float64
+    rows = torch.cat([_row_sums(t, s, p, fconst, iconst, fp8_dtype, acc) for t in parts])
+    sums = rows.sum(dim=0, dtype=torch.float64)
+    inv_p2 = p.to(torch.float64).reciprocal().square()
+    sums = torch.cat([sums[:4], sums[4:] * inv_p2])
+    maxes = torch.stack([amax_v, -amin_v, s.amax(), -s.amin()]).to(torch.float64)
     return torch.cat([sums, maxes])
+
+
+# --- compilation policy ------------------------------------------------------------------------------
+
+COMPILE_MIN_NUMEL = 2 * _CHUNK
+"""Tensors with fewer elements take the eager path under the ``"auto"`` policy (see :func:`set_compile`)."""
+
+_COMPILE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Inductor stores a pointwise result used by several reductions once it exceeds an op-count or
+# read-count threshold; here that would write full-size float32 temporaries. Raising the thresholds
+# keeps everything in registers of one loop per pass (CSE shares the work between the reductions).
+_INDUCTOR_OPTIONS = {
+    "realize_cpu_opcount_threshold": 10_000,
+    "realize_opcount_threshold": 10_000,
+    "realize_reads_threshold": 10_000,
+    "realize_cpu_acc_reads_threshold": 10_000,
+    "realize_acc_reads_threshold": 10_000,
+}
+
+
+class _CompilePolicy:
+    """Holds the compile mode and the lazily built compiled kernel (one per process)."""
+
+    def __init__(self) -> None:
+        self.mode: str = "auto"
+        self.kernel: Any = None
+        self.failed = False
+
+    def wants(self, x: torch.Tensor) -> bool:
+        if self.failed or self.mode == "eager" or x.dtype not in _COMPILE_DTYPES:
+            return False
+        return self.mode == "compiled" or x.numel() >= COMPILE_MIN_NUMEL
+
+    def get_kernel(self) -> Any:
+        if self.kernel is None:
+            self.kernel = torch.compile(_tensor_partial_body, options=_INDUCTOR_OPTIONS)
+        return self.kernel
+
+
+_POLICY = _CompilePolicy()
+COMPILE_MODES = ("auto", "compiled", "eager")
+
+
+def set_compile(mode: bool | str) -> None:
+    """Choose how :func:`partial_stats` runs (process-wide).
+
+    Args:
+        mode: ``"auto"`` (default: ``torch.compile`` for tensors of at least :data:`COMPILE_MIN_NUMEL`
+            elements, eager below, where call overhead dominates), ``"compiled"``/``True`` (always
+            compile), ``"eager"``/``False`` (never compile).
+
+    The compiled kernel is built on first use (a few seconds; the first compile in a process also
+    pays inductor's start-up). If compilation fails (e.g. no C++ compiler) a warning is issued
+    once and the eager path is used from then on. Both paths give the same counts and agree on the
+    sums to float rounding.
+    """
+    if mode is True:
+        mode = "compiled"
+    elif mode is False:
+        mode = "eager"
+    if mode not in COMPILE_MODES:
+        raise invalid_choice("compile mode", mode, COMPILE_MODES)
+    _POLICY.mode = str(mode)
+    _POLICY.failed = False
+
+
+def get_compile() -> str:
+    """The current compile mode (``"auto"``, ``"compiled"`` or ``"eager"``)."""
+    return _POLICY.mode
+
+
+def _split_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``x`` flattened as ``main [R, _CHUNK]`` (R >= 1, a view) and a zero-padded ``tail [1, _CHUNK]``."""
+    flat = x.reshape(-1)
+    n = flat.numel()
+    r = n // _CHUNK
+    tail_n = n - r * _CHUNK
+    tail = flat.new_zeros((1, _CHUNK))
+    tail[0, :tail_n] = flat[r * _CHUNK :]
+    pad = _CHUNK - tail_n
+    if r == 0:
+        return tail, flat.new_zeros((1, _CHUNK)), pad + _CHUNK
+    return flat[: r * _CHUNK].view(r, _CHUNK), tail, pad
+
+
+def _assemble(body: torch.Tensor, numel: int, pad: int) -> torch.Tensor:
+    """Prepend ``numel`` (padding excluded) and remove ``pad`` padding zeros from the finite count."""
+    head = torch.full((1,), float(numel), dtype=torch.float64, device=body.device)
+    if pad:
+        body = body.clone()
+        body[0] -= pad
+    return torch.cat([head, body])
 
 
 def _as_scale(scale: torch.Tensor | float, device: torch.device) -> torch.Tensor:
@@ -141,7 +336,7 @@ def partial_stats(
     """Mergeable partial sums of ``x`` quantised to ``fmt`` with ``scale``; no host sync.
 
     Args:
-        x: any float tensor, any shape, any device.
+        x: any float tensor, any shape, any device (detached; safe inside autograd hooks).
         fmt: ``"e4m3"`` or ``"e5m2"``.
         scale: the scale used (a scalar, or a tensor broadcasting against ``x`` for block
             scales); ``None`` means current scaling (computed on the device from the finite amax).
@@ -153,17 +348,42 @@ def partial_stats(
     """
     fmt = get_format(fmt)
     x = x.detach()
-    if scale is None:
-        xf = x.to(torch.float32)
-        finite_amax = torch.where(torch.isfinite(xf), xf.abs(), 0.0).amax() if xf.numel() else xf.new_zeros(())
-        s = current_scale(finite_amax, fmt, margin)
+    n = x.numel()
+    s = None if scale is None else _as_scale(scale, x.device)
+    if n == 0:
+        p = empty_partial(x.device)
+        if s is not None:
+            p[_IDX["scale_max"]] = s.amax().to(torch.float64) if s.numel() else -math.inf
+            p[_IDX["neg_scale_min"]] = (-s.amin()).to(torch.float64) if s.numel() else -math.inf
+        return p
+    fconst, iconst = _fmt_consts(fmt, margin, x.device)
+    use_current = _BOOL_CACHE.setdefault((s is None, str(x.device)), torch.tensor(s is None, device=x.device))
+    if s is None:
+        s = fconst[1:]  # placeholder of the right dtype/device, ignored under current scaling
+    if s.numel() == 1 and _POLICY.wants(x):
+        main, tail, tail_pad = _split_rows(x)
+        try:
+            if main.shape[0] >= 2:
+                torch._dynamo.mark_dynamic(main, 0)
+            body = _POLICY.get_kernel()(main, tail, s.reshape(()), use_current, fconst, iconst, None)
+            return _assemble(body, n - pad, pad + tail_pad)
+        except Exception as exc:  # compiler missing or broken: warn once, stay eager
+            _POLICY.failed = True
+            warnings.warn(f"fp8track: torch.compile of the statistics kernel failed ({exc!r}); using eager", stacklevel=2)
+    if s.numel() > 1:
+        # Block scales broadcast against x: rows are x's leading dims (each block a row).
+        if x.dim() == 2:
+            x2 = x
+        else:
+            x2 = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1)
+            s = s.expand(x.shape).reshape(x2.shape)
     else:
-        s = _as_scale(scale, x.device)
-    p = _partial_impl(x, s, fmt.max, fmt.dtype)
-    if pad:
-        p[_IDX["numel"]] -= pad
-        p[_IDX["n_finite"]] -= pad
-    return p
+        x2, s = x.reshape(1, -1), s.reshape(())
+    body = _tensor_partial_body(x2, None, s, use_current, fconst, iconst, fmt.dtype)
+    return _assemble(body, n - pad, pad)
+
+
+_BOOL_CACHE: dict[tuple[bool, str], torch.Tensor] = {}
 
 
 def merge_partials(partials: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
@@ -304,8 +524,10 @@ def block_partial_stats(x: torch.Tensor, recipe: str, fmt: str | FP8Format = "e4
         scale = pow2_block_scales(block_amax, fmt)
     # Only blocks holding data decide the reported scale range (empty blocks get arbitrary scales).
     p = partial_stats(blocks, fmt, scale, pad=pad)
+    # An all-zero tensor has no occupied block: then every block's scale counts.
     occupied = block_amax.reshape(-1) > 0
-    if bool(occupied.numel()):
+    if occupied.numel():
+        occupied = occupied | ~occupied.any()
         s = scale.reshape(-1)
         big = torch.where(occupied, s, -math.inf).amax()
         small = torch.where(occupied, s, math.inf).amin()
