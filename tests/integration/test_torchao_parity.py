@@ -67,7 +67,7 @@ def test_emulated_linear_matches_torchao_float8_linear_end_to_end():
     assert torch.allclose(y1, y2, rtol=1e-4, atol=1e-5)
     y1.square().mean().backward()
     y2.square().mean().backward()
-    for a, b in zip(ours.parameters(), theirs.parameters()):
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
         assert torch.allclose(a.grad, b.grad, rtol=1e-3, atol=1e-3 * b.grad.abs().max().item())
     # Not trivially equal to the unquantised model.
     assert not torch.allclose(y1, mlp()(x), rtol=1e-4, atol=1e-5)

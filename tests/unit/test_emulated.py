@@ -197,7 +197,7 @@ def test_autocast_output_dtype_and_parameter_identity():
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
     params = list(model.parameters())
     report = apply_fp8(model, "current", backend="emulated")
-    assert report.fp8_layers == ("0", "2") and [p is q for p, q in zip(params, model.parameters())] == [True] * 4
+    assert report.fp8_layers == ("0", "2") and [p is q for p, q in zip(params, model.parameters(), strict=True)] == [True] * 4
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert model(torch.randn(2, 32)).dtype == torch.bfloat16
     assert model(torch.randn(2, 32)).dtype == torch.float32
@@ -214,3 +214,16 @@ def test_apply_report_bf16_control_and_fallback_reasons():
     assert isinstance(model[0], EmulatedFP8Linear) and type(model[2]) is nn.Linear
     d = report.to_dict()
     assert d["recipe"]["name"] == "bf16" and d["backend"] == "emulated"
+
+
+def test_backend_selection_without_gpu():
+    from fp8track.backends import resolve_backend
+    from fp8track.backends import te as te_backend
+
+    if te_backend.available():
+        pytest.skip("this test covers machines without Transformer Engine")
+    assert resolve_backend("auto") == "emulated"
+    with pytest.raises(ConfigError, match="Transformer Engine"):
+        apply_fp8(nn.Sequential(nn.Linear(16, 16)), "delayed", backend="te")
+    with pytest.raises(ConfigError, match="no 'FP8 input, BF16 GEMM' recipe"):
+        te_backend.to_te_recipe(Recipe("fp8_input_bf16_gemm"))
