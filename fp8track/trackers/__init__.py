@@ -18,6 +18,9 @@ from typing import Any
 from fp8track.errors import ConfigError, invalid_choice
 from fp8track.trackers.base import QueuedTracker, StepBatch, Tracker, TrackerFanout
 
+# Imported eagerly: the function must shadow the submodule of the same name.
+from fp8track.trackers.replay import replay  # noqa: E402
+
 TRACKER_NAMES = ("wandb", "mlflow")
 """Tracker names accepted by :func:`make_trackers` besides ``"auto"`` and ``"none"``."""
 
@@ -122,13 +125,6 @@ def make_trackers(spec: str | Sequence[str | Tracker] | None, loggers: Sequence[
     out: list[Tracker] = [i for i in items if isinstance(i, Tracker)]
     out.extend(built)
     return out
-
-
-def replay(*args: Any, **kwargs: Any) -> int:
-    """See :func:`fp8track.trackers.replay.replay`."""
-    from fp8track.trackers.replay import replay as _replay
-
-    return _replay(*args, **kwargs)
 
 
 __all__ = [
