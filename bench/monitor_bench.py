@@ -66,7 +66,7 @@ def step_times(recipe: str, rounds: int, per_round: int) -> dict:
     }
     times: dict[str, list[float]] = {name: [] for name in CONFIGS}
     # Warm-up: every code path once (compilation of the statistics kernels included).
-    for name, mon in monitors.items():
+    for mon in monitors.values():
         if mon is not None:
             mon.attach()
         train_steps(model, opt, batches, 5, mon, [])

@@ -35,8 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("stats", help="FP8 quantisation statistics of a real tensor")
     p.set_defaults(func=_cmd_stats)
-    p = sub.add_parser("demo", help="the main job (grows with each release)")
-    p.set_defaults(func=_cmd_stats)
+    from fp8track.demo import add_subparser as add_demo
+    from fp8track.trackers.replay import add_subparser as add_sync
+
+    add_demo(sub)
+    add_sync(sub)
     return parser
 
 
