@@ -7,8 +7,9 @@ and emulated FP8 with delayed scaling.
 
 Step time: per-step wall time of forward + backward + optimizer step + ``monitor.step``.
 ``mean`` includes the sampled steps (amortised cost); ``median`` is the typical step.
-Peak memory: the growth of the process's max RSS over a training run, in a fresh subprocess per
-configuration (CPU has no allocator counter like CUDA's ``max_memory_allocated``).
+Peak memory: bytes allocated through malloc (glibc ``mallinfo2``, which torch's CPU allocator
+uses) at the peaks of each step, maximum over 30 steps, in a fresh subprocess per configuration
+(CPU has no counter like CUDA's ``max_memory_allocated``).
 
 Usage: python bench/monitor_bench.py [--rounds 6] [--steps-per-round 20]
 """
@@ -16,8 +17,8 @@ Usage: python bench/monitor_bench.py [--rounds 6] [--steps-per-round 20]
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -32,16 +33,23 @@ from fp8track.monitor import Monitor, MonitorConfig
 CONFIGS = {"none": None, "every_10": 10, "every_1": 1}
 
 
-def build(recipe: str, seed: int = 0):
+MODELS = {
+    "small": (GPTConfig(), 16),  # the example's defaults: 2 blocks, width 64
+    "wide": (GPTConfig(n_layer=4, n_head=8, n_embd=256, block_size=128), 8),
+}
+
+
+def build(recipe: str, model_name: str = "small", seed: int = 0):
     from fp8track.apply import apply_fp8
 
+    cfg, batch = MODELS[model_name]
     torch.manual_seed(seed)
-    model = GPT(GPTConfig())
+    model = GPT(cfg)
     apply_fp8(model, recipe, backend="emulated")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(seed)
     cfg = model.config
-    batches = [torch.randint(0, cfg.vocab, (16, cfg.block_size + 1), generator=g) for _ in range(8)]
+    batches = [torch.randint(0, cfg.vocab, (batch, cfg.block_size + 1), generator=g) for _ in range(8)]
     return model, opt, batches
 
 
@@ -58,8 +66,8 @@ def train_steps(model, opt, batches, n, monitor, times):
         times.append(time.perf_counter() - t0)
 
 
-def step_times(recipe: str, rounds: int, per_round: int) -> dict:
-    model, opt, batches = build(recipe)
+def step_times(recipe: str, model_name: str, rounds: int, per_round: int) -> dict:
+    model, opt, batches = build(recipe, model_name)
     tmp = tempfile.mkdtemp()
     monitors = {
         name: Monitor(model, MonitorConfig(every_n_steps=n), log_dir=tmp) if n else None for name, n in CONFIGS.items()
@@ -75,8 +83,7 @@ def step_times(recipe: str, rounds: int, per_round: int) -> dict:
     for _ in range(rounds):
         for name, mon in monitors.items():
             if mon is not None:
-                mon.attach()
-                mon.begin_step(0)  # every round starts on a sampled step, like a real run's cadence
+                mon.attach()  # each monitor keeps its own step count: 2 sampled steps per round of 20
             train_steps(model, opt, batches, per_round, mon, times[name])
             if mon is not None:
                 mon.detach()
@@ -96,29 +103,62 @@ def step_times(recipe: str, rounds: int, per_round: int) -> dict:
     return out
 
 
-def _memory_child(recipe: str, every: int, steps: int) -> None:
-    model, opt, batches = build(recipe)
-    train_steps(model, opt, batches, 2, None, [])  # allocator and optimizer state in place
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (n, ctypes.c_size_t)
+        for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+    ]
+
+
+def _allocated_bytes() -> int:
+    """Bytes currently allocated through glibc malloc (torch's CPU allocator uses it)."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    return int(info.uordblks + info.hblkhd)
+
+
+def _memory_child(recipe: str, model_name: str, every: int, steps: int) -> None:
+    # CPU has no max_memory_allocated; glibc's mallinfo2 gives the bytes allocated now. Sample it
+    # where a training step peaks (after the last layer's forward: every activation is alive, and
+    # after backward: every gradient is alive) and keep the maximum.
+    if every < 0:  # the baseline with inductor's machinery loaded, as the compiled monitor has it
+        import torch._inductor.compile_fx  # noqa: F401
+
+        every = 0
+    model, opt, batches = build(recipe, model_name)
+    peak = [0]
+
+    def sample(*_: object) -> None:
+        peak[0] = max(peak[0], _allocated_bytes())
+
+    model.lm_head.register_forward_hook(sample)
     mon = Monitor(model, MonitorConfig(every_n_steps=every), log_dir=tempfile.mkdtemp()).attach() if every else None
-    train_steps(model, opt, batches, steps, mon, [])
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"peak_rss_kb": after, "baseline_rss_kb": before}))
+    for i in range(steps):
+        b = batches[i % len(batches)]
+        loss = model.loss(b[:, :-1], b[:, 1:])
+        loss.backward()
+        sample()
+        opt.step()
+        if mon is not None:
+            mon.step(loss=loss)
+        opt.zero_grad(set_to_none=True)
+    print(json.dumps({"peak_allocated_bytes": peak[0]}))
 
 
-def peak_memory(recipe: str, steps: int) -> dict:
+def peak_memory(recipe: str, model_name: str, steps: int) -> dict:
     out = {}
-    for name, every in CONFIGS.items():
+    for name, every in {"none_inductor_loaded": -1, **CONFIGS}.items():
         proc = subprocess.run(
-            [sys.executable, __file__, "--memory-child", recipe, str(every or 0), str(steps)],
+            [sys.executable, __file__, "--memory-child", recipe, model_name, str(every or 0), str(steps)],
             capture_output=True,
             text=True,
             check=True,
         )
         out[name] = json.loads(proc.stdout.strip().splitlines()[-1])
-    base = out["none"]["peak_rss_kb"]
     for v in out.values():
-        v["ratio"] = v["peak_rss_kb"] / base
+        v["ratio"] = v["peak_allocated_bytes"] / out["none"]["peak_allocated_bytes"]
+        v["ratio_vs_inductor_loaded"] = v["peak_allocated_bytes"] / out["none_inductor_loaded"]["peak_allocated_bytes"]
     return out
 
 
@@ -126,21 +166,21 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps-per-round", type=int, default=20)
-    parser.add_argument("--memory-child", nargs=3)
+    parser.add_argument("--memory-child", nargs=4)
     args = parser.parse_args()
     if args.memory_child:
-        recipe, every, steps = args.memory_child
-        _memory_child(recipe, int(every), int(steps))
+        recipe, model_name, every, steps = args.memory_child
+        _memory_child(recipe, model_name, int(every), int(steps))
         return
     result = {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "model": "example GPT, GPTConfig() defaults, batch 16",
+        "models": {k: {"config": vars(c), "batch": b} for k, (c, b) in MODELS.items()},
     }
-    for recipe in ("bf16", "delayed"):
-        result[recipe] = {
-            "step_time": step_times(recipe, args.rounds, args.steps_per_round),
-            "peak_memory": peak_memory(recipe, 30),
+    for model_name, recipe in (("small", "bf16"), ("small", "delayed"), ("wide", "bf16")):
+        result[f"{model_name}/{recipe}"] = {
+            "step_time": step_times(recipe, model_name, args.rounds, args.steps_per_round),
+            "peak_memory": peak_memory(recipe, model_name, 30),
         }
     print(json.dumps(result, indent=2))
 

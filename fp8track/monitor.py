@@ -19,6 +19,7 @@ Losses of unsampled steps stay on the device until the next sampled step.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -193,6 +194,7 @@ class Monitor:
             analyzers = [LossAnalyzer(baseline=baseline), DriftAnalyzer()]
         self.analyzers = list(analyzers)
         self.last_events: list[EventRecord] = []
+        self._warned: set[str] = set()
         self.is_writer = (_dist_rank() == 0) if is_writer is None else is_writer
         self.meta = meta or RunMeta()
         self.log_dir = Path(log_dir) if log_dir is not None else None
@@ -331,11 +333,22 @@ class Monitor:
         metrics.update(self._scalars(rows))
         events: list[EventRecord] = []
         for a in self.analyzers:
-            m, ev = a.observe(series, rows)
+            try:
+                m, ev = a.observe(series, rows)
+            except Exception as exc:  # analysis must never stop training; the records keep the data
+                self._analysis_failed(a, exc, step, events)
+                continue
             metrics.update(m)
             events.extend(ev)
         self.last_events = events
         self._emit(step, metrics, rows, events)
+
+    def _analysis_failed(self, analyzer: Any, exc: Exception, step: int, events: list[EventRecord]) -> None:
+        name = type(analyzer).__name__
+        if name not in self._warned:
+            self._warned.add(name)
+            warnings.warn(f"fp8track: {name} failed at step {step} ({exc!r}); training goes on", stacklevel=2)
+        events.append(EventRecord("analysis_error", step, {"analyzer": name, "error": repr(exc)}))
 
     def _rows(self, step: int, keys: Sequence[tuple[str, str, str]], flat: Sequence[float]) -> list[TensorStatsRow]:
         rows = []

@@ -8,6 +8,7 @@ name keeps its tail and gains a short hash of the full name so distinct names st
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 
@@ -40,6 +41,7 @@ def _join(segments: list[str]) -> str:
     return f"{PREFIX}/{digest}-{name[-keep:]}"
 
 
+@functools.lru_cache(maxsize=65536)
 def metric_name(layer: str, tensor: str, stat: str) -> str:
     """``fp8/<layer>/<tensor>/<stat>`` for one layer's tensor statistic.
 

@@ -122,7 +122,8 @@ class RunWriter:
         if not rows:
             return
         f = self._files[name]
-        f.write("".join(_dumps(asdict(r)) + "\n" for r in rows))
+        # vars(), not asdict(): records hold plain data, and asdict deep-copies every stats dict.
+        f.write("".join(_dumps(vars(r)) + "\n" for r in rows))
         f.flush()
 
     def write_metrics(self, record: MetricsRecord) -> None:

@@ -101,3 +101,30 @@ def test_state_round_trip_keeps_pending_losses(tmp_path):
     other = Monitor(model, MonitorConfig(every_n_steps=10), log_dir=tmp_path)
     other.load_state_dict(state)
     assert other.state_dict() == state
+
+
+def test_a_failing_analyzer_warns_once_and_training_goes_on(tmp_path):
+    class Broken:
+        def observe(self, losses, rows):
+            raise RuntimeError("boom")
+
+        def close(self, last_step):
+            return []
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    model = _mlp()
+    mon = Monitor(model, MonitorConfig(every_n_steps=1), log_dir=tmp_path, analyzers=[Broken()]).attach()
+    with pytest.warns(UserWarning, match="Broken failed at step 0") as record:
+        for _ in range(3):
+            model(torch.randn(2, 16)).sum().backward()
+            mon.step(loss=1.0)
+    mon.close()
+    assert sum("Broken failed" in str(w.message) for w in record) == 1
+    reader = RunReader(mon.run_dir)
+    assert [e.step for e in reader.events() if e.kind == "analysis_error"] == [0, 1, 2]
+    assert len(reader.series("loss")) == 3
