@@ -37,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from fp8track.errors import ConfigError, invalid_choice
+from fp8track.errors import ConfigError, check_float, check_int, dataclass_from_dict
 from fp8track.records import EventRecord
-from fp8track.spikes import RobustWindow, _check_float, _check_int
+from fp8track.spikes import RobustWindow
 
 DIVERGENCE_REASONS = ("rise", "gap", "nonfinite")
 PHASES = ("start", "mid")
@@ -81,26 +81,26 @@ class DivergenceConfig:
     min_progress: float = 0.1
 
     def __post_init__(self) -> None:
-        _check_int("window", self.window, 4)
-        _check_float("rise_threshold", self.rise_threshold, 0.0, strict=True)
-        _check_int("patience", self.patience, 1)
-        _check_float("quantile", self.quantile, 0.0)
+        check_int("window", self.window, 4)
+        check_float("rise_threshold", self.rise_threshold, 0.0, strict=True)
+        check_int("patience", self.patience, 1)
+        check_float("quantile", self.quantile, 0.0)
         if self.quantile > 1.0:
             raise ConfigError(f"quantile must be in [0, 1], got {self.quantile!r}")
         if self.min_samples is not None:
-            _check_int("min_samples", self.min_samples, 4)
+            check_int("min_samples", self.min_samples, 4)
             if self.min_samples > self.window:
                 raise ConfigError(f"min_samples ({self.min_samples}) must not exceed window ({self.window})")
-        _check_int("gap_window", self.gap_window, 1)
-        _check_float("gap_tolerance", self.gap_tolerance, 0.0, strict=True)
-        _check_int("nonfinite_patience", self.nonfinite_patience, 1)
+        check_int("gap_window", self.gap_window, 1)
+        check_float("gap_tolerance", self.gap_tolerance, 0.0, strict=True)
+        check_int("nonfinite_patience", self.nonfinite_patience, 1)
         if self.lookback is not None:
-            _check_int("lookback", self.lookback, self.window)
-        _check_int("smooth", self.smooth, 1)
+            check_int("lookback", self.lookback, self.window)
+        check_int("smooth", self.smooth, 1)
         if self.smooth % 2 == 0:
             raise ConfigError(f"smooth must be odd (a centred median), got {self.smooth}")
-        _check_int("start_phase_steps", self.start_phase_steps, 0)
-        _check_float("min_progress", self.min_progress, 0.0)
+        check_int("start_phase_steps", self.start_phase_steps, 0)
+        check_float("min_progress", self.min_progress, 0.0)
 
     @property
     def effective_min_samples(self) -> int:
@@ -112,11 +112,7 @@ class DivergenceConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> DivergenceConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise invalid_choice("DivergenceConfig key", unknown[0], sorted(known))
-        return cls(**dict(d))
+        return dataclass_from_dict(cls, d)
 
 
 @dataclass(frozen=True)

@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-from fp8track.errors import ConfigError, invalid_choice
+from fp8track.errors import ConfigError, check_float, check_int, dataclass_from_dict, invalid_choice
 from fp8track.formats import TENSOR_KINDS, FormatPair, FP8Format, get_format, get_format_pair
 from fp8track.records import EventRecord
 from fp8track.scaling import AMAX_COMPUTE_ALGOS, DelayedScaler, current_scale
-from fp8track.spikes import _check_float, _check_int
 
 DIRECTIONS = ("overflow_risk", "underflow_risk")
 
@@ -61,16 +60,12 @@ class DriftConfig:
     consecutive: int = 3
 
     def __post_init__(self) -> None:
-        _check_float("threshold_log2", self.threshold_log2, 0.0, strict=True)
-        _check_int("consecutive", self.consecutive, 1)
+        check_float("threshold_log2", self.threshold_log2, 0.0, strict=True)
+        check_int("consecutive", self.consecutive, 1)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> DriftConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise invalid_choice("DriftConfig key", unknown[0], sorted(known))
-        return cls(**dict(d))
+        return dataclass_from_dict(cls, d)
 
 
 @dataclass(frozen=True)
@@ -249,10 +244,10 @@ class WhatIfDelayed:
             self.formats = FormatPair(fmt.name, fmt, fmt)
         else:
             self.formats = get_format_pair(formats)
-        _check_int("history_len", history_len, 1)
+        check_int("history_len", history_len, 1)
         if algo not in AMAX_COMPUTE_ALGOS:
             raise invalid_choice("amax_compute_algo", algo, AMAX_COMPUTE_ALGOS)
-        _check_int("margin", margin, 0)
+        check_int("margin", margin, 0)
         self.history_len, self.algo, self.margin = history_len, algo, margin
         self._scalers: dict[tuple[str, str], DelayedScaler] = {}
         self._seen: dict[tuple[str, str], int] = {}

@@ -37,7 +37,7 @@ from fp8track.capture import (
     validate_tensors,
     validate_whatif,
 )
-from fp8track.errors import ConfigError, invalid_choice
+from fp8track.errors import ConfigError, check_int, invalid_choice
 from fp8track.formats import TENSOR_KINDS, get_format_pair
 from fp8track.naming import metric_name, run_metric, worst_metric
 from fp8track.records import EventRecord, MetricsRecord, RunMeta, RunWriter, TensorStatsRow
@@ -86,9 +86,7 @@ class MonitorConfig:
     track_grad_norm: bool = True
 
     def __post_init__(self) -> None:
-        n = self.every_n_steps
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ConfigError(f"every_n_steps must be an integer >= 1, got {n!r}")
+        check_int("every_n_steps", self.every_n_steps, 1)
         for s in self.steps:
             if not isinstance(s, int) or s < 0:
                 raise ConfigError(f"steps must be non-negative integers, got {s!r}")

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fp8track.errors import ConfigError, invalid_choice
+from fp8track.errors import ConfigError, check_int, invalid_choice
 from fp8track.formats import FORMAT_PAIRS, FormatPair, get_format_pair
 from fp8track.scaling import AMAX_COMPUTE_ALGOS
 
@@ -58,11 +58,6 @@ _KEY_ALIASES = {
     "format": "fp8_format",
     "gemm_mode": "gemm",
 }
-
-
-def _check_int(what: str, value: object, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{what} must be an integer >= {minimum}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -93,10 +88,10 @@ class Recipe:
             raise invalid_choice("recipe name", self.name, RECIPE_NAMES + tuple(ALIASES))
         if str(self.fp8_format) not in FORMAT_PAIRS:
             raise invalid_choice("fp8_format", self.fp8_format, FORMAT_PAIRS, "Pure E5M2 training is not supported")
-        _check_int("amax_history_len", self.amax_history_len, 1)
+        check_int("amax_history_len", self.amax_history_len, 1)
         if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
             raise invalid_choice("amax_compute_algo", self.amax_compute_algo, AMAX_COMPUTE_ALGOS)
-        _check_int("margin", self.margin, 0)
+        check_int("margin", self.margin, 0)
         if self.gemm not in GEMM_MODES:
             raise invalid_choice("gemm mode", self.gemm, GEMM_MODES)
         if self.name == "fp8_input_bf16_gemm" and self.gemm == "fp8":

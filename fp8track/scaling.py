@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from fp8track.errors import ConfigError, invalid_choice
+from fp8track.errors import ConfigError, check_int, invalid_choice
 from fp8track.formats import FP8Format, get_format
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -100,12 +100,10 @@ class DelayedScaler:
         margin: int = 0,
     ) -> None:
         self.fmt = get_format(fmt)
-        if not isinstance(history_len, int) or isinstance(history_len, bool) or history_len < 1:
-            raise ConfigError(f"amax_history_len must be an integer >= 1, got {history_len!r}")
+        check_int("amax_history_len", history_len, 1)
         if algo not in AMAX_COMPUTE_ALGOS:
             raise invalid_choice("amax_compute_algo", algo, AMAX_COMPUTE_ALGOS)
-        if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
-            raise ConfigError(f"margin must be an integer >= 0, got {margin!r}")
+        check_int("margin", margin, 0)
         self.history_len = history_len
         self.algo = algo
         self.margin = margin

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fp8track.errors import ConfigError, invalid_choice
+from fp8track.errors import ConfigError, check_float, check_int, dataclass_from_dict, invalid_choice
 from fp8track.records import EventRecord
 
 if TYPE_CHECKING:
@@ -52,22 +52,6 @@ SPIKE_ACTIONS = ("log", "stop", "checkpoint")
 EVENT_KINDS = ("spike", "nonfinite")
 EVENT_STATUSES = ("open", "recovered", "not_recovered")
 NONFINITE_SEVERITY = 10.0  # ranks a NaN/inf loss above any spike under a 10x relative excess
-
-
-def _check_int(name: str, value: object, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
-
-
-def _check_float(
-    name: str, value: object, low: float, *, strict: bool = False, allow_inf: bool = False
-) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
-    if ok:
-        ok = (value > low if strict else value >= low) and (allow_inf or math.isfinite(value))
-    if not ok:
-        rel = ">" if strict else ">="
-        raise ConfigError(f"{name} must be a number {rel} {low}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -112,38 +96,34 @@ class SpikeConfig:
     action: str = "log"
 
     def __post_init__(self) -> None:
-        _check_int("window", self.window, 8)
-        _check_int("warmup", self.warmup, 8)
+        check_int("window", self.window, 8)
+        check_int("warmup", self.warmup, 8)
         if self.warmup > self.window:
             raise ConfigError(f"warmup ({self.warmup}) must not exceed window ({self.window})")
-        _check_float("z_threshold", self.z_threshold, 0.0, strict=True)
-        _check_float("rel_threshold", self.rel_threshold, 0.0)
-        _check_int("confirm_steps", self.confirm_steps, 1)
-        _check_float("instant_z", self.instant_z, 0.0, strict=True, allow_inf=True)
-        _check_float("instant_rel", self.instant_rel, 0.0, allow_inf=True)
-        _check_float("recover_z", self.recover_z, 0.0)
-        _check_float("recover_tolerance", self.recover_tolerance, 0.0)
-        _check_int("recover_confirm_steps", self.recover_confirm_steps, 1)
+        check_float("z_threshold", self.z_threshold, 0.0, strict=True)
+        check_float("rel_threshold", self.rel_threshold, 0.0)
+        check_int("confirm_steps", self.confirm_steps, 1)
+        check_float("instant_z", self.instant_z, 0.0, strict=True, allow_inf=True)
+        check_float("instant_rel", self.instant_rel, 0.0, allow_inf=True)
+        check_float("recover_z", self.recover_z, 0.0)
+        check_float("recover_tolerance", self.recover_tolerance, 0.0)
+        check_int("recover_confirm_steps", self.recover_confirm_steps, 1)
         if self.recover_z >= self.z_threshold:
             raise ConfigError(
                 f"recover_z ({self.recover_z}) must be below z_threshold ({self.z_threshold}), "
                 "otherwise a spike could close at the step that opens it"
             )
         if self.max_open_steps is not None:
-            _check_int("max_open_steps", self.max_open_steps, 1)
-        _check_float("grad_z_threshold", self.grad_z_threshold, 0.0, strict=True)
-        _check_float("min_sigma_rel", self.min_sigma_rel, 0.0)
+            check_int("max_open_steps", self.max_open_steps, 1)
+        check_float("grad_z_threshold", self.grad_z_threshold, 0.0, strict=True)
+        check_float("min_sigma_rel", self.min_sigma_rel, 0.0)
         if self.action not in SPIKE_ACTIONS:
             raise invalid_choice("spike action", self.action, SPIKE_ACTIONS)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SpikeConfig:
         """Build from a mapping (YAML/CLI); unknown keys are an error naming the valid ones."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise invalid_choice("SpikeConfig key", unknown[0], sorted(known))
-        return cls(**dict(d))
+        return dataclass_from_dict(cls, d)
 
 
 @dataclass(frozen=True)

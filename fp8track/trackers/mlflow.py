@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from fp8track import naming
 from fp8track.errors import ConfigError
+from fp8track.optional import require
 from fp8track.records import EventRecord, RunMeta, TensorStatsRow
 from fp8track.trackers.base import (
     EVENT_COLUMNS,
@@ -150,14 +151,6 @@ def heatmap_figure(rows: Sequence[TensorStatsRow], stats: Sequence[str] = ("unde
     return fig
 
 
-def _import_mlflow() -> Any:
-    try:
-        import mlflow
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("the MLflow tracker needs mlflow: pip install 'fp8track[mlflow]'") from exc
-    return mlflow
-
-
 class MLflowTracker(QueuedTracker):
     """Logs step batches to one MLflow run.
 
@@ -207,7 +200,7 @@ class MLflowTracker(QueuedTracker):
                 "use a database URI such as 'sqlite:///mlflow.db' or an http(s) server URI"
             )
         if client is None:
-            client = _import_mlflow().MlflowClient(tracking_uri)
+            client = require("mlflow", "the MLflow tracker").MlflowClient(tracking_uri)
         self.client = client
         self.run_id = run_id
         self.own_run = run_id is None

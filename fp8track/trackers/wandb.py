@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from fp8track import naming
 from fp8track.errors import ConfigError, invalid_choice
+from fp8track.optional import require
 from fp8track.records import EventRecord, RunMeta, TensorStatsRow
 from fp8track.trackers.base import (
     EVENT_COLUMNS,
@@ -40,14 +41,6 @@ DEFAULT_STEP_METRIC = "trainer/global_step"
 ALERT_LEVELS = ("INFO", "WARN", "ERROR")
 _SUMMARY_OPS = ("min", "max", "mean", "last", "first", "none")
 MAX_ALERT_TITLE = 63  # W&B: "must be less than 64 characters long"
-
-
-def _import_wandb() -> Any:
-    try:
-        import wandb
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("the W&B tracker needs wandb: pip install 'fp8track[wandb]'") from exc
-    return wandb
 
 
 class WandbTracker(QueuedTracker):
@@ -126,7 +119,7 @@ class WandbTracker(QueuedTracker):
         reinit="create_new")``, resuming ``run_id`` when given (``resume="must"``). ``mode`` is
         passed to ``wandb.init`` only; the environment is not touched. ``kwargs`` go to the
         tracker's constructor."""
-        wandb = _import_wandb()
+        wandb = require("wandb", "the W&B tracker")
         valid_modes = ("online", "offline", "disabled", "shared")
         if mode not in valid_modes:
             raise invalid_choice("W&B mode", mode, valid_modes)
@@ -156,7 +149,7 @@ class WandbTracker(QueuedTracker):
     def _table(self, key: str, columns: Sequence[str]) -> Any:
         table = self._tables.get(key)
         if table is None:
-            wandb = _import_wandb()
+            wandb = require("wandb", "the W&B tracker")
             table = wandb.Table(columns=list(columns), log_mode="INCREMENTAL", allow_mixed_types=True)
             self._tables[key] = table
         return table
