@@ -128,3 +128,38 @@ def test_a_failing_analyzer_warns_once_and_training_goes_on(tmp_path):
     reader = RunReader(mon.run_dir)
     assert [e.step for e in reader.events() if e.kind == "analysis_error"] == [0, 1, 2]
     assert len(reader.series("loss")) == 3
+
+
+def _events_after_run(tmp_path, losses, stop_at=None):
+    """Feed ``losses`` through a Monitor; optionally checkpoint at ``stop_at`` (JSON round trip)
+    and continue in a fresh Monitor, as a resumed job would."""
+    import json
+
+    model = _mlp()
+    config = MonitorConfig(every_n_steps=7, tensors=("weight",))
+    mon = Monitor(model, config, log_dir=tmp_path).attach()
+    for step, loss in enumerate(losses):
+        if step == stop_at:
+            state = json.loads(json.dumps(mon.state_dict()))
+            mon.detach()  # the job dies here; nothing of mon survives but the checkpointed state
+            mon = Monitor(model, config, log_dir=tmp_path)
+            mon.load_state_dict(state)
+            mon.attach()
+        model(torch.randn(2, 16))
+        mon.step(loss=float(loss))
+    mon.close()
+    return [(e.kind, e.step, e.data.get("status"), e.data.get("peak_step")) for e in RunReader(mon.run_dir).events()
+            if e.kind in ("spike", "nonfinite", "divergence")]
+
+
+def test_resume_mid_spike_gives_the_same_events(tmp_path):
+    import numpy as np
+
+    from fp8track.synthetic_loss import Curve, healthy, plant_spike
+
+    loss = healthy(Curve(), 400, np.random.default_rng(3))
+    loss = plant_spike(loss, 300, height=0.6, rise=2, decay=8.0)
+    uninterrupted = _events_after_run(tmp_path / "a", loss)
+    assert any(k == "spike" and 300 <= s <= 302 for k, s, _, _ in uninterrupted), uninterrupted
+    resumed = _events_after_run(tmp_path / "b", loss, stop_at=305)  # inside the spike, between flushes
+    assert resumed == uninterrupted
