@@ -126,12 +126,15 @@ class DriftAnalyzer:
         self, losses: Sequence[tuple[int, float, float | None]], rows: Sequence[TensorStatsRow]
     ) -> tuple[dict[str, float], list[EventRecord]]:
         events = []
-        worst_whatif = 0.0
         for r in rows:
             if r.variant == "actual":
                 events.extend(self.recipe.update(r.step, r.layer, r.tensor, r.stats["scale_drift_log2"]))
-            if self.whatif is not None and r.variant in ("actual", "shadow"):
-                w = self.whatif.observe(r.step, r.layer, r.tensor, r.stats["amax"])
+        worst_whatif = 0.0
+        if self.whatif is not None:
+            main = [r for r in rows if r.variant in ("actual", "shadow")]
+            whatifs = self.whatif.observe_many(main[0].step, {(r.layer, r.tensor): r.stats["amax"] for r in main}) if main else {}
+            for r in main:
+                w = whatifs[(r.layer, r.tensor)]
                 if math.isfinite(w.drift_log2):
                     worst_whatif = max(worst_whatif, abs(w.drift_log2))
                     events.extend(self.whatif_tracker.update(r.step, r.layer, r.tensor, w.drift_log2))

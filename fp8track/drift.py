@@ -28,7 +28,7 @@ import torch
 from fp8track.errors import ConfigError, check_float, check_int, dataclass_from_dict, invalid_choice
 from fp8track.formats import TENSOR_KINDS, FormatPair, FP8Format, get_format, get_format_pair
 from fp8track.records import EventRecord
-from fp8track.scaling import AMAX_COMPUTE_ALGOS, DelayedScaler, current_scale
+from fp8track.scaling import AMAX_COMPUTE_ALGOS, current_scale, delayed_scaling_update
 
 DIRECTIONS = ("overflow_risk", "underflow_risk")
 
@@ -249,19 +249,15 @@ class WhatIfDelayed:
             raise invalid_choice("amax_compute_algo", algo, AMAX_COMPUTE_ALGOS)
         check_int("margin", margin, 0)
         self.history_len, self.algo, self.margin = history_len, algo, margin
-        self._scalers: dict[tuple[str, str], DelayedScaler] = {}
-        self._seen: dict[tuple[str, str], int] = {}
+        self._batches: dict[str, _FormatBatch] = {}
 
-    def _scaler(self, layer: str, tensor: str) -> DelayedScaler:
-        key = (layer, tensor)
-        if key not in self._scalers:
-            if tensor not in TENSOR_KINDS:
-                raise invalid_choice("tensor kind", tensor, TENSOR_KINDS)
-            self._scalers[key] = DelayedScaler(
-                self.formats.for_tensor(tensor), self.history_len, self.algo, self.margin
-            )
-            self._seen[key] = 0
-        return self._scalers[key]
+    def _batch(self, tensor: str) -> _FormatBatch:
+        if tensor not in TENSOR_KINDS:
+            raise invalid_choice("tensor kind", tensor, TENSOR_KINDS)
+        fmt = self.formats.for_tensor(tensor)
+        if fmt.name not in self._batches:
+            self._batches[fmt.name] = _FormatBatch(fmt, self.history_len, self.algo, self.margin)
+        return self._batches[fmt.name]
 
     def observe(self, step: int, layer: str, tensor: str, amax: float | torch.Tensor) -> WhatIf:
         """One sample: the what-if scale for this step, then the amax enters the history.
@@ -269,41 +265,78 @@ class WhatIfDelayed:
         ``step`` is informational (samples must come in step order). NaN/inf/0 amaxes are handled
         as in TE (the scale keeps its previous value).
         """
-        scaler = self._scaler(layer, tensor)
-        a = torch.as_tensor(float(amax), dtype=torch.float32)
-        used = float(scaler.scale)
-        cur = float(current_scale(a, scaler.fmt, self.margin, math.nan))
-        key = (layer, tensor)
-        drift = drift_log2(used, cur) if self._seen[key] > 0 else math.nan
-        scaler.observe(a)
-        scaler.update()
-        self._seen[key] += 1
-        return WhatIf(scale=used, current_scale=cur, drift_log2=drift)
+        return self.observe_many(step, {(layer, tensor): amax})[(layer, tensor)]
 
     def observe_many(
-        self, step: int, amaxes: Mapping[tuple[str, str], float]
+        self, step: int, amaxes: Mapping[tuple[str, str], float | torch.Tensor]
     ) -> dict[tuple[str, str], WhatIf]:
-        """:meth:`observe` for every ``(layer, tensor) -> amax`` of one sampled step."""
-        return {
-            (layer, tensor): self.observe(step, layer, tensor, a) for (layer, tensor), a in amaxes.items()
-        }
+        """:meth:`observe` for every ``(layer, tensor) -> amax`` of one sampled step, in one batched
+        update per format (a few tensor ops per step instead of a dozen per tensor)."""
+        groups: dict[str, dict[tuple[str, str], float]] = {}
+        for (layer, tensor), a in amaxes.items():
+            groups.setdefault(self._batch(tensor).fmt.name, {})[(layer, tensor)] = float(a)
+        out: dict[tuple[str, str], WhatIf] = {}
+        for name, group in groups.items():
+            out.update(self._batches[name].observe(group))
+        return {k: out[k] for k in amaxes}
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data (lists, not tensors): histories, scales and sample counts per (layer, tensor)."""
-        return {
-            "version": 1,
-            "scalers": [
-                [layer, tensor, s.amax_history.tolist(), float(s.scale), self._seen[(layer, tensor)]]
-                for (layer, tensor), s in self._scalers.items()
-            ],
-        }
+        rows = []
+        for batch in self._batches.values():
+            for key, i in batch.index.items():
+                rows.append([*key, batch.history[:, i].tolist(), float(batch.scale[i]), batch.seen[i]])
+        return {"version": 1, "scalers": rows}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; missing keys keep their current value."""
         for layer, tensor, hist, scale, seen in state.get("scalers", []):
-            scaler = self._scaler(layer, tensor)
-            scaler.load_state_dict({"amax_history": hist, "scale": scale})
-            self._seen[(layer, tensor)] = int(seen)
+            hist_t = torch.as_tensor(hist, dtype=torch.float32)
+            if hist_t.numel() != self.history_len:
+                raise ConfigError(
+                    f"checkpointed what-if history has length {hist_t.numel()}, expected {self.history_len}"
+                )
+            batch = self._batch(tensor)
+            i = batch.column((layer, tensor))
+            batch.history[:, i] = hist_t
+            batch.scale[i] = float(scale)
+            batch.seen[i] = int(seen)
 
+
+class _FormatBatch:
+    """What-if delayed scaling of every (layer, tensor) that uses one FP8 format, as columns of one
+    ``[L, n]`` history, updated with :func:`fp8track.scaling.delayed_scaling_update`."""
+
+    def __init__(self, fmt: FP8Format, history_len: int, algo: str, margin: int) -> None:
+        self.fmt, self.history_len, self.algo, self.margin = fmt, history_len, algo, margin
+        self.index: dict[tuple[str, str], int] = {}
+        self.history = torch.zeros(history_len, 0)
+        self.scale = torch.ones(0)
+        self.seen: list[int] = []
+
+    def column(self, key: tuple[str, str]) -> int:
+        if key not in self.index:
+            self.index[key] = len(self.index)
+            self.seen.append(0)
+            self.history = torch.cat([self.history, torch.zeros(self.history_len, 1)], dim=1)
+            self.scale = torch.cat([self.scale, torch.ones(1)])  # TE's initial scale
+        return self.index[key]
+
+    def observe(self, amaxes: Mapping[tuple[str, str], float]) -> dict[tuple[str, str], WhatIf]:
+        cols = torch.tensor([self.column(k) for k in amaxes], dtype=torch.long)
+        a = torch.tensor(list(amaxes.values()), dtype=torch.float32)
+        used = self.scale[cols]
+        cur = current_scale(a, self.fmt, self.margin, math.nan)
+        hist = self.history[:, cols]
+        hist[0] = torch.maximum(hist[0], a)
+        hist, new_scale = delayed_scaling_update(hist, used, self.fmt, self.algo, self.margin)
+        self.history[:, cols] = hist
+        self.scale[cols] = new_scale
+        out = {}
+        for j, (key, used_j, cur_j) in enumerate(zip(amaxes, used.tolist(), cur.tolist(), strict=True)):
+            i = int(cols[j])
+            out[key] = WhatIf(used_j, cur_j, drift_log2(used_j, cur_j) if self.seen[i] > 0 else math.nan)
+            self.seen[i] += 1
+        return out
 
 __all__ = ["DriftConfig", "DriftEvent", "DriftTracker", "WhatIf", "WhatIfDelayed", "drift_log2", "DIRECTIONS"]

@@ -77,6 +77,30 @@ def fake_quantize(x: torch.Tensor, fmt: str | FP8Format, scale: torch.Tensor | f
     return dequantize(quantize(x, fmt, scale), scale)
 
 
+def delayed_scaling_update(
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: str | FP8Format,
+    algo: str = "max",
+    margin: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Transformer Engine delayed-scaling update, for one tensor or many side by side.
+
+    ``amax_history`` is ``[L, ...]`` with this step's amax already in slot 0; ``scale`` is ``[...]``.
+    The amax is the history's max over L (``"max"``) or slot 0 (``"most_recent"``); the new scale
+    is :func:`current_scale` of it (keeping the old scale where the amax is unusable); then the
+    history rolls by -1 and slot 0 is zeroed (TE's ``_update_amax_history``).
+
+    Returns:
+        ``(new_history, new_scale)``; the inputs are not modified.
+    """
+    amax_value = amax_history.amax(dim=0) if algo == "max" else amax_history[0]
+    new_scale = current_scale(amax_value, fmt, margin, scale)
+    history = torch.roll(amax_history, -1, 0) if amax_history.shape[0] > 1 else amax_history.clone()
+    history[0] = 0.0
+    return history, new_scale
+
+
 class DelayedScaler:
     """Delayed scaling of one tensor, as Transformer Engine's ``DelayedScaling`` recipe does it.
 
@@ -122,14 +146,9 @@ class DelayedScaler:
 
     def update(self) -> torch.Tensor:
         """Compute the next scale from the history, roll the history; returns the new scale."""
-        if self.algo == "max":
-            amax_value = self.amax_history.amax()
-        else:
-            amax_value = self.amax_history[0].clone()
-        self.scale = current_scale(amax_value, self.fmt, self.margin, self.scale)
-        if self.history_len > 1:
-            self.amax_history = torch.roll(self.amax_history, -1, 0)
-        self.amax_history[0] = 0.0
+        self.amax_history, self.scale = delayed_scaling_update(
+            self.amax_history, self.scale, self.fmt, self.algo, self.margin
+        )
         return self.scale
 
     @torch.no_grad()

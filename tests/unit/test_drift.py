@@ -129,3 +129,35 @@ def test_validation():
         WhatIfDelayed().observe(0, "fc", "bias", 1.0)
     with pytest.raises(ConfigError, match="unknown DriftConfig key"):
         DriftConfig.from_dict({"threshold": 1})
+
+
+def test_batched_whatif_equals_one_delayed_scaler_per_tensor():
+    """The batched what-if update must reproduce DelayedScaler (TE's rule) column by column, also
+    when some tensors are missing from a step and when keys appear late."""
+    import random
+
+    import torch
+
+    from fp8track.scaling import DelayedScaler
+
+    rng = random.Random(7)
+    keys = [("fc1", "activation"), ("fc1", "gradient"), ("fc2", "weight"), ("fc2", "gradient")]
+    w = WhatIfDelayed("hybrid", history_len=5, algo="max", margin=1)
+    ref = {k: DelayedScaler("e5m2" if k[1] == "gradient" else "e4m3", 5, "max", 1) for k in keys}
+    seen = {k: 0 for k in keys}
+    for step in range(40):
+        present = [k for k in keys if rng.random() < 0.7 and (step > 10 or k[0] == "fc1")]
+        amaxes = {k: rng.choice([0.0, float("inf"), 10 ** rng.uniform(-6, 4)]) for k in present}
+        got = w.observe_many(step, amaxes)
+        for k, a in amaxes.items():
+            used = float(ref[k].scale)
+            ref[k].observe(torch.tensor(a))
+            ref[k].update()
+            assert got[k].scale == used, (step, k)
+            if seen[k] == 0:
+                assert math.isnan(got[k].drift_log2)
+            seen[k] += 1
+    state = w.state_dict()
+    clone = WhatIfDelayed("hybrid", history_len=5, algo="max", margin=1)
+    clone.load_state_dict(state)
+    assert clone.state_dict() == state
