@@ -216,10 +216,17 @@ class LayerCapture:
             prev = self.partials.get(key)
             self.partials[key] = p if prev is None else merge_partials([prev, p])
 
-    @torch.no_grad()
     def _forward_hook(self, module: nn.Module, args: tuple, output: object) -> None:
-        if not self.active:
+        # Training forwards only: evaluation passes (no grad) between steps must not leak into the
+        # sampled step's statistics.
+        if not self.active or not torch.is_grad_enabled():
             return
+        with torch.no_grad():
+            self._observe_forward(module, args)
+        if "gradient" in self.tensors and isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(self._gradient_hook)
+
+    def _observe_forward(self, module: nn.Module, args: tuple) -> None:
         if "activation" in self.tensors and args and isinstance(args[0], torch.Tensor):
             self._add("activation", args[0])
         if "weight" in self.tensors and not self._weight_done:
@@ -227,8 +234,6 @@ class LayerCapture:
             if isinstance(weight, torch.Tensor):
                 self._add("weight", weight)
                 self._weight_done = True
-        if "gradient" in self.tensors and isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(self._gradient_hook)
 
     @torch.no_grad()
     def _gradient_hook(self, grad: torch.Tensor) -> None:

@@ -255,6 +255,9 @@ class Monitor:
         self._pending.append(_PendingStep(self.global_step, _detached(loss), _detached(grad_norm)))
         if self._sampled:
             self.flush()
+        self._sampled = False
+        for cap in self.captures.values():  # nothing is captured between steps (e.g. validation)
+            cap.begin_step(False)
         self.global_step += 1
 
     def close(self) -> None:

@@ -163,3 +163,22 @@ def test_resume_mid_spike_gives_the_same_events(tmp_path):
     assert any(k == "spike" and 300 <= s <= 302 for k, s, _, _ in uninterrupted), uninterrupted
     resumed = _events_after_run(tmp_path / "b", loss, stop_at=305)  # inside the spike, between flushes
     assert resumed == uninterrupted
+
+
+def test_evaluation_forwards_do_not_leak_into_statistics(tmp_path):
+    model = _mlp()
+    mon = Monitor(model, MonitorConfig(every_n_steps=1, tensors=("activation",)), log_dir=tmp_path).attach()
+    x = torch.randn(4, 16)
+    model(x).sum().backward()
+    with torch.no_grad():  # a validation pass inside the sampled step
+        model(torch.randn(4, 16) * 1000)
+    mon.step(loss=1.0)
+    with torch.no_grad():  # and one between steps
+        model(torch.randn(4, 16) * 1000)
+    model(x).sum().backward()
+    mon.step(loss=1.0)
+    mon.close()
+    rows = [r for r in RunReader(mon.run_dir).tensor_stats() if r.layer == "0"]
+    assert [r.step for r in rows] == [0, 1]
+    for r in rows:
+        assert r.stats == pytest.approx(quant_stats(x, "e4m3"))
