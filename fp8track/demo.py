@@ -3,7 +3,8 @@
 Everything lands in one folder (default ``./fp8track-demo``):
 
 * ``mlflow.db``: an MLflow SQLite store, experiment ``fp8track-demo``, one run per recipe
-  (look at it with ``mlflow ui --backend-store-uri sqlite:///<folder>/mlflow.db``);
+  (look at it with ``mlflow ui --backend-store-uri sqlite:///<folder>/mlflow.db``), its artifacts
+  (tables, the per-layer heatmap) in ``mlartifacts/``;
 * ``runs/<run_id>/``: fp8track's own run directories (the source of truth, replayable);
 * ``wandb/``: W&B offline runs with ``--wandb`` (``wandb sync`` uploads them later).
 
@@ -57,7 +58,13 @@ def run_one(
     module, data, report = build_example(recipe=recipe, seed=seed)
     module.fp8track_report = report
     loggers: list[Any] = [
-        MLFlowLogger(experiment_name="fp8track-demo", run_name=name, tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+        MLFlowLogger(
+            experiment_name="fp8track-demo",
+            run_name=name,
+            tracking_uri=f"sqlite:///{out / 'mlflow.db'}",
+            # MLflow's default artifact root is ./mlruns in the working directory; keep it here.
+            artifact_location=(out / "mlartifacts").as_uri(),
+        )
     ]
     if use_wandb:
         from lightning.pytorch.loggers import WandbLogger

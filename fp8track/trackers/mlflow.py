@@ -89,9 +89,10 @@ def flatten(prefix: str, value: Any) -> dict[str, str]:
 
 
 def heatmap_matrix(
-    rows: Iterable[TensorStatsRow], stat: str, variant: str = "actual"
+    rows: Iterable[TensorStatsRow], stat: str, variants: Sequence[str] = ("actual", "shadow")
 ) -> tuple[list[str], list[int], np.ndarray]:
-    """Layer-by-step matrix of one statistic.
+    """Layer-by-step matrix of one statistic, over the rows of the recipe really used (``actual``)
+    and of BF16 layers judged in shadow mode (``shadow``); what-if variants are left out.
 
     Returns ``(labels, steps, m)`` where ``labels`` are ``"<layer>/<tensor>"`` in order of first
     appearance, ``steps`` are sorted, and ``m[i, j]`` is the value of ``stat`` for ``labels[i]``
@@ -103,7 +104,7 @@ def heatmap_matrix(
     labels: dict[str, None] = {}
     steps: set[int] = set()
     for r in rows:
-        if r.variant != variant or stat not in r.stats:
+        if r.variant not in variants or stat not in r.stats:
             continue
         label = f"{r.layer}/{r.tensor}"
         labels.setdefault(label, None)

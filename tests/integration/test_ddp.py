@@ -36,8 +36,12 @@ def test_ddp_two_ranks_reduce_to_single_process_statistics(tmp_path):
     expected = finalize(merge_partials([partial_stats(b, "e4m3") for b in rank_batches]), "e4m3")
     got = rows[(0, "net.0", "activation")]
     assert got["numel"] == 2 * ddp_monitor.BATCH * ddp_monitor.D_IN
-    for k in ("amax", "amin", "underflow_pct", "mse", "cos", "sqnr_db", "scale"):
-        assert got[k] == pytest.approx(expected[k], rel=1e-9, abs=1e-12), k
+    for k in ("amax", "amin", "underflow_pct", "overflow_pct", "scale"):  # counts and extrema: exact
+        assert got[k] == expected[k], k
+    # Sums may be accumulated in another order in another process (compiled kernel vs the eager
+    # fallback, e.g. when two ranks race on a cold inductor cache): float rounding only.
+    for k in ("mse", "cos", "sqnr_db"):
+        assert got[k] == pytest.approx(expected[k], rel=1e-6), k
     # The same union as one tensor: scales differ per rank (current scaling), so it is not equal
     # in general, but amax/amin/numel are order-free and must agree exactly.
     whole = torch.cat(rank_batches)

@@ -34,6 +34,8 @@ def test_demo_writes_both_runs_to_mlflow_and_compares_them(tmp_path):
         history = client.get_metric_history(run["mlflow_run_id"], "fp8/worst/mse")
         assert sorted(m.step for m in history) == [0, 5, 10, 15, 20, 25]
         assert mlrun.data.tags["fp8track.run_id"] == reader.meta()["run_id"]
+        artifacts = {a.path for a in client.list_artifacts(run["mlflow_run_id"])}
+        assert {"fp8_heatmap.png", "fp8_tensor_stats.json"} <= artifacts, artifacts
     # the control is judged in shadow mode, the FP8 run with its own scales, against the control
     assert {r.variant for r in RunReader(control["run_dir"]).tensor_stats()} == {"shadow"}
     assert {r.variant for r in RunReader(fp8["run_dir"]).tensor_stats()} == {"actual"}

@@ -57,3 +57,7 @@ if __name__ == "__main__":
         default_root_dir=out,
     )
     trainer.fit(Regressor())
+    # Lightning leaves the gloo process group alive; tearing it down here avoids gloo's threads
+    # aborting the interpreter at exit ("terminate called without an active exception").
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
