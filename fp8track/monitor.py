@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -42,6 +42,9 @@ from fp8track.formats import TENSOR_KINDS, get_format_pair
 from fp8track.naming import metric_name, run_metric, worst_metric
 from fp8track.records import EventRecord, MetricsRecord, RunMeta, RunWriter, TensorStatsRow
 from fp8track.stats import NUM_SUM, PARTIAL_SIZE, STAT_NAMES, finalize
+
+if TYPE_CHECKING:
+    from fp8track.baseline import Baseline
 
 DEFAULT_SCALAR_STATS = (
     "underflow_pct",
@@ -175,7 +178,7 @@ class Monitor:
         trackers: Sequence[Any] = (),
         meta: RunMeta | None = None,
         analyzers: Sequence[StepAnalyzer] | None = None,
-        baseline: Any = None,
+        baseline: Baseline | None = None,
         is_writer: bool | None = None,
     ) -> None:
         self.model = model

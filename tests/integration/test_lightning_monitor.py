@@ -1,5 +1,8 @@
 """FP8Monitor inside a real Lightning Trainer: accumulation, loss un-normalisation, resume, errors."""
 
+import sys
+from pathlib import Path
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -8,6 +11,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from fp8track.errors import ConfigError
 from fp8track.lightning import FP8Monitor
 from fp8track.records import RunReader
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 class Net(pl.LightningModule):
@@ -33,9 +38,9 @@ class Net(pl.LightningModule):
 
 
 def _trainer(tmp_path, callbacks, **kw):
+    kw.setdefault("logger", False)
     return pl.Trainer(
         accelerator="cpu",
-        logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=tmp_path,
@@ -96,3 +101,36 @@ def test_constructor_validation():
         FP8Monitor(every_n_steps=0)
     with pytest.raises(ConfigError, match="trackers must be 'auto', 'none' or a list, got 'tensorboard'"):
         FP8Monitor(trackers="tensorboard")
+
+
+@pytest.mark.slow
+def test_trackers_found_in_trainer_loggers_wandb_offline_and_mlflow(tmp_path):
+    """FP8Monitor(trackers="auto") logs into the runs of the trainer's own WandbLogger and
+    MLFlowLogger; read back with W&B's reader and MLflow's client."""
+    from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
+    from mlflow import MlflowClient
+    from test_wandb_offline import history, inspect, table_rows
+
+    mlf = MLFlowLogger(experiment_name="t", tracking_uri=f"sqlite:///{tmp_path / 'm.db'}",
+                       artifact_location=(tmp_path / "art").as_uri())
+    wb = WandbLogger(project="t", save_dir=str(tmp_path), mode="offline")
+    mon = FP8Monitor(every_n_steps=2, log_dir=tmp_path / "fp8")
+    _trainer(tmp_path, [mon], max_steps=5, logger=[mlf, wb], enable_checkpointing=False,
+             log_every_n_steps=1).fit(Net())
+    wb.experiment.finish()
+    reader = RunReader(_run_dir(tmp_path))
+    local = {r.step: r.metrics for r in reader.metrics() if "fp8/worst/mse" in r.metrics}
+    assert sorted(local) == [0, 2, 4]
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    hist = client.get_metric_history(mlf.run_id, "fp8/body.0/activation/underflow_pct")
+    assert {m.step: m.value for m in hist} == {s: local[s]["fp8/body.0/activation/underflow_pct"] for s in local}
+
+    run_dir = next((tmp_path / "wandb").glob("offline-run-*"))
+    rows = [h for h in history(inspect(run_dir)) if "fp8/worst/mse" in h]
+    assert sorted(h["trainer/global_step"] for h in rows) == [0, 2, 4]
+    assert [h["fp8/worst/mse"] for h in sorted(rows, key=lambda h: h["trainer/global_step"])] == pytest.approx(
+        [local[s]["fp8/worst/mse"] for s in (0, 2, 4)]
+    )
+    stat_rows = table_rows(run_dir, "fp8_tensor_stats")
+    assert len(stat_rows) == len(list(reader.tensor_stats()))
