@@ -81,8 +81,9 @@ class FP8Monitor(Callback):
         )
         if layers is not None and not (callable(layers) or isinstance(layers, (str, list, tuple))):
             raise ConfigError(f"layers must be None, a string, a list of strings or a callable, got {layers!r}")
-        if isinstance(trackers, str) and trackers not in ("auto", "none"):
-            raise ConfigError(f"trackers must be 'auto', 'none' or a list, got {trackers!r}")
+        from fp8track.trackers import validate_tracker_spec
+
+        validate_tracker_spec(trackers)
         if on_spike not in SPIKE_ACTIONS:
             raise invalid_choice("on_spike action", on_spike, SPIKE_ACTIONS)
         self.baseline = baseline
@@ -112,7 +113,7 @@ class FP8Monitor(Callback):
     def _build_monitor(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Monitor:
         log_dir = Path(self.log_dir) if self.log_dir is not None else Path(trainer.default_root_dir) / "fp8track"
         trackers: list[Any] = []
-        if trainer.is_global_zero and self.trackers != "none":
+        if trainer.is_global_zero and self.trackers not in ("none", None):
             from fp8track.trackers import make_trackers
 
             trackers = make_trackers(self.trackers, trainer.loggers)

@@ -99,8 +99,12 @@ def test_bad_layer_selector_fails_before_the_first_step(tmp_path):
 def test_constructor_validation():
     with pytest.raises(ConfigError, match="every_n_steps must be an integer >= 1, got 0"):
         FP8Monitor(every_n_steps=0)
-    with pytest.raises(ConfigError, match="trackers must be 'auto', 'none' or a list, got 'tensorboard'"):
+    with pytest.raises(ConfigError, match="unknown tracker spec 'tensorboard'; valid values are: 'auto', 'none', 'wandb', 'mlflow'"):
         FP8Monitor(trackers="tensorboard")
+    with pytest.raises(ConfigError, match="unknown tracker 'comet'"):
+        FP8Monitor(trackers=["mlflow", "comet"])
+    with pytest.raises(ConfigError, match="unknown on_spike action 'kill'; valid values are: 'log', 'stop', 'checkpoint'"):
+        FP8Monitor(on_spike="kill")
 
 
 @pytest.mark.slow
@@ -134,3 +138,26 @@ def test_trackers_found_in_trainer_loggers_wandb_offline_and_mlflow(tmp_path):
     )
     stat_rows = table_rows(run_dir, "fp8_tensor_stats")
     assert len(stat_rows) == len(list(reader.tensor_stats()))
+
+
+class JumpingLoss(Net):
+    """The reported loss jumps by a constant from step 100 on (gradients are unchanged)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss + (5.0 if self.global_step >= 100 else 0.0)
+
+
+@pytest.mark.parametrize("action", ["stop", "checkpoint"])
+def test_on_spike_actions(tmp_path, action):
+    mon = FP8Monitor(every_n_steps=1, log_dir=tmp_path / "fp8", trackers="none", tensors=("weight",), on_spike=action)
+    trainer = _trainer(tmp_path, [mon], max_steps=130, enable_checkpointing=False)
+    trainer.fit(JumpingLoss())
+    opened = [e for e in RunReader(_run_dir(tmp_path)).events() if e.kind == "spike" and e.data["status"] == "open"]
+    assert opened and 100 <= opened[0].data["start_step"] <= 102
+    saved = list((tmp_path / "fp8track-spikes").glob("*.ckpt"))
+    if action == "stop":
+        assert trainer.global_step < 110 and saved == []
+    else:
+        assert trainer.global_step == 130
+        assert len(saved) == 1 and 100 <= torch.load(saved[0], weights_only=False)["global_step"] <= 106
