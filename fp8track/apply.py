@@ -106,4 +106,7 @@ def apply_fp8(
         fp8 = te_backend.convert(model, recipe, keep)
 
     bf16 = [(n, keep.get(n, "recipe bf16")) for n in names if n not in fp8]
-    return ApplyReport(backend=name, recipe=recipe, fp8_layers=tuple(fp8), bf16_layers=tuple(bf16))
+    report = ApplyReport(backend=name, recipe=recipe, fp8_layers=tuple(fp8), bf16_layers=tuple(bf16))
+    # The monitor reads it to record the recipe and the FP8/BF16 layer sets with the run.
+    model.fp8track_report = report
+    return report

@@ -55,8 +55,7 @@ def run_one(
     from fp8track.lightning import FP8Monitor
     from fp8track.records import RunReader
 
-    module, data, report = build_example(recipe=recipe, seed=seed)
-    module.fp8track_report = report
+    module, data, _report = build_example(recipe=recipe, seed=seed)
     loggers: list[Any] = [
         MLFlowLogger(
             experiment_name="fp8track-demo",

@@ -12,8 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from fp8track.capture import LayerFilter, validate_tensors, validate_whatif
 from fp8track.errors import ConfigError, invalid_choice
 from fp8track.formats import TENSOR_KINDS
-from fp8track.monitor import DEFAULT_SCALAR_STATS, Monitor, MonitorConfig
-from fp8track.records import RunMeta
+from fp8track.monitor import DEFAULT_SCALAR_STATS, Monitor, MonitorConfig, run_meta_for
 
 SPIKE_ACTIONS = ("log", "stop", "checkpoint")
 
@@ -122,17 +121,10 @@ class FP8Monitor(Callback):
             from fp8track.baseline import load_baseline
 
             baseline = load_baseline(self.baseline, _mlflow_uri(trainer.loggers))
-        report = getattr(pl_module, "fp8track_report", None)
-        meta = RunMeta(
-            name=self.run_name,
-            recipe=report.recipe.to_dict() if report is not None else None,
-            fp8_layers=tuple(report.fp8_layers) if report is not None else (),
-            bf16_layers=tuple(n for n, _ in report.bf16_layers) if report is not None else (),
-            config={
-                "monitor": _config_dict(self.config),
-                "baseline": str(self.baseline) if self.baseline is not None else None,
-                "apply": report.to_dict() if report is not None else None,
-            },
+        meta = run_meta_for(
+            pl_module,
+            self.run_name,
+            {"monitor": _config_dict(self.config), "baseline": str(self.baseline) if self.baseline is not None else None},
         )
         return Monitor(
             pl_module,

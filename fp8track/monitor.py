@@ -197,7 +197,7 @@ class Monitor:
         self.last_events: list[EventRecord] = []
         self._warned: set[str] = set()
         self.is_writer = (_dist_rank() == 0) if is_writer is None else is_writer
-        self.meta = meta or RunMeta()
+        self.meta = meta or run_meta_for(model)
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self._tracker_objs = list(trackers)
         self._writer: RunWriter | None = None
@@ -422,6 +422,21 @@ class Monitor:
             ]
         for a, s in zip(self.analyzers, state.get("analyzers", []), strict=False):
             a.load_state_dict(s)
+
+
+def run_meta_for(model: nn.Module, name: str = "fp8track", config: Mapping[str, Any] | None = None) -> RunMeta:
+    """Run metadata for ``model``: its recipe and FP8/BF16 layer sets when :func:`fp8track.apply_fp8`
+    converted it or one of its submodules (the report it leaves there), plus ``config``."""
+    report = next((m.fp8track_report for m in model.modules() if hasattr(m, "fp8track_report")), None)
+    if report is None:
+        return RunMeta(name=name, config=dict(config or {}))
+    return RunMeta(
+        name=name,
+        recipe=report.recipe.to_dict(),
+        fp8_layers=tuple(report.fp8_layers),
+        bf16_layers=tuple(n for n, _ in report.bf16_layers),
+        config={**dict(config or {}), "apply": report.to_dict()},
+    )
 
 
 def _loss_metrics(loss: float, grad_norm: float | None) -> dict[str, float]:

@@ -29,7 +29,11 @@ def _train(recipe, tmp_path, steps=4, whatif=()):
         mon.step(loss=loss)
         opt.zero_grad()
     mon.close()
-    rows = {(r.step, r.layer, r.tensor, r.variant): r.stats for r in RunReader(mon.run_dir).tensor_stats()}
+    reader = RunReader(mon.run_dir)
+    meta = reader.meta()  # the recipe apply_fp8 used travels with the run
+    assert meta["recipe"]["name"] == recipe.split(":")[0]
+    assert sorted(meta["fp8_layers"] + meta["bf16_layers"]) == ["0", "2"]
+    rows = {(r.step, r.layer, r.tensor, r.variant): r.stats for r in reader.tensor_stats()}
     return rows, used, inputs, grads
 
 
