@@ -291,12 +291,16 @@ def get_compile() -> str:
     return _POLICY.mode
 
 
-def _split_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``x`` flattened as ``main [R, _CHUNK]`` (R >= 1, a view) and a zero-padded ``tail [1, _CHUNK]``."""
+def _split_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """``x`` flattened as ``main [R, _CHUNK]`` (R >= 1, a view) and a zero-padded ``tail [1, _CHUNK]``
+    (``None`` when the length is a multiple of ``_CHUNK``, as most layer shapes are: that graph
+    skips the tail's reductions and buffers, which dominate the call cost of small tensors)."""
     flat = x.reshape(-1)
     n = flat.numel()
     r = n // _CHUNK
     tail_n = n - r * _CHUNK
+    if tail_n == 0 and r >= 1:
+        return flat.view(r, _CHUNK), None, 0
     tail = flat.new_zeros((1, _CHUNK))
     tail[0, :tail_n] = flat[r * _CHUNK :]
     pad = _CHUNK - tail_n

@@ -431,6 +431,8 @@ def test_compiled_and_eager_agree(tmp_path):
         torch.randn(3000, generator=gen).to(torch.bfloat16),
         (torch.randn(64, 257, generator=gen) * 1e3).to(torch.float16),
         torch.exp(4 * torch.randn(40000, generator=gen)),
+        torch.randn(16 * 64, 64, generator=gen),  # a multiple of the row length: the tail-free graph
+        torch.randn(1024, generator=gen).to(torch.bfloat16),  # exactly one row
     ]
     cases[2][::13] = 0.0
     cases[2][5] = math.inf
