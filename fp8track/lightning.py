@@ -9,7 +9,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from fp8track.capture import LayerFilter, validate_tensors, validate_whatif
+from fp8track.capture import LayerFilter
 from fp8track.errors import ConfigError, invalid_choice
 from fp8track.formats import TENSOR_KINDS
 from fp8track.monitor import DEFAULT_SCALAR_STATS, Monitor, MonitorConfig, run_meta_for
@@ -73,9 +73,9 @@ class FP8Monitor(Callback):
         self.config = MonitorConfig(
             every_n_steps=every_n_steps,
             steps=tuple(steps),
-            tensors=validate_tensors(tensors),
+            tensors=tuple(tensors),
             scalar_stats=tuple(scalar_stats),
-            whatif=validate_whatif(whatif),
+            whatif=tuple(whatif),
             per_layer_scalars=per_layer_scalars,
         )
         if layers is not None and not (callable(layers) or isinstance(layers, (str, list, tuple))):

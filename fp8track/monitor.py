@@ -269,8 +269,7 @@ class Monitor:
             return
         if self._pending:
             self.flush(with_stats=False)
-        for cap in self.captures.values():
-            cap.detach()
+        self.detach()
         if self.is_writer:
             events: list[EventRecord] = []
             last = max(self.global_step - 1, 0)
