@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from fp8track.records import RunMeta
+from fp8track.monitoring.records import RunMeta
 from fp8track.trackers import TrackerFanout
 from fp8track.trackers.base import StepBatch
 

@@ -27,8 +27,8 @@ import time
 
 import torch
 
+from fp8track import Monitor, MonitorConfig
 from fp8track.examples.gpt import GPT, GPTConfig
-from fp8track.monitor import Monitor, MonitorConfig
 
 CONFIGS = {"none": None, "every_10": 10, "every_1": 1}
 
@@ -40,7 +40,7 @@ MODELS = {
 
 
 def build(recipe: str, model_name: str = "small", seed: int = 0):
-    from fp8track.apply import apply_fp8
+    from fp8track.execution.apply import apply_fp8
 
     cfg, batch = MODELS[model_name]
     torch.manual_seed(seed)

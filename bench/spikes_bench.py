@@ -4,7 +4,7 @@ spikes and divergences, and throughput. Prints one JSON object.
     python bench/spikes_bench.py [--streams 200] [--steps 5000] [--seed 0]
 
 Healthy streams: power-law decaying loss (start 8-11, floor 2-3.5, tau 50-500, alpha 0.3-1) with
-multiplicative noise of 0.5-3% per step, for each noise kind of fp8track.synthetic_loss
+multiplicative noise of 0.5-3% per step, for each noise kind of fp8track.analysis.synthetic_loss
 (gaussian, heavy-tailed Student-t df=3, AR(1) phi=0.7). Every event on a healthy stream is a false
 positive.
 """
@@ -17,9 +17,9 @@ import time
 
 import numpy as np
 
-from fp8track import synthetic_loss as sl
-from fp8track.divergence import DivergenceDetector
-from fp8track.spikes import SpikeConfig, SpikeDetector
+from fp8track.analysis import synthetic_loss as sl
+from fp8track.analysis.divergence import DivergenceDetector
+from fp8track.analysis.spikes import SpikeConfig, SpikeDetector
 
 
 def run_spikes(x: np.ndarray, config: SpikeConfig | None = None) -> list:

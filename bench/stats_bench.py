@@ -1,4 +1,4 @@
-"""Benchmark of fp8track.stats: fused statistics vs one amax pass vs a naive eager composition.
+"""Benchmark of fp8track.numerics.stats: fused statistics vs one amax pass vs a naive eager composition.
 
 Prints one JSON object. Times are medians (``*_ms``) and minima (``*_min_ms``) over interleaved
 repetitions: other processes may share the CPU, so candidates are measured side by side in the same
@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import torch
 
-from fp8track import stats
-from fp8track.scaling import current_scale
+from fp8track.numerics import stats
+from fp8track.numerics.scaling import current_scale
 
 
 def naive_quant_stats(x: torch.Tensor, fmt: str = "e4m3") -> dict[str, float]:

@@ -4,7 +4,7 @@
     python examples/train_gpt.py --recipe bf16            # the BF16 control
     python examples/train_gpt.py --data my_corpus.txt     # any text file instead of the stdlib source
 
-Recipes: bf16, delayed, current, mxfp8, block, fp8_input_bf16_gemm (grammar in fp8track.recipes).
+Recipes: bf16, delayed, current, mxfp8, block, fp8_input_bf16_gemm (grammar in fp8track.execution.recipes).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def main() -> None:
           f"bf16={[n for n, _ in report.bf16_layers]}")
     precision = "bf16-mixed"
     if report.backend == "te":
-        from fp8track.backends.te import lightning_precision
+        from fp8track.execution.backends.te import lightning_precision
 
         precision = lightning_precision(report.recipe)
     trainer = L.Trainer(

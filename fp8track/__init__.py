@@ -12,10 +12,10 @@ import importlib
 from typing import Any
 
 from fp8track.errors import ConfigError
-from fp8track.formats import E4M3, E5M2, FP8Format, get_format
-from fp8track.monitor import Monitor, MonitorConfig
-from fp8track.recipes import RECIPE_NAMES, Recipe
-from fp8track.stats import (
+from fp8track.execution.recipes import RECIPE_NAMES, Recipe
+from fp8track.monitoring.monitor import MonitorConfig
+from fp8track.numerics.formats import E4M3, E5M2, FP8Format, get_format
+from fp8track.numerics.stats import (
     STAT_NAMES,
     all_reduce_partials,
     block_partial_stats,
@@ -30,28 +30,29 @@ from fp8track.stats import (
 _LAZY = {
     # frontends
     "FP8Monitor": "fp8track.lightning",
+    "Monitor": "fp8track.frontend",
     # execution
-    "apply_fp8": "fp8track.apply",
-    "ApplyReport": "fp8track.apply",
-    "FallbackSpec": "fp8track.fallback",
-    "EmulatedFP8Linear": "fp8track.backends.emulated",
+    "apply_fp8": "fp8track.execution.apply",
+    "ApplyReport": "fp8track.execution.apply",
+    "FallbackSpec": "fp8track.execution.fallback",
+    "EmulatedFP8Linear": "fp8track.execution.backends.emulated",
     # analysis
-    "load_baseline": "fp8track.baseline",
-    "SpikeConfig": "fp8track.spikes",
-    "SpikeDetector": "fp8track.spikes",
-    "DivergenceConfig": "fp8track.divergence",
-    "DivergenceDetector": "fp8track.divergence",
-    "DriftConfig": "fp8track.drift",
-    "DriftTracker": "fp8track.drift",
+    "load_baseline": "fp8track.analysis.baseline",
+    "SpikeConfig": "fp8track.analysis.spikes",
+    "SpikeDetector": "fp8track.analysis.spikes",
+    "DivergenceConfig": "fp8track.analysis.divergence",
+    "DivergenceDetector": "fp8track.analysis.divergence",
+    "DriftConfig": "fp8track.analysis.drift",
+    "DriftTracker": "fp8track.analysis.drift",
     # records and trackers
-    "RunReader": "fp8track.records",
-    "RunWriter": "fp8track.records",
+    "RunReader": "fp8track.monitoring.records",
+    "RunWriter": "fp8track.monitoring.records",
     "make_trackers": "fp8track.trackers",
     "replay": "fp8track.trackers",
 }
 
 __all__ = [
-    # numerics (DESIGN.md section 4)
+    # numerics (docs/statistics.md)
     "quant_stats",
     "block_quant_stats",
     "partial_stats",

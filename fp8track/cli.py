@@ -13,7 +13,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     activations on real text bytes (this file's own source), under each FP8 format."""
     import torch
 
-    from fp8track.stats import block_quant_stats, quant_stats
+    from fp8track.numerics.stats import block_quant_stats, quant_stats
 
     torch.manual_seed(0)
     text = open(__file__, "rb").read()

@@ -53,7 +53,7 @@ def run_one(
 
     from fp8track.examples.gpt import build_example
     from fp8track.lightning import FP8Monitor
-    from fp8track.records import RunReader
+    from fp8track.monitoring.records import RunReader
 
     module, data, _report = build_example(recipe=recipe, seed=seed)
     loggers: list[Any] = [
@@ -105,7 +105,7 @@ def run_demo(
     progress: bool = True,
 ) -> list[DemoRun]:
     """Train the BF16 control and the FP8 run; return both runs (control first)."""
-    from fp8track.recipes import Recipe
+    from fp8track.execution.recipes import Recipe
 
     Recipe.parse(recipe)  # a bad recipe fails here, before any training
     if steps < 2:
@@ -156,7 +156,7 @@ def add_subparser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="BF16 control vs emulated FP8 on the example GPT, monitored and logged")
     p.add_argument("--out", default="fp8track-demo", help="output folder (default ./fp8track-demo)")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default 300)")
-    p.add_argument("--recipe", default="delayed:hybrid:h16:max", help="FP8 recipe (fp8track.recipes grammar)")
+    p.add_argument("--recipe", default="delayed:hybrid:h16:max", help="FP8 recipe (fp8track.execution.recipes grammar)")
     p.add_argument("--every-n-steps", type=int, default=10, help="monitor sampling interval")
     p.add_argument("--wandb", action="store_true", help="also log to W&B in offline mode")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -1,4 +1,4 @@
-"""``FP8Monitor``: the Lightning callback, a thin adapter over :class:`fp8track.monitor.Monitor`."""
+"""``FP8Monitor``: the Lightning callback, a thin adapter over :class:`fp8track.monitoring.monitor.Monitor`."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from fp8track.capture import LayerFilter
 from fp8track.errors import ConfigError, invalid_choice
-from fp8track.formats import TENSOR_KINDS
-from fp8track.monitor import DEFAULT_SCALAR_STATS, Monitor, MonitorConfig, run_meta_for
+from fp8track.frontend import Monitor
+from fp8track.monitoring.capture import LayerFilter
+from fp8track.monitoring.monitor import DEFAULT_SCALAR_STATS, MonitorConfig, run_meta_for
+from fp8track.numerics.formats import TENSOR_KINDS
 
 SPIKE_ACTIONS = ("log", "stop", "checkpoint")
 
@@ -49,7 +50,7 @@ class FP8Monitor(Callback):
         ConfigError: at construction for bad values; in ``setup`` when a layer selector matches
             nothing or the model has no linear layer (before the first step).
 
-    Logged metrics: see :class:`fp8track.monitor.Monitor` (``loss``, ``fp8/<layer>/<tensor>/<stat>``,
+    Logged metrics: see :class:`fp8track.monitoring.monitor.Monitor` (``loss``, ``fp8/<layer>/<tensor>/<stat>``,
     ``fp8/worst/<stat>``, ``fp8/grad_norm``), and the ``fp8_tensor_stats`` table.
     """
 
@@ -118,7 +119,7 @@ class FP8Monitor(Callback):
             trackers = make_trackers(self.trackers, trainer.loggers)
         baseline = None
         if self.baseline is not None:
-            from fp8track.baseline import load_baseline
+            from fp8track.analysis.baseline import load_baseline
 
             baseline = load_baseline(self.baseline, _mlflow_uri(trainer.loggers))
         meta = run_meta_for(
@@ -158,7 +159,7 @@ class FP8Monitor(Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         # Gradients are final (accumulated, AMP-unscaled) here and not yet clipped.
         if self.monitor is not None and self.monitor.config.track_grad_norm:
-            from fp8track.monitor import total_grad_norm
+            from fp8track.monitoring.monitor import total_grad_norm
 
             self._grad_norm = total_grad_norm(pl_module)
 

@@ -292,11 +292,11 @@ def build_example(
     ranking: Any = None,
 ) -> tuple[GPTLightningModule, CharDataModule, Any]:
     """A seeded :class:`GPTLightningModule` converted by :func:`fp8track.apply_fp8`, its data module,
-    and the :class:`~fp8track.apply.ApplyReport`.
+    and the :class:`~fp8track.execution.apply.ApplyReport`.
 
     The same ``seed`` gives the same initial weights for every recipe, so runs compare like for like.
     """
-    from fp8track.apply import apply_fp8
+    from fp8track.execution.apply import apply_fp8
 
     torch.manual_seed(seed)
     cfg = GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=n_head, block_size=block_size)

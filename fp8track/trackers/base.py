@@ -1,6 +1,6 @@
 """Tracker interface, the background-delivery base class and the failure-tolerant fan-out.
 
-A tracker is a *view* of the local run directory (DESIGN.md section 6): the monitor writes every
+A tracker is a *view* of the local run directory (docs/ARCHITECTURE.md): the monitor writes every
 record there first, then hands one :class:`StepBatch` per logging step to a
 :class:`TrackerFanout`. The fan-out never lets a tracker stop training: a tracker that raises (or
 whose background worker fails later) is warned about once, and each step it missed is appended to
@@ -18,13 +18,12 @@ import time
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp8track import naming
 from fp8track.errors import ConfigError
-from fp8track.records import EventRecord, RunMeta, TensorStatsRow
+from fp8track.monitoring import naming
+from fp8track.monitoring.records import EventRecord, RunMeta, StepBatch, TensorStatsRow
 
 SYNC_DIR = "sync"
 """Sub-directory of a run directory holding one ``<tracker>.missed.jsonl`` file per tracker."""
@@ -53,32 +52,6 @@ class TablesNotWritten(Exception):
     def __init__(self, cause: BaseException) -> None:
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.__cause__ = cause
-
-
-@dataclass(frozen=True)
-class StepBatch:
-    """Everything the monitor produced for one logging step.
-
-    Attributes:
-        step: the trainer's global step (optimizer steps), >= 0.
-        metrics: scalar name -> value; names from :mod:`fp8track.naming` (plus ``"loss"``).
-        tensor_rows: per (layer, tensor, variant) statistics of this step (long-format table rows).
-        events: spikes, divergence, drift, findings that happened at or were reported at this step.
-    """
-
-    step: int
-    metrics: Mapping[str, float] = field(default_factory=dict)
-    tensor_rows: Sequence[TensorStatsRow] = ()
-    events: Sequence[EventRecord] = ()
-
-    def __post_init__(self) -> None:
-        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
-            raise ConfigError(f"StepBatch.step must be an int >= 0, got {self.step!r}")
-        if not isinstance(self.metrics, Mapping):
-            raise ConfigError(f"StepBatch.metrics must be a mapping name -> float, got {type(self.metrics).__name__}")
-        # Sequences become tuples so a batch handed to a worker thread cannot change under it.
-        object.__setattr__(self, "tensor_rows", tuple(self.tensor_rows))
-        object.__setattr__(self, "events", tuple(self.events))
 
 
 def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -120,7 +93,7 @@ def event_severity(event: EventRecord) -> float:
 def tensor_stat_columns(rows: Sequence[TensorStatsRow]) -> list[str]:
     """Statistic columns for a table started with ``rows``: fp8track's statistics first, in their
     fixed order, then any other names (e.g. from Transformer Engine) in order of appearance."""
-    from fp8track.stats import STAT_NAMES
+    from fp8track.numerics.stats import STAT_NAMES
 
     seen: dict[str, None] = {}
     for r in rows:

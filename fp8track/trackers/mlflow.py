@@ -22,10 +22,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from fp8track import naming
 from fp8track.errors import ConfigError
+from fp8track.monitoring import naming
+from fp8track.monitoring.records import EventRecord, RunMeta, TensorStatsRow
 from fp8track.optional import require
-from fp8track.records import EventRecord, RunMeta, TensorStatsRow
 from fp8track.trackers.base import (
     EVENT_COLUMNS,
     EVENT_TABLES,

@@ -6,8 +6,8 @@ TE's stat features emit scalars named ``{layer}_{tensor}_{stat}`` through
 ``blocks.0.proj_activation_mxfp8_scale_inv_min_columnwise``. :class:`TEStatsBridge` is a
 ``statistics_logger`` for ``debug_api.initialize``: it parses each name into layer, tensor,
 fp8track statistic and recipe variant, collects one step's values, and hands a
-:class:`~fp8track.trackers.base.StepBatch` (scalars named by :mod:`fp8track.naming` plus
-long-format :class:`~fp8track.records.TensorStatsRow` s) to a sink, typically
+:class:`~fp8track.trackers.base.StepBatch` (scalars named by :mod:`fp8track.monitoring.naming` plus
+long-format :class:`~fp8track.monitoring.records.TensorStatsRow` s) to a sink, typically
 :func:`record_and_log` (write the run directory, then fan out to the trackers).
 
 Statistic names (TE -> fp8track): ``underflows%`` -> ``underflow_pct``, ``overflows%`` ->
@@ -31,10 +31,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fp8track import naming
 from fp8track.errors import ConfigError
-from fp8track.formats import TENSOR_KINDS
-from fp8track.records import MetricsRecord, RunWriter, TensorStatsRow
+from fp8track.monitoring import naming
+from fp8track.monitoring.records import MetricsRecord, RunWriter, TensorStatsRow
+from fp8track.numerics.formats import TENSOR_KINDS
 from fp8track.trackers.base import StepBatch, TrackerFanout
 
 try:

@@ -23,7 +23,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from fp8track.records import RunMeta, RunReader
+from fp8track.monitoring.records import RunMeta, RunReader
 from fp8track.trackers.base import QueuedTracker, StepBatch, Tracker, missed_path, read_missed
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from fp8track.backends import fp8_format_for, is_fp8_linear, used_scales
-from fp8track.backends import te as te_backend
+from fp8track.execution.backends import fp8_format_for, is_fp8_linear, used_scales
+from fp8track.execution.backends import te as te_backend
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,7 +22,7 @@ def model():
 
 
 def test_delayed_scaling_scales_are_read_from_fp8_meta():
-    from fp8track.apply import apply_fp8
+    from fp8track.execution.apply import apply_fp8
 
     m = model()
     report = apply_fp8(m, "delayed:hybrid:h4:max", bf16_layers="last", backend="te")
@@ -45,7 +45,7 @@ def test_delayed_scaling_scales_are_read_from_fp8_meta():
 
 @pytest.mark.parametrize("recipe", ["current", "mxfp8", "block"])
 def test_other_recipes_run_and_keep_fallback_in_bf16(recipe):
-    from fp8track.apply import apply_fp8
+    from fp8track.execution.apply import apply_fp8
 
     m = model()
     report = apply_fp8(m, recipe, bf16_layers="first", backend="te")
@@ -62,7 +62,7 @@ def test_other_recipes_run_and_keep_fallback_in_bf16(recipe):
 
 
 def test_emulated_matches_te_current_scaling_forward():
-    from fp8track.apply import apply_fp8
+    from fp8track.execution.apply import apply_fp8
 
     ref, ours = model(), model()
     r_te = apply_fp8(ref, "current", backend="te")
@@ -75,7 +75,7 @@ def test_emulated_matches_te_current_scaling_forward():
 
 
 def test_lightning_precision_plugin_builds():
-    from fp8track.recipes import Recipe
+    from fp8track.execution.recipes import Recipe
 
     plugin = te_backend.lightning_precision(Recipe("delayed", amax_history_len=16))
     assert type(plugin.recipe).__name__ == "DelayedScaling"

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from fp8track.apply import apply_fp8
 from fp8track.examples.gpt import build_example, train_loop
+from fp8track.execution.apply import apply_fp8
 
 RECIPES = ["delayed", "current", "mxfp8", "block", "fp8_input_bf16_gemm"]
 GPT_KW = dict(n_layer=2, n_embd=32, n_head=2, block_size=32, batch_size=16, lr=3e-3, max_bytes=300_000)

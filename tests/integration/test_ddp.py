@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8track.records import RunReader
-from fp8track.stats import finalize, merge_partials, partial_stats
+from fp8track.monitoring.records import RunReader
+from fp8track.numerics.stats import finalize, merge_partials, partial_stats
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_monitor.py"
 sys.path.insert(0, str(SCRIPT.parent))

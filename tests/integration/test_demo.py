@@ -7,7 +7,7 @@ import sys
 import pytest
 from mlflow import MlflowClient
 
-from fp8track.records import RunReader
+from fp8track.monitoring.records import RunReader
 
 
 @pytest.mark.slow

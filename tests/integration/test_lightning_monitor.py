@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fp8track.errors import ConfigError
 from fp8track.lightning import FP8Monitor
-from fp8track.records import RunReader
+from fp8track.monitoring.records import RunReader
 
 sys.path.insert(0, str(Path(__file__).parent))
 

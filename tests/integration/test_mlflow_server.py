@@ -19,8 +19,8 @@ pd = pytest.importorskip("pandas")
 
 from mlflow import MlflowClient  # noqa: E402
 
-from fp8track import naming  # noqa: E402
-from fp8track.records import MetricsRecord, RunMeta, RunWriter, TensorStatsRow  # noqa: E402
+from fp8track.monitoring import naming  # noqa: E402
+from fp8track.monitoring.records import MetricsRecord, RunMeta, RunWriter, TensorStatsRow  # noqa: E402
 from fp8track.trackers import TrackerFanout, replay  # noqa: E402
 from fp8track.trackers.base import StepBatch, read_missed  # noqa: E402
 from fp8track.trackers.mlflow import MLflowTracker  # noqa: E402

@@ -10,8 +10,8 @@ mlflow = pytest.importorskip("mlflow")
 
 from mlflow import MlflowClient  # noqa: E402
 
-from fp8track import naming  # noqa: E402
-from fp8track.records import EventRecord, MetricsRecord, RunMeta, RunWriter, TensorStatsRow  # noqa: E402
+from fp8track.monitoring import naming  # noqa: E402
+from fp8track.monitoring.records import EventRecord, MetricsRecord, RunMeta, RunWriter, TensorStatsRow  # noqa: E402
 from fp8track.trackers import TrackerFanout, replay  # noqa: E402
 from fp8track.trackers.base import StepBatch  # noqa: E402
 from fp8track.trackers.mlflow import HEATMAP_FILE, MLflowTracker  # noqa: E402

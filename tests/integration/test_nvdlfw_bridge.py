@@ -9,7 +9,7 @@ import torch
 
 debug_api = pytest.importorskip("nvdlfw_inspect.api")
 
-from fp8track.records import RunMeta, RunReader, RunWriter  # noqa: E402
+from fp8track.monitoring.records import RunMeta, RunReader, RunWriter  # noqa: E402
 from fp8track.trackers import TrackerFanout  # noqa: E402
 from fp8track.trackers.base import StepBatch, Tracker  # noqa: E402
 from fp8track.trackers.nvdlfw import TEStatsBridge, record_and_log  # noqa: E402

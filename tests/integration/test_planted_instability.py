@@ -14,9 +14,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from fp8track.apply import apply_fp8
+from fp8track.execution.apply import apply_fp8
 from fp8track.lightning import FP8Monitor
-from fp8track.records import RunReader
+from fp8track.monitoring.records import RunReader
 
 OUTLIER_FROM, OUTLIER_EVERY, STEPS, HISTORY = 400, 80, 640, 16
 

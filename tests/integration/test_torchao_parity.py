@@ -15,10 +15,10 @@ pytest.importorskip("torchao.float8")
 from torchao.float8.config import ScalingGranularity  # noqa: E402
 from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated  # noqa: E402
 
-from fp8track.apply import apply_fp8  # noqa: E402
-from fp8track.backends import fp8_format_for, is_fp8_linear, used_scales  # noqa: E402
 from fp8track.errors import ConfigError  # noqa: E402
-from fp8track.scaling import amax, current_scale, quantize  # noqa: E402
+from fp8track.execution.apply import apply_fp8  # noqa: E402
+from fp8track.execution.backends import fp8_format_for, is_fp8_linear, used_scales  # noqa: E402
+from fp8track.numerics.scaling import amax, current_scale, quantize  # noqa: E402
 
 
 def torchao_quantize(x, dtype):

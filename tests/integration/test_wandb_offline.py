@@ -12,8 +12,8 @@ import pytest
 
 wandb = pytest.importorskip("wandb")
 
-from fp8track import naming  # noqa: E402
-from fp8track.records import EventRecord, MetricsRecord, RunMeta, RunWriter, TensorStatsRow  # noqa: E402
+from fp8track.monitoring import naming  # noqa: E402
+from fp8track.monitoring.records import EventRecord, MetricsRecord, RunMeta, RunWriter, TensorStatsRow  # noqa: E402
 from fp8track.trackers import TrackerFanout, make_trackers  # noqa: E402
 from fp8track.trackers.base import StepBatch  # noqa: E402
 from fp8track.trackers.replay import main as sync_main  # noqa: E402

@@ -8,11 +8,11 @@ import math
 import numpy as np
 import pytest
 
-from fp8track import synthetic_loss as sl
-from fp8track.baseline import Baseline, classify_spike, load_baseline, loss_gap, spike_summary
+from fp8track.analysis import synthetic_loss as sl
+from fp8track.analysis.baseline import Baseline, classify_spike, load_baseline, loss_gap, spike_summary
+from fp8track.analysis.spikes import SpikeConfig, SpikeEvent, detect_spikes
 from fp8track.errors import ConfigError
-from fp8track.records import MetricsRecord, RunMeta, RunWriter
-from fp8track.spikes import SpikeConfig, SpikeEvent, detect_spikes
+from fp8track.monitoring.records import MetricsRecord, RunMeta, RunWriter
 
 
 def control_curve(n: int = 600) -> dict[int, float]:

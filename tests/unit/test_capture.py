@@ -4,10 +4,10 @@ import pytest
 import torch
 from torch import nn
 
-from fp8track.apply import apply_fp8
-from fp8track.monitor import Monitor, MonitorConfig
-from fp8track.records import RunReader
-from fp8track.stats import block_quant_stats, quant_stats
+from fp8track import Monitor, MonitorConfig
+from fp8track.execution.apply import apply_fp8
+from fp8track.monitoring.records import RunReader
+from fp8track.numerics.stats import block_quant_stats, quant_stats
 
 
 def _train(recipe, tmp_path, steps=4, whatif=()):

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from fp8track import synthetic_loss as sl
-from fp8track.divergence import DivergenceConfig, DivergenceDetector, HalvesWindow, centred_median
+from fp8track.analysis import synthetic_loss as sl
+from fp8track.analysis.divergence import DivergenceConfig, DivergenceDetector, HalvesWindow, centred_median
 from fp8track.errors import ConfigError
 
 

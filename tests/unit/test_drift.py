@@ -1,4 +1,4 @@
-"""DriftTracker excursions and the WhatIfDelayed simulation (against fp8track.scaling.DelayedScaler)."""
+"""DriftTracker excursions and the WhatIfDelayed simulation (against fp8track.numerics.scaling.DelayedScaler)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from fp8track.drift import DriftConfig, DriftTracker, WhatIfDelayed, drift_log2
+from fp8track.analysis.drift import DriftConfig, DriftTracker, WhatIfDelayed, drift_log2
 from fp8track.errors import ConfigError
-from fp8track.scaling import DelayedScaler
+from fp8track.numerics.scaling import DelayedScaler
 
 
 def feed(tr, drifts, layer="fc1", tensor="weight"):
@@ -138,7 +138,7 @@ def test_batched_whatif_equals_one_delayed_scaler_per_tensor():
 
     import torch
 
-    from fp8track.scaling import DelayedScaler
+    from fp8track.numerics.scaling import DelayedScaler
 
     rng = random.Random(7)
     keys = [("fc1", "activation"), ("fc1", "gradient"), ("fc2", "weight"), ("fc2", "gradient")]

@@ -4,11 +4,11 @@ import pytest
 import torch
 from torch import nn
 
-from fp8track.apply import apply_fp8
-from fp8track.backends import fp8_format_for, is_fp8_linear, used_scales
-from fp8track.backends.emulated import EmulatedFP8Linear
 from fp8track.errors import ConfigError
-from fp8track.recipes import Recipe
+from fp8track.execution.apply import apply_fp8
+from fp8track.execution.backends import fp8_format_for, is_fp8_linear, used_scales
+from fp8track.execution.backends.emulated import EmulatedFP8Linear
+from fp8track.execution.recipes import Recipe
 
 
 def make(recipe, in_f=32, out_f=16, bias=True, seed=0):
@@ -217,8 +217,8 @@ def test_apply_report_bf16_control_and_fallback_reasons():
 
 
 def test_backend_selection_without_gpu():
-    from fp8track.backends import resolve_backend
-    from fp8track.backends import te as te_backend
+    from fp8track.execution.backends import resolve_backend
+    from fp8track.execution.backends import te as te_backend
 
     if te_backend.available():
         pytest.skip("this test covers machines without Transformer Engine")

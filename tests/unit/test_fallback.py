@@ -4,7 +4,7 @@ from torch import nn
 
 from fp8track.errors import ConfigError
 from fp8track.examples.gpt import GPT, GPTConfig
-from fp8track.fallback import FallbackSpec, repeated_blocks, resolve_fallback
+from fp8track.execution.fallback import FallbackSpec, repeated_blocks, resolve_fallback
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from fp8track.errors import ConfigError
-from fp8track.formats import E4M3, E5M2, e8m0_decode, e8m0_encode, get_format, get_format_pair
-from fp8track.scaling import DelayedScaler, current_scale, mx_block_scales, pow2_block_scales
+from fp8track.numerics.formats import E4M3, E5M2, e8m0_decode, e8m0_encode, get_format, get_format_pair
+from fp8track.numerics.scaling import DelayedScaler, current_scale, mx_block_scales, pow2_block_scales
 
 
 def test_format_limits_match_torch_finfo():

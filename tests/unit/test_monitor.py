@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
+from fp8track import Monitor, MonitorConfig
 from fp8track.errors import ConfigError
-from fp8track.monitor import Monitor, MonitorConfig
-from fp8track.records import RunReader
-from fp8track.stats import finalize, merge_partials, partial_stats, quant_stats
+from fp8track.monitoring.records import RunReader
+from fp8track.numerics.stats import finalize, merge_partials, partial_stats, quant_stats
 
 
 def _mlp():
@@ -155,7 +155,7 @@ def _events_after_run(tmp_path, losses, stop_at=None):
 def test_resume_mid_spike_gives_the_same_events(tmp_path):
     import numpy as np
 
-    from fp8track.synthetic_loss import Curve, healthy, plant_spike
+    from fp8track.analysis.synthetic_loss import Curve, healthy, plant_spike
 
     loss = healthy(Curve(), 400, np.random.default_rng(3))
     loss = plant_spike(loss, 300, height=0.6, rise=2, decay=8.0)

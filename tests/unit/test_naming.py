@@ -3,7 +3,7 @@ import re
 import pytest
 
 from fp8track.errors import ConfigError
-from fp8track.naming import MAX_NAME_LEN, metric_name, run_metric, sanitize_segment, worst_metric
+from fp8track.monitoring.naming import MAX_NAME_LEN, metric_name, run_metric, sanitize_segment, worst_metric
 
 MLFLOW_OK = re.compile(r"^[A-Za-z0-9_\-. /]+$")
 

@@ -1,7 +1,7 @@
 import pytest
 
 from fp8track.errors import ConfigError
-from fp8track.recipes import RECIPE_NAMES, Recipe
+from fp8track.execution.recipes import RECIPE_NAMES, Recipe
 
 
 def test_defaults_match_transformer_engine_delayed_scaling():

@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from fp8track import synthetic_loss as sl
+from fp8track.analysis import synthetic_loss as sl
+from fp8track.analysis.spikes import RobustWindow, SpikeConfig, SpikeDetector, SpikeEvent, detect_spikes
 from fp8track.errors import ConfigError
-from fp8track.spikes import RobustWindow, SpikeConfig, SpikeDetector, SpikeEvent, detect_spikes
 
 
 def feed(det: SpikeDetector, losses, grads=None, start: int = 0) -> list[SpikeEvent]:

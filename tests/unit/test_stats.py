@@ -14,9 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fp8track import stats
 from fp8track.errors import ConfigError
-from fp8track.stats import (
+from fp8track.numerics import stats
+from fp8track.numerics.stats import (
     PARTIAL_SIZE,
     STAT_NAMES,
     block_quant_stats,
@@ -182,7 +182,7 @@ def test_set_compile_rejects_unknown_mode():
 
 
 def reference_stats(x: np.ndarray, fmt: str, scale: float | None, margin: int = 0) -> dict[str, float]:
-    """Plain float64 NumPy implementation of DESIGN.md section 4, rounding through ml_dtypes.
+    """Plain float64 NumPy implementation of docs/statistics.md, rounding through ml_dtypes.
 
     As in fp8track, ``x * s`` and ``q / s`` are float32 operations (what the kernel and Transformer
     Engine compute); everything else is float64.

@@ -10,7 +10,7 @@ import warnings
 import pytest
 
 from fp8track.errors import ConfigError
-from fp8track.records import EventRecord, MetricsRecord, RunMeta, RunWriter, TensorStatsRow
+from fp8track.monitoring.records import EventRecord, MetricsRecord, RunMeta, RunWriter, TensorStatsRow
 from fp8track.trackers import TrackerFanout
 from fp8track.trackers.base import (
     EVENT_COLUMNS,

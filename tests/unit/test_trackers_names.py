@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from fp8track.records import TensorStatsRow
+from fp8track.monitoring.records import TensorStatsRow
 from fp8track.trackers.mlflow import flatten, heatmap_figure, heatmap_matrix, sanitize_key
 from fp8track.trackers.nvdlfw import TEStat, parse_te_stat_name, scalar_name
 

@@ -12,9 +12,9 @@ that quantises exactly what TE quantises, with the recipe's formats and scales:
   blocks for activation and gradient, 128x128 tiles for the weight, power-of-two scales.
 * the bias gradient comes from the high-precision ``dY`` (TE's dbias does too).
 
-Scales (all from :mod:`fp8track.scaling`):
+Scales (all from :mod:`fp8track.numerics.scaling`):
 
-* ``delayed``: one :class:`~fp8track.scaling.DelayedScaler` per tensor kind. Each training
+* ``delayed``: one :class:`~fp8track.numerics.scaling.DelayedScaler` per tensor kind. Each training
   forward quantises with the current scale, records the amax, recomputes the scale from the
   history (``max`` or ``most_recent``, margin) and rolls the history, as TE does when the
   outermost autocast exits; the gradient scaler updates in backward. In eval mode (or under
@@ -44,9 +44,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8track.formats import FP8Format
-from fp8track.recipes import Recipe
-from fp8track.scaling import (
+from fp8track.execution.recipes import Recipe
+from fp8track.numerics.formats import FP8Format
+from fp8track.numerics.scaling import (
     DelayedScaler,
     amax,
     blockify_rows,
@@ -219,14 +219,14 @@ class _EmulatedFP8LinearFn(torch.autograd.Function):
 
 
 class EmulatedFP8Linear(nn.Linear):
-    """An ``nn.Linear`` that runs its GEMMs in emulated FP8 under a :class:`~fp8track.recipes.Recipe`.
+    """An ``nn.Linear`` that runs its GEMMs in emulated FP8 under a :class:`~fp8track.execution.recipes.Recipe`.
 
     Attributes:
         fp8_recipe: the recipe (the ``bf16`` recipe runs plain ``F.linear``).
 
     Example:
         >>> import torch
-        >>> from fp8track.recipes import Recipe
+        >>> from fp8track.execution.recipes import Recipe
         >>> layer = EmulatedFP8Linear.from_linear(torch.nn.Linear(32, 16), Recipe("current"))
         >>> y = layer(torch.randn(4, 32)); sorted(layer.fp8_scales())
         ['activation', 'weight']

@@ -28,7 +28,6 @@ the tolerance, a finite loss), so a later divergence is reported again.
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import deque
 from collections.abc import Mapping
@@ -37,9 +36,9 @@ from typing import Any
 
 import numpy as np
 
+from fp8track.analysis.windows import HalvesWindow, RobustWindow, centred_median
 from fp8track.errors import ConfigError, check_float, check_int, dataclass_from_dict
-from fp8track.records import EventRecord
-from fp8track.spikes import RobustWindow
+from fp8track.monitoring.records import EventRecord
 
 DIVERGENCE_REASONS = ("rise", "gap", "nonfinite")
 PHASES = ("start", "mid")
@@ -178,75 +177,6 @@ class DivergenceEvent:
             text=f"At step {self.detect_step} {what}; it started near step {self.start_step}. {hint}",
         )
         return EventRecord(kind="divergence", step=self.detect_step, data=data)
-
-
-def centred_median(values: np.ndarray, width: int) -> np.ndarray:
-    """Running median over ``width`` points centred on each value (shrinking at the ends)."""
-    n = len(values)
-    if width <= 1 or n == 0:
-        return values.astype(np.float64, copy=True)
-    half = width // 2
-    padded = np.pad(values.astype(np.float64), half, mode="constant", constant_values=np.nan)
-    windows = np.lib.stride_tricks.sliding_window_view(padded, width)
-    return np.nanmedian(windows, axis=1)
-
-
-class HalvesWindow:
-    """The last ``size`` values split into an older and a newer half, with O(1) medians of each.
-
-    The newer half holds ``n // 2`` values (``n`` = values held), the older half the rest; both
-    are kept as sorted lists (``bisect``) next to the arrival order.
-    """
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.values: deque[float] = deque()
-        self._older: list[float] = []
-        self._newer: list[float] = []
-
-    def __len__(self) -> int:
-        return len(self.values)
-
-    def append(self, value: float) -> None:
-        v = float(value)
-        self.values.append(v)
-        bisect.insort(self._newer, v)
-        if len(self.values) > self.size:
-            _remove(self._older, self.values.popleft())
-        n = len(self.values)
-        while len(self._newer) > n // 2:
-            moving = self.values[n - len(self._newer)]  # oldest value of the newer half
-            _remove(self._newer, moving)
-            bisect.insort(self._older, moving)
-
-    def medians(self) -> tuple[float, float]:
-        """``(median of older half, median of newer half)``."""
-        return _median_sorted(self._older), _median_sorted(self._newer)
-
-    def quantiles(self, q: float) -> tuple[float, float]:
-        """``(q-quantile of older half, q-quantile of newer half)`` (linear interpolation, as numpy)."""
-        return _quantile_sorted(self._older, q), _quantile_sorted(self._newer, q)
-
-
-def _quantile_sorted(s: list[float], q: float) -> float:
-    n = len(s)
-    if n == 0:
-        return math.nan
-    pos = q * (n - 1)
-    lo = int(pos)
-    hi = min(lo + 1, n - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def _remove(sorted_list: list[float], value: float) -> None:
-    del sorted_list[bisect.bisect_left(sorted_list, value)]
-
-
-def _median_sorted(s: list[float]) -> float:
-    n = len(s)
-    if n == 0:
-        return math.nan
-    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
 class DivergenceDetector:

@@ -20,15 +20,16 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from fp8track.capture import (
+from fp8track.errors import ConfigError, check_int, invalid_choice
+from fp8track.monitoring.capture import (
     LayerCapture,
     LayerFilter,
     LayerPlan,
@@ -37,14 +38,17 @@ from fp8track.capture import (
     validate_tensors,
     validate_whatif,
 )
-from fp8track.errors import ConfigError, check_int, invalid_choice
-from fp8track.formats import TENSOR_KINDS, get_format_pair
-from fp8track.naming import metric_name, run_metric, worst_metric
-from fp8track.records import EventRecord, MetricsRecord, RunMeta, RunWriter, TensorStatsRow
-from fp8track.stats import NUM_SUM, PARTIAL_SIZE, STAT_NAMES, finalize
-
-if TYPE_CHECKING:
-    from fp8track.baseline import Baseline
+from fp8track.monitoring.naming import metric_name, run_metric, worst_metric
+from fp8track.monitoring.records import (
+    EventRecord,
+    MetricsRecord,
+    RunMeta,
+    RunWriter,
+    StepBatch,
+    TensorStatsRow,
+)
+from fp8track.numerics.formats import TENSOR_KINDS, get_format_pair
+from fp8track.numerics.stats import NUM_SUM, PARTIAL_SIZE, STAT_NAMES, finalize
 
 DEFAULT_SCALAR_STATS = (
     "underflow_pct",
@@ -121,6 +125,17 @@ class StepAnalyzer(Protocol):
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
+class StepSink(Protocol):
+    """Where the writer rank sends each logging step after the run directory has it (the tracker
+    fan-out of :mod:`fp8track.trackers`); built by a factory that receives the run directory."""
+
+    def start(self, meta: RunMeta) -> None: ...
+
+    def log(self, batch: StepBatch) -> None: ...
+
+    def finish(self) -> None: ...
+
+
 def _dist_world() -> int:
     import torch.distributed as dist
 
@@ -146,17 +161,16 @@ class Monitor:
     Args:
         model: the model (hooks go on its linear-like layers).
         config: :class:`MonitorConfig`.
-        layers: which layers (see :func:`fp8track.capture.select_layers`).
+        layers: which layers (see :func:`fp8track.monitoring.capture.select_layers`).
         plans: per-layer :class:`LayerPlan` overrides keyed by fqn; other layers get
-            :func:`fp8track.capture.plan_for` (their backend's scales, or shadow mode for BF16 layers).
+            :func:`fp8track.monitoring.capture.plan_for` (their backend's scales, or shadow mode for BF16 layers).
         log_dir: parent of the run directory (rank 0 writes ``<log_dir>/<run_id>``).
-        trackers: tracker objects (``fp8track.trackers``) fed after the records are written.
+        sink: factory called with the run directory once it exists, returning the
+            :class:`StepSink` fed after the records are written (the frontends pass the tracker
+            fan-out); ``None`` writes the run directory only.
         meta: run metadata written to ``meta.json``.
-        analyzers: rank-0 analysis components; default: :class:`fp8track.analysis.LossAnalyzer`
-            (spikes, divergence; against ``baseline`` when given) and
-            :class:`fp8track.analysis.DriftAnalyzer`.
-        baseline: the control run for the default loss analyzer (a loaded
-            :class:`fp8track.baseline.Baseline`).
+        analyzers: rank-0 analysis components (:class:`StepAnalyzer`); the frontends
+            (:class:`fp8track.Monitor`, the Lightning callback) plug in spikes, divergence and drift.
         is_writer: whether this process writes (default: global rank 0).
 
     Logged metrics (per sampled step):
@@ -175,10 +189,9 @@ class Monitor:
         layers: str | Sequence[str] | LayerFilter | None = None,
         plans: Mapping[str, LayerPlan] | None = None,
         log_dir: str | Path | None = "fp8track-runs",
-        trackers: Sequence[Any] = (),
+        sink: Callable[[Path], StepSink] | None = None,
         meta: RunMeta | None = None,
-        analyzers: Sequence[StepAnalyzer] | None = None,
-        baseline: Baseline | None = None,
+        analyzers: Sequence[StepAnalyzer] = (),
         is_writer: bool | None = None,
     ) -> None:
         self.model = model
@@ -189,19 +202,15 @@ class Monitor:
         for fqn, module in chosen:
             plan = plans.get(fqn) or plan_for(fqn, module, self.config.shadow_format)
             self.captures[fqn] = LayerCapture(module, plan, self.config.tensors, self.config.whatif)
-        if analyzers is None:
-            from fp8track.analysis import DriftAnalyzer, LossAnalyzer
-
-            analyzers = [LossAnalyzer(baseline=baseline), DriftAnalyzer()]
         self.analyzers = list(analyzers)
         self.last_events: list[EventRecord] = []
         self._warned: set[str] = set()
         self.is_writer = (_dist_rank() == 0) if is_writer is None else is_writer
         self.meta = meta or run_meta_for(model)
         self.log_dir = Path(log_dir) if log_dir is not None else None
-        self._tracker_objs = list(trackers)
+        self._sink_factory = sink
         self._writer: RunWriter | None = None
-        self._fanout: Any = None
+        self._fanout: StepSink | None = None
         self.global_step = 0
         self._sampled = False
         self._pending: list[_PendingStep] = []
@@ -221,10 +230,8 @@ class Monitor:
             cap.attach()
         if self.is_writer and self.log_dir is not None and self._writer is None:
             self._writer = RunWriter.create(self.log_dir, self.meta)
-            if self._tracker_objs:
-                from fp8track.trackers import TrackerFanout
-
-                self._fanout = TrackerFanout(self._tracker_objs, self._writer.run_dir)
+            if self._sink_factory is not None:
+                self._fanout = self._sink_factory(self._writer.run_dir)
                 self._fanout.start(self.meta)
         self._attached = True
         self.begin_step(self.global_step)
@@ -306,7 +313,7 @@ class Monitor:
         if world > 1:
             import torch.distributed as dist
 
-            from fp8track.stats import all_reduce_partials
+            from fp8track.numerics.stats import all_reduce_partials
 
             if len(parts):
                 stacked = all_reduce_partials(stacked)
@@ -393,8 +400,6 @@ class Monitor:
             self._writer.write_tensor_stats(rows)
             self._writer.write_events(events)
         if self._fanout is not None:
-            from fp8track.trackers import StepBatch
-
             self._fanout.log(StepBatch(step, metrics, tuple(rows), tuple(events)))
 
     # -- checkpointing -----------------------------------------------------------------------------
@@ -477,4 +482,4 @@ def total_grad_norm(model: nn.Module) -> torch.Tensor | None:
     return torch.linalg.vector_norm(torch.stack([n.to(torch.float32) for n in norms]))
 
 
-__all__ = ["Monitor", "MonitorConfig", "StepAnalyzer", "DEFAULT_SCALAR_STATS"]
+__all__ = ["Monitor", "MonitorConfig", "StepAnalyzer", "StepSink", "DEFAULT_SCALAR_STATS"]

@@ -1,4 +1,4 @@
-"""The one builder of tracker metric names (DESIGN.md section 5).
+"""The one builder of tracker metric names (docs/trackers.md).
 
 Names look like ``fp8/<layer fqn>/<tensor>/<stat>`` (per layer) or ``fp8/<group>/<name>``
 (run level). They use only characters MLflow accepts (letters, digits, ``_ - . / space``), never
@@ -13,7 +13,7 @@ import hashlib
 import re
 
 from fp8track.errors import invalid_choice
-from fp8track.formats import TENSOR_KINDS
+from fp8track.numerics.formats import TENSOR_KINDS
 
 PREFIX = "fp8"
 MAX_NAME_LEN = 250

@@ -1,4 +1,4 @@
-"""Quantisation statistics of one tensor (DESIGN.md section 4), computed once and mergeable.
+"""Quantisation statistics of one tensor (docs/statistics.md), computed once and mergeable.
 
 Public entry point: :func:`quant_stats`. Underneath, the statistics are carried as *partials*:
 one small float64 tensor per tensor observed, living on that tensor's device, built without any
@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from fp8track.errors import ConfigError, invalid_choice
-from fp8track.formats import FP8Format, get_format
-from fp8track.scaling import (
+from fp8track.numerics.formats import FP8Format, get_format
+from fp8track.numerics.scaling import (
     FLOAT32_MAX,
     blockify_rows,
     blockify_tiles,
@@ -186,7 +186,7 @@ def _row_sums(
 
 
 def _current_scale(amax_v: torch.Tensor, fconst: torch.Tensor) -> torch.Tensor:
-    """:func:`fp8track.scaling.current_scale` (previous scale 1.0) with the format as a tensor."""
+    """:func:`fp8track.numerics.scaling.current_scale` (previous scale 1.0) with the format as a tensor."""
     raw = fconst[0] / amax_v * fconst[1]
     usable = (amax_v > 0) & torch.isfinite(amax_v)
     s = torch.where(usable, raw, 1.0)
@@ -480,7 +480,7 @@ def quant_stats(
     scale: torch.Tensor | float | None = None,
     margin: int = 0,
 ) -> dict[str, float]:
-    """All statistics of DESIGN.md section 4 for ``x`` quantised to ``fmt`` with a per-tensor ``scale``.
+    """All statistics of docs/statistics.md for ``x`` quantised to ``fmt`` with a per-tensor ``scale``.
 
     Args:
         x: any float tensor (any device); it is upcast to float32.

@@ -10,13 +10,13 @@ from typing import Any
 
 from torch import nn
 
-from fp8track.backends import is_fp8_linear, resolve_backend
-from fp8track.backends import te as te_backend
-from fp8track.backends import torchao as torchao_backend
-from fp8track.backends.emulated import EmulatedFP8Linear
 from fp8track.errors import ConfigError
-from fp8track.fallback import FallbackSpec, linear_names
-from fp8track.recipes import Recipe
+from fp8track.execution.backends import is_fp8_linear, resolve_backend
+from fp8track.execution.backends import te as te_backend
+from fp8track.execution.backends import torchao as torchao_backend
+from fp8track.execution.backends.emulated import EmulatedFP8Linear
+from fp8track.execution.fallback import FallbackSpec, linear_names
+from fp8track.execution.recipes import Recipe
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def apply_fp8(
     Args:
         model: the model (its linears still plain ``nn.Linear``).
         recipe: a :class:`Recipe`, a recipe string (``"delayed:hybrid:h16:max"``) or a mapping.
-        bf16_layers: fallback spec (:mod:`fp8track.fallback`): layers kept in BF16.
+        bf16_layers: fallback spec (:mod:`fp8track.execution.fallback`): layers kept in BF16.
         backend: ``"auto"`` (TE when CUDA and TE are usable, else emulated), ``"emulated"``,
             ``"torchao"`` or ``"te"``.
         ranking: layer ranking for ``auto:K`` terms (riskiest first, or name -> score).

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from fp8track.errors import ConfigError
-from fp8track.recipes import Recipe
+from fp8track.execution.recipes import Recipe
 
 INSTALL_HINT = (
     "Transformer Engine needs a CUDA machine: `pip install --no-build-isolation transformer_engine[pytorch]` "

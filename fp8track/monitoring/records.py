@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp8track.errors import ConfigError
+
 META_FILE = "meta.json"
 METRICS_FILE = "metrics.jsonl"
 TENSOR_STATS_FILE = "tensor_stats.jsonl"
@@ -96,6 +98,32 @@ def software_versions() -> dict[str, str]:
 
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), default=str)
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """Everything the monitor produced for one logging step.
+
+    Attributes:
+        step: the trainer's global step (optimizer steps), >= 0.
+        metrics: scalar name -> value; names from :mod:`fp8track.monitoring.naming` (plus ``"loss"``).
+        tensor_rows: per (layer, tensor, variant) statistics of this step (long-format table rows).
+        events: spikes, divergence, drift, findings that happened at or were reported at this step.
+    """
+
+    step: int
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    tensor_rows: Sequence[TensorStatsRow] = ()
+    events: Sequence[EventRecord] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
+            raise ConfigError(f"StepBatch.step must be an int >= 0, got {self.step!r}")
+        if not isinstance(self.metrics, Mapping):
+            raise ConfigError(f"StepBatch.metrics must be a mapping name -> float, got {type(self.metrics).__name__}")
+        # Sequences become tuples so a batch handed to a worker thread cannot change under it.
+        object.__setattr__(self, "tensor_rows", tuple(self.tensor_rows))
+        object.__setattr__(self, "events", tuple(self.events))
 
 
 class RunWriter:

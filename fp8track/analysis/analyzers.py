@@ -1,7 +1,7 @@
 """Analyzers the monitor runs on rank 0 at every flush: loss events and scale drift.
 
-They adapt the pure detectors (:mod:`fp8track.spikes`, :mod:`fp8track.divergence`,
-:mod:`fp8track.baseline`, :mod:`fp8track.drift`) to the monitor's :class:`StepAnalyzer` shape:
+They adapt the pure detectors (:mod:`fp8track.analysis.spikes`, :mod:`fp8track.analysis.divergence`,
+:mod:`fp8track.analysis.baseline`, :mod:`fp8track.analysis.drift`) to the monitor's :class:`StepAnalyzer` shape:
 ``observe(losses, rows) -> (metrics, events)``, plus checkpointable state.
 
 Logged metrics:
@@ -17,12 +17,12 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fp8track.baseline import Baseline, classify_spike, loss_gap
-from fp8track.divergence import DivergenceConfig, DivergenceDetector
-from fp8track.drift import DriftConfig, DriftTracker, WhatIfDelayed
-from fp8track.naming import run_metric, worst_metric
-from fp8track.records import EventRecord, TensorStatsRow
-from fp8track.spikes import SpikeConfig, SpikeDetector
+from fp8track.analysis.baseline import Baseline, classify_spike, loss_gap
+from fp8track.analysis.divergence import DivergenceConfig, DivergenceDetector
+from fp8track.analysis.drift import DriftConfig, DriftTracker, WhatIfDelayed
+from fp8track.analysis.spikes import SpikeConfig, SpikeDetector
+from fp8track.monitoring.naming import run_metric, worst_metric
+from fp8track.monitoring.records import EventRecord, TensorStatsRow
 
 
 class LossAnalyzer:
@@ -31,7 +31,7 @@ class LossAnalyzer:
     Args:
         spike_config: thresholds of the spike detector.
         divergence_config: thresholds of the divergence detector.
-        baseline: the control run (:func:`fp8track.baseline.load_baseline`), or None.
+        baseline: the control run (:func:`fp8track.analysis.baseline.load_baseline`), or None.
         classify_window: a spike is "shared" when the control spiked within this many steps.
     """
 
@@ -112,7 +112,7 @@ class DriftAnalyzer:
     * FP8 layers: the recipe's real scale against the tensor's current scale
       (``scale_drift_log2`` of the ``actual`` rows).
     * Every per-tensor row (FP8 or shadow): what delayed scaling with ``whatif_history_len`` would
-      have used, fed with the sampled amaxes (:class:`fp8track.drift.WhatIfDelayed`), so a
+      have used, fed with the sampled amaxes (:class:`fp8track.analysis.drift.WhatIfDelayed`), so a
       current-scaling or BF16 run shows where delayed scaling would drift.
     """
 

@@ -23,7 +23,7 @@ the host once per logging step; nothing here touches a device) and keeps ``O(win
   norm from the spike's start to its end had ``z >= grad_z_threshold``.
 
 Detection never stops training: :attr:`SpikeConfig.action` only tells the caller (the Lightning
-callback) what to do on a new event. Each event becomes an :class:`fp8track.records.EventRecord`
+callback) what to do on a new event. Each event becomes an :class:`fp8track.monitoring.records.EventRecord`
 with :meth:`SpikeEvent.to_record`.
 
 The detector's state is plain data (:meth:`SpikeDetector.state_dict`, JSON-able) and resuming from
@@ -32,22 +32,15 @@ it mid-spike gives the same events as an uninterrupted run.
 
 from __future__ import annotations
 
-import bisect
 import math
-from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
-
+from fp8track.analysis.windows import RobustWindow
 from fp8track.errors import ConfigError, check_float, check_int, dataclass_from_dict, invalid_choice
-from fp8track.records import EventRecord
+from fp8track.monitoring.records import EventRecord
 
-if TYPE_CHECKING:
-    from fp8track.baseline import SpikeClassification
-
-MAD_TO_SIGMA = 1.4826  # 1 / Phi^-1(3/4): makes MAD a consistent estimator of a normal's sigma
 SPIKE_ACTIONS = ("log", "stop", "checkpoint")
 EVENT_KINDS = ("spike", "nonfinite")
 EVENT_STATUSES = ("open", "recovered", "not_recovered")
@@ -127,6 +120,44 @@ class SpikeConfig:
 
 
 @dataclass(frozen=True)
+class SpikeClassification:
+    """An FP8 spike compared with the control's spikes.
+
+    Attributes:
+        label: ``"shared"`` (the control had a spike of the same kind starting within ``window``
+            steps) or ``"fp8_only"``.
+        window: the matching window in steps.
+        control_start_step: start of the matched control spike (``None`` if FP8-only).
+        step_offset: FP8 start minus control start.
+        recover_steps, control_recover_steps: steps to recover (``None`` = not recovered or no match).
+        recover_ratio: ``recover_steps / control_recover_steps`` when both recovered (control
+            recovery of 0 counts as 1 step).
+        slower_recovery: FP8 recovered ``slower_factor`` times slower than the control or not at
+            all while the control did; ``None`` without a match.
+    """
+
+    label: str
+    window: int
+    control_start_step: int | None = None
+    step_offset: int | None = None
+    recover_steps: int | None = None
+    control_recover_steps: int | None = None
+    recover_ratio: float | None = None
+    slower_recovery: bool | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "control": self.label,
+            "control_window": self.window,
+            "control_start_step": self.control_start_step,
+            "control_step_offset": self.step_offset,
+            "control_recover_steps": self.control_recover_steps,
+            "recover_ratio": self.recover_ratio,
+            "slower_recovery": self.slower_recovery,
+        }
+
+
+@dataclass(frozen=True)
 class SpikeEvent:
     """One loss spike or run of non-finite losses.
 
@@ -194,7 +225,7 @@ class SpikeEvent:
         """The :class:`EventRecord` (``kind`` = :attr:`kind`, ``step`` = :attr:`start_step`).
 
         ``data`` holds every field plus ``severity``, ``rel_excess``, ``duration``. With a
-        ``classification`` against a control (:func:`fp8track.baseline.classify_spike`) it adds
+        ``classification`` against a control (:func:`fp8track.analysis.baseline.classify_spike`) it adds
         ``control`` (``"shared"``/``"fp8_only"``) and the recovery comparison; FP8-only spikes and
         non-finite losses carry ``alert=True`` with ``title``, ``text`` and ``level``.
         """
@@ -227,54 +258,6 @@ class SpikeEvent:
                     ),
                 )
         return EventRecord(kind=self.kind, step=self.start_step, data=data)
-
-
-class RobustWindow:
-    """Rolling median and ``1.4826 * MAD`` of the last ``size`` finite values.
-
-    Values are kept in arrival order and in a sorted list (``bisect``), so the median costs O(1)
-    and an append O(size) memory moves; the MAD (one numpy pass) is computed only when asked for
-    and cached until the next append.
-    """
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.values: deque[float] = deque()
-        self._sorted: list[float] = []
-        self._sigma: float | None = None
-
-    def __len__(self) -> int:
-        return len(self.values)
-
-    def append(self, value: float) -> None:
-        v = float(value)
-        self.values.append(v)
-        bisect.insort(self._sorted, v)
-        if len(self.values) > self.size:
-            old = self.values.popleft()
-            del self._sorted[bisect.bisect_left(self._sorted, old)]
-        self._sigma = None
-
-    def clear(self) -> None:
-        self.values.clear()
-        self._sorted.clear()
-        self._sigma = None
-
-    def median(self) -> float:
-        """Median of the window (NaN when empty)."""
-        s, n = self._sorted, len(self._sorted)
-        if n == 0:
-            return math.nan
-        return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
-
-    def sigma(self) -> float:
-        """``1.4826 * median(|x - median|)`` (NaN when empty)."""
-        if self._sigma is None:
-            if not self._sorted:
-                return math.nan
-            a = np.asarray(self._sorted, dtype=np.float64)
-            self._sigma = MAD_TO_SIGMA * float(np.median(np.abs(a - self.median())))
-        return self._sigma
 
 
 def _finite(x: float | None) -> bool:

@@ -1,6 +1,6 @@
 """Scale drift: the recipe's scale against the tensor's own current scale, per layer and tensor.
 
-``scale_drift_log2 = log2(scale / current_scale)`` (DESIGN.md section 4): ``> 0`` means the
+``scale_drift_log2 = log2(scale / current_scale)`` (docs/statistics.md): ``> 0`` means the
 scale in use is too large for today's amax (overflow risk), ``< 0`` means range is wasted
 (underflow risk). One unit is one binade (a factor of 2).
 
@@ -10,7 +10,7 @@ scale in use is too large for today's amax (overflow risk), ``< 0`` means range 
   back below the threshold (or flips direction).
 * :class:`WhatIfDelayed` answers "what scale would delayed scaling with an amax history of L have
   used here?" for runs on other recipes: fed with each tensor's observed amax on every sampled
-  step, it runs a Transformer-Engine-faithful :class:`fp8track.scaling.DelayedScaler` per
+  step, it runs a Transformer-Engine-faithful :class:`fp8track.numerics.scaling.DelayedScaler` per
   (layer, tensor) and returns that scale and its drift against the current scale.
 
 Both keep plain-data state (``state_dict`` / ``load_state_dict``) that round-trips through JSON.
@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from fp8track.errors import ConfigError, check_float, check_int, dataclass_from_dict, invalid_choice
-from fp8track.formats import TENSOR_KINDS, FormatPair, FP8Format, get_format, get_format_pair
-from fp8track.records import EventRecord
-from fp8track.scaling import AMAX_COMPUTE_ALGOS, current_scale, delayed_scaling_update
+from fp8track.monitoring.records import EventRecord
+from fp8track.numerics.formats import TENSOR_KINDS, FormatPair, FP8Format, get_format, get_format_pair
+from fp8track.numerics.scaling import AMAX_COMPUTE_ALGOS, current_scale, delayed_scaling_update
 
 DIRECTIONS = ("overflow_risk", "underflow_risk")
 
@@ -305,7 +305,7 @@ class WhatIfDelayed:
 
 class _FormatBatch:
     """What-if delayed scaling of every (layer, tensor) that uses one FP8 format, as columns of one
-    ``[L, n]`` history, updated with :func:`fp8track.scaling.delayed_scaling_update`."""
+    ``[L, n]`` history, updated with :func:`fp8track.numerics.scaling.delayed_scaling_update`."""
 
     def __init__(self, fmt: FP8Format, history_len: int, algo: str, margin: int) -> None:
         self.fmt, self.history_len, self.algo, self.margin = fmt, history_len, algo, margin

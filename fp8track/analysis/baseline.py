@@ -2,7 +2,7 @@
 
 A reference names the control in one of three forms (:func:`load_baseline`):
 
-* a local fp8track run directory (has ``meta.json``; read with :class:`fp8track.records.RunReader`);
+* a local fp8track run directory (has ``meta.json``; read with :class:`fp8track.monitoring.records.RunReader`);
 * ``mlflow:<run_id>``, read with ``MlflowClient(tracking_uri).get_metric_history`` where the URI is
   the one given (e.g. the trainer's ``MLFlowLogger``), else ``MLFLOW_TRACKING_URI``;
 * a W&B offline run directory (``.../wandb/offline-run-<ts>-<id>``, its ``run-<id>.wandb`` file, or
@@ -11,7 +11,7 @@ A reference names the control in one of three forms (:func:`load_baseline`):
   (Lightning's ``WandbLogger``), else W&B's ``_step``.
 
 The loss metric is the first of :data:`LOSS_KEYS` present unless ``key`` is given. The control's
-spikes are found by running :class:`fp8track.spikes.SpikeDetector` over its loss.
+spikes are found by running :class:`fp8track.analysis.spikes.SpikeDetector` over its loss.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from fp8track.analysis.spikes import SpikeClassification, SpikeConfig, SpikeEvent, detect_spikes
 from fp8track.errors import ConfigError
-from fp8track.spikes import SpikeConfig, SpikeEvent, detect_spikes
 
 LOSS_KEYS = ("loss", "train_loss", "train/loss", "train_loss_step")
 REF_FORMS = (
@@ -47,7 +47,7 @@ class Baseline:
     Attributes:
         source: the reference it was loaded from (for reports).
         loss: ``{step: loss}``.
-        spikes: events of :func:`fp8track.spikes.detect_spikes` on ``loss`` (final states).
+        spikes: events of :func:`fp8track.analysis.spikes.detect_spikes` on ``loss`` (final states).
         key: the metric name the loss was read from.
     """
 
@@ -117,44 +117,6 @@ def loss_gap(
         return None
     gap = loss - ref
     return gap, (gap / abs(ref) if ref != 0 else math.nan)
-
-
-@dataclass(frozen=True)
-class SpikeClassification:
-    """An FP8 spike compared with the control's spikes.
-
-    Attributes:
-        label: ``"shared"`` (the control had a spike of the same kind starting within ``window``
-            steps) or ``"fp8_only"``.
-        window: the matching window in steps.
-        control_start_step: start of the matched control spike (``None`` if FP8-only).
-        step_offset: FP8 start minus control start.
-        recover_steps, control_recover_steps: steps to recover (``None`` = not recovered or no match).
-        recover_ratio: ``recover_steps / control_recover_steps`` when both recovered (control
-            recovery of 0 counts as 1 step).
-        slower_recovery: FP8 recovered ``slower_factor`` times slower than the control or not at
-            all while the control did; ``None`` without a match.
-    """
-
-    label: str
-    window: int
-    control_start_step: int | None = None
-    step_offset: int | None = None
-    recover_steps: int | None = None
-    control_recover_steps: int | None = None
-    recover_ratio: float | None = None
-    slower_recovery: bool | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "control": self.label,
-            "control_window": self.window,
-            "control_start_step": self.control_start_step,
-            "control_step_offset": self.step_offset,
-            "control_recover_steps": self.control_recover_steps,
-            "recover_ratio": self.recover_ratio,
-            "slower_recovery": self.slower_recovery,
-        }
 
 
 def classify_spike(
@@ -251,7 +213,7 @@ def _pick_key(available: Iterable[str], key: str | None, source: str) -> str:
 
 
 def _load_run_dir(path: Path, key: str | None) -> tuple[dict[int, float], str]:
-    from fp8track.records import RunReader
+    from fp8track.monitoring.records import RunReader
 
     reader = RunReader(path)
     names: set[str] = set()

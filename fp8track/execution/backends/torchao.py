@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from fp8track.errors import ConfigError
-from fp8track.recipes import Recipe
+from fp8track.execution.recipes import Recipe
 
 INSTALL_HINT = "install it with `pip install fp8track[torchao]` (torchao>=0.18)"
 

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from fp8track.errors import ConfigError, check_int, invalid_choice
-from fp8track.formats import FORMAT_PAIRS, FormatPair, get_format_pair
-from fp8track.scaling import AMAX_COMPUTE_ALGOS
+from fp8track.numerics.formats import FORMAT_PAIRS, FormatPair, get_format_pair
+from fp8track.numerics.scaling import AMAX_COMPUTE_ALGOS
 
 RECIPE_NAMES = ("bf16", "delayed", "current", "mxfp8", "block", "fp8_input_bf16_gemm")
 GEMM_MODES = ("auto", "fp8", "bf16")
@@ -131,7 +131,7 @@ class Recipe:
 
     @property
     def formats(self) -> FormatPair:
-        """The :class:`~fp8track.formats.FormatPair` (forward / backward element formats)."""
+        """The :class:`~fp8track.numerics.formats.FormatPair` (forward / backward element formats)."""
         return get_format_pair(self.fp8_format)
 
     # --- (de)serialisation --------------------------------------------------------------------

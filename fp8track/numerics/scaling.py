@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from fp8track.errors import ConfigError, check_int, invalid_choice
-from fp8track.formats import FP8Format, get_format
+from fp8track.numerics.formats import FP8Format, get_format
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
@@ -55,7 +55,7 @@ def saturating_cast(x_scaled: torch.Tensor, fmt: str | FP8Format) -> torch.Tenso
     """Cast an already scaled float tensor to FP8, clamping to ``±fmt.max`` first.
 
     The explicit clamp makes the result independent of the torch version and device: torch < 2.13
-    and CUDA may turn e4m3 overflow into NaN, torch 2.13 on CPU saturates (DESIGN.md section 4).
+    and CUDA may turn e4m3 overflow into NaN, torch 2.13 on CPU saturates (docs/statistics.md).
     NaN stays NaN; ±inf becomes ±max.
     """
     fmt = get_format(fmt)

@@ -7,7 +7,7 @@ For every chosen layer, on sampled steps only, the hooks see:
 * ``gradient``: dY, the gradient of the layer's output (a tensor hook on the output, which fires
   before the layer's own backward in every case).
 
-Each observation becomes a device-side partial (``fp8track.stats``) merged into the layer's
+Each observation becomes a device-side partial (``fp8track.numerics.stats``) merged into the layer's
 accumulator for the step: micro-batches combine exactly, nothing waits for the device, and no
 tensor is kept. The scale a tensor is judged with comes from the layer's :class:`LayerPlan`:
 the backend's own scale where it exposes one (delayed scaling), else the recipe's rule applied to
@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from fp8track.errors import ConfigError, invalid_choice
-from fp8track.formats import TENSOR_KINDS, get_format_pair
-from fp8track.stats import block_partial_stats, empty_partial, merge_partials, partial_stats
+from fp8track.numerics.formats import TENSOR_KINDS, get_format_pair
+from fp8track.numerics.stats import block_partial_stats, empty_partial, merge_partials, partial_stats
 
 # How a tensor is scaled, per recipe family. "per_tensor" covers delayed, current and
 # fp8_input_bf16_gemm (one scale per tensor); block recipes carry their own per-block scales.
@@ -256,7 +256,7 @@ def plan_for(fqn: str, module: nn.Module, shadow_format: str = "hybrid") -> Laye
       functions the emulated backend uses.
     * Anything not in FP8 (plain or fallback layers, the bf16 recipe): shadow mode.
     """
-    from fp8track import backends
+    from fp8track.execution import backends
 
     if not backends.is_fp8_linear(module):
         return shadow_plan(fqn, shadow_format)

@@ -1,7 +1,7 @@
 """Execution backends and the questions the monitor asks of any FP8 layer.
 
-Backends: ``emulated`` (:mod:`fp8track.backends.emulated`, any device, TE-faithful numerics),
-``torchao`` (:mod:`fp8track.backends.torchao`), ``te`` (:mod:`fp8track.backends.te`, GPU).
+Backends: ``emulated`` (:mod:`fp8track.execution.backends.emulated`, any device, TE-faithful numerics),
+``torchao`` (:mod:`fp8track.execution.backends.torchao`), ``te`` (:mod:`fp8track.execution.backends.te`, GPU).
 ``auto`` picks ``te`` when CUDA is present and Transformer Engine imports, else ``emulated``.
 
 The three functions below work on a module from any backend without importing torchao or TE.
@@ -12,12 +12,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fp8track.backends import te as _te
-from fp8track.backends import torchao as _torchao
-from fp8track.backends.emulated import EmulatedFP8Linear
 from fp8track.errors import invalid_choice
-from fp8track.formats import TENSOR_KINDS
-from fp8track.recipes import Recipe
+from fp8track.execution.backends import te as _te
+from fp8track.execution.backends import torchao as _torchao
+from fp8track.execution.backends.emulated import EmulatedFP8Linear
+from fp8track.execution.recipes import Recipe
+from fp8track.numerics.formats import TENSOR_KINDS
 
 BACKENDS = ("auto", "emulated", "torchao", "te")
 

@@ -1,0 +1,121 @@
+"""The package's layering, checked from the source: imports point down the layer list and no
+import cycle exists (function-level imports included, so a lazy import cannot hide a cycle)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import fp8track
+
+ROOT = Path(fp8track.__file__).parent
+
+# Lower number = lower layer. A module may import its own subpackage and any lower layer;
+# analysis and trackers are siblings (both read records) and must not import each other.
+LAYERS = {
+    "errors": 0,
+    "optional": 0,
+    "numerics": 10,
+    "execution": 20,
+    "monitoring": 30,
+    "analysis": 40,
+    "trackers": 40,
+    "report": 50,  # the HTML report: reads records and analysis
+    "inference": 55,  # the inference-chain check: runs models, reads analysis
+    "config": 65,  # frontend-level configuration (capture + analysis thresholds)
+    "frontend": 70,
+    "lightning": 80,
+    "examples": 80,
+    "sweep": 85,  # drives Lightning training runs
+    "demo": 90,
+    "cli": 100,
+    "__init__": 110,
+    "__main__": 110,
+}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        mod = _module_name(path)
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fp8track"):
+                deps.add(node.module)
+                deps.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.startswith("fp8track"))
+        graph[mod] = deps
+    known = set(graph)
+    return {m: {d for d in deps if d in known and d != m} for m, deps in graph.items()}
+
+
+def _layer(mod: str) -> tuple[str, int]:
+    parts = mod.split(".")
+    top = parts[1] if len(parts) > 1 else "__init__"
+    assert top in LAYERS, f"{mod}: top-level module {top!r} has no layer; add it to LAYERS"
+    return top, LAYERS[top]
+
+
+def test_imports_point_down_the_layers() -> None:
+    bad = []
+    for mod, deps in _imports().items():
+        top, layer = _layer(mod)
+        for dep in deps:
+            dtop, dlayer = _layer(dep)
+            if dtop == top:
+                continue
+            if dlayer >= layer:
+                bad.append(f"{mod} -> {dep}")
+    assert not bad, "imports that point up or sideways:\n" + "\n".join(sorted(bad))
+
+
+def test_no_import_cycles() -> None:
+    graph = _imports()
+    # Package __init__ files re-export their children; a child importing a sibling through the
+    # package is the usual Python idiom, so edges *into* a package's own __init__ from inside it
+    # are not counted as cycles.
+    def edges(mod: str) -> set[str]:
+        return {d for d in graph[mod] if not mod.startswith(d + ".")}
+
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(edges(m)):
+            if state.get(d) == 1:
+                cycles.append(stack[stack.index(d) :] + [d])
+            elif d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_each_subpackage_states_its_job() -> None:
+    for pkg in ("numerics", "execution", "monitoring", "analysis", "trackers"):
+        doc = ast.get_docstring(ast.parse((ROOT / pkg / "__init__.py").read_text()))
+        assert doc and len(doc.split()) >= 10, f"fp8track/{pkg}/__init__.py needs a docstring saying its job"
+
+
+def test_readme_imports_keep_working() -> None:
+    from fp8track import FP8Monitor, Monitor, apply_fp8
+    from fp8track.lightning import FP8Monitor as LightningFP8Monitor
+
+    assert FP8Monitor is LightningFP8Monitor
+    assert callable(apply_fp8) and isinstance(Monitor, type)
