@@ -6,7 +6,6 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
@@ -56,8 +55,8 @@ def _cmd_check_inference(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from fp8track.errors import ConfigError
     from fp8track.demo import check_example_checkpoint
+    from fp8track.errors import ConfigError
 
     try:
         res = check_example_checkpoint(args.checkpoint, batches=args.batches)

@@ -567,6 +567,10 @@ def diagnose(fp8: RunData, control: RunData, config: DiagnosisConfig | None = No
     model_order = list(fp8.meta.get("fp8_layers") or []) + [
         n for n in (fp8.meta.get("bf16_layers") or []) if n not in (fp8.meta.get("fp8_layers") or [])]
 
+    outs = outliers(ranking, cfg.outlier_z, cfg.outlier_min_score, control=ctl_ranking)
+    # The layers a numerics finding names: those that stand out, else the top of the ranking.
+    named = [r.layer for r in outs][: cfg.top_k] or top[: cfg.top_k]
+
     findings: list[Finding] = []
     findings.extend(_spike_findings(fp8_spikes, ctl_base, fp8_rows, cfg, row_spacing))
     nonfinite = [e for e in fp8_spikes if e.kind == "nonfinite"]
@@ -604,10 +608,10 @@ def diagnose(fp8: RunData, control: RunData, config: DiagnosisConfig | None = No
                 f"FP8 falls behind the control mid-training (from step {loss.onset})",
                 f"The FP8 loss tracked the control until step {loss.onset}, then stayed above it: "
                 f"{100 * loss.final_gap:+.1f}% at the end, {gap_z:.0f}x the control's own noise "
-                f"({100 * loss.noise:.2f}%). Top-ranked layers since then: {', '.join(top[: cfg.top_k])}.",
-                steps=(loss.onset,), layers=tuple(top[: cfg.top_k]),
-                tensors=tuple(dict.fromkeys(r.tensor for r in ranking[: cfg.top_k])),
-                evidence=evidence, next_experiments=_numerics_experiments(top, model_order, cfg),
+                f"({100 * loss.noise:.2f}%). Top-ranked layers since then: {', '.join(named)}.",
+                steps=(loss.onset,), layers=tuple(named),
+                tensors=tuple(dict.fromkeys(r.tensor for r in ranking if r.layer in named)),
+                evidence=evidence, next_experiments=_numerics_experiments(named, model_order, cfg),
             ))
 
     evals = compare_evals(fp8.eval_metrics(), control.eval_metrics(), loss.noise, cfg.noise_k)
@@ -632,7 +636,6 @@ def diagnose(fp8: RunData, control: RunData, config: DiagnosisConfig | None = No
             ),
         ))
 
-    outs = outliers(ranking, cfg.outlier_z, cfg.outlier_min_score, control=ctl_ranking)
     ctl_scores = {r.layer: r.score for r in ctl_ranking}
     shift_by_layer: dict[str, Any] = {}
     for h in shifts:

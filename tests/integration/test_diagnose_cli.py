@@ -8,7 +8,6 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_diagnose import PLANTED, _pair, _rows  # noqa: E402

@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 
 from fp8track.analysis.baseline import load_run
-from fp8track.analysis.diagnose import DiagnosisConfig, compare_loss, confidence, diagnose, newly_enabled, relative_noise
+from fp8track.analysis.diagnose import (
+    DiagnosisConfig,
+    compare_loss,
+    confidence,
+    diagnose,
+    newly_enabled,
+    relative_noise,
+)
 from fp8track.analysis.synthetic_loss import Curve, healthy, plant_divergence, plant_spike
 from fp8track.monitoring.records import MetricsRecord, RunMeta, RunWriter, TensorStatsRow
 

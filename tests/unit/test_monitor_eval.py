@@ -20,7 +20,7 @@ def _mlp():
 def test_record_eval_writes_fp8_eval_records_read_back_as_eval_metrics(tmp_path):
     model = _mlp()
     mon = Monitor(model, log_dir=tmp_path).attach()
-    for step in range(3):
+    for _step in range(3):
         mon.step(loss=model(torch.randn(4, 16)).pow(2).mean())
     got = mon.record_eval(3, {"val_loss": torch.tensor(1.25), "val/acc": 0.5, "note": "text", "bad": math.nan})
     mon.record_eval(6, {"val_loss": 1.0})
