@@ -61,20 +61,20 @@ def quiet_libraries() -> Iterator[None]:
     """Keep the console for fp8track's progress and answers: library info logs (Lightning's
     "GPU available" lines and tips, MLflow/alembic set-up, W&B banners) and their warnings are
     silenced for the duration; errors still show."""
-    # Lightning and MLflow set their loggers' levels when first imported: import them first.
-    import lightning.pytorch  # noqa: F401
-    import mlflow  # noqa: F401
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # Lightning and MLflow set their loggers' levels when first imported: import them first.
+        import lightning.pytorch  # noqa: F401
+        import mlflow  # noqa: F401
 
-    saved = {name: logging.getLogger(name).level for name in QUIET_LOGGERS}
-    for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        saved = {name: logging.getLogger(name).level for name in QUIET_LOGGERS}
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.ERROR)
+        try:
             yield
-    finally:
-        for name, level in saved.items():
-            logging.getLogger(name).setLevel(level)
+        finally:
+            for name, level in saved.items():
+                logging.getLogger(name).setLevel(level)
 
 
 class OutlierPlant:
