@@ -412,17 +412,12 @@ def _severity(z: float, cut: float) -> str:
 def _layers_near(rows: Sequence[Any], step: int, spacing: int, history_z: float) -> list[tuple[str, str, str, float]]:
     """``(layer, tensor, signal, z)`` of (layer, tensor) pairs whose statistics at the sampled step
     nearest ``step`` (within ``spacing``) jump against their own other samples, strongest first."""
-    from fp8track.analysis.ranking import MAIN_VARIANTS, SIGNAL_FLOORS, SIGNALS, robust_z, signals
+    from fp8track.analysis.ranking import MAIN_VARIANTS, SIGNAL_FLOORS, SIGNALS, robust_z, row_signals
 
     by_key: dict[tuple[str, str], dict[int, dict[str, float]]] = {}
     for r in rows:
-        if r.variant not in MAIN_VARIANTS:
-            continue
-        summary = {"sqnr_db": float(r.stats.get("sqnr_db", math.nan)), "cos": float(r.stats.get("cos", math.nan)),
-                   "underflow_pct": float(r.stats.get("underflow_pct", math.nan)),
-                   "overflow_pct": float(r.stats.get("overflow_pct", math.nan)),
-                   "abs_drift_log2": abs(float(r.stats.get("scale_drift_log2", math.nan)))}
-        by_key.setdefault((r.layer, r.tensor), {})[int(r.step)] = signals(summary)
+        if r.variant in MAIN_VARIANTS:
+            by_key.setdefault((r.layer, r.tensor), {})[int(r.step)] = row_signals(r.stats)
     hits = []
     for (layer, tensor), per_step in by_key.items():
         near = [s for s in per_step if step - spacing <= s <= step + 1]

@@ -126,6 +126,17 @@ def signals(summary: Mapping[str, float]) -> dict[str, float]:
     }
 
 
+def row_signals(stats: Mapping[str, float]) -> dict[str, float]:
+    """The five signals of one step's statistics (one :class:`TensorStatsRow`'s ``stats``)."""
+    return signals({
+        "sqnr_db": float(stats.get("sqnr_db", math.nan)),
+        "cos": float(stats.get("cos", math.nan)),
+        "underflow_pct": float(stats.get("underflow_pct", math.nan)),
+        "overflow_pct": float(stats.get("overflow_pct", math.nan)),
+        "abs_drift_log2": abs(float(stats.get("scale_drift_log2", math.nan))),
+    })
+
+
 def robust_z(values: Sequence[float], floor: float) -> list[float]:
     """``(v - median) / max(1.4826 * MAD, floor)`` over the finite values; NaN stays NaN, +-inf
     becomes +-inf-clipped to the finite range's extremes (an exact tensor is simply the best)."""
@@ -242,14 +253,7 @@ def history_shifts(rows: Iterable[TensorStatsRow], min_segment: int = 3) -> list
     series: dict[tuple[str, str], list[tuple[int, dict[str, float]]]] = {}
     for r in rows:
         if r.variant in MAIN_VARIANTS:
-            summary = {
-                "sqnr_db": float(r.stats.get("sqnr_db", math.nan)),
-                "cos": float(r.stats.get("cos", math.nan)),
-                "underflow_pct": float(r.stats.get("underflow_pct", math.nan)),
-                "overflow_pct": float(r.stats.get("overflow_pct", math.nan)),
-                "abs_drift_log2": abs(float(r.stats.get("scale_drift_log2", math.nan))),
-            }
-            series.setdefault((r.layer, r.tensor), []).append((int(r.step), signals(summary)))
+            series.setdefault((r.layer, r.tensor), []).append((int(r.step), row_signals(r.stats)))
     out: list[HistoryShift] = []
     for (layer, tensor), points in series.items():
         points.sort(key=lambda p: p[0])
@@ -284,6 +288,7 @@ __all__ = [
     "HistoryShift",
     "summarise",
     "signals",
+    "row_signals",
     "robust_z",
     "rank_layers",
     "outliers",
