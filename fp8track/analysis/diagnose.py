@@ -631,11 +631,17 @@ def diagnose(fp8: RunData, control: RunData, config: DiagnosisConfig | None = No
             ),
         ))
 
+    # Corroboration (the path: "a high underflow share in one layer is not by itself a reason to
+    # fall back"): an outlier is a finding when its quantisation error itself stands out (relative
+    # error or cosine at least CORROBORATE_Z above the typical layer) or the loss / evaluation shows
+    # trouble; otherwise it is only noted under `healthy` as a layer to watch.
+    trouble = any(f.kind in TROUBLE_KINDS for f in findings)
+    watch = [r for r in outs if not trouble and not _error_stands_out(r)]
     ctl_scores = {r.layer: r.score for r in ctl_ranking}
     shift_by_layer: dict[str, Any] = {}
     for h in shifts:
         shift_by_layer.setdefault(h.layer, h)
-    for r in outs:
+    for r in (r for r in outs if r not in watch):
         h = shift_by_layer.get(r.layer)
         own = h.to_dict() if h is not None and h.z > cfg.history_z else None
         st = r.stats.get(r.tensor, {})
@@ -665,10 +671,15 @@ def diagnose(fp8: RunData, control: RunData, config: DiagnosisConfig | None = No
             "FP8 matches the BF16 control",
             f"Loss gap {100 * loss.final_gap:+.2f}% at the end, within {cfg.noise_k:g}x the control's own noise "
             f"({100 * loss.noise:.2f}%); no FP8-only spikes; no evaluation drop; no layer stands out "
-            f"against the others more than in the control" + (f" (highest risk score {best.score:.1f}, {best.layer})." if best else "."),
+            f"against the others more than in the control with an error to show for it"
+            + (f" (highest risk score {best.score:.1f}, {best.layer})." if best else ".")
+            + (f" To watch: {', '.join(f'{r.layer} ({r.tensor}, worst signal {max(r.z, key=lambda k: r.z[k])})' for r in watch)}"
+               " stand out on underflow/overflow/drift alone, without a larger quantisation error or any loss impact."
+               if watch else ""),
             evidence={"final_gap_rel": loss.final_gap, "max_gap_rel": loss.max_gap, "control_noise_rel": loss.noise,
                       "tolerance_rel": loss.tolerance, "eval": evals,
-                      "top_layer": best.layer if best else None, "top_score": best.score if best else None},
+                      "top_layer": best.layer if best else None, "top_score": best.score if best else None,
+                      "watch": [{"layer": r.layer, "tensor": r.tensor, "score": r.score, "z": dict(r.z)} for r in watch]},
             next_experiments=("keep monitoring at a lower sampling rate; rerun the diagnosis after longer training",),
         ))
 
@@ -679,6 +690,17 @@ def diagnose(fp8: RunData, control: RunData, config: DiagnosisConfig | None = No
         fp8.source, control.source, tuple(findings), tuple(ranking), window if fp8_rows else None, loss,
         tuple(fp8_spikes), tuple(ctl_base.spikes), evals,
     )
+
+
+TROUBLE_KINDS = ("fp8_only_spikes", "divergence_from_start", "mid_training_gap", "downstream_drop_with_normal_loss")
+ERROR_SIGNALS = ("rel_error_db", "cos_loss")
+CORROBORATE_Z = 2.0
+"""Robust z (against the other layers) of a layer's relative error or cosine loss that makes an
+outlier a finding on its own, without loss or evaluation trouble."""
+
+
+def _error_stands_out(r: LayerRisk) -> bool:
+    return any(math.isfinite(r.z.get(s, math.nan)) and r.z[s] >= CORROBORATE_Z for s in ERROR_SIGNALS)
 
 
 def _row_spacing(rows: Sequence[Any]) -> int | None:

@@ -77,9 +77,10 @@ def test_real_runs_healthy_and_planted_layer(tmp_path):
     planted = _fit(tmp_path, "planted", "delayed:hybrid:h16:max", plant=True)
 
     # what the diagnosis needs from training
-    assert sorted(fp8.eval_metrics()["val_loss"]) == [60, 120, 180, 240]
+    # every 60 batches of the 128-batch epoch: steps 60, 120, then 128 + 60
+    assert sorted(fp8.eval_metrics()["val_loss"]) == [60, 120, 188]
     precision = fp8.meta["config"]["precision"]
-    assert precision["recipe"] == "delayed:hybrid:h16:max" and precision["precision_plugin"] == "Precision"
+    assert precision["recipe"] == "delayed:hybrid:h16:max:m0" and precision["precision_plugin"] == "Precision"
     assert control.meta["config"]["precision"]["recipe"] == "bf16:hybrid:h1024:max:m0"
 
     healthy = diagnose(fp8, control)
