@@ -20,8 +20,9 @@ than in the control, with the onset against its own history) and ``healthy`` whe
 
 * the loss gap is measured in units of the control's own noise: ``sigma`` = its relative
   step-to-step noise (:func:`relative_noise`: robust, trend-free, spike-proof). The
-  gap (relative to the control, smoothed by the same running median) counts when it stays above
-  ``noise_k * sigma`` (default 3);
+  gap (relative to the control) is smoothed by a centred running median of ``w`` steps and counts
+  when it stays above ``noise_k`` standard errors of such a median of the control's noise,
+  ``noise_k * 1.2533 * sigma / sqrt(w)`` (``noise_k`` = 3);
 * spikes are found by the robust rolling detector (:mod:`fp8track.analysis.spikes`) on each run and
   matched by step (:func:`fp8track.analysis.baseline.classify_spike`);
 * evaluation metrics are compared in the same noise unit (or the control's own evaluation-to-
@@ -62,6 +63,9 @@ KINDS = (
 """Finding kinds, in the troubleshooting path's order."""
 
 SEVERITIES = ("high", "medium", "low", "info")
+
+MEDIAN_SE = math.sqrt(math.pi / 2)
+"""Standard error of the median of n normal values is ``MEDIAN_SE * sigma / sqrt(n)`` (1.2533)."""
 
 LOWER_IS_BETTER = ("loss", "ppl", "perplexity", "error", "err", "wer", "cer", "nll", "bpb")
 """An evaluation metric whose name contains one of these is better when lower; others when higher."""
@@ -156,7 +160,7 @@ class LossComparison:
         rel_gap: ``(fp8 - control) / |control|`` per step (``inf`` where FP8 is non-finite).
         smooth_gap: ``rel_gap`` through the centred running median.
         noise: the control's relative step-to-step noise sigma (module docstring).
-        tolerance: ``noise_k * noise``.
+        tolerance: ``noise_k * 1.2533 * noise / sqrt(smooth)`` (module docstring).
         onset: first step of the lasting gap, ``None`` when there is none.
         phase: ``"start"`` / ``"mid"`` for an onset, else ``None``.
     """
@@ -301,7 +305,9 @@ def compare_loss(
     noise = relative_noise(c.tolist(), w)
     # A perfectly smooth control (synthetic or deterministic) still has float rounding: floor it.
     noise = max(noise if math.isfinite(noise) else 0.0, 1e-6)
-    tol = cfg.noise_k * noise
+    # The smoothed gap is a running median of w steps: compare it with the standard error of such
+    # a median of the control's own noise (1.2533 sigma / sqrt(w) for a median of w normal values).
+    tol = cfg.noise_k * MEDIAN_SE * noise / math.sqrt(w)
     above = smooth > tol
     onset = phase = None
     if above[-1]:

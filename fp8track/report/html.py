@@ -31,8 +31,9 @@ pre{background:#f4f4f4;padding:.5rem;overflow-x:auto;font-size:.8rem}.method{fon
 
 METHOD = (
     "No metric here has a universal threshold. The loss gap is measured in units of the BF16 control's own "
-    "step-to-step noise (1.4826 x MAD of its relative step-to-step differences / sqrt 2) and counts when it "
-    "stays above k of those units; spikes are judged by a robust rolling detector on each run and matched by "
+    "step-to-step noise (1.4826 x MAD of its relative step-to-step differences / sqrt 2): the gap, smoothed by a "
+    "running median of w steps, counts when it stays above k standard errors of such a median (k x 1.2533 x "
+    "noise / sqrt w); spikes are judged by a robust rolling detector on each run and matched by "
     "step; evaluation metrics use the same noise unit (or the control's own evaluation noise). Layers are "
     "scored by robust z-scores against the model's other layers (relative error as -SQNR, 1 - cosine, "
     "underflow, overflow, scale drift), flagged only where they stand out more than in the control, and their "

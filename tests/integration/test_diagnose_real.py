@@ -19,7 +19,7 @@ STEPS, PLANT_FROM = 240, 140
 
 class Net(pl.LightningModule):
     """A small regression MLP; with ``plant`` a sink feature (weight column held at zero, so BF16
-    would not notice) carries 1e5 into ``body.0`` at every step from ``PLANT_FROM`` on."""
+    would not notice) carries 1e6 into ``body.0`` at every step from ``PLANT_FROM`` on."""
 
     def __init__(self, recipe: str, plant: bool = False) -> None:
         super().__init__()
@@ -35,7 +35,7 @@ class Net(pl.LightningModule):
         apply_fp8(self, recipe, backend="emulated")
 
     def _forward(self, x):
-        value = 1e5 if self.plant and self.training and self.global_step >= PLANT_FROM else 0.0
+        value = 1e6 if self.plant and self.training and self.global_step >= PLANT_FROM else 0.0
         return self.body(torch.cat([x, torch.full_like(x[:, :1], value)], dim=1))
 
     def training_step(self, batch, batch_idx):
