@@ -5,10 +5,11 @@ and logged to MLflow (and W&B offline with ``--wandb``):
 
 1. ``bf16-control``: the BF16 control;
 2. ``fp8-<recipe>``: the same model, data and seed in emulated FP8;
-3. ``fp8-planted``: the FP8 run with a documented planted problem: from step ``0.6 x steps`` on,
-   input feature 0 of one layer (default ``blocks.1.mlp.fc``) is multiplied by ``PLANT_FACTOR``
-   (an outlier feature entering that layer, as emerges in large models). Under per-tensor delayed
-   scaling the outlier sets the scale, so the layer's other activations lose their precision.
+3. ``fp8-planted``: the FP8 run with a documented planted problem (:class:`OutlierPlant`): from
+   step ``0.6 x steps`` on, an outlier of ``PLANT_AMAX`` (1e6) enters the activation amax history
+   of one layer (``blocks.1.mlp.fc``) at every training step, as if one token carried a huge
+   value. Delayed scaling sets that layer's activation scale for the outlier, so its ordinary
+   activations underflow to zero; the BF16 control cannot notice.
 
 Then it diagnoses both FP8 runs against the control (:func:`fp8track.report.run.diagnose_runs`)
 and prints the findings, the top-ranked layer, where each ``report.html`` is, the command that
@@ -38,7 +39,7 @@ from urllib.parse import quote
 from fp8track.errors import ConfigError
 
 PLANT_LAYER = "blocks.1.mlp.fc"
-PLANT_FACTOR = 1000.0
+PLANT_AMAX = 1e6
 PLANT_FRACTION = 0.6
 QUIET_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning", "mlflow", "alembic", "wandb")
 
@@ -78,25 +79,32 @@ def quiet_libraries() -> Iterator[None]:
 
 
 class OutlierPlant:
-    """The planted problem: from optimizer step ``start`` on, input feature ``feature`` of the
-    hooked layer is multiplied by ``factor`` (a forward pre-hook; the module's step comes from
-    ``module.global_step``)."""
+    """The planted problem: from optimizer step ``start`` on, every training forward of the hooked
+    layer records an outlier of ``amax`` in its activation amax history before quantising, as if
+    one token carried a huge value. Delayed scaling then sets the layer's activation scale for the
+    outlier and its ordinary activations underflow. The BF16 control has no such state, so it is
+    an FP8-only problem of one layer, starting mid-training."""
 
-    def __init__(self, module: Any, layer: str, start: int, factor: float = PLANT_FACTOR, feature: int = 0) -> None:
-        self.module, self.start, self.factor, self.feature = module, start, factor, feature
-        self.layer = layer
-        module.model.get_submodule(layer).register_forward_pre_hook(self._hook)
+    def __init__(self, module: Any, layer: str, start: int, amax: float = PLANT_AMAX) -> None:
+        self.module, self.layer, self.start, self.amax = module, layer, start, amax
+        target = module.model.get_submodule(layer)
+        scalers = getattr(target, "delayed_scalers", {})
+        if "activation" not in scalers:
+            raise ConfigError(
+                f"the planted problem needs delayed scaling on {layer}; use a delayed recipe or --no-plant"
+            )
+        self.scaler = scalers["activation"]
+        target.register_forward_pre_hook(self._hook)
 
-    def _hook(self, mod: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        if not (self.module.training and self.module.global_step >= self.start):
-            return None
-        x = args[0].clone()
-        x[..., self.feature] = x[..., self.feature] * self.factor
-        return (x, *args[1:])
+    def _hook(self, mod: Any, args: tuple[Any, ...]) -> None:
+        import torch
+
+        if self.module.training and self.module.global_step >= self.start:
+            self.scaler.observe(torch.tensor(self.amax, device=args[0].device))
 
     def describe(self) -> str:
-        return (f"from step {self.start}, input feature {self.feature} of {self.layer} is multiplied by "
-                f"{self.factor:g} (an outlier feature entering that layer)")
+        return (f"from step {self.start}, an outlier of {self.amax:g} enters the activation amax history of "
+                f"{self.layer} at every training step (delayed scaling: its other activations underflow)")
 
 
 def run_one(
@@ -200,7 +208,9 @@ def run_demo(
     runs, control first."""
     from fp8track.execution.recipes import Recipe
 
-    Recipe.parse(recipe)  # a bad recipe fails here, before any training
+    parsed = Recipe.parse(recipe)  # a bad recipe fails here, before any training
+    if plant and parsed.scaling != "delayed":
+        raise ConfigError(f"the planted problem needs a delayed-scaling recipe, got {recipe!r}; or pass --no-plant")
     if steps < 10:
         raise ConfigError(f"steps must be >= 10, got {steps!r}")
     out = Path(out).resolve()
@@ -270,8 +280,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     for label, res in results.items():
         print(f"\n== {label} run vs the BF16 control ==")
         if label == "planted":
-            print(f"planted problem: {OutlierPlant.__doc__.split(':')[0].strip()}; "
-                  f"from step {int(PLANT_FRACTION * args.steps)}, input feature 0 of {PLANT_LAYER} x {PLANT_FACTOR:g}")
+            print(f"planted problem: from step {int(PLANT_FRACTION * args.steps)}, an outlier of {PLANT_AMAX:g} "
+                  f"enters the activation amax history of {PLANT_LAYER} every step")
         print_diagnosis(res.diagnosis, res.html_path)
     print(f"\nfp8track run directories: {out / 'runs'}")
     print(f"MLflow store:              {uri}")
