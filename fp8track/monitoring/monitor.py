@@ -47,6 +47,7 @@ from fp8track.monitoring.records import (
     StepBatch,
     TensorStatsRow,
 )
+from fp8track.monitoring.sharding import ShardSpec, grad_sq_share, is_dtensor
 from fp8track.numerics.formats import TENSOR_KINDS, get_format_pair
 from fp8track.numerics.stats import NUM_SUM, PARTIAL_SIZE, STAT_NAMES, finalize
 
@@ -172,6 +173,9 @@ class Monitor:
         analyzers: rank-0 analysis components (:class:`StepAnalyzer`); the frontends
             (:class:`fp8track.Monitor`, the Lightning callback) plug in spikes, divergence and drift.
         is_writer: whether this process writes (default: global rank 0).
+        sharding: the device mesh of a sharded run and its data-parallel dimensions
+            (:class:`fp8track.monitoring.sharding.ShardSpec`, docs/sharding.md); ``None`` works
+            for DDP, FSDP2 and DTensor tensor parallelism on one root mesh.
 
     Logged metrics (per sampled step):
         ``loss``; ``fp8/<layer>/<tensor>/<stat>`` for each stat in ``config.scalar_stats``
@@ -193,6 +197,7 @@ class Monitor:
         meta: RunMeta | None = None,
         analyzers: Sequence[StepAnalyzer] = (),
         is_writer: bool | None = None,
+        sharding: ShardSpec | None = None,
     ) -> None:
         self.model = model
         self.config = config or MonitorConfig()
@@ -201,7 +206,7 @@ class Monitor:
         self.captures: dict[str, LayerCapture] = {}
         for fqn, module in chosen:
             plan = plans.get(fqn) or plan_for(fqn, module, self.config.shadow_format)
-            self.captures[fqn] = LayerCapture(module, plan, self.config.tensors, self.config.whatif)
+            self.captures[fqn] = LayerCapture(module, plan, self.config.tensors, self.config.whatif, sharding)
         self.analyzers = list(analyzers)
         self.last_events: list[EventRecord] = []
         self._warned: set[str] = set()
@@ -474,10 +479,22 @@ def _stack_or_nan(values: Sequence[torch.Tensor | None], device: torch.device) -
 
 
 def total_grad_norm(model: nn.Module) -> torch.Tensor | None:
-    """L2 norm of all parameter gradients as a device tensor (no host sync); None without grads."""
+    """L2 norm of all parameter gradients as a device tensor (no host sync); None without grads.
+
+    Sharded gradients (DTensors: FSDP2, tensor parallelism) give the global norm on every rank, at
+    the cost of one scalar SUM all-reduce (every rank calls this every step).
+    """
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
         return None
+    if any(is_dtensor(g) for g in grads):
+        import torch.distributed as dist
+
+        sq = grad_sq_share(model)
+        if sq is None:
+            return None
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM)
+        return sq.sqrt()
     norms = torch._foreach_norm(grads)
     return torch.linalg.vector_norm(torch.stack([n.to(torch.float32) for n in norms]))
 
