@@ -13,6 +13,7 @@ from fp8track.errors import ConfigError, invalid_choice
 from fp8track.frontend import Monitor
 from fp8track.monitoring.capture import LayerFilter
 from fp8track.monitoring.monitor import DEFAULT_SCALAR_STATS, MonitorConfig, run_meta_for
+from fp8track.monitoring.sharding import ShardSpec
 from fp8track.numerics.formats import TENSOR_KINDS
 
 SPIKE_ACTIONS = ("log", "stop", "checkpoint")
@@ -80,7 +81,9 @@ class FP8Monitor(Callback):
             per_layer_scalars=per_layer_scalars,
         )
         if layers is not None and not (callable(layers) or isinstance(layers, (str, list, tuple))):
-            raise ConfigError(f"layers must be None, a string, a list of strings or a callable, got {layers!r}")
+            raise ConfigError(
+                f"layers must be None, a string, a list of strings or a callable, got {layers!r}"
+            )
         from fp8track.trackers import validate_tracker_spec
 
         validate_tracker_spec(trackers)
@@ -111,7 +114,9 @@ class FP8Monitor(Callback):
         self.monitor = self._build_monitor(trainer, pl_module)
 
     def _build_monitor(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Monitor:
-        log_dir = Path(self.log_dir) if self.log_dir is not None else Path(trainer.default_root_dir) / "fp8track"
+        log_dir = (
+            Path(self.log_dir) if self.log_dir is not None else Path(trainer.default_root_dir) / "fp8track"
+        )
         trackers: list[Any] = []
         if trainer.is_global_zero and self.trackers not in ("none", None):
             from fp8track.trackers import make_trackers
@@ -125,7 +130,10 @@ class FP8Monitor(Callback):
         meta = run_meta_for(
             pl_module,
             self.run_name,
-            {"monitor": _config_dict(self.config), "baseline": str(self.baseline) if self.baseline is not None else None},
+            {
+                "monitor": _config_dict(self.config),
+                "baseline": str(self.baseline) if self.baseline is not None else None,
+            },
         )
         return Monitor(
             pl_module,
@@ -137,6 +145,7 @@ class FP8Monitor(Callback):
             analyzers=self.analyzers,
             baseline=baseline,
             is_writer=trainer.is_global_zero,
+            sharding=_sharding_for(trainer),
         )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -149,14 +158,18 @@ class FP8Monitor(Callback):
         self.monitor.begin_step(trainer.global_step)
 
     # -- per step -----------------------------------------------------------------------------------
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.monitor is None:
             return
         if self._micro_batches == 0:  # first micro-batch of an optimizer step
             self.monitor.begin_step(trainer.global_step)
         self._step_at_batch_start = trainer.global_step
 
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
         # Gradients are final (accumulated, AMP-unscaled) here and not yet clipped.
         if self.monitor is not None and self.monitor.config.track_grad_norm:
             from fp8track.monitoring.monitor import total_grad_norm
@@ -188,21 +201,26 @@ class FP8Monitor(Callback):
         if self.monitor is None:
             return
         opened = any(
-            e.kind in ("spike", "nonfinite") and e.data.get("status") == "open" for e in self.monitor.last_events
+            e.kind in ("spike", "nonfinite") and e.data.get("status") == "open"
+            for e in self.monitor.last_events
         )
         if not trainer.strategy.reduce_boolean_decision(opened, all=False):
             return
         if self.on_spike == "stop":
             trainer.should_stop = True
         else:
-            path = Path(trainer.default_root_dir) / "fp8track-spikes" / f"spike-step{trainer.global_step}.ckpt"
+            path = (
+                Path(trainer.default_root_dir) / "fp8track-spikes" / f"spike-step{trainer.global_step}.ckpt"
+            )
             trainer.save_checkpoint(path)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.monitor is not None:
             self.monitor.close()
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         if self.monitor is not None:
             self.monitor.close()
 
@@ -215,6 +233,17 @@ class FP8Monitor(Callback):
         self._restored = dict(state_dict)
         if self.monitor is not None:
             self.monitor.load_state_dict(state_dict)
+
+
+def _sharding_for(trainer: pl.Trainer) -> ShardSpec | None:
+    """The 2-D (data x tensor) mesh of ``ModelParallelStrategy``; ``None`` for the others (DDP's
+    replicated weights and FSDP's gathered ones need no mesh: the whole world is data-parallel)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy = trainer.strategy
+    if not isinstance(strategy, ModelParallelStrategy):
+        return None
+    return ShardSpec(strategy.device_mesh, data_dims=("data_parallel",))
 
 
 def _mlflow_uri(loggers: Sequence[Any]) -> str | None:

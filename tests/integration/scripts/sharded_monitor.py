@@ -1,6 +1,6 @@
 """Run by tests/integration/test_sharded.py (and bench/sharded_overhead.py): CPU ranks on gloo.
 
-Modes (``torchrun --standalone --nproc_per_node N sharded_monitor.py OUT MODE``):
+Modes (``torchrun --standalone --nproc_per_node N sharded_monitor.py OUT MODE[,MODE...]``):
 
 * ``fsdp``: FSDP2 (``fully_shard``) over a 1-D data-parallel mesh of all ranks;
 * ``tp``: tensor parallelism on a ``(dp=1, tp=N)`` mesh: column-wise then row-wise linear;
@@ -101,11 +101,20 @@ def make_mesh(mode: str, world: int):
     return init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
 
 
-def train(out: str, mode: str) -> None:
+def train(out: str, modes: str) -> None:
+    """Each mode of the comma-separated ``modes`` in turn (one process start for all), into ``OUT/<mode>``."""
+    dist.init_process_group("gloo")
+    for mode in modes.split(","):
+        os.makedirs(os.path.join(out, mode), exist_ok=True)
+        train_one(os.path.join(out, mode), mode)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def train_one(out: str, mode: str) -> None:
     from fp8track import Monitor, MonitorConfig
     from fp8track.monitoring.sharding import ShardSpec
 
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = make_mesh(mode, world)
     dp_rank = mesh["dp"].get_local_rank()
@@ -126,7 +135,6 @@ def train(out: str, mode: str) -> None:
         opt.zero_grad()
     monitor.close()
     torch.save({"saved": ref.saved, "dp_rank": dp_rank}, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
 
 
 def bench(out: str, mode: str, steps: int) -> None:
