@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from fp8track.errors import ConfigError, invalid_choice
-from fp8track.monitoring.sharding import ShardSpec, Share, share_of
+from fp8track.monitoring.sharding import ShardSpec, Share, observed_weight, share_of
 from fp8track.numerics.formats import TENSOR_KINDS, get_format_pair
 from fp8track.numerics.stats import block_partial_stats, empty_partial, merge_partials, partial_stats
 
@@ -132,7 +132,9 @@ def select_layers(
     """
     candidates = [(fqn, m) for fqn, m in model.named_modules() if is_linear_like(m)]
     if not candidates:
-        raise ConfigError(f"{type(model).__name__} has no linear layer to monitor (nn.Linear, FP8 linear or TE Linear)")
+        raise ConfigError(
+            f"{type(model).__name__} has no linear layer to monitor (nn.Linear, FP8 linear or TE Linear)"
+        )
     names = [fqn for fqn, _ in candidates]
     if layers is None:
         return candidates
@@ -155,7 +157,9 @@ def select_layers(
         else:
             hits = {spec} if spec in names else set()
         if not hits:
-            raise ConfigError(f"layer selector {spec!r} matches no linear layer; candidates: {_preview(names)}")
+            raise ConfigError(
+                f"layer selector {spec!r} matches no linear layer; candidates: {_preview(names)}"
+            )
         picked |= hits
     return [(fqn, m) for fqn, m in candidates if fqn in picked]
 
@@ -208,9 +212,12 @@ class LayerCapture:
         self.sharding = sharding
         self.plan = plan
         self.tensors = tuple(tensors)
-        self.whatif = tuple(v for v in whatif if not (v == "current" and plan.scaling == "per_tensor" and not plan.fp8))
+        self.whatif = tuple(
+            v for v in whatif if not (v == "current" and plan.scaling == "per_tensor" and not plan.fp8)
+        )
         self.active = False
         self._weight_done = False
+        self._resting_weight: torch.Tensor | None = None
         self.partials: dict[tuple[str, str], torch.Tensor] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
@@ -233,6 +240,8 @@ class LayerCapture:
     def begin_step(self, sampled: bool) -> None:
         self.active = sampled
         self._weight_done = False
+        # Between steps FSDP2 holds the high-precision shard; the forward may see an FP8 all-gather.
+        self._resting_weight = getattr(self.module, "weight", None) if sampled else None
 
     def take(self, device: torch.device) -> list[torch.Tensor]:
         """The step's partials in :meth:`keys` order (empty partials where nothing was seen); resets."""
@@ -264,7 +273,7 @@ class LayerCapture:
         if "activation" in self.tensors and args and isinstance(args[0], torch.Tensor):
             self._add("activation", args[0])
         if "weight" in self.tensors and not self._weight_done:
-            weight = getattr(module, "weight", None)
+            weight = observed_weight(getattr(module, "weight", None), self._resting_weight)
             if isinstance(weight, torch.Tensor):
                 self._add("weight", weight)
                 self._weight_done = True

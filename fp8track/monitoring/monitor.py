@@ -255,12 +255,16 @@ class Monitor:
         for cap in self.captures.values():
             cap.begin_step(self._sampled)
 
-    def step(self, loss: torch.Tensor | float | None = None, grad_norm: torch.Tensor | float | None = None) -> None:
+    def step(
+        self, loss: torch.Tensor | float | None = None, grad_norm: torch.Tensor | float | None = None
+    ) -> None:
         """End the current optimizer step (plain-loop API): record, maybe flush, advance."""
         self.end_step(loss, grad_norm)
         self.begin_step(self.global_step)
 
-    def end_step(self, loss: torch.Tensor | float | None = None, grad_norm: torch.Tensor | float | None = None) -> None:
+    def end_step(
+        self, loss: torch.Tensor | float | None = None, grad_norm: torch.Tensor | float | None = None
+    ) -> None:
         """Record the step's loss (un-normalised, mean over micro-batches), flush if sampled, and
         advance the step counter (``global_step`` then names the next step, as Lightning's does)."""
         if not self._attached:
@@ -313,7 +317,11 @@ class Monitor:
         pending, self._pending = self._pending, []
         losses = _stack_or_nan([p.loss for p in pending], device)
         gnorms = _stack_or_nan([p.grad_norm for p in pending], device)
-        stacked = torch.stack(parts) if parts else torch.zeros((0, PARTIAL_SIZE), dtype=torch.float64, device=device)
+        stacked = (
+            torch.stack(parts)
+            if parts
+            else torch.zeros((0, PARTIAL_SIZE), dtype=torch.float64, device=device)
+        )
         world = _dist_world()
         if world > 1:
             import torch.distributed as dist
@@ -322,22 +330,28 @@ class Monitor:
 
             if len(parts):
                 stacked = all_reduce_partials(stacked)
-            # Mean loss over ranks: every rank takes part in the same SUM collective.
-            scalars = torch.cat([losses, gnorms]).to(torch.float64)
+            # Mean loss and root-mean-square grad norm over ranks (the global norm for sharded
+            # gradients, see total_grad_norm): every rank takes part in the same SUM collective.
+            scalars = torch.cat([losses.to(torch.float64), gnorms.to(torch.float64).square()])
             dist.all_reduce(scalars, op=dist.ReduceOp.SUM)
             scalars = scalars / world
-            losses, gnorms = scalars[: len(pending)], scalars[len(pending) :]
+            losses, gnorms = scalars[: len(pending)], scalars[len(pending) :].sqrt()
         if not self.is_writer:
             return
         # The one host copy of this logging step.
-        host = torch.cat([stacked.reshape(-1), losses.to(torch.float64), gnorms.to(torch.float64)]).cpu().tolist()
+        host = (
+            torch.cat([stacked.reshape(-1), losses.to(torch.float64), gnorms.to(torch.float64)])
+            .cpu()
+            .tolist()
+        )
         n = len(keys) * PARTIAL_SIZE
         step = pending[-1].step if pending else self.global_step
         rows = self._rows(step, keys, host[:n])
         loss_vals = host[n : n + len(pending)]
         gnorm_vals = host[n + len(pending) :]
         series = [
-            (p.step, loss_vals[i], None if math.isnan(gnorm_vals[i]) else gnorm_vals[i]) for i, p in enumerate(pending)
+            (p.step, loss_vals[i], None if math.isnan(gnorm_vals[i]) else gnorm_vals[i])
+            for i, p in enumerate(pending)
         ]
         for s, loss, gnorm in series[:-1]:
             if not math.isnan(loss) and self._writer is not None:
@@ -365,7 +379,9 @@ class Monitor:
             warnings.warn(f"fp8track: {name} failed at step {step} ({exc!r}); training goes on", stacklevel=2)
         events.append(EventRecord("analysis_error", step, {"analyzer": name, "error": repr(exc)}))
 
-    def _rows(self, step: int, keys: Sequence[tuple[str, str, str]], flat: Sequence[float]) -> list[TensorStatsRow]:
+    def _rows(
+        self, step: int, keys: Sequence[tuple[str, str, str]], flat: Sequence[float]
+    ) -> list[TensorStatsRow]:
         rows = []
         for i, (fqn, tensor, variant) in enumerate(keys):
             part = flat[i * PARTIAL_SIZE : (i + 1) * PARTIAL_SIZE]
@@ -433,7 +449,9 @@ class Monitor:
             a.load_state_dict(s)
 
 
-def run_meta_for(model: nn.Module, name: str = "fp8track", config: Mapping[str, Any] | None = None) -> RunMeta:
+def run_meta_for(
+    model: nn.Module, name: str = "fp8track", config: Mapping[str, Any] | None = None
+) -> RunMeta:
     """Run metadata for ``model``: its recipe and FP8/BF16 layer sets when :func:`fp8track.apply_fp8`
     converted it or one of its submodules (the report it leaves there), plus ``config``."""
     report = next((m.fp8track_report for m in model.modules() if hasattr(m, "fp8track_report")), None)
@@ -479,22 +497,21 @@ def _stack_or_nan(values: Sequence[torch.Tensor | None], device: torch.device) -
 
 
 def total_grad_norm(model: nn.Module) -> torch.Tensor | None:
-    """L2 norm of all parameter gradients as a device tensor (no host sync); None without grads.
+    """L2 norm of all parameter gradients as a device tensor (no host sync, no collective); None
+    without grads.
 
-    Sharded gradients (DTensors: FSDP2, tensor parallelism) give the global norm on every rank, at
-    the cost of one scalar SUM all-reduce (every rank calls this every step).
+    Sharded gradients (DTensors: FSDP2, tensor parallelism): this rank's *contribution*
+    ``sqrt(world * share)``, where the shares (:func:`fp8track.monitoring.sharding.grad_sq_share`) sum
+    to the squared global norm over the world; :meth:`Monitor.flush` reduces grad norms to their
+    root mean square over ranks, which is then the global norm (and leaves a norm that is the same
+    on every rank, as under DDP, unchanged).
     """
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
         return None
     if any(is_dtensor(g) for g in grads):
-        import torch.distributed as dist
-
         sq = grad_sq_share(model)
-        if sq is None:
-            return None
-        dist.all_reduce(sq, op=dist.ReduceOp.SUM)
-        return sq.sqrt()
+        return None if sq is None else (sq * _dist_world()).sqrt()
     norms = torch._foreach_norm(grads)
     return torch.linalg.vector_norm(torch.stack([n.to(torch.float32) for n in norms]))
 

@@ -205,6 +205,23 @@ def _root(mesh: Any) -> Any:
     return mesh if root is None else root
 
 
+def observed_weight(in_forward: Any, resting: Any) -> Any:
+    """The weight whose statistics a forward hook should take.
+
+    Normally the weight the forward used (FSDP2: all-gathered, a copy on every rank). With FP8
+    all-gather (torchao's ``enable_fsdp_float8_all_gather``) the forward sees the gathered FP8
+    weight, a tensor subclass: its high-precision values exist only as the FSDP2 shards, so each
+    rank judges its resting shard (a DTensor) and the shards merge over the mesh, with the global
+    scale (the current scale from the amax over all shards, as torchao's
+    ``precompute_float8_dynamic_scale_for_fsdp`` and its all-gather compute it).
+    """
+    if not isinstance(in_forward, torch.Tensor) or not is_dtensor(resting) or resting is in_forward:
+        return in_forward
+    if type(in_forward) in (torch.Tensor, torch.nn.Parameter) or is_dtensor(in_forward):
+        return in_forward
+    return resting
+
+
 def grad_sq_share(model: torch.nn.Module, spec: ShardSpec | None = None) -> torch.Tensor | None:
     """This rank's share of the squared L2 norm of all parameter gradients (float32, on the device).
 
@@ -234,4 +251,4 @@ def grad_sq_share(model: torch.nn.Module, spec: ShardSpec | None = None) -> torc
     return total
 
 
-__all__ = ["ShardSpec", "Share", "share_of", "grad_sq_share", "is_dtensor", "SHARD_SCALES"]
+__all__ = ["ShardSpec", "Share", "share_of", "observed_weight", "grad_sq_share", "is_dtensor", "SHARD_SCALES"]

@@ -78,9 +78,10 @@ def _check(tmp_path: Path, world: int, prefix: str = "") -> None:
         _close(loss[step], float(saved[(step, "loss")]), f"loss {step}")
 
 
-# One process start per world size; the modes run one after the other in it. FSDP2 over all ranks,
+# One process start per world size; the modes run one after the other in it. FSDP2 over all ranks
+# (with 2 ranks also with torchao float8 and FP8 all-gather),
 # tensor parallelism over all ranks on a (dp=1, tp=N) mesh, and with 4 ranks both on (dp=2, tp=2).
-MODES = {2: ("fsdp", "tp"), 4: ("fsdp", "tp", "fsdp_tp")}
+MODES = {2: ("fsdp", "fsdp_fp8", "tp"), 4: ("fsdp", "tp", "fsdp_tp")}
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ Modes (``torchrun --standalone --nproc_per_node N sharded_monitor.py OUT MODE[,M
 
 * ``fsdp``: FSDP2 (``fully_shard``) over a 1-D data-parallel mesh of all ranks;
 * ``tp``: tensor parallelism on a ``(dp=1, tp=N)`` mesh: column-wise then row-wise linear;
+* ``fsdp_fp8``: FSDP2 with torchao float8 (emulated GEMM) and FP8 all-gather of the weights;
 * ``fsdp_tp``: both on a ``(dp=N/2, tp=2)`` mesh (FSDP2 over ``dp``, tensor parallel over ``tp``);
 * ``lightning``: the same as ``fsdp_tp`` through Lightning's ``ModelParallelStrategy`` and
   ``FP8Monitor`` (run with plain ``python``, Lightning starts the other ranks; N = 2 or 4).
@@ -11,7 +12,8 @@ Modes (``torchrun --standalone --nproc_per_node N sharded_monitor.py OUT MODE[,M
 Besides the monitor's run directory, every rank saves ``rank<r>.pt``: the *global* tensors of each
 sampled step (DTensors gathered with ``full_tensor()``), keyed ``(step, layer, tensor)``, plus the
 global gradient norm and loss, so the test recomputes every statistic in one process.
-``--bench K`` instead times K sampled steps against K unsampled ones and prints JSON on rank 0.
+``--bench K [--width W]`` instead times K steps unmonitored, unsampled, sampled (global scales: the
+two-phase amax) and sampled with local scales, on the model W times wider, and prints JSON on rank 0.
 """
 
 import json
@@ -27,19 +29,20 @@ D_IN, D_HID, D_OUT, BATCH, STEPS = 32, 64, 16, 8, 3
 LAYERS = ("net.0", "net.2")
 
 
-def batch(dp_rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(dp_rank: int, step: int, width: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch of data-parallel rank ``dp_rank`` at ``step`` (tensor-parallel ranks share it)."""
     g = torch.Generator().manual_seed(1000 * step + dp_rank)
-    x = torch.randn(BATCH, D_IN, generator=g) * 3.0
+    x = torch.randn(BATCH * width, D_IN * width, generator=g) * 3.0
     x[::3] *= 1e-4  # rows in the underflow range make the merged statistics non-trivial
-    return x, torch.randn(BATCH, D_OUT, generator=g)
+    return x, torch.randn(BATCH * width, D_OUT * width, generator=g)
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int = 1) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(D_IN, D_HID), nn.GELU(), nn.Linear(D_HID, D_OUT))
+        w = width
+        self.net = nn.Sequential(nn.Linear(D_IN * w, D_HID * w), nn.GELU(), nn.Linear(D_HID * w, D_OUT * w))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -49,16 +52,27 @@ def shard(model: nn.Module, mesh, mode: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    if mode == "fsdp_fp8":
+        import dataclasses
+
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+        convert_to_float8_training(
+            model, config=dataclasses.replace(config, emulate=True)
+        )  # CPU: emulated GEMM
     if mode in ("tp", "fsdp_tp"):
         parallelize_module(model.net, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    if mode in ("fsdp", "fsdp_tp"):
+    if mode in ("fsdp", "fsdp_tp", "fsdp_fp8"):
         fully_shard(model, mesh=mesh["dp"])
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+    full = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+    # A plain tensor copy: torchao's FP8 all-gather wraps weights in a subclass that clone() keeps.
+    return torch.mul(full, 1.0).as_subclass(torch.Tensor) if type(full) is not torch.Tensor else full.clone()
 
 
 class Reference:
@@ -75,11 +89,15 @@ class Reference:
             if not torch.is_grad_enabled():
                 return
             self.saved[(self.step, name, "activation")] = _full(args[0])
-            self.saved[(self.step, name, "weight")] = _full(module.weight)
             step = self.step
             out.register_hook(lambda g: self.saved.__setitem__((step, name, "gradient"), _full(g)))
 
         return hook
+
+    def begin_step(self, model: nn.Module) -> None:
+        """The high-precision weights, gathered between steps (in the forward they may be FP8)."""
+        for name in LAYERS:
+            self.saved[(self.step, name, "weight")] = _full(model.get_submodule(name).weight)
 
     def end_step(self, model: nn.Module, loss: torch.Tensor) -> None:
         grads = [_full(p.grad) for p in model.parameters()]
@@ -127,6 +145,7 @@ def train_one(out: str, mode: str) -> None:
     ref = Reference(model)
     for step in range(STEPS):
         x, y = batch(dp_rank, step)
+        ref.begin_step(model)
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         ref.end_step(model, loss)
@@ -137,7 +156,7 @@ def train_one(out: str, mode: str) -> None:
     torch.save({"saved": ref.saved, "dp_rank": dp_rank}, os.path.join(out, f"rank{rank}.pt"))
 
 
-def bench(out: str, mode: str, steps: int) -> None:
+def bench(out: str, mode: str, steps: int, width: int) -> None:
     """Median wall time of a training step: unsampled, sampled (two-phase amax), sampled with local scales."""
     from fp8track import Monitor, MonitorConfig
     from fp8track.monitoring.sharding import ShardSpec
@@ -146,10 +165,11 @@ def bench(out: str, mode: str, steps: int) -> None:
     world = dist.get_world_size()
     mesh = make_mesh(mode, world)
     dp_rank = mesh["dp"].get_local_rank()
-    model = Net()
+    model = Net(width)
     shard(model, mesh, mode)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    result: dict = {"mode": mode, "world": world, "steps": steps}
+    shapes = [tuple(model.get_submodule(n).weight.shape) for n in LAYERS]
+    result: dict = {"mode": mode, "world": world, "steps": steps, "weights": shapes, "batch": BATCH * width}
     variants = [
         ("none", None, None),
         ("unsampled", MonitorConfig(every_n_steps=10**9, steps=()), "global"),
@@ -161,17 +181,17 @@ def bench(out: str, mode: str, steps: int) -> None:
         if cfg is not None:
             spec = ShardSpec(mesh, data_dims=("dp",), scale=scale)
             monitor = Monitor(model, cfg, log_dir=out, sharding=spec, analyzers=[]).attach()
+            if label == "unsampled":
+                monitor.begin_step(1)  # step 0 is always sampled: start at step 1
         times = []
         for step in range(steps + 3):
-            x, y = batch(dp_rank, step)
+            x, y = batch(dp_rank, step, width)
             dist.barrier()
             t0 = time.perf_counter()
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()
             opt.step()
             if monitor is not None:
-                if label == "unsampled" and step == 0:
-                    monitor.begin_step(1)  # step 0 is always sampled: skip it
                 monitor.step(loss=loss)
             opt.zero_grad()
             dist.barrier()
@@ -219,6 +239,8 @@ def lightning(out: str, world: int) -> None:
 
         def training_step(self, b, i):
             x, y = b
+            if self.ref is not None:
+                self.ref.begin_step(self.model)
             self.last_loss = nn.functional.mse_loss(self.model(x[0]), y[0])
             return self.last_loss
 
@@ -259,6 +281,7 @@ if __name__ == "__main__":
     if run_mode == "lightning":
         lightning(out_dir, int(sys.argv[3]))
     elif "--bench" in sys.argv:
-        bench(out_dir, run_mode, int(sys.argv[sys.argv.index("--bench") + 1]))
+        width = int(sys.argv[sys.argv.index("--width") + 1]) if "--width" in sys.argv else 1
+        bench(out_dir, run_mode, int(sys.argv[sys.argv.index("--bench") + 1]), width)
     else:
         train(out_dir, run_mode)
