@@ -81,9 +81,7 @@ class FP8Monitor(Callback):
             per_layer_scalars=per_layer_scalars,
         )
         if layers is not None and not (callable(layers) or isinstance(layers, (str, list, tuple))):
-            raise ConfigError(
-                f"layers must be None, a string, a list of strings or a callable, got {layers!r}"
-            )
+            raise ConfigError(f"layers must be None, a string, a list of strings or a callable, got {layers!r}")
         from fp8track.trackers import validate_tracker_spec
 
         validate_tracker_spec(trackers)
@@ -114,9 +112,7 @@ class FP8Monitor(Callback):
         self.monitor = self._build_monitor(trainer, pl_module)
 
     def _build_monitor(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Monitor:
-        log_dir = (
-            Path(self.log_dir) if self.log_dir is not None else Path(trainer.default_root_dir) / "fp8track"
-        )
+        log_dir = Path(self.log_dir) if self.log_dir is not None else Path(trainer.default_root_dir) / "fp8track"
         trackers: list[Any] = []
         if trainer.is_global_zero and self.trackers not in ("none", None):
             from fp8track.trackers import make_trackers
@@ -130,10 +126,7 @@ class FP8Monitor(Callback):
         meta = run_meta_for(
             pl_module,
             self.run_name,
-            {
-                "monitor": _config_dict(self.config),
-                "baseline": str(self.baseline) if self.baseline is not None else None,
-            },
+            {"monitor": _config_dict(self.config), "baseline": str(self.baseline) if self.baseline is not None else None},
         )
         return Monitor(
             pl_module,
@@ -158,18 +151,14 @@ class FP8Monitor(Callback):
         self.monitor.begin_step(trainer.global_step)
 
     # -- per step -----------------------------------------------------------------------------------
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self.monitor is None:
             return
         if self._micro_batches == 0:  # first micro-batch of an optimizer step
             self.monitor.begin_step(trainer.global_step)
         self._step_at_batch_start = trainer.global_step
 
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
-    ) -> None:
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         # Gradients are final (accumulated, AMP-unscaled) here and not yet clipped.
         if self.monitor is not None and self.monitor.config.track_grad_norm:
             from fp8track.monitoring.monitor import total_grad_norm
@@ -201,26 +190,21 @@ class FP8Monitor(Callback):
         if self.monitor is None:
             return
         opened = any(
-            e.kind in ("spike", "nonfinite") and e.data.get("status") == "open"
-            for e in self.monitor.last_events
+            e.kind in ("spike", "nonfinite") and e.data.get("status") == "open" for e in self.monitor.last_events
         )
         if not trainer.strategy.reduce_boolean_decision(opened, all=False):
             return
         if self.on_spike == "stop":
             trainer.should_stop = True
         else:
-            path = (
-                Path(trainer.default_root_dir) / "fp8track-spikes" / f"spike-step{trainer.global_step}.ckpt"
-            )
+            path = Path(trainer.default_root_dir) / "fp8track-spikes" / f"spike-step{trainer.global_step}.ckpt"
             trainer.save_checkpoint(path)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.monitor is not None:
             self.monitor.close()
 
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self.monitor is not None:
             self.monitor.close()
 

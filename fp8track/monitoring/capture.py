@@ -132,9 +132,7 @@ def select_layers(
     """
     candidates = [(fqn, m) for fqn, m in model.named_modules() if is_linear_like(m)]
     if not candidates:
-        raise ConfigError(
-            f"{type(model).__name__} has no linear layer to monitor (nn.Linear, FP8 linear or TE Linear)"
-        )
+        raise ConfigError(f"{type(model).__name__} has no linear layer to monitor (nn.Linear, FP8 linear or TE Linear)")
     names = [fqn for fqn, _ in candidates]
     if layers is None:
         return candidates
@@ -157,9 +155,7 @@ def select_layers(
         else:
             hits = {spec} if spec in names else set()
         if not hits:
-            raise ConfigError(
-                f"layer selector {spec!r} matches no linear layer; candidates: {_preview(names)}"
-            )
+            raise ConfigError(f"layer selector {spec!r} matches no linear layer; candidates: {_preview(names)}")
         picked |= hits
     return [(fqn, m) for fqn, m in candidates if fqn in picked]
 
@@ -212,9 +208,7 @@ class LayerCapture:
         self.sharding = sharding
         self.plan = plan
         self.tensors = tuple(tensors)
-        self.whatif = tuple(
-            v for v in whatif if not (v == "current" and plan.scaling == "per_tensor" and not plan.fp8)
-        )
+        self.whatif = tuple(v for v in whatif if not (v == "current" and plan.scaling == "per_tensor" and not plan.fp8))
         self.active = False
         self._weight_done = False
         self._resting_weight: torch.Tensor | None = None

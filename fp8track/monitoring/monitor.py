@@ -255,16 +255,12 @@ class Monitor:
         for cap in self.captures.values():
             cap.begin_step(self._sampled)
 
-    def step(
-        self, loss: torch.Tensor | float | None = None, grad_norm: torch.Tensor | float | None = None
-    ) -> None:
+    def step(self, loss: torch.Tensor | float | None = None, grad_norm: torch.Tensor | float | None = None) -> None:
         """End the current optimizer step (plain-loop API): record, maybe flush, advance."""
         self.end_step(loss, grad_norm)
         self.begin_step(self.global_step)
 
-    def end_step(
-        self, loss: torch.Tensor | float | None = None, grad_norm: torch.Tensor | float | None = None
-    ) -> None:
+    def end_step(self, loss: torch.Tensor | float | None = None, grad_norm: torch.Tensor | float | None = None) -> None:
         """Record the step's loss (un-normalised, mean over micro-batches), flush if sampled, and
         advance the step counter (``global_step`` then names the next step, as Lightning's does)."""
         if not self._attached:
@@ -317,11 +313,7 @@ class Monitor:
         pending, self._pending = self._pending, []
         losses = _stack_or_nan([p.loss for p in pending], device)
         gnorms = _stack_or_nan([p.grad_norm for p in pending], device)
-        stacked = (
-            torch.stack(parts)
-            if parts
-            else torch.zeros((0, PARTIAL_SIZE), dtype=torch.float64, device=device)
-        )
+        stacked = torch.stack(parts) if parts else torch.zeros((0, PARTIAL_SIZE), dtype=torch.float64, device=device)
         world = _dist_world()
         if world > 1:
             import torch.distributed as dist
@@ -339,19 +331,14 @@ class Monitor:
         if not self.is_writer:
             return
         # The one host copy of this logging step.
-        host = (
-            torch.cat([stacked.reshape(-1), losses.to(torch.float64), gnorms.to(torch.float64)])
-            .cpu()
-            .tolist()
-        )
+        host = torch.cat([stacked.reshape(-1), losses.to(torch.float64), gnorms.to(torch.float64)]).cpu().tolist()
         n = len(keys) * PARTIAL_SIZE
         step = pending[-1].step if pending else self.global_step
         rows = self._rows(step, keys, host[:n])
         loss_vals = host[n : n + len(pending)]
         gnorm_vals = host[n + len(pending) :]
         series = [
-            (p.step, loss_vals[i], None if math.isnan(gnorm_vals[i]) else gnorm_vals[i])
-            for i, p in enumerate(pending)
+            (p.step, loss_vals[i], None if math.isnan(gnorm_vals[i]) else gnorm_vals[i]) for i, p in enumerate(pending)
         ]
         for s, loss, gnorm in series[:-1]:
             if not math.isnan(loss) and self._writer is not None:
@@ -379,9 +366,7 @@ class Monitor:
             warnings.warn(f"fp8track: {name} failed at step {step} ({exc!r}); training goes on", stacklevel=2)
         events.append(EventRecord("analysis_error", step, {"analyzer": name, "error": repr(exc)}))
 
-    def _rows(
-        self, step: int, keys: Sequence[tuple[str, str, str]], flat: Sequence[float]
-    ) -> list[TensorStatsRow]:
+    def _rows(self, step: int, keys: Sequence[tuple[str, str, str]], flat: Sequence[float]) -> list[TensorStatsRow]:
         rows = []
         for i, (fqn, tensor, variant) in enumerate(keys):
             part = flat[i * PARTIAL_SIZE : (i + 1) * PARTIAL_SIZE]
@@ -449,9 +434,7 @@ class Monitor:
             a.load_state_dict(s)
 
 
-def run_meta_for(
-    model: nn.Module, name: str = "fp8track", config: Mapping[str, Any] | None = None
-) -> RunMeta:
+def run_meta_for(model: nn.Module, name: str = "fp8track", config: Mapping[str, Any] | None = None) -> RunMeta:
     """Run metadata for ``model``: its recipe and FP8/BF16 layer sets when :func:`fp8track.apply_fp8`
     converted it or one of its submodules (the report it leaves there), plus ``config``."""
     report = next((m.fp8track_report for m in model.modules() if hasattr(m, "fp8track_report")), None)
