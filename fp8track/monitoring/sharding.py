@@ -81,6 +81,9 @@ class ShardSpec:
                 raise invalid_choice("data-parallel mesh dimension", d, names)
 
 
+_NO_SPEC = ShardSpec()
+
+
 @dataclass
 class Share:
     """What this rank computes for one observed tensor.
@@ -137,7 +140,7 @@ def share_of(x: torch.Tensor, kind: str, spec: ShardSpec | None) -> Share:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return Share(_local(x))
-    spec = spec or ShardSpec()
+    spec = spec or _NO_SPEC
     copies: list[tuple[int, int]] = []  # (size, my coordinate) per copy dimension
     groups: list[Any] = []
     mesh = None
