@@ -111,3 +111,28 @@ def test_report_renders_in_headless_chromium(tmp_path, chromium):
     assert img.shape == (2400, 1200)
     assert img.std() > 20  # not a blank page: text and figures
     assert (img < 100).mean() > 0.01  # dark pixels: figures and text were painted
+
+
+def test_check_inference_cli_on_an_example_checkpoint(tmp_path):
+    import torch
+
+    from fp8track.examples.gpt import build_example
+    from fp8track.inference import save_checkpoint
+
+    build = {"recipe": "delayed:hybrid:h16:max", "n_layer": 1, "n_embd": 32, "block_size": 32, "max_bytes": 20000}
+    module, data, _ = build_example(**build)
+    data.setup()
+    x, y = next(iter(data.train_dataloader()))
+    module.train()
+    for _ in range(3):  # fill the amax histories
+        module.model.loss(x, y).backward()
+    path = save_checkpoint(module, tmp_path / "m.ckpt", example="gpt", **build)
+    proc = _cli("check-inference", path, "--batches", "2", "--out", tmp_path / "inf")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "restores weights and scaling state exactly" in proc.stdout
+    res = json.loads((tmp_path / "inf" / "inference.json").read_text())
+    assert set(res["metrics"]) == {"fp8_trained_scales", "fp8_fresh_scales", "bf16"}
+    assert res["checkpoint_restored_exactly"] is True and res["problems"] == []
+    torch.save({"state_dict": {}}, tmp_path / "plain.pt")
+    bad = _cli("check-inference", tmp_path / "plain.pt")
+    assert bad.returncode == 2 and "not an fp8track checkpoint" in bad.stderr and "Traceback" not in bad.stderr
