@@ -284,8 +284,8 @@ def compare_loss(
     The onset is the first common step ``s`` such that the smoothed gap is above the tolerance at
     the last step and at ``>= sustain`` of the steps from ``s`` on, and above it at ``s`` itself.
     Its phase is ``"start"`` when it lies in the first ``start_fraction`` of the steps, or when the
-    FP8 run had made less than half of the control's progress by then (it never trained properly);
-    otherwise ``"mid"``.
+    FP8 run had made less than half of the control's progress by then (measured half a smoothing
+    window before the onset: it never trained properly); otherwise ``"mid"``.
     """
     cfg = config or DiagnosisConfig()
     steps = sorted(set(fp8) & set(control))
@@ -321,8 +321,11 @@ def compare_loss(
         i = steps.index(onset)
         c_s = centred_median(c, w)
         f_s = centred_median(np.where(np.isfinite(f), f, np.nan), w)
-        ctl_progress = c_s[0] - c_s[i]
-        fp8_progress = f_s[0] - f_s[i] if np.isfinite(f_s[i]) else -math.inf
+        # Progress made before the trouble: half a smoothing window before the onset, where the
+        # running median does not see the steps after it yet.
+        j = max(0, i - w // 2 - 1)
+        ctl_progress = c_s[0] - c_s[j]
+        fp8_progress = f_s[0] - f_s[j] if np.isfinite(f_s[j]) else -math.inf
         early = (onset - steps[0]) <= cfg.start_fraction * (steps[-1] - steps[0])
         phase = "start" if early or fp8_progress < 0.5 * ctl_progress else "mid"
     return LossComparison(
