@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from fp8track.errors import ConfigError, check_int, invalid_choice
+from fp8track.errors import check_int, invalid_choice
 from fp8track.monitoring.capture import (
     LayerCapture,
     LayerFilter,
@@ -95,8 +95,7 @@ class MonitorConfig:
     def __post_init__(self) -> None:
         check_int("every_n_steps", self.every_n_steps, 1)
         for s in self.steps:
-            if not isinstance(s, int) or s < 0:
-                raise ConfigError(f"steps must be non-negative integers, got {s!r}")
+            check_int("steps entry", s, 0)
         object.__setattr__(self, "steps", tuple(self.steps))
         object.__setattr__(self, "tensors", validate_tensors(self.tensors))
         object.__setattr__(self, "whatif", validate_whatif(self.whatif))
