@@ -48,7 +48,7 @@ from fp8track.monitoring.records import (
     TensorStatsRow,
 )
 from fp8track.numerics.formats import TENSOR_KINDS, get_format_pair
-from fp8track.numerics.stats import NUM_SUM, PARTIAL_SIZE, STAT_NAMES, finalize
+from fp8track.numerics.stats import NUM_SUM, PARTIAL_SIZE, STAT_NAMES, finalize_many
 
 DEFAULT_SCALAR_STATS = (
     "underflow_pct",
@@ -360,15 +360,17 @@ class Monitor:
         events.append(EventRecord("analysis_error", step, {"analyzer": name, "error": repr(exc)}))
 
     def _rows(self, step: int, keys: Sequence[tuple[str, str, str]], flat: Sequence[float]) -> list[TensorStatsRow]:
-        rows = []
-        for i, (fqn, tensor, variant) in enumerate(keys):
+        live = []
+        for i, key in enumerate(keys):
             part = flat[i * PARTIAL_SIZE : (i + 1) * PARTIAL_SIZE]
-            if part[0] == 0 and part[NUM_SUM] == -math.inf:
-                continue  # nothing observed (e.g. a layer unused this step)
-            plan = self.captures[fqn].plan
-            stats = finalize(part, plan.formats[tensor], plan.margin)
-            rows.append(TensorStatsRow(step, fqn, tensor, stats, variant))
-        return rows
+            if not (part[0] == 0 and part[NUM_SUM] == -math.inf):  # else nothing observed (an unused layer)
+                live.append((key, part))
+        if not live:
+            return []
+        plans = [self.captures[fqn].plan for (fqn, _, _), _ in live]
+        fmts = [plan.formats[tensor] for plan, ((_, tensor, _), _) in zip(plans, live, strict=True)]
+        stats = finalize_many([part for _, part in live], fmts, [plan.margin for plan in plans])
+        return [TensorStatsRow(step, fqn, tensor, s, variant) for ((fqn, tensor, variant), _), s in zip(live, stats, strict=True)]
 
     def _scalars(self, rows: Sequence[TensorStatsRow]) -> dict[str, float]:
         out: dict[str, float] = {}

@@ -411,17 +411,24 @@ def finalize(partial: torch.Tensor | Sequence[float], fmt: str | FP8Format = "e4
     return finalize_many(torch.as_tensor(partial, dtype=torch.float64).reshape(1, -1), [fmt], margin)[0]
 
 
-def finalize_many(partials: torch.Tensor, fmts: Sequence[str | FP8Format], margin: int = 0) -> list[dict[str, float]]:
-    """Finalize stacked partials ``[n, PARTIAL_SIZE]`` with one host copy.
+def finalize_many(
+    partials: torch.Tensor | Sequence[Sequence[float]],
+    fmts: Sequence[str | FP8Format],
+    margin: int | Sequence[int] = 0,
+) -> list[dict[str, float]]:
+    """Finalize stacked partials ``[n, PARTIAL_SIZE]`` (a tensor or host lists) with one host copy.
 
-    ``current_scale`` comes from :func:`fp8track.numerics.scaling.scale_from_amax` (float32, as
-    the backends compute it), for all rows in one call.
+    ``margin`` is one for all rows or one per row. ``current_scale`` comes from
+    :func:`fp8track.numerics.scaling.scale_from_amax` (float32, as the backends compute it), for
+    all rows in one call: finalize many rows at once rather than one :func:`finalize` per row.
     """
     fmts = [get_format(f) for f in fmts]
-    rows = partials.detach().cpu().to(torch.float64)
+    rows = torch.as_tensor(partials, dtype=torch.float64).detach().cpu().reshape(len(fmts), PARTIAL_SIZE)
+    margins = [margin] * len(fmts) if isinstance(margin, int) else list(margin)
     amaxes = rows[:, _IDX["amax"]].clamp(min=0.0).to(torch.float32)
     fmt_max = torch.tensor([f.max for f in fmts], dtype=torch.float32)
-    currents = scale_from_amax(amaxes, fmt_max, 2.0**-margin).tolist()
+    factor = torch.tensor([2.0**-m for m in margins], dtype=torch.float32)
+    currents = scale_from_amax(amaxes, fmt_max, factor).tolist()
     return [_finalize_row(row, cur) for row, cur in zip(rows.tolist(), currents, strict=True)]
 
 
