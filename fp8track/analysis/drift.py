@@ -26,15 +26,8 @@ from typing import Any
 
 import torch
 
-from fp8track.errors import (
-    ConfigError,
-    check_float,
-    check_int,
-    dataclass_from_dict,
-    invalid_choice,
-    restore_state,
-    save_state,
-)
+import fp8track.errors as errors
+from fp8track.errors import ConfigError, check_float, check_int, dataclass_from_dict, invalid_choice
 from fp8track.monitoring.records import EventRecord
 from fp8track.numerics.formats import TENSOR_KINDS, FormatPair, FP8Format, get_format, get_format_pair
 from fp8track.numerics.scaling import AMAX_COMPUTE_ALGOS, current_scale, delayed_scaling_update, drift_log2
@@ -180,7 +173,7 @@ class DriftTracker:
             {"layer": layer, "tensor": tensor, **dict(zip(_RUN_FIELDS, run, strict=True))}
             for (layer, tensor), run in self._runs.items()
         ]
-        return save_state(version=2, runs=runs, events=[e.to_dict() for e in self.events])
+        return errors.save_state(version=2, runs=runs, events=[e.to_dict() for e in self.events])
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output (:func:`fp8track.errors.restore_state`: missing keys keep
@@ -192,7 +185,7 @@ class DriftTracker:
             values = [int(r["sign"]), int(r["count"]), int(r["start_step"]), float(r["peak"]), bool(r["fired"])]
             return (r["layer"], r["tensor"]), values
 
-        restore_state(
+        errors.restore_state(
             self,
             state,
             {
@@ -306,12 +299,12 @@ class WhatIfDelayed:
                         "seen": batch.seen[i],
                     }
                 )
-        return save_state(version=2, scalers=scalers)
+        return errors.save_state(version=2, scalers=scalers)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output (:func:`fp8track.errors.restore_state`: missing keys keep
         their current value, a newer version is a ConfigError)."""
-        restore_state(self, state, {"scalers": lambda rows: [self._load_scaler(r) for r in rows]}, version=2)
+        errors.restore_state(self, state, {"scalers": lambda rows: [self._load_scaler(r) for r in rows]}, version=2)
 
     def _load_scaler(self, row: Any) -> None:
         if not isinstance(row, Mapping):  # version 1: [layer, tensor, history, scale, seen]

@@ -37,16 +37,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+import fp8track.errors as errors
 from fp8track.analysis.windows import RobustWindow, filled
-from fp8track.errors import (
-    ConfigError,
-    check_float,
-    check_int,
-    dataclass_from_dict,
-    invalid_choice,
-    restore_state,
-    save_state,
-)
+from fp8track.errors import ConfigError, check_float, check_int, dataclass_from_dict, invalid_choice
 from fp8track.monitoring.records import EventRecord
 
 SPIKE_ACTIONS = ("log", "stop", "checkpoint")
@@ -268,10 +261,6 @@ class SpikeEvent:
         return EventRecord(kind=self.kind, step=self.start_step, data=data)
 
 
-def _finite(x: float | None) -> bool:
-    return x is not None and math.isfinite(x)
-
-
 class SpikeDetector:
     """Streaming loss-spike and non-finite-loss detector (algorithm in the module docstring).
 
@@ -402,7 +391,7 @@ class SpikeDetector:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-data state (JSON-able; NaN/inf are Python floats) to resume exactly."""
-        return save_state(
+        return errors.save_state(
             config=asdict(self.config),
             last_step=self._last_step,
             loss_window=list(self._loss.values),
@@ -421,7 +410,7 @@ class SpikeDetector:
         may change thresholds; windows longer than the new ``window`` keep their newest values.
         """
 
-        restore_state(
+        errors.restore_state(
             self,
             state,
             {

@@ -3,7 +3,9 @@
 For every chosen layer, on sampled steps only, the hooks see:
 
 * ``activation``: the forward GEMM input (the layer's first positional input);
-* ``weight``: the layer's weight, once per sampled step;
+* ``weight``: the layer's weight in GEMM orientation ``[out, in]`` (``Conv1D``'s ``[in, out]``
+  weight is seen transposed, which changes no per-tensor statistic and blocks block recipes along
+  the reduction dimension as the GEMM does), once per sampled step;
 * ``gradient``: dY, the gradient of the layer's output (a tensor hook on the output, which fires
   before the layer's own backward in every case).
 

@@ -108,11 +108,6 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype 
     return (q.to(torch.float32) / scale).to(dtype)
 
 
-def fake_quantize(x: torch.Tensor, fmt: str | FP8Format, scale: torch.Tensor | float) -> torch.Tensor:
-    """Quantise then dequantise (float32 result): what the FP8 GEMM actually sees of ``x``."""
-    return dequantize(quantize(x, fmt, scale), scale)
-
-
 def delayed_scaling_update(
     amax_history: torch.Tensor,
     scale: torch.Tensor,
