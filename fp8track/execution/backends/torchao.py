@@ -80,9 +80,10 @@ def convert(
     cfg = torchao_config(recipe, device_type)
     float8 = _import_torchao()
     converted: list[str] = []
+    wanted = set(names)
 
     def keep_fp8(module: nn.Module, fqn: str) -> bool:
-        ok = fqn in names and fqn not in keep_bf16
+        ok = fqn in wanted and fqn not in keep_bf16
         if ok:
             converted.append(fqn)
         return ok
