@@ -55,9 +55,10 @@ def is_gemm_layer(module: nn.Module) -> bool:
 
 
 def is_convertible(module: nn.Module) -> bool:
-    """A GEMM layer :func:`fp8track.apply_fp8` may convert: exactly ``nn.Linear`` (a subclass is
-    someone's own layer, or one already converted) or Hugging Face ``Conv1D``."""
-    return type(module) is nn.Linear or is_hf_conv1d(module)
+    """A GEMM layer :func:`fp8track.apply_fp8` may convert: exactly ``nn.Linear`` or exactly Hugging
+    Face ``Conv1D`` (a subclass is someone's own layer, or one already converted)."""
+    cls = type(module)
+    return cls is nn.Linear or (cls.__module__, cls.__name__) == HF_CONV1D
 
 
 def gemm_weight(module: nn.Module) -> torch.Tensor | None:
