@@ -61,13 +61,15 @@ def is_convertible(module: nn.Module) -> bool:
     return cls is nn.Linear or (cls.__module__, cls.__name__) == HF_CONV1D
 
 
-def gemm_weight(module: nn.Module) -> torch.Tensor | None:
-    """The layer's weight in GEMM orientation ``[out, in]`` (a view; ``None`` if it has no ``weight``).
+def gemm_weight(module: nn.Module, weight: object = None) -> torch.Tensor | None:
+    """The layer's weight (or ``weight``, a tensor standing for it) in GEMM orientation ``[out, in]``:
+    a view, ``None`` if there is no weight tensor.
 
     ``nn.Linear`` stores that already; ``Conv1D`` stores ``[in, out]`` and gets its transpose, so a
     block-scaled statistic blocks the weight along the reduction dimension ``in`` as the GEMM does.
     """
-    weight = getattr(module, "weight", None)
+    if weight is None:
+        weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor):
         return None
     return weight.t() if isinstance(module, InOutWeightGemm) or is_hf_conv1d(module) else weight
