@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8track.analysis.spikes import SpikeClassification, SpikeConfig, SpikeEvent, detect_spikes
-from fp8track.errors import ConfigError
+from fp8track.errors import ConfigError, check_int
 
 LOSS_KEYS = ("loss", "fp8/loss", "train_loss", "train/loss", "train_loss_step")
 REF_FORMS = (
@@ -136,8 +136,7 @@ def classify_spike(
         >>> classify_spike(fp8, Baseline("ctl", {}, (ctl,)), window=10).label
         'fp8_only'
     """
-    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
-        raise ConfigError(f"window must be an integer >= 0, got {window!r}")
+    check_int("window", window, 0)
     candidates = [
         c for c in baseline.spikes if c.kind == event.kind and abs(c.start_step - event.start_step) <= window
     ]

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from fp8track.errors import ConfigError, check_int, invalid_choice
+from fp8track.errors import check_int, invalid_choice
 from fp8track.monitoring.capture import (
     LayerCapture,
     LayerFilter,
@@ -49,7 +49,7 @@ from fp8track.monitoring.records import (
 )
 from fp8track.monitoring.sharding import ShardSpec, grad_sq_share, is_dtensor
 from fp8track.numerics.formats import TENSOR_KINDS, get_format_pair
-from fp8track.numerics.stats import NUM_SUM, PARTIAL_SIZE, STAT_NAMES, finalize
+from fp8track.numerics.stats import NUM_SUM, PARTIAL_SIZE, STAT_NAMES, finalize_many
 
 DEFAULT_SCALAR_STATS = (
     "underflow_pct",
@@ -96,8 +96,7 @@ class MonitorConfig:
     def __post_init__(self) -> None:
         check_int("every_n_steps", self.every_n_steps, 1)
         for s in self.steps:
-            if not isinstance(s, int) or s < 0:
-                raise ConfigError(f"steps must be non-negative integers, got {s!r}")
+            check_int("steps entry", s, 0)
         object.__setattr__(self, "steps", tuple(self.steps))
         object.__setattr__(self, "tensors", validate_tensors(self.tensors))
         object.__setattr__(self, "whatif", validate_whatif(self.whatif))
@@ -367,15 +366,17 @@ class Monitor:
         events.append(EventRecord("analysis_error", step, {"analyzer": name, "error": repr(exc)}))
 
     def _rows(self, step: int, keys: Sequence[tuple[str, str, str]], flat: Sequence[float]) -> list[TensorStatsRow]:
-        rows = []
-        for i, (fqn, tensor, variant) in enumerate(keys):
+        live = []
+        for i, key in enumerate(keys):
             part = flat[i * PARTIAL_SIZE : (i + 1) * PARTIAL_SIZE]
-            if part[0] == 0 and part[NUM_SUM] == -math.inf:
-                continue  # nothing observed (e.g. a layer unused this step)
-            plan = self.captures[fqn].plan
-            stats = finalize(part, plan.formats[tensor], plan.margin)
-            rows.append(TensorStatsRow(step, fqn, tensor, stats, variant))
-        return rows
+            if not (part[0] == 0 and part[NUM_SUM] == -math.inf):  # else nothing observed (an unused layer)
+                live.append((key, part))
+        if not live:
+            return []
+        plans = [self.captures[fqn].plan for (fqn, _, _), _ in live]
+        fmts = [plan.formats[tensor] for plan, ((_, tensor, _), _) in zip(plans, live, strict=True)]
+        stats = finalize_many([part for _, part in live], fmts, [plan.margin for plan in plans])
+        return [TensorStatsRow(step, fqn, tensor, s, variant) for ((fqn, tensor, variant), _), s in zip(live, stats, strict=True)]
 
     def _scalars(self, rows: Sequence[TensorStatsRow]) -> dict[str, float]:
         out: dict[str, float] = {}

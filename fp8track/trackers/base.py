@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fp8track.errors import ConfigError
+from fp8track.errors import ConfigError, check_int
 from fp8track.monitoring import naming
 from fp8track.monitoring.records import EventRecord, RunMeta, StepBatch, TensorStatsRow
 
@@ -145,8 +145,7 @@ class QueuedTracker(Tracker):
     """
 
     def __init__(self, *, background: bool = True, max_queue: int = 1000, finish_timeout_s: float = 600.0) -> None:
-        if not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 1:
-            raise ConfigError(f"max_queue must be an int >= 1, got {max_queue!r}")
+        check_int("max_queue", max_queue, 1)
         if not finish_timeout_s > 0:
             raise ConfigError(f"finish_timeout_s must be > 0 seconds, got {finish_timeout_s!r}")
         self.background = bool(background)
