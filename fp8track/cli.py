@@ -36,10 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stats", help="FP8 quantisation statistics of a real tensor")
     p.set_defaults(func=_cmd_stats)
     from fp8track.demo import add_subparser as add_demo
+    from fp8track.sweep.cli import add_subparser as add_sweep
     from fp8track.trackers.replay import add_subparser as add_sync
 
     add_demo(sub)
     add_sync(sub)
+    add_sweep(sub)
     return parser
 
 
