@@ -23,7 +23,7 @@ What one trial does (:func:`train`):
    control; one value per evaluation) and ``fp8/val_loss_gap_best`` (running minimum).
 
 ``--plant_outlier LAYER`` plants a fragile layer (for tests and demos): input channel 0 of that
-linear is overwritten by a constant of 1e4 while its weight column is held at zero, so the BF16
+linear is overwritten by a constant of 1e6 while its weight column is held at zero, so the BF16
 model is unchanged but per-tensor FP8 scaling of the layer's input is wrecked by the outlier.
 """
 
@@ -54,7 +54,7 @@ GAP_BEST_METRIC = run_metric("val_loss_gap_best")
 """``fp8/val_loss_gap_best``: running minimum of :data:`GAP_METRIC` (MLflow keeps only a run's last value)."""
 VAL_LOSS_METRIC = run_metric("val_loss")
 """``fp8/val_loss``: held-out loss, nats."""
-OUTLIER_VALUE = 1e4
+OUTLIER_VALUE = 1e6
 
 
 @dataclass(frozen=True)
@@ -370,14 +370,8 @@ def probe_ranking(cfg: TrainConfig, recipe: Any, cache: JsonCache, log_dir: str 
 
     def compute() -> dict[str, Any]:
         res = train(probe_cfg, r, "none", log_dir=log_dir, run_name=f"probe-{r.name}")
-        ranking = rank_layers(RunReader(res.run_dir).tensor_stats())
-        prefix = "model."  # the monitor sees the Lightning module; fallback specs name GPT layers
-        for risk in ranking:
-            if not risk.layer.startswith(prefix):
-                raise RuntimeError(f"probe ranked a layer outside the GPT: {risk.layer}")
-        table = ranking_table(ranking)
-        for row in table:
-            row["layer"] = row["layer"].removeprefix(prefix)
+        # Names as apply_fp8 saw them (the Lightning module's, "model.lm_head"): what auto:K resolves.
+        table = ranking_table(rank_layers(RunReader(res.run_dir).tensor_stats()))
         return {"ranking": [row["layer"] for row in table], "table": table, "run_dir": str(res.run_dir)}
 
     key = {"control": cfg.control_key(), "recipe": r.to_string(), "probe_steps": cfg.probe_steps}

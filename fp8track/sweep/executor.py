@@ -27,12 +27,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import socket
 import time
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,6 +121,15 @@ class SweepOutcome:
     ran: list[int] = field(default_factory=list)
 
 
+@contextlib.contextmanager
+def _experimental_ok() -> Iterator[None]:
+    """Optuna marks heartbeats and retries experimental (since 2.8/2.9); we rely on them knowingly."""
+    optuna = require("optuna", "fp8track sweep")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        yield
+
+
 class _Surplus(Exception):
     """The trial is beyond the sweep's budget (raised before any training)."""
 
@@ -201,10 +212,13 @@ class _Sweep:
         self.runs_dir = options.out / "runs"
         self.client = MlflowClient(options.mlflow_uri)
         self.experiment_id = self._experiment()
-        storage = optuna.storages.RDBStorage(
-            options.storage_url, heartbeat_interval=options.heartbeat_s, grace_period=options.grace_s,
-            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=options.max_retry),
-        )
+        with _experimental_ok():
+            storage = optuna.storages.RDBStorage(
+                options.storage_url, heartbeat_interval=options.heartbeat_s, grace_period=options.grace_s,
+                heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=options.max_retry),
+                # SQLite: several worker processes wait for the write lock instead of failing.
+                engine_kwargs={"connect_args": {"timeout": 60}} if options.storage_url.startswith("sqlite") else None,
+            )
         direction = "minimize" if spec.goal == "minimize" else "maximize"
         sampler, pruner = _sampler(spec, options.seed), _pruner(spec, self.cfg)
         try:
@@ -298,7 +312,8 @@ class _Sweep:
         failures = 0
         try:
             while True:
-                optuna.storages.fail_stale_trials(self.study)
+                with _experimental_ok():
+                    optuna.storages.fail_stale_trials(self.study)
                 self.close_dead_children()
                 done, running = self.counts()
                 if done >= self.options.trials:
@@ -358,7 +373,8 @@ class _Sweep:
         fields = {f.name for f in dataclasses.fields(TrainConfig)}
         cfg = dataclasses.replace(self.cfg, **{k: v for k, v in params.items() if k in fields})
         frozen = next(t for t in self.study.get_trials(deepcopy=False) if t.number == trial.number)
-        retry_of = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(frozen)
+        with _experimental_ok():
+            retry_of = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(frozen)
         self.ran.append(trial.number)
         t0 = time.perf_counter()
         control = self.control(cfg)

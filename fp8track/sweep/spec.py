@@ -130,8 +130,12 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def schema_violations(config: Mapping[str, Any]) -> list[str] | None:
     """Messages of the ``sweeps`` package's schema check, or ``None`` when it is not installed."""
+    import warnings
+
     try:
-        from sweeps import schema_violations_from_proposed_config
+        with warnings.catch_warnings():  # sweeps 0.2.0's pydantic v1 config keys warn under pydantic v2
+            warnings.simplefilter("ignore", UserWarning)
+            from sweeps import schema_violations_from_proposed_config
     except ImportError:
         return None
     cfg = {k: v for k, v in config.items() if k != "run_cap"}  # 0.2.0's schema predates run_cap

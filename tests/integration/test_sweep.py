@@ -56,8 +56,8 @@ def test_planted_fragile_layer_is_found_by_auto1_and_kept_in_bf16(tmp_path: Path
     recommendation (fewest BF16 layers within the control's seed spread) keeps it in BF16."""
     from fp8track.cli import main
 
-    planted = "lm_head"
-    path = _sweep_file(tmp_path, "planted", ["none", "auto:1", "last:1"], plant_outlier=planted)
+    planted = "model.lm_head"  # the example GPT inside its Lightning module
+    path = _sweep_file(tmp_path, "planted", ["none", "auto:1", "last:1"], plant_outlier="lm_head")
     out = tmp_path / "out"
     assert main(["sweep", str(path), "--trials", "3", "--out", str(out), "--no-progress"]) == 0
     uri = f"sqlite:///{out / 'mlflow.db'}"
