@@ -166,7 +166,7 @@ class JsonCache:
         """``(result, cached)``: the stored result for ``parts``, or ``compute()`` stored now."""
         p = self.path(kind, parts)
         self.root.mkdir(parents=True, exist_ok=True)
-        with _locked(p.with_suffix(".lock")):
+        with file_lock(p.with_suffix(".lock")):
             if p.is_file():
                 return json.loads(p.read_text()), True
             result = {"key": dict(parts), **dict(compute())}
@@ -177,7 +177,9 @@ class JsonCache:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if missing): one process at a time on
+    this machine."""
     import fcntl
 
     with open(path, "a") as f:
@@ -217,5 +219,6 @@ __all__ = [
     "trial_settings",
     "cache_key",
     "JsonCache",
+    "file_lock",
     "ranking_table",
 ]

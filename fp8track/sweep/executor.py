@@ -53,7 +53,7 @@ from fp8track.sweep.summary import (
     row_from_run,
     summary_table,
 )
-from fp8track.trial import JsonCache
+from fp8track.trial import JsonCache, file_lock
 
 PARENT_ATTR = "mlflow_parent_run_id"
 FINISHED_STATES = ("COMPLETE", "PRUNED")
@@ -210,25 +210,28 @@ class _Sweep:
         options.out.mkdir(parents=True, exist_ok=True)
         self.cache = JsonCache(options.out / "cache")
         self.runs_dir = options.out / "runs"
-        self.client = MlflowClient(options.mlflow_uri)
-        self.experiment_id = self._experiment()
-        with _experimental_ok():
-            storage = optuna.storages.RDBStorage(
-                options.storage_url, heartbeat_interval=options.heartbeat_s, grace_period=options.grace_s,
-                heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=options.max_retry),
-                # SQLite: several worker processes wait for the write lock instead of failing.
-                engine_kwargs={"connect_args": {"timeout": 60}} if options.storage_url.startswith("sqlite") else None,
-            )
-        direction = "minimize" if spec.goal == "minimize" else "maximize"
-        sampler, pruner = _sampler(spec, options.seed), _pruner(spec, self.cfg)
-        try:
-            self.study = optuna.create_study(study_name=spec.name, storage=storage, direction=direction,
-                                             sampler=sampler, pruner=pruner)
-            self.parent_run_id = self._create_parent()
-            self.study.set_user_attr(PARENT_ATTR, self.parent_run_id)
-        except optuna.exceptions.DuplicatedStudyError:
-            self.study = optuna.load_study(study_name=spec.name, storage=storage, sampler=sampler, pruner=pruner)
-            self.parent_run_id = self._wait_for_parent()
+        # Creating the stores (SQLite tables) and the study/parent is one critical section for the
+        # workers of this machine; workers on other machines wait for the parent id instead.
+        with file_lock(options.out / ".sweep-init.lock"):
+            self.client = MlflowClient(options.mlflow_uri)
+            self.experiment_id = self._experiment()
+            with _experimental_ok():
+                storage = optuna.storages.RDBStorage(
+                    options.storage_url, heartbeat_interval=options.heartbeat_s, grace_period=options.grace_s,
+                    heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=options.max_retry),
+                    # SQLite: several worker processes wait for the write lock instead of failing.
+                    engine_kwargs={"connect_args": {"timeout": 60}} if options.storage_url.startswith("sqlite") else None,
+                )
+            direction = "minimize" if spec.goal == "minimize" else "maximize"
+            sampler, pruner = _sampler(spec, options.seed), _pruner(spec, self.cfg)
+            try:
+                self.study = optuna.create_study(study_name=spec.name, storage=storage, direction=direction,
+                                                 sampler=sampler, pruner=pruner)
+                self.parent_run_id = self._create_parent()
+                self.study.set_user_attr(PARENT_ATTR, self.parent_run_id)
+            except optuna.exceptions.DuplicatedStudyError:
+                self.study = optuna.load_study(study_name=spec.name, storage=storage, sampler=sampler, pruner=pruner)
+                self.parent_run_id = self._wait_for_parent()
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
         self.progress: SweepProgress | None = None
         self.ran: list[int] = []
