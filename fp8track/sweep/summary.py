@@ -202,7 +202,7 @@ def format_text(rows: Sequence[TrialRow], rec: Recommendation) -> str:
     lines.append("")
     if rec.trial is not None:
         lines.append(f"Recommendation: recipe {rec.trial.recipe}, bf16_layers {rec.trial.bf16_layers} "
-                     f"(trial {rec.trial.trial}, {rec.trial.n_bf16} BF16 layers, gap {rec.trial.gap:.4f} nats)")
+                     f"(trial {rec.trial.trial}, BF16 layers: {rec.trial.n_bf16}, gap {rec.trial.gap:.4f} nats)")
     elif rec.closest is not None:
         lines.append(f"No recommendation; closest: trial {rec.closest.trial} (gap {rec.closest.gap:.4f} nats)")
     lines.append(f"  {rec.reason}")
