@@ -345,13 +345,17 @@ class _Sweep:
         return mine[-1] if mine else None
 
     def close_dead_children(self) -> None:
-        """Mark the MLflow child run of every failed trial FAILED (a killed executor left it RUNNING)."""
-        for t in self.study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.FAIL,)):
-            rid = t.user_attrs.get("mlflow_run_id")
-            if not rid:
-                continue
-            run = self.client.get_run(rid)
-            if run.info.status == "RUNNING":
+        """Mark FAILED the MLflow child run of every failed trial that is still RUNNING (its executor
+        was killed; found by the trial tag, since it may die before noting the run id)."""
+        failed = {str(t.number) for t in self.study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.FAIL,))}
+        if not failed:
+            return
+        running = self.client.search_runs(
+            [self.experiment_id],
+            filter_string=f"tags.mlflow.parentRunId = '{self.parent_run_id}' and attributes.status = 'RUNNING'")
+        for run in running:
+            if run.data.tags.get("fp8track.trial") in failed:
+                rid = run.info.run_id
                 self.client.set_tag(rid, "fp8track.state", "FAIL")
                 self.client.set_tag(rid, "fp8track.error", "executor died mid-trial (heartbeat went stale); retried")
                 self.client.set_terminated(rid, "FAILED")

@@ -59,7 +59,7 @@ def test_planted_fragile_layer_is_found_by_auto1_and_kept_in_bf16(tmp_path: Path
     planted = "model.lm_head"  # the example GPT inside its Lightning module
     path = _sweep_file(tmp_path, "planted", ["none", "auto:1", "last:1"], plant_outlier="lm_head")
     out = tmp_path / "out"
-    assert main(["sweep", str(path), "--trials", "3", "--out", str(out), "--no-progress"]) == 0
+    assert main(["sweep", str(path), "--trials", "3", "--out", str(out), "--no-progress", "--wandb"]) == 0
     uri = f"sqlite:///{out / 'mlflow.db'}"
     client, parent, df = _children(uri, "planted")
     assert len(df) == 3 and set(df["status"]) == {"FINISHED"}
@@ -84,6 +84,13 @@ def test_planted_fragile_layer_is_found_by_auto1_and_kept_in_bf16(tmp_path: Path
     assert ranked["layer"] == planted and ranked["rank"] == 1
     arts = {a.path for a in client.list_artifacts(parent)}
     assert {"sweep_summary.json", "pareto.png", "recommendation.json", "summary.txt"} <= arts
+    # --wandb: one offline run per trial, the gap logged once per evaluation (steps 10, 20, 30)
+    from fp8track.analysis.baseline import read_wandb_history
+
+    wandb_runs = sorted((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(wandb_runs) == 3
+    history = read_wandb_history(wandb_runs[0])
+    assert [r["trainer/global_step"] for r in history if "fp8/val_loss_gap" in r] == [10, 20, 30]
     # --summary reads the same back from the store
     assert main(["sweep", str(path), "--out", str(out), "--summary"]) == 0
 

@@ -62,3 +62,16 @@ def test_summary_table_columns_hold_one_type_and_no_nan() -> None:
     assert table["trial"] == list(range(8))
     assert table["gap"][-1] is None
     assert {type(v) for v in table["n_bf16"]} == {int}
+
+
+def test_progress_time_left_is_mean_trial_time_times_trials_left() -> None:
+    from fp8track.sweep.progress import SweepProgress
+
+    p = SweepProgress(total=5, enabled=True, done=1)
+    assert p.time_left_s() is None  # unknown until a trial finished here
+    p.trial_finished(1, 0.05, 10.0, done=2)
+    p.trial_finished(2, 0.02, 20.0, done=3)
+    p.status("trial 3")
+    assert p.time_left_s() == pytest.approx(2 * 15.0)
+    assert p.best == (0.02, 2)
+    p.close()
