@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stats", help="FP8 quantisation statistics of a real tensor")
     p.set_defaults(func=_cmd_stats)
     from fp8track.demo import add_subparser as add_demo
+    from fp8track.sweep.cli import add_subparser as add_sweep
     from fp8track.trackers.replay import add_subparser as add_sync
 
     add_demo(sub)
@@ -108,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", type=int, default=8, help="validation batches to evaluate (default 8)")
     p.add_argument("--out", default=None, help="folder for inference.json")
     p.set_defaults(func=_cmd_check_inference)
+    add_sweep(sub)
     return parser
 
 

@@ -25,7 +25,10 @@ Scales (all from :mod:`fp8track.numerics.scaling`):
 GEMM modes:
 
 * ``fp8``: per-tensor recipes call ``torch._scaled_mm`` (FP8 x FP8, float32 accumulation,
-  ``scale_inv`` applied to the accumulator; it runs on CPU in torch >= 2.11). When an operand
+  ``scale_inv`` applied to the accumulator) on CUDA. On CPU the same product is formed as a
+  float32 matmul of the FP8 operands' values (each product of two FP8 numbers is exact in
+  float32) with ``scale_inv`` applied to the accumulator: identical up to summation order, and
+  about 300x faster than CPU ``_scaled_mm`` in torch 2.13 (1.6 s for a 1024x64x256 GEMM). When an operand
   dimension is not a multiple of 16 (what the CUDA kernel demands) the same quantised operands
   are dequantised to float32 and multiplied there instead: identical inputs, float32 accumulation.
   Block-scaled recipes always use that dequantised path (``_scaled_mm`` has no block scales on
@@ -93,10 +96,18 @@ def _fits_scaled_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0 and a.shape[0] % 16 == 0
 
 
+def _fp8_values_mm(a: torch.Tensor, sa: torch.Tensor, b_t: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+    """What ``_scaled_mm`` computes, in float32: exact FP8 x FP8 products, float32 accumulation,
+    ``scale_inv`` of both operands applied to the accumulator."""
+    return (a.to(torch.float32) @ b_t.to(torch.float32).t()) * (sa * sb).reciprocal()
+
+
 def _fp8_mm(
     a: torch.Tensor, sa: torch.Tensor, b_t: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """``(a / sa) @ (b_t / sb)^T`` from FP8 ``a`` [M, K] and ``b_t`` [N, K] with per-tensor scales."""
+    if a.device.type == "cpu":
+        return _fp8_values_mm(a, sa, b_t, sb).to(out_dtype)
     if _fits_scaled_mm(a, b_t):
         # _scaled_mm wants a row-major and b column-major; b_t.t() of a contiguous [N, K] is that.
         return torch._scaled_mm(
