@@ -42,6 +42,7 @@ from fp8track.numerics.scaling import (
     FLOAT32_MAX,
     blockify_rows,
     blockify_tiles,
+    current_scale,
     mx_block_scales,
     pow2_block_scales,
 )
@@ -505,12 +506,16 @@ def quant_stats(
 
 
 @torch.no_grad()
-def block_partial_stats(x: torch.Tensor, recipe: str, fmt: str | FP8Format = "e4m3") -> torch.Tensor:
+def block_partial_stats(
+    x: torch.Tensor, recipe: str, fmt: str | FP8Format = "e4m3", power_2_scales: bool = True
+) -> torch.Tensor:
     """Partials for a block-scaled recipe, each block with its own scale (no host sync).
 
     Recipes: ``"mxfp8"`` (1 x 32 blocks along the last dim, E8M0 scales rounded up as TE does),
     ``"block128"`` (1 x 128, power-of-two scales), ``"block128x128"`` (128 x 128 tiles of a 2-D
     tensor, power-of-two scales). Padding of partial blocks is excluded from the counts.
+    ``power_2_scales=False`` gives the 128-block recipes plain float32 scales ``fmt.max / amax``
+    (TE's ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1``); MXFP8 scales are always powers of two.
     """
     fmt = get_format(fmt)
     if recipe not in BLOCK_RECIPES:
@@ -524,8 +529,10 @@ def block_partial_stats(x: torch.Tensor, recipe: str, fmt: str | FP8Format = "e4
     block_amax = finite_abs.amax(dim=1, keepdim=True)
     if recipe == "mxfp8":
         scale, _codes = mx_block_scales(block_amax, fmt)
-    else:
+    elif power_2_scales:
         scale = pow2_block_scales(block_amax, fmt)
+    else:
+        scale = current_scale(block_amax, fmt)
     # Only blocks holding data decide the reported scale range (empty blocks get arbitrary scales).
     p = partial_stats(blocks, fmt, scale, pad=pad)
     # An all-zero tensor has no occupied block: then every block's scale counts.
