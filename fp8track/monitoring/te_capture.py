@@ -309,21 +309,22 @@ def _te_debug_state() -> Any:
     return getattr(mod, "TEDebugState", None)
 
 
-def capture_live(framework: str = "transformer_engine") -> bool:
-    """True when nvdlfw_inspect is initialised with fp8track's feature in ``framework``'s namespace
-    (and, for TE, TE's modules run their debug path)."""
+def capture_live() -> bool:
+    """True when nvdlfw_inspect is initialised with fp8track's feature: in TE's namespace (and TE's
+    modules run their debug path, ``TEDebugState.debug_enabled``) or in the generic ``base`` one."""
     api = sys.modules.get("nvdlfw_inspect.api")
     if api is None or getattr(api, "DEBUG_MANAGER", None) is None:
         return False
     from nvdlfw_inspect.registry import Registry
 
-    ns = Registry.data.get(framework)
-    if ns is None or FEATURE_NAME not in ns.features:
-        return False
-    if framework == "transformer_engine":
+    def has(ns: str) -> bool:
+        data = Registry.data.get(ns)
+        return data is not None and FEATURE_NAME in data.features
+
+    if has("transformer_engine"):
         state = _te_debug_state()
         return bool(state is not None and state.debug_enabled)
-    return True
+    return has("base")
 
 
 # --- monitor side ---------------------------------------------------------------------------------
