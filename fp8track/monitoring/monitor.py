@@ -221,7 +221,7 @@ class Monitor:
                 "sees; call fp8track.monitoring.te_capture.initialize() before building the model to monitor them",
                 stacklevel=2,
             )
-        self._te = te_capture.TECapture(te_bound, self.config.samples) if te_bound else None
+        self._te = te_capture.TECapture(te_bound, cfg.every_n_steps, cfg.steps) if te_bound else None
         self.analyzers = list(analyzers)
         self.last_events: list[EventRecord] = []
         self._warned: set[str] = set()

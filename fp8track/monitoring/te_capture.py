@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -131,7 +131,7 @@ class CaptureHub:
         self._lock = threading.Lock()
         self._bound: list[tuple[nn.Module, str, dict[str, LayerCapture]]] = []
         self._routes: dict[str, LayerCapture] = {}
-        self._schedules: list[Callable[[int], bool]] = []
+        self._schedules: list[tuple[int, tuple[int, ...]]] = []
 
     def bind(self, module: nn.Module, fqn: str, captures: Mapping[str, LayerCapture]) -> None:
         """Route ``module``'s GEMMs (``{suffix: capture}``) to their captures."""
@@ -142,16 +142,17 @@ class CaptureHub:
             self._bound.append((module, fqn, dict(captures)))
             self._routes.clear()
 
-    def add_schedule(self, samples: Callable[[int], bool]) -> None:
+    def add_schedule(self, every_n_steps: int, steps: Sequence[int] = ()) -> None:
+        """A monitor samples step ``s`` when ``s % every_n_steps == 0`` or ``s in steps``."""
         with self._lock:
-            self._schedules.append(samples)
+            self._schedules.append((every_n_steps, tuple(steps)))
 
-    def unbind(self, captures: Iterable[LayerCapture], samples: Callable[[int], bool] | None = None) -> None:
+    def unbind(self, captures: Iterable[LayerCapture], schedule: tuple[int, tuple[int, ...]] | None = None) -> None:
         gone = {id(c) for c in captures}
         with self._lock:
             self._bound = [b for b in self._bound if not any(id(c) in gone for c in b[2].values())]
-            if samples is not None and samples in self._schedules:
-                self._schedules.remove(samples)
+            if schedule is not None and schedule in self._schedules:
+                self._schedules.remove(schedule)
             self._routes.clear()
 
     def route(self, layer_name: str) -> LayerCapture | None:
@@ -168,13 +169,11 @@ class CaptureHub:
         """``(run now, next iteration to run)`` for TE's ``inspect_tensor_enabled`` caching."""
         if not self._schedules:
             return False, None
-        run = any(s(iteration) for s in self._schedules)
-        nxt = iteration + 1
-        for _ in range(100_000):  # schedules are every-N plus a finite list: the next hit is near
-            if any(s(nxt) for s in self._schedules):
-                return run, nxt
-            nxt += 1
-        return run, None
+        run = any(iteration % n == 0 or iteration in extra for n, extra in self._schedules)
+        nxt = min(
+            min([(iteration // n + 1) * n, *(s for s in extra if s > iteration)]) for n, extra in self._schedules
+        )
+        return run, nxt
 
     def inspect(self, layer_name: str, tensor_name: str, tensor: torch.Tensor | None, quantizer: Any) -> None:
         """One ``inspect_tensor`` call: add its partial to the capture of ``layer_name``."""
@@ -347,12 +346,17 @@ def gemm_captures(
 class TECapture:
     """The TE debug-API side of one monitor: binds its TE captures to :data:`HUB` and steps nvdlfw."""
 
-    def __init__(self, bound: Sequence[tuple[str, nn.Module, Mapping[str, LayerCapture]]], samples: Callable[[int], bool]):
-        self.samples = samples
+    def __init__(
+        self,
+        bound: Sequence[tuple[str, nn.Module, Mapping[str, LayerCapture]]],
+        every_n_steps: int,
+        steps: Sequence[int] = (),
+    ):
+        self.schedule = (every_n_steps, tuple(steps))
         self.captures = [c for _, _, caps in bound for c in caps.values()]
         for fqn, module, caps in bound:
             HUB.bind(module, fqn, {name[len(fqn) :]: c for name, c in caps.items()})
-        HUB.add_schedule(samples)
+        HUB.add_schedule(*self.schedule)
 
     def start(self, step: int) -> None:
         """Align nvdlfw's iteration counter with the monitor's step (attach, resume)."""
@@ -367,4 +371,4 @@ class TECapture:
         debug_api.step()
 
     def close(self) -> None:
-        HUB.unbind(self.captures, self.samples)
+        HUB.unbind(self.captures, self.schedule)

@@ -197,3 +197,12 @@ def test_bridge_rows_join_monitor_rows_and_e8m0_codes_become_floats():
     assert rows[("blocks.0.mlp.fc2", "actual")] == {"scale_inv_min": 0.125, "underflow_pct": 2.5}
     assert rows[("blocks.0.mlp.fc2", "mxfp8_columnwise")] == {"scale_inv_max": 2.0}
     assert got[0].metrics["fp8/blocks.0.mlp.fc2/activation/underflow_pct"] == 2.5
+
+
+def test_schedule_tells_te_when_to_run_its_debug_path_next():
+    hub = te_capture.CaptureHub()
+    assert hub.enabled(0) == (False, None)  # no monitor bound: TE never needs the debug path
+    hub.add_schedule(10, (3,))
+    assert hub.enabled(1) == (False, 3) and hub.enabled(3) == (True, 10) and hub.enabled(10) == (True, 20)
+    hub.add_schedule(4)
+    assert hub.enabled(5) == (False, 8)
