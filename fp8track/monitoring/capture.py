@@ -211,6 +211,7 @@ class LayerCapture:
         self.tensors = tuple(tensors)
         self._whatif_asked = tuple(whatif)
         self.hooks = hooks
+        self.te = te_backend.te_gemm_class(module) is not None
         self.active = False
         self._weight_done = False
         self.partials: dict[tuple[str, str], torch.Tensor] = {}
@@ -288,6 +289,8 @@ class LayerCapture:
             return
         with torch.no_grad():
             self._observe_forward(module, args)
+        if isinstance(output, tuple) and output and self.te:
+            output = output[0]  # TE's return_bias=True gives (out, bias) (TransformerLayer's proj)
         if "gradient" in self.tensors and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(self._gradient_hook)
 
@@ -296,7 +299,9 @@ class LayerCapture:
             self._add("activation", args[0])
         if "weight" in self.tensors and not self._weight_done:
             weight = getattr(module, "weight", None)
-            if isinstance(weight, torch.Tensor):
+            if isinstance(weight, torch.Tensor) and not (self.te and te_backend.is_quantized_tensor(weight)):
+                # (TE FP8 primary weights hold no high-precision copy: no row rather than statistics
+                # of a silent dequantisation.)
                 self._add("weight", weight)
                 self._weight_done = True
 

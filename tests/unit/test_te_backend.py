@@ -138,3 +138,28 @@ def test_te_current_recipe_margin_warns_and_monitor_uses_te_rule(te, monkeypatch
 def test_te_errors_name_the_fix():
     with pytest.raises(ConfigError, match="no 'FP8 input, BF16 GEMM' recipe"):
         te_backend.to_te_recipe(Recipe("fp8_input_bf16_gemm"))
+
+
+def test_te_hooks_follow_tuple_outputs_and_skip_quantized_weights(tmp_path):
+    class QuantizedTensor(torch.Tensor):  # the class name TE's Float8Tensor derives from
+        pass
+
+    class ProjWithBias(fake_te.Linear):  # TransformerLayer's proj: return_bias=True
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.weight), self.bias
+
+    torch.manual_seed(0)
+    proj, fp8w = ProjWithBias(16, 16), fake_te.Linear(16, 16)
+    for m in (proj, fp8w):
+        nn.init.normal_(m.weight)
+    fp8w.weight = nn.Parameter(fp8w.weight.detach().as_subclass(QuantizedTensor))
+    model = nn.ModuleDict({"proj": proj, "fp8w": fp8w})
+    mon = Monitor(model, MonitorConfig(every_n_steps=1), log_dir=tmp_path).attach()
+    x = torch.randn(8, 16)
+    out, bias = proj(x)
+    (fp8w(out) + bias).pow(2).sum().backward()
+    mon.step()
+    mon.close()
+    seen = {(r.layer, r.tensor) for r in RunReader(mon.run_dir).tensor_stats()}
+    assert ("proj", "gradient") in seen and ("proj", "weight") in seen
+    assert ("fp8w", "weight") not in seen and ("fp8w", "activation") in seen

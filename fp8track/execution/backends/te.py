@@ -318,6 +318,12 @@ def is_te_fp8(module: nn.Module) -> bool:
     return te_gemm_class(module) is not None and not getattr(module, "fp8track_bf16", False)
 
 
+def is_quantized_tensor(t: Any) -> bool:
+    """A TE ``QuantizedTensor`` (``Float8Tensor``, ``MXFP8Tensor``...: FP8 primary weights from
+    ``quantized_model_init``), recognised by class name (``pytorch/quantized_tensor.py``)."""
+    return any(c.__name__ == "QuantizedTensor" for c in type(t).__mro__)
+
+
 def te_recipe_scaling(module: nn.Module) -> str | None:
     """fp8track scaling name of the TE recipe the module ran last (``fp8_meta["recipe"]``), if known.
 
