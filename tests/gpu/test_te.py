@@ -75,6 +75,18 @@ def test_fp8track_matches_te_log_fp8_tensor_stats(recipe, tmp_path):
     assert not any(k[1] == "4" for k in te)
 
 
+def test_te_fp8_differs_from_the_unquantised_model_as_fp8track_emulates_it(tmp_path):
+    res = run_check("reference", tmp_path)
+    for recipe, r in res.items():
+        # FP8 changes the output (E4M3 has 3 mantissa bits: ~1-10 % relative error here)...
+        assert 1e-3 < r["te_vs_ref"] < 0.15, (recipe, r)
+    # ...and, under current scaling (no history to differ in), fp8track's emulation quantises the
+    # same operands the same way: much closer to TE than either is to the unquantised model.
+    r = res["current"]
+    assert r["em_vs_ref"] == pytest.approx(r["te_vs_ref"], rel=0.1), r
+    assert r["te_vs_em"] < 0.25 * r["te_vs_ref"], r
+
+
 def test_transformer_layer_has_rows_for_qkv_proj_fc1_fc2(tmp_path):
     res = run_check("transformer_layer", tmp_path)
     gemms = ["layernorm_mlp.fc1", "layernorm_mlp.fc2", "self_attention.layernorm_qkv", "self_attention.proj"]

@@ -163,3 +163,12 @@ def test_te_hooks_follow_tuple_outputs_and_skip_quantized_weights(tmp_path):
     seen = {(r.layer, r.tensor) for r in RunReader(mon.run_dir).tensor_stats()}
     assert ("proj", "gradient") in seen and ("proj", "weight") in seen
     assert ("fp8w", "weight") not in seen and ("fp8w", "activation") in seen
+
+
+def test_bf16_control_gets_a_plain_lightning_precision_not_fp8_autocast():
+    from lightning.pytorch.plugins import HalfPrecision, Precision, TransformerEnginePrecision
+
+    plugin = te_backend.lightning_precision(Recipe("bf16"))  # no TE import: nothing to quantise
+    assert type(plugin) is Precision and not isinstance(plugin, TransformerEnginePrecision)
+    half = te_backend.lightning_precision(Recipe("bf16"), torch.bfloat16)
+    assert isinstance(half, HalfPrecision) and half.precision == "bf16-true"

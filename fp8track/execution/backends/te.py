@@ -273,12 +273,17 @@ def lightning_precision(recipe: Recipe, weights_dtype: torch.dtype = torch.float
 
     ``weights_dtype`` defaults to float32 master weights, as the emulated backend keeps them, so
     runs on different backends compare like with like (Lightning's own default is BF16).
-    Lightning's plugin substitutes ``DelayedScaling()`` when the recipe is ``None`` and enables FP8
-    autocast anyway; for the ``bf16`` recipe every converted layer is a :class:`TEBF16Linear`, so
-    nothing runs in FP8 (TE still needs FP8-capable hardware to enter the autocast).
+    For the ``bf16`` control this returns a plain Lightning precision plugin (``Precision`` for
+    float32, ``HalfPrecision`` otherwise): Lightning's TE plugin would substitute ``DelayedScaling()``
+    for a missing recipe and enter FP8 autocast, which needs FP8 hardware although every layer
+    of the control is a :class:`TEBF16Linear`.
     """
-    from lightning.pytorch.plugins import TransformerEnginePrecision
+    from lightning.pytorch.plugins import HalfPrecision, Precision, TransformerEnginePrecision
 
+    if not recipe.quantizes:
+        if weights_dtype == torch.float32:
+            return Precision()
+        return HalfPrecision("bf16-true" if weights_dtype == torch.bfloat16 else "16-true")
     return TransformerEnginePrecision(weights_dtype=weights_dtype, recipe=to_te_recipe(recipe), replace_layers=False)
 
 
