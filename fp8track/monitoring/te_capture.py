@@ -131,6 +131,7 @@ class CaptureHub:
         self._lock = threading.Lock()
         self._bound: list[tuple[nn.Module, str, dict[str, LayerCapture]]] = []
         self._routes: dict[str, LayerCapture] = {}
+        self._misses: set[str] = set()  # debug names of layers no monitor watches (until next step)
         self._schedules: list[tuple[int, tuple[int, ...]]] = []
 
     def bind(self, module: nn.Module, fqn: str, captures: Mapping[str, LayerCapture]) -> None:
@@ -141,6 +142,7 @@ class CaptureHub:
         with self._lock:
             self._bound.append((module, fqn, dict(captures)))
             self._routes.clear()
+            self._misses.clear()
 
     def add_schedule(self, every_n_steps: int, steps: Sequence[int] = ()) -> None:
         """A monitor samples step ``s`` when ``s % every_n_steps == 0`` or ``s in steps``."""
@@ -157,13 +159,19 @@ class CaptureHub:
 
     def route(self, layer_name: str) -> LayerCapture | None:
         cap = self._routes.get(layer_name)
-        if cap is None:
+        if cap is None and layer_name not in self._misses:
             with self._lock:
                 self._routes = {
                     f"{getattr(m, 'name', None) or fqn}{suffix}": c for m, fqn, caps in self._bound for suffix, c in caps.items()
                 }
                 cap = self._routes.get(layer_name)
+                if cap is None:
+                    self._misses.add(layer_name)
         return cap
+
+    def new_step(self) -> None:
+        """Forget unknown names once per step (modules may have been renamed meanwhile)."""
+        self._misses.clear()
 
     def enabled(self, iteration: int) -> tuple[bool, int | None]:
         """``(run now, next iteration to run)`` for TE's ``inspect_tensor_enabled`` caching."""
@@ -369,6 +377,7 @@ class TECapture:
         import nvdlfw_inspect.api as debug_api
 
         debug_api.step()
+        HUB.new_step()
 
     def close(self) -> None:
         HUB.unbind(self.captures, self.schedule)

@@ -206,3 +206,24 @@ def test_schedule_tells_te_when_to_run_its_debug_path_next():
     assert hub.enabled(1) == (False, 3) and hub.enabled(3) == (True, 10) and hub.enabled(10) == (True, 20)
     hub.add_schedule(4)
     assert hub.enabled(5) == (False, 8)
+
+
+def test_initialize_refuses_when_te_modules_already_exist_or_twice(monkeypatch, tmp_path):
+    import sys
+    import types
+
+    from fp8track.errors import ConfigError
+
+    debug_api.end_debug()
+    state = types.ModuleType("transformer_engine.debug.pytorch.debug_state")
+    # What TEDebugState records when a TE module was built while nvdlfw was imported, not initialised.
+    state.TEDebugState = type("TEDebugState", (), {"debug_enabled": False})
+    monkeypatch.setitem(sys.modules, state.__name__, state)
+    with pytest.raises(ConfigError, match="built before the debug API was initialised"):
+        te_capture.initialize()
+    te_capture.initialize(framework="base", log_dir=str(tmp_path))
+    try:
+        with pytest.raises(ConfigError, match="already initialised"):
+            te_capture.initialize(framework="base", log_dir=str(tmp_path))
+    finally:
+        debug_api.end_debug()
