@@ -25,9 +25,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
-# On a machine with CUDA (and Transformer Engine for the TE tests): only the gpu-marked tests.
+# On a machine with CUDA and Transformer Engine: the gpu-marked tests (TE path, < 5 min on one H200).
 test-gpu: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m gpu tests/gpu
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m gpu tests/gpu tests/integration/test_nvdlfw_bridge.py
 
 bench: $(STAMP)
 	for b in bench/*_bench.py; do $(BIN)/python $$b; done

@@ -51,8 +51,9 @@ class FP8Monitor(Callback):
             ``val``/``eval``/``test``/``downstream``) or a list of logged names.
 
     Raises:
-        ConfigError: at construction for bad values; in ``setup`` when a layer selector matches
-            nothing or the model has no linear layer (before the first step).
+        ConfigError: at construction for bad values; in ``on_fit_start`` (after precision plugins
+            converted the model, before the first step) when a layer selector matches nothing or
+            the model has no linear layer.
 
     Logged metrics: see :class:`fp8track.monitoring.monitor.Monitor` (``loss``, ``fp8/<layer>/<tensor>/<stat>``,
     ``fp8/worst/<stat>``, ``fp8/grad_norm``), and the ``fp8_tensor_stats`` table.
@@ -112,11 +113,11 @@ class FP8Monitor(Callback):
     def state_key(self) -> str:
         return self._generate_state_key(every_n_steps=self.config.every_n_steps, tensors=self.config.tensors)
 
-    # -- setup: validate against the model before any step -----------------------------------------
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit" or self.monitor is not None:
-            return
-        self.monitor = self._build_monitor(trainer, pl_module)
+    # -- layer selection: at on_fit_start, after precision plugins converted the model -------------
+    # Lightning runs Callback.setup, then configure_model, then Strategy.setup, whose
+    # precision_plugin.convert_module swaps layers (TransformerEnginePrecision, any plugin that
+    # replaces modules); on_fit_start is the first hook that sees the final modules, still before
+    # the first step, so a bad selector still fails before training.
 
     def _build_monitor(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Monitor:
         log_dir = Path(self.log_dir) if self.log_dir is not None else Path(trainer.default_root_dir) / "fp8track"
@@ -149,9 +150,8 @@ class FP8Monitor(Callback):
         )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Attach here, not in setup: precision plugins (Transformer Engine) swap layers after setup.
         if self.monitor is None:
-            return
+            self.monitor = self._build_monitor(trainer, pl_module)
         if self._restored is not None:
             self.monitor.load_state_dict(self._restored)
         self._describe_precision(trainer, pl_module)

@@ -119,7 +119,8 @@ def apply_fp8(
                 device = next((p.device.type for p in model.parameters()), "cpu")
                 fp8 = torchao_backend.convert(model, recipe, linears, keep, device_type=device)
         else:
-            fp8 = te_backend.convert(model, recipe, linears, keep)
+            fp8, refused = te_backend.convert(model, recipe, linears, keep)
+            keep = {**keep, **refused}  # layers TE would refuse at the first FP8 forward stay BF16
 
     bf16 = [(n, keep.get(n, "recipe bf16")) for n in names if n not in fp8]
     report = ApplyReport(backend=name, recipe=recipe, fp8_layers=tuple(fp8), bf16_layers=tuple(bf16))

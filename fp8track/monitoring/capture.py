@@ -26,10 +26,11 @@ import torch
 from torch import nn
 
 from fp8track.errors import ConfigError, invalid_choice
+from fp8track.execution.backends import te as te_backend
 from fp8track.execution.layers import GEMM_LAYER_KINDS, gemm_layers, gemm_weight, match_layers, preview_names
 from fp8track.monitoring.sharding import ShardSpec, Share, observed_weight, share_of
 from fp8track.numerics.formats import TENSOR_KINDS, get_format_pair
-from fp8track.numerics.scaling import BLOCK_SCALINGS, block_layout
+from fp8track.numerics.scaling import BLOCK_SCALINGS, amax, block_layout, current_scale
 from fp8track.numerics.stats import block_partial_stats, empty_partial, merge_partials, partial_stats
 
 # How a tensor is scaled, per recipe family. "per_tensor" covers delayed, current and
@@ -52,6 +53,9 @@ class LayerPlan:
         scale_fns: per tensor kind, a function returning the backend's scale for the tensor being
             observed (``None`` -> current scaling computed from the tensor itself).
         margin: current-scaling margin.
+        power_2_scales: round re-derived scales down to a power of two (TE's
+            ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES`` for current scaling; 128-block recipes:
+            ``None`` means their default, power-of-two, ``False`` TE's float32 block scales).
     """
 
     fqn: str
@@ -60,6 +64,7 @@ class LayerPlan:
     scaling: str = "per_tensor"
     scale_fns: dict[str, ScaleFn] = field(default_factory=dict)
     margin: int = 0
+    power_2_scales: bool | None = None
 
     @property
     def variant(self) -> str:
@@ -80,10 +85,22 @@ def tensor_partial(
     if scaling == "per_tensor" or scaling == "current":
         scale_fn = plan.scale_fns.get(tensor) if scaling == "per_tensor" else None
         scale = scale_fn() if scale_fn is not None else None
+        if scale is None and plan.power_2_scales:
+            scale = pow2_current_scale(x, fmt, plan.margin)
         return partial_stats(x, fmt, scale, plan.margin)
     if x.dim() < 1 or x.shape[-1] == 0:
         return partial_stats(x, fmt, None, plan.margin)
-    return block_partial_stats(x, block_layout(scaling, tensor), fmt)
+    return block_partial_stats(x, block_layout(scaling, tensor), fmt, plan.power_2_scales is not False)
+
+
+def pow2_current_scale(x: torch.Tensor, fmt: str, margin: int = 0, amax_epsilon: float = 0.0) -> torch.Tensor:
+    """Current scaling as TE's ``compute_scale_from_amax`` computes it (``common/recipe/recipe_common.cuh``):
+    ``M / max(amax, eps) / 2**margin``, with the mantissa bits cleared (rounded down to a power
+    of two); 1 where amax is 0 or not finite. On device, no host sync."""
+    a = torch.clamp_min(amax(x), amax_epsilon) if amax_epsilon > 0 else amax(x)
+    s = current_scale(a, fmt, margin)
+    _, exponent = torch.frexp(s)
+    return torch.where(torch.isfinite(a) & (a > 0), torch.exp2((exponent - 1).to(torch.float32)), s)
 
 
 def _shared_partial(share: Share, plan: LayerPlan, tensor: str, scaling: str) -> torch.Tensor:
@@ -168,26 +185,49 @@ class LayerCapture:
     """Hooks and per-step accumulators of one layer.
 
     ``partials[(tensor, variant)]`` is the merged partial of the current sampled step (or absent).
+
+    ``plan`` may be a function returning the :class:`LayerPlan`: it is then resolved at the first
+    observation of a sampled step (after the layer's forward ran, when every backend has built
+    its state, e.g. TE's lazily created ``fp8_meta``) or when the keys are first needed.
+    ``hooks=False`` registers no module hook: observations come from elsewhere (TE's debug API,
+    :mod:`fp8track.monitoring.te_capture`) through :meth:`observe`.
     """
 
     def __init__(
         self,
         module: nn.Module,
-        plan: LayerPlan,
+        plan: LayerPlan | Callable[[], LayerPlan],
         tensors: Sequence[str],
         whatif: Sequence[str],
         sharding: ShardSpec | None = None,
+        *,
+        hooks: bool = True,
     ) -> None:
         self.module = module
         self.sharding = sharding
-        self.plan = plan
+        self._plan: LayerPlan | None = plan if isinstance(plan, LayerPlan) else None
+        self._resolve = None if isinstance(plan, LayerPlan) else plan
         self.tensors = tuple(tensors)
-        self.whatif = tuple(v for v in whatif if not (v == "current" and plan.scaling == "per_tensor" and not plan.fp8))
+        self._whatif_asked = tuple(whatif)
+        self.hooks = hooks
+        self.te = te_backend.te_gemm_class(module) is not None
         self.active = False
         self._weight_done = False
         self._resting_weight: torch.Tensor | None = None
         self.partials: dict[tuple[str, str], torch.Tensor] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    @property
+    def plan(self) -> LayerPlan:
+        if self._plan is None:
+            assert self._resolve is not None
+            self._plan = self._resolve()
+        return self._plan
+
+    @property
+    def whatif(self) -> tuple[str, ...]:
+        plan = self.plan
+        return tuple(v for v in self._whatif_asked if not (v == "current" and plan.scaling == "per_tensor" and not plan.fp8))
 
     def keys(self) -> list[tuple[str, str]]:
         """Every (tensor, variant) this layer reports, in a fixed order (same on every rank)."""
@@ -195,7 +235,7 @@ class LayerCapture:
         return [(t, v) for t in self.tensors for v in variants]
 
     def attach(self) -> None:
-        if not self._handles:
+        if self.hooks and not self._handles:
             # First in line: under tensor parallelism the output is still a DTensor (its gradient then
             # tells its placement) before parallelize_module's own hook turns it into a local tensor.
             self._handles.append(self.module.register_forward_hook(self._forward_hook, prepend=True))
@@ -217,12 +257,32 @@ class LayerCapture:
         self.partials.clear()
         return out
 
-    def _add(self, tensor: str, x: torch.Tensor) -> None:
+    def wants(self, tensor: str) -> bool:
+        """Whether an observation of ``tensor`` now would be recorded (sampled step, tracked tensor,
+        weight not yet seen this step)."""
+        return self.active and tensor in self.tensors and not (tensor == "weight" and self._weight_done)
+
+    def observe(self, tensor: str, x: torch.Tensor, actual: torch.Tensor | None = None) -> None:
+        """Add one observation of ``tensor`` (no-op outside sampled steps). ``actual`` is the
+        partial of what the backend really did, when the caller knows it (TE's debug API hands
+        the quantizer); else the plan derives it. What-if variants always come from the plan."""
+        if not self.wants(tensor):
+            return  # the weight once per sampled step, as the hooks do (micro-batches see the same one)
+        if tensor == "weight":
+            self._weight_done = True
+        with torch.no_grad():
+            self._add(tensor, x, actual)
+
+    def _add(self, tensor: str, x: torch.Tensor, actual: torch.Tensor | None = None) -> None:
         x = x.detach()
         share = share_of(x, tensor, self.sharding)
-        observations = [(self.plan.variant, None), *((v, v) for v in self.whatif)]
+        plan = self.plan
+        observations = [(plan.variant, None), *((v, v) for v in self.whatif)]
         for variant, scaling in observations:
-            p = tensor_partial(share.local, self.plan, tensor, scaling, share)
+            if variant == plan.variant and actual is not None:
+                p = actual
+            else:
+                p = tensor_partial(share.local, plan, tensor, scaling, share)
             key = (tensor, variant)
             prev = self.partials.get(key)
             self.partials[key] = p if prev is None else merge_partials([prev, p])
@@ -234,6 +294,8 @@ class LayerCapture:
             return
         with torch.no_grad():
             self._observe_forward(module, args)
+        if isinstance(output, tuple) and output and self.te:
+            output = output[0]  # TE's return_bias=True gives (out, bias) (TransformerLayer's proj)
         if "gradient" in self.tensors and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(self._gradient_hook)
 
@@ -242,7 +304,9 @@ class LayerCapture:
             self._add("activation", args[0])
         if "weight" in self.tensors and not self._weight_done:
             weight = gemm_weight(module, observed_weight(getattr(module, "weight", None), self._resting_weight))
-            if weight is not None:
+            if weight is not None and not (self.te and te_backend.is_quantized_tensor(weight)):
+                # (TE FP8 primary weights hold no high-precision copy: no row rather than statistics
+                # of a silent dequantisation.)
                 self._add("weight", weight)
                 self._weight_done = True
 
@@ -259,7 +323,10 @@ def plan_for(fqn: str, module: nn.Module, shadow_format: str = "hybrid") -> Laye
       backward is about to use (the gradient scaler's current scale, read in the dY hook, which
       fires before the layer's backward).
     * Transformer Engine delayed scaling: the scales in ``fp8_meta`` (TE updates them when autocast
-      exits, after the hooks have run).
+      exits, after the hooks have run). TE's recipe is read from the module (``fp8_recipe`` set by
+      :func:`fp8track.apply_fp8`, else ``fp8_meta["recipe"]``, which TE creates in the first
+      forward: call this lazily). TE's current and block scaling have no margin and follow
+      ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES`` / ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES``.
     * Current scaling (emulated, torchao tensorwise, TE current): the same rule on the same tensor,
       ``M / amax / 2**margin``, so the monitor's scale is the backend's. torchao's rowwise
       variants are judged tensor-wise (a documented approximation).
@@ -269,14 +336,21 @@ def plan_for(fqn: str, module: nn.Module, shadow_format: str = "hybrid") -> Laye
     """
     from fp8track.execution import backends
 
-    if not backends.is_fp8_linear(module):
+    if not backends.is_fp8_linear(module) or getattr(module, "fp8", None) is False:
+        # (TE sets ``module.fp8`` in ``init_fp8_metadata``: False when it ran outside FP8 autocast.)
         return shadow_plan(fqn, shadow_format)
     formats = {t: backends.fp8_format_for(module, t) for t in TENSOR_KINDS}
     recipe = backends.recipe_of(module)
-    scaling_name = recipe.scaling if recipe is not None else "current"
-    margin = recipe.margin if recipe is not None else 0
+    power_2_scales = None
+    if te_backend.is_te_fp8(module):
+        # TE's own rule: no margin for current/block scaling, env switches (te_backend.scale_rule).
+        scaling_name = te_backend.te_recipe_scaling(module) or "current"
+        margin, power_2_scales = te_backend.te_scale_rule(module, scaling_name)
+    else:
+        scaling_name = recipe.scaling if recipe is not None else "current"
+        margin = recipe.margin if recipe is not None else 0
     if scaling_name in BLOCK_SCALINGS:
-        return LayerPlan(fqn, True, formats, scaling=scaling_name, margin=margin)
+        return LayerPlan(fqn, True, formats, scaling=scaling_name, margin=margin, power_2_scales=power_2_scales)
     scale_fns: dict[str, ScaleFn] = {}
     if scaling_name == "delayed":
         scalers = getattr(module, "delayed_scalers", None) or {}
@@ -291,7 +365,6 @@ def plan_for(fqn: str, module: nn.Module, shadow_format: str = "hybrid") -> Laye
             scale_fns["gradient"] = lambda: grad_scaler.scale.clone()
         else:
             scale_fns["gradient"] = used("gradient")
-    elif recipe is None and backends.used_scales(module) is not None:
-        # A backend that exposes its scales without an fp8track recipe (TE delayed): use them.
-        scale_fns = {k: (lambda k=k: (backends.used_scales(module) or {}).get(k)) for k in TENSOR_KINDS}
-    return LayerPlan(fqn, True, formats, scaling="per_tensor", scale_fns=scale_fns, margin=margin)
+    return LayerPlan(
+        fqn, True, formats, scaling="per_tensor", scale_fns=scale_fns, margin=margin, power_2_scales=power_2_scales
+    )

@@ -29,6 +29,8 @@ import torch
 from torch import nn
 
 from fp8track.errors import check_int, invalid_choice
+from fp8track.execution.backends.te import te_gemm_class
+from fp8track.monitoring import te_capture
 from fp8track.monitoring.capture import (
     LayerCapture,
     LayerFilter,
@@ -199,13 +201,31 @@ class Monitor:
         sharding: ShardSpec | None = None,
     ) -> None:
         self.model = model
-        self.config = config or MonitorConfig()
+        self.config = cfg = config or MonitorConfig()
         plans = dict(plans or {})
         chosen = select_layers(model, layers)
         self.captures: dict[str, LayerCapture] = {}
+        te_bound, te_unseen = [], []
+        te_live = any(te_gemm_class(m) for _, m in chosen) and te_capture.capture_live()
         for fqn, module in chosen:
-            plan = plans.get(fqn) or plan_for(fqn, module, self.config.shadow_format)
-            self.captures[fqn] = LayerCapture(module, plan, self.config.tensors, self.config.whatif, sharding)
+            if te_gemm_class(module) is not None and te_live:
+                caps = te_capture.gemm_captures(fqn, module, cfg.tensors, cfg.whatif, cfg.shadow_format)
+                self.captures.update(caps)
+                te_bound.append((fqn, module, caps))
+                continue
+            if te_gemm_class(module) not in (None, "Linear"):
+                te_unseen.append(fqn)  # ln_out, fc2's input, weight0..N: only TE's debug API sees them
+                continue
+            # Plans resolve at the first observation: backends build their state (TE's fp8_meta) lazily.
+            plan = plans.get(fqn) or (lambda f=fqn, m=module: plan_for(f, m, cfg.shadow_format))
+            self.captures[fqn] = LayerCapture(module, plan, cfg.tensors, cfg.whatif, sharding)
+        if te_unseen:
+            warnings.warn(
+                f"fp8track: {len(te_unseen)} TE layers ({', '.join(te_unseen[:4])}...) quantise tensors no module hook "
+                "sees; call fp8track.monitoring.te_capture.initialize() before building the model to monitor them",
+                stacklevel=2,
+            )
+        self._te = te_capture.TECapture(te_bound, cfg.every_n_steps, cfg.steps) if te_bound else None
         self.analyzers = list(analyzers)
         self.last_events: list[EventRecord] = []
         self._warned: set[str] = set()
@@ -238,6 +258,8 @@ class Monitor:
                 self._fanout = self._sink_factory(self._writer.run_dir)
                 self._fanout.start(self.meta)
         self._attached = True
+        if self._te is not None:
+            self._te.start(self.global_step)
         self.begin_step(self.global_step)
         return self
 
@@ -272,6 +294,8 @@ class Monitor:
         self._sampled = False
         for cap in self.captures.values():  # nothing is captured between steps (e.g. validation)
             cap.begin_step(False)
+        if self._te is not None:
+            self._te.end_step()  # nvdlfw's iteration follows global_step (every rank calls it)
         self.global_step += 1
 
     def close(self) -> None:
@@ -281,6 +305,8 @@ class Monitor:
         if self._pending:
             self.flush(with_stats=False)
         self.detach()
+        if self._te is not None:
+            self._te.close()
         if self.is_writer:
             events: list[EventRecord] = []
             last = max(self.global_step - 1, 0)

@@ -309,16 +309,25 @@ def unblockify(blocks: torch.Tensor, shape: torch.Size, layout: str) -> torch.Te
     return unblockify_tiles(blocks, shape, size) if tiles else unblockify_rows(blocks, shape)
 
 
-def block_scales(blocks: torch.Tensor, layout: str, fmt: str | FP8Format) -> tuple[torch.Tensor, torch.Tensor]:
+def block_scales(
+    blocks: torch.Tensor, layout: str, fmt: str | FP8Format, power_2_scales: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(block amax, scale)``, each ``[num_blocks, 1]`` float32, of :func:`blockify` output.
 
     The amax ignores non-finite elements; the scale follows the layout's rule
-    (:func:`mx_block_scales` or :func:`pow2_block_scales`).
+    (:func:`mx_block_scales` or :func:`pow2_block_scales`). ``power_2_scales=False`` gives the
+    128-block layouts plain float32 scales ``fmt.max / amax`` (TE's
+    ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1``); MXFP8 (E8M0) scales are always powers of two.
     """
     _, _, rule = _layout(layout)
     finite_abs = torch.where(torch.isfinite(blocks), blocks.abs(), 0.0).to(torch.float32)
     block_amax = finite_abs.amax(dim=1, keepdim=True)
-    scale = mx_block_scales(block_amax, fmt)[0] if rule == "e8m0" else pow2_block_scales(block_amax, fmt)
+    if rule == "e8m0":
+        scale = mx_block_scales(block_amax, fmt)[0]
+    elif power_2_scales:
+        scale = pow2_block_scales(block_amax, fmt)
+    else:
+        scale = current_scale(block_amax, fmt)
     return block_amax, scale
 
 

@@ -503,18 +503,22 @@ def quant_stats(
 
 
 @torch.no_grad()
-def block_partial_stats(x: torch.Tensor, recipe: str, fmt: str | FP8Format = "e4m3") -> torch.Tensor:
+def block_partial_stats(
+    x: torch.Tensor, recipe: str, fmt: str | FP8Format = "e4m3", power_2_scales: bool = True
+) -> torch.Tensor:
     """Partials for a block-scaled recipe, each block with its own scale (no host sync).
 
     Recipes: ``"mxfp8"`` (1 x 32 blocks along the last dim, E8M0 scales rounded up as TE does),
     ``"block128"`` (1 x 128, power-of-two scales), ``"block128x128"`` (128 x 128 tiles of a 2-D
     tensor, power-of-two scales). Padding of partial blocks is excluded from the counts.
+    ``power_2_scales=False`` gives the 128-block recipes plain float32 scales ``fmt.max / amax``
+    (TE's ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1``); MXFP8 scales are always powers of two.
     """
     fmt = get_format(fmt)
     if recipe not in BLOCK_RECIPES:
         raise invalid_choice("block recipe", recipe, BLOCK_RECIPES)
     blocks, pad = blockify(x.detach().to(torch.float32), recipe)
-    block_amax, scale = block_scales(blocks, recipe, fmt)
+    block_amax, scale = block_scales(blocks, recipe, fmt, power_2_scales)
     # Only blocks holding data decide the reported scale range (empty blocks get arbitrary scales).
     p = partial_stats(blocks, fmt, scale, pad=pad)
     # An all-zero tensor has no occupied block: then every block's scale counts.

@@ -19,11 +19,19 @@ Recipe prefixes (TE's what-if stats) become the row's ``variant``: ``fp8_delayed
 ``fp8_block_scaling`` -> ``block``, ``nvfp4`` -> ``nvfp4``; a ``_columnwise`` suffix appends
 ``_columnwise`` to the variant. No prefix means the recipe used for training (``actual``).
 
+Layer names join the monitor's rows: TE's ``infer_and_assign_layer_names`` names modules
+``model.<path>`` (and a ModuleList child by its ``layer_number`` when it has one), so the bridge
+maps a debug name back to the qualified name through the model's modules (:func:`te_layer_names`)
+and otherwise strips a leading ``model.``. MXFP8 ``scale_inv`` statistics arrive as E8M0 codes
+(``pytorch/tensor/mxfp8_tensor.py`` keeps ``_rowwise_scale_inv`` as uint8; TE's
+``add_scale_inv_stats`` takes their raw min/max): they are stored as the floats ``2**(code - 127)``.
+
 nvdlfw_inspect keeps its state in process globals; this module adds none.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 import warnings
@@ -106,6 +114,39 @@ def parse_te_stat_name(name: str) -> TEStat | None:
     return TEStat(layer=m["layer"], tensor=m["tensor"], stat=naming.sanitize_segment(stat), variant=variant)
 
 
+TE_DEBUG_PREFIX = "model."
+"""Prefix ``nvdlfw_inspect.api.infer_and_assign_layer_names`` gives every layer name."""
+
+
+def te_layer_names(model: Any) -> dict[str, str]:
+    """``{TE debug name: fp8track row name}`` for every TE GEMM of ``model``: the module's ``name``
+    (as TE or ``infer_and_assign_layer_names`` set it) plus ``.fc1``/``.fc2``/``.gemm_<i>``, mapped
+    to ``<qualified name>`` plus the same suffix."""
+    from fp8track.execution.backends.te import te_gemm_suffixes
+
+    out: dict[str, str] = {}
+    for fqn, module in model.named_modules():
+        name = getattr(module, "name", None)
+        if not isinstance(name, str) or not name:
+            continue
+        for suffix in te_gemm_suffixes(module):
+            out[name + suffix] = fqn + suffix
+    return out
+
+
+def join_layer_name(debug_name: str, names: dict[str, str] | None = None) -> str:
+    """The monitor's row name for a TE debug layer name (see the module docstring)."""
+    if names and debug_name in names:
+        return names[debug_name]
+    return debug_name[len(TE_DEBUG_PREFIX) :] if debug_name.startswith(TE_DEBUG_PREFIX) else debug_name
+
+
+def e8m0_to_float(code: float) -> float:
+    """An E8M0 scale code as the float it encodes: ``2**(code - 127)`` (127 = 1.0; 255 = NaN)."""
+    c = round(code)
+    return math.nan if c == 255 else math.ldexp(1.0, c - 127)
+
+
 def _to_float(value: Any) -> float:
     """TE hands 0-dim (often CUDA) tensors or Python numbers; this is the one host copy."""
     if hasattr(value, "item"):
@@ -137,6 +178,11 @@ class TEStatsBridge(BaseLogger):
             ``init_training_step`` to align them instead).
         scalars: also emit ``fp8/<layer>/<tensor>/<stat>`` scalars (False: table rows only, for
             models with many layers; W&B advises < 10k metric names per project).
+        model: the model whose TE modules emit the stats: debug names map back to qualified
+            names (:func:`te_layer_names`, read again for names not yet known); without it a
+            leading ``model.`` is stripped.
+        training_recipe: fp8track recipe name of the training run (``"mxfp8"`` makes unprefixed
+            ``scale_inv_*`` stats E8M0 codes, converted to floats).
 
     Example:
         >>> import nvdlfw_inspect.api as debug_api  # doctest: +SKIP
@@ -145,13 +191,24 @@ class TEStatsBridge(BaseLogger):
         ...                      default_logging_enabled=False)  # doctest: +SKIP
     """
 
-    def __init__(self, sink: Callable[[StepBatch], None], *, step_offset: int = 0, scalars: bool = True) -> None:
+    def __init__(
+        self,
+        sink: Callable[[StepBatch], None],
+        *,
+        step_offset: int = 0,
+        scalars: bool = True,
+        model: Any = None,
+        training_recipe: str | None = None,
+    ) -> None:
         super().__init__()
         if not callable(sink):
             raise ConfigError(f"sink must be a callable taking a StepBatch, got {sink!r}")
         self.sink = sink
         self.step_offset = int(step_offset)
         self.scalars = bool(scalars)
+        self.model = model
+        self.training_recipe = training_recipe
+        self._names: dict[str, str] = {}
         self._lock = threading.Lock()
         self._iteration: int | None = None
         self._metrics: dict[str, float] = {}
@@ -179,12 +236,25 @@ class TEStatsBridge(BaseLogger):
                     )
                 self._metrics[naming.run_metric("te", name)] = value
             else:
+                parsed = self._joined(parsed)
+                if parsed.stat.startswith("scale_inv") and self._is_e8m0(parsed.variant):
+                    value = e8m0_to_float(value)
                 self._rows.setdefault((parsed.layer, parsed.tensor, parsed.variant), {})[parsed.stat] = value
                 key = scalar_name(parsed) if self.scalars else None
                 if key is not None:
                     self._metrics[key] = value
         if ready is not None:
             self.sink(ready)
+
+    def _is_e8m0(self, variant: str) -> bool:
+        base = variant.removesuffix("_columnwise")
+        return base == "mxfp8" or (base == "actual" and self.training_recipe == "mxfp8")
+
+    def _joined(self, parsed: TEStat) -> TEStat:
+        if self.model is not None and parsed.layer not in self._names:
+            self._names = te_layer_names(self.model)
+        layer = join_layer_name(parsed.layer, self._names)
+        return parsed if layer == parsed.layer else TEStat(layer, parsed.tensor, parsed.stat, parsed.variant)
 
     def _take(self) -> StepBatch | None:
         if self._iteration is None or (not self._metrics and not self._rows):

@@ -110,12 +110,13 @@ def test_te_names_parsed_into_rows_and_unknown_names_kept(nvdlfw_session, tmp_pa
     b = got[0]
     assert b.step == 7
     assert b.metrics == {
-        "fp8/model.layers.0.fc1/activation/underflow_pct": 12.5,
-        "fp8/model.layers.0.fc1/activation/mse": pytest.approx(3e-5),
-        "fp8/model.layers.0.fc1/activation/mxfp8_underflow_pct": 40.0,
-        "fp8/model.layers.0.fc1/gradient/scale_inv_min": 0.25,
+        "fp8/layers.0.fc1/activation/underflow_pct": 12.5,
+        "fp8/layers.0.fc1/activation/mse": pytest.approx(3e-5),
+        "fp8/layers.0.fc1/activation/mxfp8_underflow_pct": 40.0,
+        "fp8/layers.0.fc1/gradient/scale_inv_min": 0.25,
         "fp8/te/grad_norm": 2.0,
     }
+    assert {r.layer for r in b.tensor_rows} == {"layers.0.fc1"}  # infer_and_assign_layer_names' "model." dropped
     rows = {(r.tensor, r.variant): dict(r.stats) for r in b.tensor_rows}
     assert rows[("activation", "actual")] == {"underflow_pct": 12.5, "mse": pytest.approx(3e-5)}
     assert rows[("activation", "mxfp8")] == {"underflow_pct": 40.0}
