@@ -91,7 +91,7 @@ def run_one(
     run_dir = monitor.monitor.run_dir if monitor.monitor else None
     if run_dir is None:
         raise RuntimeError("the monitor did not open a run directory")
-    losses = RunReader(run_dir).series("loss")
+    losses = RunReader(run_dir).series()
     return DemoRun(name, recipe, run_dir, loggers[0].run_id, losses[max(losses)], seconds)
 
 

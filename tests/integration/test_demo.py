@@ -28,7 +28,7 @@ def test_demo_writes_both_runs_to_mlflow_and_compares_them(tmp_path):
     client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
     for run in (control, fp8):
         reader = RunReader(run["run_dir"])
-        assert sorted(reader.series("loss")) == list(range(30))
+        assert sorted(reader.series("fp8/loss")) == list(range(30))
         assert {r.step for r in reader.tensor_stats()} == {0, 5, 10, 15, 20, 25}
         mlrun = client.get_run(run["mlflow_run_id"])
         history = client.get_metric_history(run["mlflow_run_id"], "fp8/worst/mse")
@@ -42,7 +42,7 @@ def test_demo_writes_both_runs_to_mlflow_and_compares_them(tmp_path):
     gap = client.get_metric_history(fp8["mlflow_run_id"], "fp8/loss_gap_vs_baseline")
     # every sampled step, plus the last step (flushed when the run closes)
     assert sorted(m.step for m in gap) == [0, 5, 10, 15, 20, 25, 29]
-    fp8_loss = RunReader(fp8["run_dir"]).series("loss")
-    control_loss = RunReader(control["run_dir"]).series("loss")
+    fp8_loss = RunReader(fp8["run_dir"]).series("fp8/loss")
+    control_loss = RunReader(control["run_dir"]).series("fp8/loss")
     last = max(m.step for m in gap)
     assert next(m.value for m in gap if m.step == last) == pytest.approx(fp8_loss[last] - control_loss[last], rel=1e-6)

@@ -66,7 +66,7 @@ def test_accumulation_sampling_and_unnormalised_loss(tmp_path):
     act = [r for r in rows if r.layer == "body.0" and r.tensor == "activation"]
     assert all(r.stats["numel"] == 2 * 8 * 16 for r in act)
     # the logged loss is the mean of the two micro-batch losses, not Lightning's loss / 2
-    series = reader.series("loss")
+    series = reader.series("fp8/loss")
     assert sorted(series) == list(range(6))
     for step, value in series.items():
         raw = [v for s, v in model.raw_losses if s == step]
@@ -85,7 +85,7 @@ def test_resume_from_checkpoint_continues_the_same_run(tmp_path):
     mon2 = FP8Monitor(every_n_steps=3, log_dir=tmp_path / "fp8", trackers="none")
     _trainer(tmp_path, [mon2], max_steps=8, enable_checkpointing=False).fit(Net(), ckpt_path=ckpt)
     reader = RunReader(_run_dir(tmp_path))  # one run directory: the resumed run appended to it
-    assert sorted(reader.series("loss")) == list(range(8))
+    assert sorted(reader.series("fp8/loss")) == list(range(8))
     assert sorted({r.step for r in reader.tensor_stats()}) == [0, 3, 6]
 
 
