@@ -71,7 +71,7 @@ def run_one(
         # mode="offline" goes to wandb.init for this run only (offline=True would set WANDB_MODE
         # for the whole process).
         loggers.append(WandbLogger(project="fp8track-demo", name=name, save_dir=str(out), mode="offline"))
-    monitor = FP8Monitor(every_n_steps=every_n_steps, log_dir=out / "runs", baseline=baseline, run_name=name)
+    monitor = FP8Monitor(every_n_steps=every_n_steps, log_dir=out / "runs", baseline=baseline, config={"run_name": name})
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=steps,
@@ -88,7 +88,7 @@ def run_one(
     t0 = time.perf_counter()
     trainer.fit(module, datamodule=data)
     seconds = time.perf_counter() - t0
-    run_dir = monitor.monitor.run_dir if monitor.monitor else None
+    run_dir = monitor.run_dir
     if run_dir is None:
         raise RuntimeError("the monitor did not open a run directory")
     losses = RunReader(run_dir).series()

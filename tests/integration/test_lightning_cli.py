@@ -70,14 +70,14 @@ def test_callback_from_the_shipped_yaml_config(tmp_path):
     [mon] = _monitors(cli)
     expected = MonitorConfig(
         every_n_steps=10,
-        whatif=("current",),
+        whatif=("mxfp8",),
         spikes=SpikeConfig(z_threshold=6.0, window=128),
     )
     assert mon.config == expected  # every value the YAML sets (the others are the defaults) arrived
     assert mon.trackers == "auto" and mon.on_spike == "log"
     cli.trainer.fit(cli.model)
     rows = list(RunReader(mon.run_dir).tensor_stats())
-    assert {r.variant for r in rows} == {"shadow", "current"} and {r.step for r in rows} == {0}
+    assert {r.variant for r in rows} == {"shadow", "mxfp8"} and {r.step for r in rows} == {0}
 
 
 def test_nested_thresholds_from_the_command_line(tmp_path):
@@ -86,4 +86,4 @@ def test_nested_thresholds_from_the_command_line(tmp_path):
                 "--trainer.callbacks.config.drift.consecutive=4"])
     [mon] = _monitors(cli)
     assert mon.config.spikes.z_threshold == 8.5 and mon.config.drift.consecutive == 4
-    assert mon.config.whatif == ("current",)  # the rest of the YAML stays
+    assert mon.config.whatif == ("mxfp8",)  # the rest of the YAML stays

@@ -126,8 +126,9 @@ def test_fit_serves_a_csv_logger_and_leaves_the_users_loss_alone(tmp_path):
     rows = _csv_rows(trainer)
     # the user's column holds only the user's values (loss + 100), at every step ...
     assert _column(rows, "loss") == pytest.approx({s: v + USER_OFFSET for s, v in model.raw.items()})
-    # ... and fp8track's own columns sit beside it, under fp8/
-    assert _column(rows, "fp8/loss") == pytest.approx({s: model.raw[s] for s in (0, 2, 4)})
+    # ... and fp8track's own columns sit beside it, under fp8/ (sampled steps, and the last step,
+    # flushed when training ends)
+    assert _column(rows, "fp8/loss") == pytest.approx({s: model.raw[s] for s in (0, 2, 4, 5)})
     local = {r.step: r.metrics for r in RunReader(run_dir).metrics() if "fp8/worst/mse" in r.metrics}
     assert _column(rows, "fp8/worst/mse") == pytest.approx({s: local[s]["fp8/worst/mse"] for s in (0, 2, 4)})
     assert _column(rows, "fp8/body.0/activation/underflow_pct")
@@ -137,13 +138,14 @@ def test_a_second_fit_writes_a_second_run(tmp_path):
     mon = _monitor(tmp_path, trackers="none")
     first = Net()
     _trainer(tmp_path, [mon], max_steps=4, logger=False).fit(first)
-    first_dir = mon.run_dir
+    [first_dir] = _run_dirs(tmp_path)
     second = Net()
     trainer = _trainer(tmp_path, [mon], max_steps=3, logger=False)
     trainer.fit(second)
-    assert mon.run_dir != first_dir and sorted(_run_dirs(tmp_path)) == sorted([first_dir, mon.run_dir])
+    [second_dir] = [d for d in _run_dirs(tmp_path) if d != first_dir]
     _check_run(first_dir, first, range(4), [0, 2])
-    _check_run(mon.run_dir, second, range(3), [0, 2])
+    _check_run(second_dir, second, range(3), [0, 2])
+    assert mon.run_dir == second_dir
     assert [e.kind for e in mon.events][-1] == "run_end"
     _check_user_metrics(trainer, second)
 
@@ -155,7 +157,7 @@ def test_validate_test_predict_without_fit(tmp_path, stage):
     out = getattr(trainer, stage)(Net())
     assert out  # the user's results come back
     if stage != "predict":
-        assert f"{stage}_loss" in trainer.callback_metrics
+        assert {"validate": "val_loss", "test": "test_loss"}[stage] in trainer.callback_metrics
     assert not [k for k in trainer.callback_metrics if k.startswith("fp8")]
     assert mon.run_dir is None and mon.events == [] and mon.summary() is None
     assert _run_dirs(tmp_path) == []  # nothing is monitored outside fit
@@ -177,7 +179,7 @@ def test_manual_optimisation(tmp_path):
     [run_dir] = _run_dirs(tmp_path)
     reader = _check_run(run_dir, model, range(5), [0, 2, 4])
     grad_norms = reader.series("fp8/grad_norm")
-    assert sorted(grad_norms) == [0, 2, 4] and all(g > 0 for g in grad_norms.values())
+    assert sorted(grad_norms) == [0, 1, 2, 3, 4] and all(g > 0 for g in grad_norms.values())
     _check_user_metrics(trainer, model)
     assert _column(_csv_rows(trainer), "fp8/loss") == pytest.approx({s: model.raw[s] for s in (0, 2, 4)})
 
@@ -212,7 +214,7 @@ def test_resume_from_checkpoint_appends_to_the_same_run(tmp_path):
     assert sorted(reader.series()) == list(range(8))
     assert sorted({r.step for r in reader.tensor_stats()}) == [0, 3, 6]
     _check_user_metrics(trainer, model)
-    assert _column(_csv_rows(trainer), "fp8/loss") == pytest.approx({6: model.raw[6]})
+    assert _column(_csv_rows(trainer), "fp8/loss") == pytest.approx({6: model.raw[6], 7: model.raw[7]})
 
 
 def test_exception_closes_locally_without_a_collective(tmp_path, monkeypatch):
