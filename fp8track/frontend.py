@@ -19,6 +19,7 @@ from fp8track.monitoring import monitor as core
 from fp8track.monitoring.capture import LayerFilter, LayerPlan
 from fp8track.monitoring.naming import LOSS_METRIC, run_metric
 from fp8track.monitoring.records import EventRecord, RunMeta, RunReader
+from fp8track.monitoring.sharding import ShardSpec
 from fp8track.trackers.base import Tracker, TrackerFanout
 
 
@@ -84,7 +85,8 @@ class Monitor(core.Monitor):
     """:class:`fp8track.monitoring.monitor.Monitor` for plain PyTorch loops, with the default
     analyzers and the tracker fan-out wired in.
 
-    Args (beyond the core's ``model``, ``layers``, ``plans``, ``log_dir``, ``meta``, ``is_writer``):
+    Args (beyond the core's ``model``, ``layers``, ``plans``, ``log_dir``, ``meta``, ``is_writer``,
+    ``sharding``):
         config: :class:`fp8track.MonitorConfig`, a mapping or a YAML path (capture settings and
             the detectors' thresholds).
         trackers: :class:`fp8track.trackers.Tracker` objects fed after the records are written.
@@ -106,6 +108,7 @@ class Monitor(core.Monitor):
         analyzers: Sequence[core.StepAnalyzer] | None = None,
         baseline: Baseline | None = None,
         is_writer: bool | None = None,
+        sharding: ShardSpec | None = None,
     ) -> None:
         cfg = MonitorConfig.load(config)
         super().__init__(
@@ -118,6 +121,7 @@ class Monitor(core.Monitor):
             meta=meta,
             analyzers=default_analyzers(baseline, cfg) if analyzers is None else analyzers,
             is_writer=is_writer,
+            sharding=sharding,
         )
 
     @property

@@ -17,6 +17,7 @@ from fp8track.frontend import Monitor, run_summary
 from fp8track.monitoring.capture import LayerFilter
 from fp8track.monitoring.monitor import StepAnalyzer, run_meta_for, total_grad_norm
 from fp8track.monitoring.records import EventRecord, RunReader
+from fp8track.monitoring.sharding import ShardSpec
 from fp8track.trackers import Tracker
 
 
@@ -168,6 +169,7 @@ class FP8Monitor(Callback):
             analyzers=self.analyzers,
             baseline=baseline,
             is_writer=trainer.is_global_zero,
+            sharding=_sharding_for(trainer),
         )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -251,3 +253,14 @@ class FP8Monitor(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Lightning restores callbacks after setup and before on_fit_start: keep it for attach time.
         self._restored = dict(state_dict)
+
+
+def _sharding_for(trainer: pl.Trainer) -> ShardSpec | None:
+    """The 2-D (data x tensor) mesh of ``ModelParallelStrategy``; ``None`` for the others (DDP's
+    replicated weights and FSDP's gathered ones need no mesh: the whole world is data-parallel)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy = trainer.strategy
+    if not isinstance(strategy, ModelParallelStrategy):
+        return None
+    return ShardSpec(strategy.device_mesh, data_dims=("data_parallel",))
