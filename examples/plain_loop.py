@@ -1,31 +1,61 @@
-"""FP8 emulation in a plain PyTorch loop (no Lightning): BF16 control vs each recipe, side by side.
+"""FP8 emulation in a plain PyTorch loop (no Lightning), watched by ``fp8track.Monitor``.
 
-    python examples/plain_loop.py --steps 200
+    python examples/plain_loop.py --recipe delayed --steps 200
+    python examples/plain_loop.py --recipe mxfp8 --config my_monitor.yaml   # fp8track.MonitorConfig as YAML
+
+The run directory (``runs/<run id>``: metrics, per-layer tensor statistics, events) is the record;
+``fp8track sync`` can replay it into W&B or MLflow later.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 
-from fp8track.examples.gpt import build_example, train_loop
+import fp8track
+from fp8track.examples.gpt import GPT, CharDataModule, GPTConfig
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", default="delayed", help="FP8 recipe string (bf16 = the control)")
+    p.add_argument("--bf16-layers", default="none", help="fallback spec: none, first_last, re:lm_head, ...")
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--recipes", default="bf16,delayed,current,mxfp8,block,fp8_input_bf16_gemm")
-    p.add_argument("--bf16-layers", default="none")
-    args = p.parse_args()
+    p.add_argument("--every-n-steps", type=int, default=10)
+    p.add_argument("--config", default=None, help="an fp8track.MonitorConfig YAML file (thresholds, tensors, ...)")
+    p.add_argument("--log-dir", default="runs")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
     torch.set_num_threads(1)
-    control = None
-    for recipe in args.recipes.split(","):
-        module, data, report = build_example(recipe=recipe, bf16_layers=args.bf16_layers, seed=0)
-        out = train_loop(module, data, args.steps)
-        control = out["val_loss"] if control is None else control
-        print(f"{recipe:22s} val_loss {out['val_loss']:.4f}  gap {out['val_loss'] - control:+.4f}  "
-              f"{out['seconds_per_step'] * 1e3:.1f} ms/step  fp8 layers {len(report.fp8_layers)}")
+    torch.manual_seed(args.seed)
+    model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=64))
+    report = fp8track.apply_fp8(model, args.recipe, bf16_layers=args.bf16_layers)
+    print(f"recipe={report.recipe} fp8 layers={len(report.fp8_layers)}")
+
+    config = fp8track.MonitorConfig.load(args.config).replace(every_n_steps=args.every_n_steps)
+    monitor = fp8track.Monitor(model, config, log_dir=args.log_dir).attach()
+    data = CharDataModule(block_size=64, batch_size=16, seed=args.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95))
+    batches = iter(data.train_dataloader())
+    for _ in range(args.steps):
+        try:
+            x, y = next(batches)
+        except StopIteration:
+            batches = iter(data.train_dataloader())
+            x, y = next(batches)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model.loss(x, y)
+        loss.backward()
+        opt.step()
+        monitor.step(loss=loss)  # once per optimizer step, before zero_grad (it reads the grad norm)
+        opt.zero_grad(set_to_none=True)
+    monitor.close()
+    summary = monitor.summary()
+    print(json.dumps(summary, indent=2))
+    return summary
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """fp8track: diagnose FP8 training against its BF16 control; log the evidence to W&B and MLflow.
 
 Public surface: the names in ``__all__`` (grouped below). Everything else is internal and may
-change. Heavier entry points (the Lightning callback, backends, trackers, analysis) load on
+change. Heavier entry points (the Lightning callback, the monitor, trackers, analysis) load on
 first attribute access, so ``import fp8track`` stays cheap and never imports Transformer Engine,
 torchao, wandb or mlflow.
 """
@@ -13,83 +13,65 @@ from typing import Any
 
 from fp8track.errors import ConfigError
 from fp8track.execution.recipes import RECIPE_NAMES, Recipe
-from fp8track.monitoring.monitor import MonitorConfig
-from fp8track.numerics.formats import E4M3, E5M2, FP8Format, get_format
-from fp8track.numerics.stats import (
-    STAT_NAMES,
-    all_reduce_partials,
-    block_partial_stats,
-    block_quant_stats,
-    finalize,
-    merge_partials,
-    partial_stats,
-    quant_stats,
-    set_compile,
-)
+from fp8track.numerics.stats import STAT_NAMES, block_quant_stats, quant_stats
 
+# Loaded on first attribute access (name -> module).
 _LAZY = {
-    # frontends
+    # the Lightning callback, the plain-PyTorch monitor and their configuration
     "FP8Monitor": "fp8track.lightning",
     "Monitor": "fp8track.frontend",
-    # execution
+    "MonitorConfig": "fp8track.config",
+    "SpikeConfig": "fp8track.analysis.spikes",
+    "DivergenceConfig": "fp8track.analysis.divergence",
+    "DriftConfig": "fp8track.analysis.drift",
+    "run_summary": "fp8track.frontend",
+    # running a model in FP8
     "apply_fp8": "fp8track.execution.apply",
     "ApplyReport": "fp8track.execution.apply",
-    "FallbackSpec": "fp8track.execution.fallback",
-    "EmulatedFP8Linear": "fp8track.execution.backends.emulated",
-    # analysis
+    # the BF16 control
     "load_baseline": "fp8track.analysis.baseline",
-    "SpikeConfig": "fp8track.analysis.spikes",
-    "SpikeDetector": "fp8track.analysis.spikes",
-    "DivergenceConfig": "fp8track.analysis.divergence",
-    "DivergenceDetector": "fp8track.analysis.divergence",
-    "DriftConfig": "fp8track.analysis.drift",
-    "DriftTracker": "fp8track.analysis.drift",
-    # records and trackers
+    "Baseline": "fp8track.analysis.baseline",
+    # run directories and trackers
     "RunReader": "fp8track.monitoring.records",
-    "RunWriter": "fp8track.monitoring.records",
+    "Tracker": "fp8track.trackers",
     "make_trackers": "fp8track.trackers",
     "replay": "fp8track.trackers",
+    "WandbTracker": "fp8track.trackers.wandb",
+    "MLflowTracker": "fp8track.trackers.mlflow",
 }
 
+# The public surface. Internal on purpose (import them from their modules): the mergeable
+# statistics partials and the compile switch (fp8track.numerics.stats), the detectors
+# (fp8track.analysis.*), the run writer (fp8track.monitoring.records), the backends
+# (fp8track.execution.backends) and the core monitor (fp8track.monitoring.monitor).
 __all__ = [
-    # numerics (docs/statistics.md)
-    "quant_stats",
-    "block_quant_stats",
-    "partial_stats",
-    "block_partial_stats",
-    "merge_partials",
-    "all_reduce_partials",
-    "finalize",
-    "set_compile",
-    "STAT_NAMES",
-    "FP8Format",
-    "E4M3",
-    "E5M2",
-    "get_format",
-    # execution
+    # Lightning callback, plain-PyTorch monitor, configuration
+    "FP8Monitor",
+    "Monitor",
+    "MonitorConfig",
+    "SpikeConfig",
+    "DivergenceConfig",
+    "DriftConfig",
+    "run_summary",
+    # execution: recipes and apply_fp8
     "Recipe",
     "RECIPE_NAMES",
     "apply_fp8",
     "ApplyReport",
-    "FallbackSpec",
-    "EmulatedFP8Linear",
-    # monitoring
-    "Monitor",
-    "MonitorConfig",
-    "FP8Monitor",
-    # analysis
+    # the BF16 control
     "load_baseline",
-    "SpikeConfig",
-    "SpikeDetector",
-    "DivergenceConfig",
-    "DivergenceDetector",
-    "DriftConfig",
-    "DriftTracker",
-    # records and trackers
+    "Baseline",
+    # run directories and trackers
     "RunReader",
-    "RunWriter",
+    "Tracker",
     "make_trackers",
     "replay",
+    "WandbTracker",
+    "MLflowTracker",
+    # statistics of one tensor (docs/statistics.md)
+    "quant_stats",
+    "block_quant_stats",
+    "STAT_NAMES",
     # errors
     "ConfigError",
 ]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
@@ -87,11 +89,52 @@ def _cmd_check_inference(args: argparse.Namespace) -> int:
     return 1 if res.problems else 0
 
 
+def integrations_root() -> Path:
+    """The ``integrations/`` folder: inside the installed package (a wheel build copies it to
+    ``fp8track/integrations``, see setup.py), else the source checkout's top-level folder."""
+    package = Path(__file__).resolve().parent
+    for candidate in (package / "integrations", package.parent / "integrations"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(f"fp8track's integrations/ folder is missing (looked in {package} and its parent)")
+
+
+def integration_files(root: Path | None = None) -> list[Path]:
+    """Every file under ``integrations/``, as paths relative to it, sorted."""
+    root = root or integrations_root()
+    return sorted(p.relative_to(root) for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+
+
+def _cmd_integrations(args: argparse.Namespace) -> int:
+    """List the integration files, or copy them (keeping their folders) into ``--copy DIR``."""
+    root = integrations_root()
+    files = integration_files(root)
+    if args.copy is None:
+        for rel in files:
+            print(rel.as_posix())
+        return 0
+    dest = Path(args.copy)
+    clashes = [rel for rel in files if (dest / rel).exists()]
+    if clashes and not args.force:
+        print(f"not copying: {len(clashes)} file(s) exist in {dest} ({clashes[0].as_posix()}, ...); use --force",
+              file=sys.stderr)
+        return 1
+    for rel in files:
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(root / rel, dest / rel)
+        print((dest / rel).as_posix())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fp8track", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("stats", help="FP8 quantisation statistics of a real tensor")
     p.set_defaults(func=_cmd_stats)
+    p = sub.add_parser("integrations", help="list or copy the files handed to other tools (LightningCLI, TE debug API)")
+    p.add_argument("--copy", metavar="DIR", default=None, help="copy every file into DIR, keeping its folders")
+    p.add_argument("--force", action="store_true", help="overwrite files that exist in DIR")
+    p.set_defaults(func=_cmd_integrations)
     from fp8track.demo import add_subparser as add_demo
     from fp8track.sweep.cli import add_subparser as add_sweep
     from fp8track.trackers.replay import add_subparser as add_sync

@@ -148,7 +148,7 @@ def run_one(
         # for the whole process); reinit="create_new" gives every training run its own W&B run.
         loggers.append(WandbLogger(project="fp8track-demo", name=name, save_dir=str(out), mode="offline",
                                    reinit="create_new", settings=wandb.Settings(silent=True)))
-    monitor = FP8Monitor(every_n_steps=every_n_steps, log_dir=out / "runs", baseline=baseline, run_name=name)
+    monitor = FP8Monitor(every_n_steps=every_n_steps, log_dir=out / "runs", baseline=baseline, config={"run_name": name})
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=steps,
@@ -173,14 +173,14 @@ def run_one(
             wandb_id = run.id
             run.finish()  # the next run's WandbLogger must not find this one still active
     seconds = time.perf_counter() - t0
-    run_dir = monitor.monitor.run_dir if monitor.monitor else None
+    run_dir = monitor.run_dir
     if run_dir is None:
         raise RuntimeError("the monitor did not open a run directory")
     if checkpoint is not None:
         from fp8track.inference import save_checkpoint
 
         save_checkpoint(module, checkpoint, example="gpt", recipe=recipe, seed=seed)
-    losses = RunReader(run_dir).series("loss")
+    losses = RunReader(run_dir).series()
     return DemoRun(name, recipe, run_dir, loggers[0].run_id, losses[max(losses)], seconds, wandb_id)
 
 

@@ -1,7 +1,8 @@
-"""``FP8Monitor``: the Lightning callback, a thin adapter over :class:`fp8track.monitoring.monitor.Monitor`."""
+"""``FP8Monitor``: the Lightning callback, a thin adapter over :class:`fp8track.Monitor`."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -9,43 +10,46 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from fp8track.analysis.spikes import SPIKE_ACTIONS
+from fp8track.config import MonitorConfig
 from fp8track.errors import ConfigError, invalid_choice
-from fp8track.frontend import Monitor
+from fp8track.frontend import Monitor, run_summary
 from fp8track.monitoring.capture import LayerFilter
-from fp8track.monitoring.monitor import DEFAULT_SCALAR_STATS, MonitorConfig, run_meta_for
+from fp8track.monitoring.monitor import StepAnalyzer, run_meta_for, total_grad_norm
+from fp8track.monitoring.records import EventRecord, RunReader
 from fp8track.monitoring.sharding import ShardSpec
-from fp8track.numerics.formats import TENSOR_KINDS
-
-SPIKE_ACTIONS = ("log", "stop", "checkpoint")
+from fp8track.trackers import Tracker
 
 
 class FP8Monitor(Callback):
-    """Log FP8 tensor diagnostics of every linear layer to the run directory and the trainer's trackers.
+    """Log FP8 tensor diagnostics of every linear layer to the run directory and the trainer's loggers.
 
-    Add it to a Trainer: ``Trainer(callbacks=[FP8Monitor(every_n_steps=10)], logger=[WandbLogger(...)])``.
+    Add it to a Trainer: ``Trainer(callbacks=[FP8Monitor(every_n_steps=10)], logger=[WandbLogger(...)])``,
+    or from LightningCLI: ``--trainer.callbacks+=fp8track.FP8Monitor --trainer.callbacks.every_n_steps=10``
+    (a YAML config: ``fp8track integrations --copy DIR``, ``lightning/fp8monitor.yaml``).
     FP8 layers (emulated, torchao, Transformer Engine) are judged with the scale their recipe used;
     on a model without FP8 layers (the BF16 control) the linear layers are judged in shadow mode:
     what current-scaling FP8 would do to their tensors.
 
     Args:
-        every_n_steps: sample every N-th optimizer step (N >= 1).
+        every_n_steps: sample every N-th optimizer step (N >= 1); overrides ``config.every_n_steps``
+            (default 10).
         layers: ``None`` (all linear layers), ``"re:<regex>"``, a list of names, or a
             ``(module, fqn) -> bool`` filter.
-        tensors: subset of ``("activation", "weight", "gradient")``.
-        log_dir: parent of the local run directory (default ``<trainer.default_root_dir>/fp8track``).
-        trackers: ``"auto"`` (W&B and MLflow loggers found in ``trainer.loggers``), ``"none"``, or a
-            list of tracker names / objects.
-        steps: extra steps to sample.
-        scalar_stats: statistics logged as per-layer scalars.
-        whatif: other recipes evaluated on the same tensors (``"current"``, ``"mxfp8"``, ``"block"``).
-        per_layer_scalars: False keeps per-layer detail in tables only.
-        run_name: name stored in the run metadata.
+        trackers: ``"auto"`` (every logger in ``trainer.loggers``: W&B and MLflow get their native
+            views with tables and figures, any other logger the scalar metrics through
+            ``log_metrics``), ``"none"``, or a list of tracker names (``"wandb"``, ``"mlflow"``) /
+            :class:`fp8track.trackers.Tracker` objects.
         baseline: the BF16 control: a local run directory, ``"mlflow:<run_id>"`` (resolved against
             the trainer's MLFlowLogger tracking URI, else ``MLFLOW_TRACKING_URI``) or a W&B
             offline run directory. Adds ``fp8/loss_gap_vs_baseline`` and shared / FP8-only spikes.
-        on_spike: ``"log"`` (default: never interferes), ``"stop"`` (stop training when a spike
-            or non-finite loss opens) or ``"checkpoint"`` (save a checkpoint then).
-        analyzers: replace the default analyzers (spikes/divergence and drift).
+        on_spike: ``"log"`` (never interferes), ``"stop"`` (stop training when a spike or a
+            non-finite loss opens) or ``"checkpoint"`` (save a checkpoint then); overrides
+            ``config.spikes.action`` (default ``"log"``).
+        log_dir: parent of the local run directory (default ``<trainer.default_root_dir>/fp8track``).
+        config: the rest, as a :class:`fp8track.MonitorConfig`, a mapping or a YAML path: captured
+            tensors and statistics, what-if recipes, and the spike / divergence / drift thresholds.
+        analyzers: replace the default analyzers (then ``config``'s thresholds do not apply).
         eval_metrics: validation/downstream metrics recorded after each validation as
             ``fp8/eval/<name>``: ``"auto"`` (what the module logged whose name starts with
             ``val``/``eval``/``test``/``downstream``) or a list of logged names.
@@ -55,53 +59,57 @@ class FP8Monitor(Callback):
             converted the model, before the first step) when a layer selector matches nothing or
             the model has no linear layer.
 
-    Logged metrics: see :class:`fp8track.monitoring.monitor.Monitor` (``loss``, ``fp8/<layer>/<tensor>/<stat>``,
-    ``fp8/worst/<stat>``, ``fp8/grad_norm``), and the ``fp8_tensor_stats`` table.
+    Each ``fit`` writes one run directory (a fit resumed from a checkpoint appends to the run it
+    resumes). ``validate``, ``test`` and ``predict`` are not monitored.
+
+    Logged metrics (all under ``fp8/``, never touching the user's own names): ``fp8/loss`` (every
+    optimizer step, un-normalised mean over micro-batches), ``fp8/grad_norm``,
+    ``fp8/<layer>/<tensor>/<stat>``, ``fp8/worst/<stat>``, ``fp8/spikes/count``,
+    ``fp8/divergence/count``, ``fp8/drift/count``, ``fp8/loss_gap_vs_baseline`` (see
+    :class:`fp8track.monitoring.monitor.Monitor` and :mod:`fp8track.analysis.analyzers`), and the
+    ``fp8_tensor_stats``, ``fp8_spike_events``, ``fp8_drift_events`` tables (W&B, MLflow).
+
+    Example:
+        >>> cb = FP8Monitor(every_n_steps=5, trackers="none", config={"spikes": {"z_threshold": 8}})
+        >>> cb.config.every_n_steps, cb.config.spikes.z_threshold
+        (5, 8)
     """
 
     def __init__(
         self,
-        every_n_steps: int = 10,
-        layers: str | Sequence[str] | LayerFilter | None = None,
-        tensors: Sequence[str] = TENSOR_KINDS,
-        log_dir: str | Path | None = None,
-        trackers: str | Sequence[Any] = "auto",
+        every_n_steps: int | None = None,
+        layers: str | list[str] | LayerFilter | None = None,
+        trackers: str | list[str] | list[Tracker] = "auto",
+        baseline: str | None = None,
+        on_spike: str | None = None,
+        log_dir: str | None = None,
+        config: MonitorConfig | dict[str, Any] | str | None = None,
         *,
-        steps: Sequence[int] = (),
-        scalar_stats: Sequence[str] = DEFAULT_SCALAR_STATS,
-        whatif: Sequence[str] = (),
-        per_layer_scalars: bool = True,
-        run_name: str = "fp8track",
-        baseline: str | Path | None = None,
-        on_spike: str = "log",
-        analyzers: Sequence[Any] | None = None,
+        analyzers: Sequence[StepAnalyzer] | None = None,
         eval_metrics: str | Sequence[str] = "auto",
     ) -> None:
-        self.config = MonitorConfig(
-            every_n_steps=every_n_steps,
-            steps=tuple(steps),
-            tensors=tuple(tensors),
-            scalar_stats=tuple(scalar_stats),
-            whatif=tuple(whatif),
-            per_layer_scalars=per_layer_scalars,
-        )
+        cfg = MonitorConfig.load(config)
+        changes: dict[str, Any] = {}
+        if every_n_steps is not None:
+            changes["every_n_steps"] = every_n_steps
+        if on_spike is not None:
+            if on_spike not in SPIKE_ACTIONS:
+                raise invalid_choice("on_spike action", on_spike, SPIKE_ACTIONS)
+            changes["spikes"] = dataclasses.replace(cfg.spikes, action=on_spike)
+        self.config = cfg.replace(**changes) if changes else cfg
         if layers is not None and not (callable(layers) or isinstance(layers, (str, list, tuple))):
             raise ConfigError(f"layers must be None, a string, a list of strings or a callable, got {layers!r}")
         from fp8track.trackers import validate_tracker_spec
 
         validate_tracker_spec(trackers)
-        if on_spike not in SPIKE_ACTIONS:
-            raise invalid_choice("on_spike action", on_spike, SPIKE_ACTIONS)
-        self.baseline = baseline
-        self.on_spike = on_spike
-        self.analyzers = analyzers
         if not (eval_metrics == "auto" or (not isinstance(eval_metrics, str) and all(isinstance(n, str) for n in eval_metrics))):
             raise ConfigError(f"eval_metrics must be 'auto' or a list of logged metric names, got {eval_metrics!r}")
         self.eval_metrics = eval_metrics if isinstance(eval_metrics, str) else tuple(eval_metrics)
         self.layers = layers
-        self.log_dir = log_dir
         self.trackers = trackers
-        self.run_name = run_name
+        self.baseline = str(baseline) if baseline is not None else None
+        self.log_dir = log_dir
+        self.analyzers = analyzers
         self.monitor: Monitor | None = None
         self._restored: Mapping[str, Any] | None = None
         self._step_at_batch_start = 0
@@ -110,8 +118,31 @@ class FP8Monitor(Callback):
         self._grad_norm: Any = None
 
     @property
+    def on_spike(self) -> str:
+        return self.config.spikes.action
+
+    @property
     def state_key(self) -> str:
         return self._generate_state_key(every_n_steps=self.config.every_n_steps, tensors=self.config.tensors)
+
+    # -- results --------------------------------------------------------------------------------
+    @property
+    def run_dir(self) -> Path | None:
+        """The run directory of the current (or last) fit; None before ``fit`` and on ranks > 0."""
+        return self.monitor.run_dir if self.monitor is not None else None
+
+    @property
+    def events(self) -> list[EventRecord]:
+        """Every event written so far (spikes, divergence, drift, run end), read from the run
+        directory; empty before ``fit`` and on ranks > 0."""
+        run_dir = self.run_dir
+        return list(RunReader(run_dir).events()) if run_dir is not None else []
+
+    def summary(self, top_k: int = 5) -> dict[str, Any] | None:
+        """The run at a glance (:func:`fp8track.frontend.run_summary`): worst layers, spike counts,
+        gap to the control. None before ``fit`` and on ranks > 0."""
+        return run_summary(self.run_dir, top_k) if self.run_dir is not None else None
+
 
     # -- layer selection: at on_fit_start, after precision plugins converted the model -------------
     # Lightning runs Callback.setup, then configure_model, then Strategy.setup, whose
@@ -122,19 +153,18 @@ class FP8Monitor(Callback):
     def _build_monitor(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Monitor:
         log_dir = Path(self.log_dir) if self.log_dir is not None else Path(trainer.default_root_dir) / "fp8track"
         trackers: list[Any] = []
-        if trainer.is_global_zero and self.trackers not in ("none", None):
-            from fp8track.trackers import make_trackers
-
-            trackers = make_trackers(self.trackers, trainer.loggers)
         baseline = None
-        if self.baseline is not None:
-            from fp8track.analysis.baseline import load_baseline
+        if trainer.is_global_zero:  # trackers and the control feed rank-0 work only
+            from fp8track.trackers import make_trackers, mlflow_tracking_uri
 
-            baseline = load_baseline(self.baseline, _mlflow_uri(trainer.loggers))
+            if self.trackers not in ("none", None):
+                trackers = make_trackers(self.trackers, trainer.loggers)
+            if self.baseline is not None:
+                from fp8track.analysis.baseline import load_baseline
+
+                baseline = load_baseline(self.baseline, mlflow_tracking_uri(trainer.loggers))
         meta = run_meta_for(
-            pl_module,
-            self.run_name,
-            {"monitor": _config_dict(self.config), "baseline": str(self.baseline) if self.baseline is not None else None},
+            pl_module, self.config.run_name, {"monitor": self.config.to_dict(), "baseline": self.baseline}
         )
         return Monitor(
             pl_module,
@@ -150,11 +180,13 @@ class FP8Monitor(Callback):
         )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.monitor is None:
-            self.monitor = self._build_monitor(trainer, pl_module)
+        if self.monitor is None or self.monitor.closed:
+            self.monitor = self._build_monitor(trainer, pl_module)  # a new run for every fit
         if self._restored is not None:
             self.monitor.load_state_dict(self._restored)
+            self._restored = None
         self._describe_precision(trainer, pl_module)
+        self._loss_sum, self._micro_batches, self._grad_norm = None, 0, None
         self.monitor.attach()
         self.monitor.begin_step(trainer.global_step)
 
@@ -169,8 +201,6 @@ class FP8Monitor(Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         # Gradients are final (accumulated, AMP-unscaled) here and not yet clipped.
         if self.monitor is not None and self.monitor.config.track_grad_norm:
-            from fp8track.monitoring.monitor import total_grad_norm
-
             self._grad_norm = total_grad_norm(pl_module)
 
     def on_train_batch_end(
@@ -180,12 +210,13 @@ class FP8Monitor(Callback):
             return
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         if loss is not None:
-            # Lightning divides the loss by accumulate_grad_batches; undo it.
-            loss = loss.detach() * trainer.accumulate_grad_batches
+            # Lightning divides the loss by accumulate_grad_batches (automatic optimisation); undo it.
+            scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+            loss = loss.detach() * scale
             self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
-            self._micro_batches += 1
+        self._micro_batches += 1
         if trainer.global_step > self._step_at_batch_start:  # an optimizer step completed
-            mean_loss = self._loss_sum / self._micro_batches if self._micro_batches else None
+            mean_loss = self._loss_sum / self._micro_batches if self._loss_sum is not None else None
             flushed = self.monitor.config.samples(self.monitor.global_step)
             self.monitor.end_step(mean_loss, self._grad_norm)
             self._loss_sum, self._micro_batches, self._grad_norm = None, 0, None
@@ -244,8 +275,13 @@ class FP8Monitor(Callback):
             self.monitor.close()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Another rank may be dead or waiting in a different collective: close without reducing.
         if self.monitor is not None:
-            self.monitor.close()
+            self.monitor.close(reduce=False)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":  # state restored for validate/test/predict must not leak into a later fit
+            self._restored = None
 
     # -- checkpointing ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -254,8 +290,6 @@ class FP8Monitor(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Lightning restores callbacks after setup and before on_fit_start: keep it for attach time.
         self._restored = dict(state_dict)
-        if self.monitor is not None:
-            self.monitor.load_state_dict(state_dict)
 
 
 def _sharding_for(trainer: pl.Trainer) -> ShardSpec | None:
@@ -267,17 +301,3 @@ def _sharding_for(trainer: pl.Trainer) -> ShardSpec | None:
     if not isinstance(strategy, ModelParallelStrategy):
         return None
     return ShardSpec(strategy.device_mesh, data_dims=("data_parallel",))
-
-
-def _mlflow_uri(loggers: Sequence[Any]) -> str | None:
-    """Tracking URI of the trainer's MLFlowLogger (for ``mlflow:<run_id>`` baselines), if any."""
-    for logger in loggers:
-        if type(logger).__name__ == "MLFlowLogger":
-            return getattr(logger, "_tracking_uri", None) or logger.experiment.tracking_uri
-    return None
-
-
-def _config_dict(config: MonitorConfig) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    return asdict(config)

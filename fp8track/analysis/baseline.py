@@ -30,8 +30,11 @@ from typing import Any
 
 from fp8track.analysis.spikes import SpikeClassification, SpikeConfig, SpikeEvent, detect_spikes
 from fp8track.errors import ConfigError, check_int
+from fp8track.monitoring.naming import LOSS_METRIC
 
-LOSS_KEYS = ("loss", "fp8/loss", "train_loss", "train/loss", "train_loss_step")
+# fp8track's own loss first (a run directory or a tracker run fp8track wrote), then the bare
+# ``loss`` of run directories written before it moved under ``fp8/``, then common user spellings.
+LOSS_KEYS = (LOSS_METRIC, "loss", "train_loss", "train/loss", "train_loss_step")
 REF_FORMS = (
     "a local fp8track run directory (with meta.json)",
     "'mlflow:<run_id>'",
@@ -54,7 +57,7 @@ class Baseline:
     source: str
     loss: Mapping[int, float]
     spikes: tuple[SpikeEvent, ...] = ()
-    key: str = "loss"
+    key: str = LOSS_METRIC
     meta: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -63,7 +66,7 @@ class Baseline:
         source: str,
         loss: Mapping[int, float],
         spike_config: SpikeConfig | None = None,
-        key: str = "loss",
+        key: str = LOSS_METRIC,
         meta: Mapping[str, Any] | None = None,
     ) -> Baseline:
         """Build from ``{step: loss}``, detecting the control's spikes."""

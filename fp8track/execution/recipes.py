@@ -20,7 +20,9 @@ name                    meaning (TE class)
 String grammar (:meth:`Recipe.from_string`): ``NAME[:TOKEN]...`` where each token is one of
 ``hybrid`` | ``e4m3`` (format), ``h<N>`` (amax history length), ``max`` | ``most_recent``
 (amax compute algorithm), ``m<N>`` (margin), ``gemm=fp8`` | ``gemm=bf16`` (GEMM mode),
-``variant=<torchao variant>``. Example: ``"delayed:hybrid:h16:max"``. Aliases:
+``variant=<torchao variant>``. Example: ``"delayed:hybrid:h16:max"``. Without a format token a
+recipe takes Transformer Engine's default for its class (:data:`TE_DEFAULT_FORMATS`): ``hybrid``
+for ``delayed`` and ``current``, ``e4m3`` for ``mxfp8`` and ``block``. Aliases:
 ``tensorwise`` = ``current``, ``blockwise`` = ``block``, ``rowwise`` and ``rowwise_with_gw_hp``
 = ``current`` with that torchao variant and ``e4m3`` (torchao uses e4m3 for every operand there).
 """
@@ -48,6 +50,19 @@ ALIASES: dict[str, dict[str, Any]] = {
     "rowwise": {"name": "current", "variant": "rowwise", "fp8_format": "e4m3"},
     "rowwise_with_gw_hp": {"name": "current", "variant": "rowwise_with_gw_hp", "fp8_format": "e4m3"},
 }
+# Transformer Engine's default ``fp8_format`` of each recipe class, as declared in
+# transformer_engine/common/recipe/__init__.py: DelayedScaling.fp8_format = Format.HYBRID,
+# Float8CurrentScaling.fp8_format = Format.HYBRID, MXFP8BlockScaling.fp8_format = Format.E4M3,
+# Float8BlockScaling.fp8_format = Format.E4M3. fp8_input_bf16_gemm is current scaling; bf16 quantises
+# nothing (its format only judges shadow statistics, as the delayed default does).
+TE_DEFAULT_FORMATS: dict[str, str] = {
+    "bf16": "hybrid",
+    "delayed": "hybrid",
+    "current": "hybrid",
+    "mxfp8": "e4m3",
+    "block": "e4m3",
+    "fp8_input_bf16_gemm": "hybrid",
+}
 # Megatron-LM / NeMo key spellings accepted by from_dict, mapped to field names.
 _KEY_ALIASES = {
     "fp8_recipe": "name",
@@ -66,8 +81,11 @@ class Recipe:
 
     Attributes:
         name: one of :data:`RECIPE_NAMES`.
-        fp8_format: ``"hybrid"`` (E4M3 forward, E5M2 gradients) or ``"e4m3"`` (E4M3 everywhere).
-        amax_history_len: delayed scaling's amax history length (TE default 1024; Megatron 1).
+        fp8_format: ``"hybrid"`` (E4M3 forward, E5M2 gradients) or ``"e4m3"`` (E4M3 everywhere);
+            ``None`` (the default) takes TE's default of the recipe class (:data:`TE_DEFAULT_FORMATS`)
+            and is stored resolved, so ``Recipe("mxfp8") == Recipe("mxfp8", "e4m3")``.
+        amax_history_len: delayed scaling's amax history length (TE default 1024,
+            ``DelayedScaling.amax_history_len``; Megatron 1).
         amax_compute_algo: ``"max"`` over the history or ``"most_recent"`` entry.
         margin: scale = FP8_MAX / amax / 2**margin (delayed and current scaling).
         gemm: one of :data:`GEMM_MODES` (emulated backend).
@@ -76,7 +94,7 @@ class Recipe:
     """
 
     name: str = "delayed"
-    fp8_format: str = "hybrid"
+    fp8_format: str | None = None
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
     margin: int = 0
@@ -86,6 +104,8 @@ class Recipe:
     def __post_init__(self) -> None:
         if self.name not in RECIPE_NAMES:
             raise invalid_choice("recipe name", self.name, RECIPE_NAMES + tuple(ALIASES))
+        if self.fp8_format is None:  # resolved once, so equality, to_dict and to_string are canonical
+            object.__setattr__(self, "fp8_format", TE_DEFAULT_FORMATS[self.name])
         if str(self.fp8_format) not in FORMAT_PAIRS:
             raise invalid_choice("fp8_format", self.fp8_format, FORMAT_PAIRS, "Pure E5M2 training is not supported")
         check_int("amax_history_len", self.amax_history_len, 1)

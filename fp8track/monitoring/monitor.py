@@ -2,7 +2,7 @@
 
 Plain PyTorch::
 
-    monitor = Monitor(model, MonitorConfig(every_n_steps=10), log_dir="runs")
+    monitor = Monitor(model, CaptureConfig(every_n_steps=10), log_dir="runs")
     for batch in loader:
         loss = model(batch).loss
         loss.backward(); opt.step()
@@ -40,7 +40,7 @@ from fp8track.monitoring.capture import (
     validate_tensors,
     validate_whatif,
 )
-from fp8track.monitoring.naming import metric_name, run_metric, worst_metric
+from fp8track.monitoring.naming import LOSS_METRIC, metric_name, run_metric, worst_metric
 from fp8track.monitoring.records import (
     EventRecord,
     MetricsRecord,
@@ -71,8 +71,9 @@ WORST_MIN = ("cos", "sqnr_db")
 
 
 @dataclass(frozen=True)
-class MonitorConfig:
-    """What to capture and how often. Validated at construction.
+class CaptureConfig:
+    """What to capture and how often. Validated at construction. The frontends take
+    :class:`fp8track.MonitorConfig`, which adds the analysis thresholds to these fields.
 
     Attributes:
         every_n_steps: sample every N-th optimizer step (step % N == 0), N >= 1.
@@ -162,7 +163,7 @@ class Monitor:
 
     Args:
         model: the model (hooks go on its linear-like layers).
-        config: :class:`MonitorConfig`.
+        config: :class:`CaptureConfig`.
         layers: which layers (see :func:`fp8track.monitoring.capture.select_layers`).
         plans: per-layer :class:`LayerPlan` overrides keyed by fqn; other layers get
             :func:`fp8track.monitoring.capture.plan_for` (their backend's scales, or shadow mode for BF16 layers).
@@ -179,7 +180,7 @@ class Monitor:
             for DDP, FSDP2 and DTensor tensor parallelism on one root mesh.
 
     Logged metrics (per sampled step):
-        ``loss``; ``fp8/<layer>/<tensor>/<stat>`` for each stat in ``config.scalar_stats``
+        ``fp8/loss`` (the un-normalised training loss, every step); ``fp8/<layer>/<tensor>/<stat>`` for each stat in ``config.scalar_stats``
         (units: ``_pct`` in percent of the finite elements, ``mse`` in squared tensor units,
         ``sqnr_db`` in dB, ``*_log2`` in binades); ``fp8/worst/<stat>`` (max over layers of
         underflow/overflow/mse/nonfinite, min of cos/sqnr_db, max |scale_drift_log2| as
@@ -189,7 +190,7 @@ class Monitor:
     def __init__(
         self,
         model: nn.Module,
-        config: MonitorConfig | None = None,
+        config: CaptureConfig | None = None,
         *,
         layers: str | Sequence[str] | LayerFilter | None = None,
         plans: Mapping[str, LayerPlan] | None = None,
@@ -201,7 +202,7 @@ class Monitor:
         sharding: ShardSpec | None = None,
     ) -> None:
         self.model = model
-        self.config = cfg = config or MonitorConfig()
+        self.config = cfg = config or CaptureConfig()
         plans = dict(plans or {})
         chosen = select_layers(model, layers)
         self.captures: dict[str, LayerCapture] = {}
@@ -245,6 +246,11 @@ class Monitor:
     @property
     def run_dir(self) -> Path | None:
         return self._writer.run_dir if self._writer else None
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`: the hooks are gone and the run directory is complete."""
+        return self._closed
 
     def attach(self) -> Monitor:
         """Register hooks and (on the writer) open the run directory and trackers. Idempotent."""
@@ -298,12 +304,16 @@ class Monitor:
             self._te.end_step()  # nvdlfw's iteration follows global_step (every rank calls it)
         self.global_step += 1
 
-    def close(self) -> None:
-        """Flush what is pending, close analyzers, trackers and the run directory."""
+    def close(self, reduce: bool = True) -> None:
+        """Flush what is pending, close analyzers, trackers and the run directory.
+
+        ``reduce=False`` runs no collective (after an exception another rank may be dead or inside
+        a different collective): the writer writes its own pending losses, not the ranks' mean.
+        """
         if self._closed:
             return
         if self._pending:
-            self.flush(with_stats=False)
+            self.flush(with_stats=False, reduce=reduce)
         self.detach()
         if self._te is not None:
             self._te.close()
@@ -326,8 +336,9 @@ class Monitor:
             return p.device
         return torch.device("cpu")
 
-    def flush(self, with_stats: bool = True) -> None:
-        """Reduce pending partials and losses across ranks, then write on the writer rank."""
+    def flush(self, with_stats: bool = True, reduce: bool = True) -> None:
+        """Reduce pending partials and losses across ranks (unless ``reduce`` is False: this rank's
+        values only), then write on the writer rank."""
         device = self._device()
         keys: list[tuple[str, str, str]] = []
         parts: list[torch.Tensor] = []
@@ -339,7 +350,7 @@ class Monitor:
         losses = _stack_or_nan([p.loss for p in pending], device)
         gnorms = _stack_or_nan([p.grad_norm for p in pending], device)
         stacked = torch.stack(parts) if parts else torch.zeros((0, PARTIAL_SIZE), dtype=torch.float64, device=device)
-        world = _dist_world()
+        world = _dist_world() if reduce else 1
         if world > 1:
             import torch.distributed as dist
 
@@ -556,7 +567,7 @@ def precision_setup(model: nn.Module, optimizers: Sequence[Any] = (), **extra: A
 
 
 def _loss_metrics(loss: float, grad_norm: float | None) -> dict[str, float]:
-    out = {"loss": loss}
+    out = {LOSS_METRIC: loss}
     if grad_norm is not None:
         out[run_metric("grad_norm")] = grad_norm
     return out
@@ -607,7 +618,7 @@ def total_grad_norm(model: nn.Module) -> torch.Tensor | None:
 
 __all__ = [
     "Monitor",
-    "MonitorConfig",
+    "CaptureConfig",
     "StepAnalyzer",
     "StepSink",
     "DEFAULT_SCALAR_STATS",

@@ -82,6 +82,11 @@ def run_metric(*parts: str) -> str:
     return _join(list(parts))
 
 
+LOSS_METRIC = run_metric("loss")
+"""``fp8/loss``: the training loss as fp8track records it (under ``fp8/`` so it never collides with
+the user's own ``loss``)."""
+
+
 def worst_metric(stat: str) -> str:
     """``fp8/worst/<stat>``: the worst value of ``stat`` over all layers and tensors."""
     return run_metric("worst", stat)

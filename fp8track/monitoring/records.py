@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8track.errors import ConfigError, check_int
+from fp8track.monitoring.naming import LOSS_METRIC
 
 META_FILE = "meta.json"
 METRICS_FILE = "metrics.jsonl"
@@ -106,7 +107,7 @@ class StepBatch:
 
     Attributes:
         step: the trainer's global step (optimizer steps), >= 0.
-        metrics: scalar name -> value; names from :mod:`fp8track.monitoring.naming` (plus ``"loss"``).
+        metrics: scalar name -> value; names from :mod:`fp8track.monitoring.naming` (``fp8/loss`` included).
         tensor_rows: per (layer, tensor, variant) statistics of this step (long-format table rows).
         events: spikes, divergence, drift, findings that happened at or were reported at this step.
     """
@@ -200,6 +201,6 @@ class RunReader:
         for d in _iter_jsonl(self.run_dir / EVENTS_FILE):
             yield EventRecord(**d)
 
-    def series(self, name: str = "loss") -> dict[int, float]:
+    def series(self, name: str = LOSS_METRIC) -> dict[int, float]:
         """``{step: value}`` of one scalar (last value wins if a step repeats)."""
         return {r.step: r.metrics[name] for r in self.metrics() if name in r.metrics}

@@ -1,9 +1,10 @@
-"""Tracker adapters: views of the local run directory in W&B and MLflow.
+"""Tracker adapters: views of the local run directory in W&B, MLflow and any Lightning logger.
 
 Public surface:
 
 - :class:`StepBatch`, :class:`Tracker`, :class:`QueuedTracker`, :class:`TrackerFanout` (base)
-- :func:`trackers_from_loggers`, :func:`make_trackers` (discovery from Lightning loggers)
+- :func:`trackers_from_loggers`, :func:`make_trackers` (discovery from Lightning loggers),
+  :func:`logger_kind`, :func:`mlflow_tracking_uri`, :class:`LoggerTracker` (any other logger)
 - :func:`replay` (``fp8track sync``)
 - ``fp8track.trackers.wandb.WandbTracker``, ``fp8track.trackers.mlflow.MLflowTracker`` and
   ``fp8track.trackers.nvdlfw.TEStatsBridge`` are imported from their modules (they pull in their
@@ -17,6 +18,7 @@ from typing import Any
 
 from fp8track.errors import ConfigError, invalid_choice
 from fp8track.trackers.base import QueuedTracker, StepBatch, Tracker, TrackerFanout
+from fp8track.trackers.loggers import LoggerTracker, logger_kind, mlflow_tracking_uri
 
 # Imported eagerly: the function must shadow the submodule of the same name.
 from fp8track.trackers.replay import replay  # noqa: E402
@@ -24,33 +26,16 @@ from fp8track.trackers.replay import replay  # noqa: E402
 TRACKER_NAMES = ("wandb", "mlflow")
 """Tracker names accepted by :func:`make_trackers` besides ``"auto"`` and ``"none"``."""
 
-_LOGGER_MODULES = ("lightning.pytorch.loggers", "pytorch_lightning.loggers")
-
-
-def _logger_kind(logger: Any) -> str | None:
-    """``"wandb"``/``"mlflow"`` for Lightning's WandbLogger/MLFlowLogger (or subclasses), else None.
-
-    Decided from the class hierarchy's names so that neither wandb nor mlflow (nor Lightning's
-    logger modules) is imported to find out.
-    """
-    for cls in type(logger).__mro__:
-        if not cls.__module__.startswith(_LOGGER_MODULES):
-            continue
-        if cls.__name__ == "WandbLogger":
-            return "wandb"
-        if cls.__name__ == "MLFlowLogger":
-            return "mlflow"
-    return None
-
-
 def trackers_from_loggers(loggers: Sequence[Any], **options: Any) -> list[Tracker]:
-    """Trackers for the W&B and MLflow loggers of a Lightning trainer; other loggers are ignored.
+    """One tracker per logger of a Lightning trainer (:func:`fp8track.trackers.loggers.logger_kind`).
 
     ``WandbLogger`` -> ``WandbTracker(logger.experiment)``; ``MLFlowLogger`` ->
-    ``MLflowTracker(client=logger.experiment, run_id=logger.run_id)``. Accessing ``experiment``
-    creates the logger's run, so call this on global rank 0 only. A second logger of the same kind
-    gets the name ``wandb-1``, ``mlflow-1``, ... ``options`` maps a kind to keyword arguments for
-    its tracker, e.g. ``wandb={"table_every_n_steps": 10}``.
+    ``MLflowTracker(client=logger.experiment, run_id=logger.run_id)``; any other logger with
+    ``log_metrics`` (TensorBoard, CSV, ...) -> :class:`LoggerTracker` (scalar metrics only).
+    Accessing ``experiment`` creates the logger's run, so call this on global rank 0 only. A second
+    logger of the same kind gets the name ``wandb-1``, ``mlflow-1``, ``CSVLogger-1``, ...
+    ``options`` maps ``"wandb"``/``"mlflow"`` to keyword arguments for that tracker, e.g.
+    ``wandb={"table_every_n_steps": 10}``.
     """
     bad = sorted(set(options) - set(TRACKER_NAMES))
     if bad:
@@ -58,14 +43,17 @@ def trackers_from_loggers(loggers: Sequence[Any], **options: Any) -> list[Tracke
     out: list[Tracker] = []
     counts: dict[str, int] = {}
     for logger in loggers:
-        kind = _logger_kind(logger)
+        kind = logger_kind(logger)
         if kind is None:
             continue
-        n = counts.get(kind, 0)
-        counts[kind] = n + 1
+        base = type(logger).__name__ if kind == "generic" else kind
+        n = counts.get(base, 0)
+        counts[base] = n + 1
         kwargs = dict(options.get(kind, {}))
-        kwargs.setdefault("name", kind if n == 0 else f"{kind}-{n}")
-        if kind == "wandb":
+        kwargs.setdefault("name", base if n == 0 else f"{base}-{n}")
+        if kind == "generic":
+            out.append(LoggerTracker(logger, **kwargs))
+        elif kind == "wandb":
             from fp8track.trackers.wandb import WandbTracker
 
             out.append(WandbTracker(logger.experiment, **kwargs))
@@ -97,7 +85,8 @@ def make_trackers(spec: str | Sequence[str | Tracker] | None, loggers: Sequence[
     """Resolve a tracker spec.
 
     Args:
-        spec: ``"auto"`` (one tracker per W&B/MLflow logger in ``loggers``), ``"none"`` or None
+        spec: ``"auto"`` (one tracker per logger in ``loggers``: native W&B/MLflow views, scalar
+            metrics for any other logger), ``"none"`` or None
             (no tracker), a name, or a list whose items are tracker names (``"wandb"``,
             ``"mlflow"``: built from the matching loggers) or :class:`Tracker` objects (used as given).
         loggers: the trainer's loggers (``trainer.loggers``).
@@ -115,13 +104,13 @@ def make_trackers(spec: str | Sequence[str | Tracker] | None, loggers: Sequence[
     items = [spec] if isinstance(spec, str) else list(spec)
     wanted = {i for i in items if isinstance(i, str)}
     for name in sorted(wanted):
-        if not any(_logger_kind(lg) == name for lg in loggers):
+        if not any(logger_kind(lg) == name for lg in loggers):
             logger_cls, tracker_cls = {"wandb": ("WandbLogger", "WandbTracker"), "mlflow": ("MLFlowLogger", "MLflowTracker")}[name]
             raise ConfigError(
                 f"tracker {name!r} was requested but trainer.loggers has no {logger_cls}; add one to the "
                 f"Trainer, or pass a tracker object such as fp8track.trackers.{name}.{tracker_cls}(...)"
             )
-    built = trackers_from_loggers([lg for lg in loggers if _logger_kind(lg) in wanted], **options)
+    built = trackers_from_loggers([lg for lg in loggers if logger_kind(lg) in wanted], **options)
     out: list[Tracker] = [i for i in items if isinstance(i, Tracker)]
     out.extend(built)
     return out
@@ -134,6 +123,9 @@ __all__ = [
     "TrackerFanout",
     "TRACKER_NAMES",
     "trackers_from_loggers",
+    "logger_kind",
+    "mlflow_tracking_uri",
+    "LoggerTracker",
     "make_trackers",
     "validate_tracker_spec",
     "replay",

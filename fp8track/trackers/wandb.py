@@ -142,7 +142,6 @@ class WandbTracker(QueuedTracker):
         self.run.config.update({"fp8track": config}, allow_val_change=True)
         self.run.define_metric(self.step_metric)
         self.run.define_metric(f"{naming.PREFIX}/*", step_metric=self.step_metric, summary=self.summaries)
-        self.run.define_metric("loss", step_metric=self.step_metric, summary=self.summaries)
 
     # -- per step (worker thread) -------------------------------------------------------------
     def _table(self, key: str, columns: Sequence[str]) -> Any:

@@ -48,4 +48,4 @@ def test_ddp_two_ranks_reduce_to_single_process_statistics(tmp_path):
     assert got["amax"] == pytest.approx(whole.abs().max().item())
     assert got["amin"] == pytest.approx(whole.abs()[whole != 0].min().item())
     # The loss series is the mean over ranks and covers every step.
-    assert sorted(reader.series("loss")) == list(range(6))
+    assert sorted(reader.series("fp8/loss")) == list(range(6))

@@ -39,7 +39,7 @@ def test_demo_trains_three_runs_diagnoses_and_keeps_wandb_runs_apart(tmp_path):
     client = MlflowClient(uri)
     for run in summary["runs"]:
         reader = RunReader(run["run_dir"])
-        assert sorted(reader.series("loss")) == list(range(STEPS))
+        assert sorted(reader.series("fp8/loss")) == list(range(STEPS))
         assert {r.step for r in reader.tensor_stats()} == set(range(0, STEPS, EVERY))
         evals = reader.series("fp8/eval/val_loss")  # validation recorded per evaluation
         assert sorted(evals) == [6, 12, 18, 24, 30]
@@ -60,10 +60,10 @@ def test_demo_trains_three_runs_diagnoses_and_keeps_wandb_runs_apart(tmp_path):
     assert len(set(ids)) == 3 and set(ids) <= set(by_id)
     for run in summary["runs"]:
         rows = read_wandb_history(by_id[run["wandb_run_id"]][0])
-        steps = sorted({int(r["trainer/global_step"]) for r in rows if "loss" in r})
+        steps = sorted({int(r["trainer/global_step"]) for r in rows if "fp8/loss" in r})
         assert steps == list(range(0, STEPS, EVERY)) + [STEPS - 1]
-        ours = RunReader(run["run_dir"]).series("loss")
-        assert all(r["loss"] == pytest.approx(ours[int(r["trainer/global_step"])]) for r in rows if "loss" in r)
+        ours = RunReader(run["run_dir"]).series("fp8/loss")
+        assert all(r["fp8/loss"] == pytest.approx(ours[int(r["trainer/global_step"])]) for r in rows if "fp8/loss" in r)
     # the report went into the FP8 runs' W&B runs as HTML (a resumed offline run with the same id)
     for run in (fp8, planted):
         rows = [r for f in by_id[run["wandb_run_id"]] for r in read_wandb_history(f)]

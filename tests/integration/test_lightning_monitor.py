@@ -1,4 +1,5 @@
-"""FP8Monitor inside a real Lightning Trainer: accumulation, loss un-normalisation, resume, errors."""
+"""FP8Monitor inside a real Lightning Trainer: accumulation, loss un-normalisation, errors, trackers,
+on_spike. The Trainer set-ups (resume, second fit, manual optimisation, ...) are in test_lightning_setups.py."""
 
 import sys
 from pathlib import Path
@@ -66,27 +67,12 @@ def test_accumulation_sampling_and_unnormalised_loss(tmp_path):
     act = [r for r in rows if r.layer == "body.0" and r.tensor == "activation"]
     assert all(r.stats["numel"] == 2 * 8 * 16 for r in act)
     # the logged loss is the mean of the two micro-batch losses, not Lightning's loss / 2
-    series = reader.series("loss")
+    series = reader.series("fp8/loss")
     assert sorted(series) == list(range(6))
     for step, value in series.items():
         raw = [v for s, v in model.raw_losses if s == step]
         assert len(raw) == 2
         assert value == pytest.approx(sum(raw) / 2, rel=1e-6)
-
-
-def test_resume_from_checkpoint_continues_the_same_run(tmp_path):
-    ckpt_cb = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
-    mon = FP8Monitor(every_n_steps=3, log_dir=tmp_path / "fp8", trackers="none")
-    _trainer(tmp_path, [mon, ckpt_cb], max_steps=5).fit(Net())
-    ckpt = next((tmp_path / "ckpt").glob("*step=4.ckpt"))
-    saved = torch.load(ckpt, weights_only=False)["callbacks"][mon.state_key]
-    assert saved["global_step"] == 4
-
-    mon2 = FP8Monitor(every_n_steps=3, log_dir=tmp_path / "fp8", trackers="none")
-    _trainer(tmp_path, [mon2], max_steps=8, enable_checkpointing=False).fit(Net(), ckpt_path=ckpt)
-    reader = RunReader(_run_dir(tmp_path))  # one run directory: the resumed run appended to it
-    assert sorted(reader.series("loss")) == list(range(8))
-    assert sorted({r.step for r in reader.tensor_stats()}) == [0, 3, 6]
 
 
 def test_bad_layer_selector_fails_before_the_first_step(tmp_path):
@@ -150,7 +136,8 @@ class JumpingLoss(Net):
 
 @pytest.mark.parametrize("action", ["stop", "checkpoint"])
 def test_on_spike_actions(tmp_path, action):
-    mon = FP8Monitor(every_n_steps=1, log_dir=tmp_path / "fp8", trackers="none", tensors=("weight",), on_spike=action)
+    mon = FP8Monitor(every_n_steps=1, log_dir=tmp_path / "fp8", trackers="none", on_spike=action,
+                      config={"tensors": ["weight"]})
     trainer = _trainer(tmp_path, [mon], max_steps=130, enable_checkpointing=False)
     trainer.fit(JumpingLoss())
     opened = [e for e in RunReader(_run_dir(tmp_path)).events() if e.kind == "spike" and e.data["status"] == "open"]

@@ -72,7 +72,7 @@ def _check(tmp_path: Path, world: int, prefix: str = "") -> None:
                 == len(by_dp) * worker.BATCH * w.shape[1]
             )
     grad_norm = reader.series("fp8/grad_norm")
-    loss = reader.series("loss")
+    loss = reader.series("fp8/loss")
     for step in range(worker.STEPS):
         _close(grad_norm[step], float(saved[(step, "grad_norm")]), f"grad_norm {step}")
         _close(loss[step], float(saved[(step, "loss")]), f"loss {step}")

@@ -59,7 +59,7 @@ def test_sampling_and_records(tmp_path):
     rows = list(reader.tensor_stats())
     assert sorted({r.step for r in rows}) == [0, 4, 5, 8]
     assert {r.variant for r in rows} == {"shadow"}  # plain nn.Linear: what FP8 would do
-    assert len(reader.series("loss")) == 9
+    assert len(reader.series("fp8/loss")) == 9
     # the first layer's activation is the raw input: its statistics are exactly quant_stats(x)
     row = next(r for r in rows if r.step == 4 and r.layer == "0" and r.tensor == "activation")
     assert row.stats == pytest.approx(quant_stats(inputs[4], "e4m3"))
@@ -127,7 +127,7 @@ def test_a_failing_analyzer_warns_once_and_training_goes_on(tmp_path):
     assert sum("Broken failed" in str(w.message) for w in record) == 1
     reader = RunReader(mon.run_dir)
     assert [e.step for e in reader.events() if e.kind == "analysis_error"] == [0, 1, 2]
-    assert len(reader.series("loss")) == 3
+    assert len(reader.series("fp8/loss")) == 3
 
 
 def _events_after_run(tmp_path, losses, stop_at=None):

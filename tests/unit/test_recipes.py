@@ -11,6 +11,26 @@ def test_defaults_match_transformer_engine_delayed_scaling():
 
 
 @pytest.mark.parametrize(
+    ("name", "te_format", "gradient_format"),
+    [
+        # transformer_engine/common/recipe/__init__.py: each class's fp8_format default
+        ("delayed", "hybrid", "e5m2"),  # DelayedScaling: Format.HYBRID
+        ("current", "hybrid", "e5m2"),  # Float8CurrentScaling: Format.HYBRID
+        ("mxfp8", "e4m3", "e4m3"),  # MXFP8BlockScaling: Format.E4M3
+        ("block", "e4m3", "e4m3"),  # Float8BlockScaling: Format.E4M3
+        ("fp8_input_bf16_gemm", "hybrid", "e5m2"),  # current scaling
+    ],
+)
+def test_each_recipe_defaults_to_its_transformer_engine_format(name, te_format, gradient_format):
+    r = Recipe(name)
+    assert r.fp8_format == te_format
+    assert r.formats.for_tensor("gradient").name == gradient_format
+    assert Recipe.from_string(name) == r == Recipe(name, te_format)
+    assert Recipe.from_string(f"{name}:hybrid").fp8_format == "hybrid"  # still selectable
+    assert Recipe.from_dict(r.to_dict()) == r
+
+
+@pytest.mark.parametrize(
     "kwargs, bad, valid",
     [
         ({"name": "fp4"}, "'fp4'", "'mxfp8'"),

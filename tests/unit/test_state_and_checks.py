@@ -14,7 +14,7 @@ from fp8track.analysis.drift import DriftConfig, DriftTracker, WhatIfDelayed
 from fp8track.analysis.spikes import SpikeConfig, SpikeDetector, SpikeEvent
 from fp8track.errors import ConfigError, check_int, restore_state, save_state
 from fp8track.examples.gpt import GPTConfig
-from fp8track.monitoring.monitor import MonitorConfig
+from fp8track.monitoring.monitor import CaptureConfig as MonitorConfig
 from fp8track.monitoring.records import StepBatch
 from fp8track.numerics.scaling import DelayedScaler
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import warnings
 
 import pytest
@@ -130,27 +129,31 @@ def test_failing_tracker_warns_once_keeps_others_and_records_missed_steps(tmp_pa
 
 
 def test_full_queue_refuses_instead_of_blocking(tmp_path):
+    # Deterministic on a busy machine: events order the threads, no sleep and no timing.
     gate = threading.Event()
+    picked_up = threading.Event()
+    gate_timed_out: list[bool] = []
 
     class Stuck(Recorder):
         def _deliver(self, b):
-            gate.wait(10)
+            picked_up.set()
+            # If log() blocked on the full queue, the gate would stay shut until this times out.
+            gate_timed_out.append(not gate.wait(60))
             super()._deliver(b)
 
     t = Stuck(name="stuck", max_queue=1)
     fan = TrackerFanout([t], tmp_path)
     with pytest.warns(RuntimeWarning, match="stuck"):
-        t0 = time.perf_counter()
-        for s in range(5):
-            fan.log(batch(s))
-            time.sleep(0.02)  # let the worker pick up step 0
-        blocked = time.perf_counter() - t0
-    assert blocked < 1.0  # five refusals, no waiting on the stuck worker
+        fan.log(batch(0))
+        assert picked_up.wait(60)  # step 0 is in the worker, the queue is empty again
+        for s in range(1, 5):
+            fan.log(batch(s))  # 1 fills the queue; 2, 3, 4 are refused at once
     missed = missed_steps(tmp_path, "stuck")
     assert missed == [2, 3, 4]  # 0 is in the worker, 1 waits in the queue
     gate.set()
     fan.finish()
     assert [b.step for b in t.got] == [0, 1]
+    assert gate_timed_out == [False, False]  # the training thread never waited on the worker
 
 
 def test_finish_timeout_reports_inflight_and_queued_steps(tmp_path):

@@ -10,7 +10,14 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger
 
 from fp8track.errors import ConfigError
-from fp8track.trackers import make_trackers, trackers_from_loggers, validate_tracker_spec
+from fp8track.trackers import (
+    LoggerTracker,
+    logger_kind,
+    make_trackers,
+    mlflow_tracking_uri,
+    trackers_from_loggers,
+    validate_tracker_spec,
+)
 from fp8track.trackers.base import Tracker
 
 
@@ -49,13 +56,49 @@ def test_auto_from_real_loggers(tmp_path):
     ml2 = MLFlowLogger(experiment_name="e2", tracking_uri=uri, artifact_location=str(tmp_path / "art2"))
     csv = CSVLogger(tmp_path)
     trackers = make_trackers("auto", [csv, ml, ml2], mlflow={"heatmap": False})
-    assert [type(t) for t in trackers] == [MLflowTracker, MLflowTracker]
-    assert [t.name for t in trackers] == ["mlflow", "mlflow-1"]
+    # W&B and MLflow get their native views; any other logger the scalar metrics
+    assert [type(t) for t in trackers] == [LoggerTracker, MLflowTracker, MLflowTracker]
+    assert [t.name for t in trackers] == ["CSVLogger", "mlflow", "mlflow-1"]
+    assert trackers[0].logger is csv
+    trackers = trackers[1:]
     assert trackers[0].run_id == ml.run_id and trackers[1].run_id == ml2.run_id
     assert trackers[0].client is ml.experiment and trackers[0].heatmap is False
     assert not trackers[0].own_run  # Lightning owns the run and terminates it
     assert make_trackers("mlflow", [csv, ml])[0].run_id == ml.run_id
-    assert trackers_from_loggers([csv]) == []
+    assert [type(t) for t in trackers_from_loggers([csv, CSVLogger(tmp_path)])] == [LoggerTracker, LoggerTracker]
+    assert [t.name for t in trackers_from_loggers([csv, CSVLogger(tmp_path)])] == ["CSVLogger", "CSVLogger-1"]
+
+
+def test_logger_kind_from_public_attributes_only(tmp_path):
+    uri = f"sqlite:///{tmp_path}/ml.db"
+    ml = MLFlowLogger(experiment_name="e", tracking_uri=uri, artifact_location=str(tmp_path / "art"))
+
+    class MyMLflow(MLFlowLogger):  # a subclass is still served natively
+        pass
+
+    assert logger_kind(ml) == "mlflow"
+    assert logger_kind(MyMLflow(experiment_name="e", tracking_uri=uri)) == "mlflow"
+    assert logger_kind(CSVLogger(tmp_path)) == "generic"
+    assert logger_kind(object()) is None
+    # the tracking URI comes from the client's public attribute (the baseline resolves mlflow:<id> with it)
+    assert mlflow_tracking_uri([CSVLogger(tmp_path), ml]) == uri
+    assert mlflow_tracking_uri([CSVLogger(tmp_path)]) is None
+
+
+def test_generic_logger_receives_the_scalar_metrics(tmp_path):
+    from fp8track.monitoring.records import StepBatch, TensorStatsRow
+
+    got = []
+
+    class Sink:
+        def log_metrics(self, metrics, step):
+            got.append((step, metrics))
+
+    tracker = LoggerTracker(Sink())
+    row = TensorStatsRow(3, "fc1", "weight", {"mse": 0.5})
+    tracker.log(StepBatch(3, {"fp8/loss": 2.5, "fp8/fc1/weight/mse": 0.5, "note": "text"}, (row,), ()))
+    tracker.finish()
+    assert got == [(3, {"fp8/loss": 2.5, "fp8/fc1/weight/mse": 0.5})]  # scalars only, no table rows
 
 
 def test_no_tracker_library_is_imported_without_its_logger(tmp_path):
@@ -65,7 +108,7 @@ def test_no_tracker_library_is_imported_without_its_logger(tmp_path):
         from lightning.pytorch.loggers import CSVLogger
         from fp8track.trackers import make_trackers
         from fp8track.trackers.base import TrackerFanout
-        assert make_trackers("auto", [CSVLogger({str(tmp_path)!r})]) == []
+        assert [t.name for t in make_trackers("auto", [CSVLogger({str(tmp_path)!r})])] == ["CSVLogger"]
         bad = [m for m in ("wandb", "mlflow", "nvdlfw_inspect") if m in sys.modules]
         assert not bad, bad
         """
