@@ -68,17 +68,21 @@ def _block_recipe(scaling: str, tensor: str) -> str:
     return "block128x128" if tensor == "weight" else "block128"
 
 
-def tensor_partial(x: torch.Tensor, plan: LayerPlan, tensor: str, scaling: str | None = None) -> torch.Tensor:
-    """Partial of ``x`` as ``plan`` quantises it (or as ``scaling`` would, for what-if variants)."""
+def tensor_partial(
+    x: torch.Tensor, plan: LayerPlan, tensor: str, scaling: str | None = None, into: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Partial of ``x`` as ``plan`` quantises it (or as ``scaling`` would, for what-if variants),
+    merged into the accumulator ``into`` when given (the compiled kernel merges in the same call)."""
     fmt = plan.formats[tensor]
     scaling = scaling or plan.scaling
     if scaling == "per_tensor" or scaling == "current":
         scale_fn = plan.scale_fns.get(tensor) if scaling == "per_tensor" else None
         scale = scale_fn() if scale_fn is not None else None
-        return partial_stats(x, fmt, scale, plan.margin)
+        return partial_stats(x, fmt, scale, plan.margin, into=into)
     if x.dim() < 1 or x.shape[-1] == 0:
-        return partial_stats(x, fmt, None, plan.margin)
-    return block_partial_stats(x, _block_recipe(scaling, tensor), fmt)
+        return partial_stats(x, fmt, None, plan.margin, into=into)
+    p = block_partial_stats(x, _block_recipe(scaling, tensor), fmt)
+    return p if into is None else merge_partials([into, p])
 
 
 def is_linear_like(module: nn.Module) -> bool:
@@ -181,6 +185,10 @@ class LayerCapture:
         self.active = False
         self._weight_done = False
         self.partials: dict[tuple[str, str], torch.Tensor] = {}
+        self._observations = [(self.plan.variant, None), *((v, v) for v in self.whatif)]
+        # Attached = wanted; the hook itself is registered only while a sampled step runs, so an
+        # unsampled step does no Python work in this layer at all.
+        self._attached = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def keys(self) -> list[tuple[str, str]]:
@@ -189,17 +197,26 @@ class LayerCapture:
         return [(t, v) for t in self.tensors for v in variants]
 
     def attach(self) -> None:
-        if not self._handles:
-            self._handles.append(self.module.register_forward_hook(self._forward_hook))
+        self._attached = True
+        self._sync_hooks()
 
     def detach(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._attached = False
+        self._sync_hooks()
 
     def begin_step(self, sampled: bool) -> None:
         self.active = sampled
         self._weight_done = False
+        self._sync_hooks()
+
+    def _sync_hooks(self) -> None:
+        want = self._attached and self.active
+        if want and not self._handles:
+            self._handles.append(self.module.register_forward_hook(self._forward_hook))
+        elif not want and self._handles:
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
 
     def take(self, device: torch.device) -> list[torch.Tensor]:
         """The step's partials in :meth:`keys` order (empty partials where nothing was seen); resets."""
@@ -209,12 +226,10 @@ class LayerCapture:
 
     def _add(self, tensor: str, x: torch.Tensor) -> None:
         x = x.detach()
-        observations = [(self.plan.variant, None), *((v, v) for v in self.whatif)]
-        for variant, scaling in observations:
-            p = tensor_partial(x, self.plan, tensor, scaling)
+        partials = self.partials
+        for variant, scaling in self._observations:
             key = (tensor, variant)
-            prev = self.partials.get(key)
-            self.partials[key] = p if prev is None else merge_partials([prev, p])
+            partials[key] = tensor_partial(x, self.plan, tensor, scaling, into=partials.get(key))
 
     def _forward_hook(self, module: nn.Module, args: tuple, output: object) -> None:
         # Training forwards only: evaluation passes (no grad) between steps must not leak into the
