@@ -191,7 +191,7 @@ def monitor_overhead(device: torch.device, p: dict[str, Any]) -> dict[str, Any]:
         for i in range(n):
             b = batches[i % len(batches)]
 
-            def one() -> None:
+            def one(b: torch.Tensor = b) -> None:
                 loss = _fwd_bwd(model, report, b)
                 opt.step()
                 if mon is not None:

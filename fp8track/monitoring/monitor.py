@@ -488,7 +488,7 @@ def _tensor_or_none(v: float | None) -> torch.Tensor | None:
 def _stack_or_nan(values: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
     if not values:
         return torch.zeros(0, dtype=torch.float32, device=device)
-    nan = torch.tensor(math.nan, dtype=torch.float32, device=device)
+    nan = torch.full((), math.nan, dtype=torch.float32, device=device)  # a fill, not a host copy
     return torch.stack([nan if v is None else v.to(device) for v in values])
 
 

@@ -420,7 +420,7 @@ def partial_stats(
             p[_IDX["neg_scale_min"]] = (-s.amin()).to(torch.float64) if s.numel() else -math.inf
         return p if into is None else _merge_two(into, p)
     fconst = _fmt_consts(fmt, margin, x.device)
-    use_current = _BOOL_CACHE.setdefault((s is None, str(x.device)), torch.tensor(s is None, device=x.device))
+    use_current = _flag(s is None, x.device)
     if s is None:
         s = fconst[_F_MARGIN]  # a 0-d placeholder of the right dtype/device, ignored under current scaling
     if s.numel() == 1 and _POLICY.wants(x):
@@ -446,6 +446,16 @@ def partial_stats(
     body = _tensor_partial_body(x2, None, s, use_current, fconst, fmt.dtype)
     out = _assemble(body, n - pad, pad)
     return out if into is None else _merge_two(into, out)
+
+
+def _flag(value: bool, device: torch.device) -> torch.Tensor:
+    """A cached 0-d bool tensor on ``device`` (built once: a host-to-device copy per call would be
+    a copy per observed tensor on a GPU)."""
+    key = (value, str(device))
+    hit = _BOOL_CACHE.get(key)
+    if hit is None:
+        hit = _BOOL_CACHE[key] = torch.tensor(value, device=device)
+    return hit
 
 
 _BOOL_CACHE: dict[tuple[bool, str], torch.Tensor] = {}
