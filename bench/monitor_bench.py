@@ -62,7 +62,7 @@ def train_steps(model, opt, batches, n, monitor, times, sampled=None):
     for i in range(n):
         b = batches[i % len(batches)]
         if sampled is not None:
-            sampled.append(monitor is not None and monitor.sampling)
+            sampled.append(monitor is not None and monitor.config.samples(monitor.global_step))
         t0 = time.perf_counter()
         loss = model.loss(b[:, :-1], b[:, 1:])
         loss.backward()
@@ -179,6 +179,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps-per-round", type=int, default=20)
     parser.add_argument("--models", default="small/bf16,small/delayed,wide/bf16")
+    parser.add_argument("--no-memory", action="store_true", help="step times only")
     parser.add_argument("--memory-child", nargs=4)
     args = parser.parse_args()
     if args.memory_child:
@@ -195,7 +196,7 @@ def main() -> None:
         model_name, recipe = key.split("/")
         result[key] = {
             "step_time": step_times(recipe, model_name, args.rounds, args.steps_per_round),
-            "peak_memory": peak_memory(recipe, model_name, 30),
+            "peak_memory": None if args.no_memory else peak_memory(recipe, model_name, 30),
         }
     result["load_average_1min_at_end"] = round(os.getloadavg()[0], 2)
     print(json.dumps(result, indent=2))
