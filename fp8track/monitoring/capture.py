@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from fp8track.errors import ConfigError, invalid_choice
+from fp8track.monitoring.sharding import ShardSpec, Share, observed_weight, share_of
 from fp8track.numerics.formats import TENSOR_KINDS, get_format_pair
 from fp8track.numerics.stats import block_partial_stats, empty_partial, merge_partials, partial_stats
 
@@ -69,12 +70,23 @@ def _block_recipe(scaling: str, tensor: str) -> str:
 
 
 def tensor_partial(
-    x: torch.Tensor, plan: LayerPlan, tensor: str, scaling: str | None = None, into: torch.Tensor | None = None
+    x: torch.Tensor,
+    plan: LayerPlan,
+    tensor: str,
+    scaling: str | None = None,
+    share: Share | None = None,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Partial of ``x`` as ``plan`` quantises it (or as ``scaling`` would, for what-if variants),
-    merged into the accumulator ``into`` when given (the compiled kernel merges in the same call)."""
+    merged into the accumulator ``into`` when given (the compiled kernel merges in the same call).
+
+    ``share``: this rank's share of a distributed ``x`` (:func:`fp8track.monitoring.sharding.share_of`).
+    """
     fmt = plan.formats[tensor]
     scaling = scaling or plan.scaling
+    if share is not None and not share.trivial:
+        p = _shared_partial(share, plan, tensor, scaling)
+        return p if into is None else merge_partials([into, p])
     if scaling == "per_tensor" or scaling == "current":
         scale_fn = plan.scale_fns.get(tensor) if scaling == "per_tensor" else None
         scale = scale_fn() if scale_fn is not None else None
@@ -83,6 +95,21 @@ def tensor_partial(
         return partial_stats(x, fmt, None, plan.margin, into=into)
     p = block_partial_stats(x, _block_recipe(scaling, tensor), fmt)
     return p if into is None else merge_partials([into, p])
+
+
+def _shared_partial(share: Share, plan: LayerPlan, tensor: str, scaling: str) -> torch.Tensor:
+    """This rank's part of a distributed tensor, judged with the scale of the whole logical tensor."""
+    fmt = plan.formats[tensor]
+    if scaling == "per_tensor" or scaling == "current":
+        scale_fn = plan.scale_fns.get(tensor) if scaling == "per_tensor" else None
+        scale = scale_fn() if scale_fn is not None else None
+        if scale is None:
+            scale = share.scale(fmt, plan.margin)
+        return partial_stats(share.part(), fmt, scale, plan.margin)
+    # Block recipes: slicing would cut blocks, so the first copy takes its whole local tensor.
+    if share.piece:
+        return empty_partial(share.local.device)
+    return tensor_partial(share.local, plan, tensor, scaling)
 
 
 def is_linear_like(module: nn.Module) -> bool:
@@ -177,13 +204,22 @@ class LayerCapture:
     ``partials[(tensor, variant)]`` is the merged partial of the current sampled step (or absent).
     """
 
-    def __init__(self, module: nn.Module, plan: LayerPlan, tensors: Sequence[str], whatif: Sequence[str]) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        plan: LayerPlan,
+        tensors: Sequence[str],
+        whatif: Sequence[str],
+        sharding: ShardSpec | None = None,
+    ) -> None:
         self.module = module
+        self.sharding = sharding
         self.plan = plan
         self.tensors = tuple(tensors)
         self.whatif = tuple(v for v in whatif if not (v == "current" and plan.scaling == "per_tensor" and not plan.fp8))
         self.active = False
         self._weight_done = False
+        self._resting_weight: torch.Tensor | None = None
         self.partials: dict[tuple[str, str], torch.Tensor] = {}
         self._observations = [(self.plan.variant, None), *((v, v) for v in self.whatif)]
         # Attached = wanted; the hook itself is registered only while a sampled step runs, so an
@@ -207,12 +243,16 @@ class LayerCapture:
     def begin_step(self, sampled: bool) -> None:
         self.active = sampled
         self._weight_done = False
+        # Between steps FSDP2 holds the high-precision shard; the forward may see an FP8 all-gather.
+        self._resting_weight = getattr(self.module, "weight", None) if sampled else None
         self._sync_hooks()
 
     def _sync_hooks(self) -> None:
         want = self._attached and self.active
         if want and not self._handles:
-            self._handles.append(self.module.register_forward_hook(self._forward_hook))
+            # First in line: under tensor parallelism the output is still a DTensor (its gradient then
+            # tells its placement) before parallelize_module's own hook turns it into a local tensor.
+            self._handles.append(self.module.register_forward_hook(self._forward_hook, prepend=True))
         elif not want and self._handles:
             for h in self._handles:
                 h.remove()
@@ -226,10 +266,11 @@ class LayerCapture:
 
     def _add(self, tensor: str, x: torch.Tensor) -> None:
         x = x.detach()
+        share = share_of(x, tensor, self.sharding)
         partials = self.partials
         for variant, scaling in self._observations:
             key = (tensor, variant)
-            partials[key] = tensor_partial(x, self.plan, tensor, scaling, into=partials.get(key))
+            partials[key] = tensor_partial(share.local, self.plan, tensor, scaling, share, into=partials.get(key))
 
     def _forward_hook(self, module: nn.Module, args: tuple, output: object) -> None:
         # Training forwards only: evaluation passes (no grad) between steps must not leak into the
@@ -245,7 +286,7 @@ class LayerCapture:
         if "activation" in self.tensors and args and isinstance(args[0], torch.Tensor):
             self._add("activation", args[0])
         if "weight" in self.tensors and not self._weight_done:
-            weight = getattr(module, "weight", None)
+            weight = observed_weight(getattr(module, "weight", None), self._resting_weight)
             if isinstance(weight, torch.Tensor):
                 self._add("weight", weight)
                 self._weight_done = True
