@@ -1,9 +1,13 @@
 """Training overhead of the monitor on the example GPT (CPU): step time and peak memory.
 
 Prints JSON. Configurations are measured side by side, interleaved in rounds so machine noise
-hits all of them alike: no monitor, sampling every 10 steps, sampling every step. Two models:
-the BF16 control (shadow statistics on plain linears: the cheapest step, so the hardest ratio)
-and emulated FP8 with delayed scaling.
+hits all of them alike: no monitor, sampling every 1000 steps (only unsampled steps are timed: the
+cost of a step the monitor skips), every 10 steps, every step. Two models: the BF16 control
+(shadow statistics on plain linears: the cheapest step, so the hardest ratio) and emulated FP8
+with delayed scaling; ``--models`` adds the wider one.
+
+``sampled_step_ms``: median time of the sampled steps alone, so a sampled step after nine
+unsampled ones (every 10) can be compared with one in a row (every step).
 
 Step time: per-step wall time of forward + backward + optimizer step + ``monitor.step``.
 ``mean`` includes the sampled steps (amortised cost); ``median`` is the typical step.
@@ -11,7 +15,7 @@ Peak memory: bytes allocated through malloc (glibc ``mallinfo2``, which torch's 
 uses) at the peaks of each step, maximum over 30 steps, in a fresh subprocess per configuration
 (CPU has no counter like CUDA's ``max_memory_allocated``).
 
-Usage: python bench/monitor_bench.py [--rounds 6] [--steps-per-round 20]
+Usage: python bench/monitor_bench.py [--rounds 6] [--steps-per-round 20] [--models small/bf16,small/delayed]
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -30,7 +35,7 @@ import torch
 from fp8track import Monitor, MonitorConfig
 from fp8track.examples.gpt import GPT, GPTConfig
 
-CONFIGS = {"none": None, "every_10": 10, "every_1": 1}
+CONFIGS = {"none": None, "every_1000": 1000, "every_10": 10, "every_1": 1}
 
 
 MODELS = {
@@ -53,9 +58,11 @@ def build(recipe: str, model_name: str = "small", seed: int = 0):
     return model, opt, batches
 
 
-def train_steps(model, opt, batches, n, monitor, times):
+def train_steps(model, opt, batches, n, monitor, times, sampled=None):
     for i in range(n):
         b = batches[i % len(batches)]
+        if sampled is not None:
+            sampled.append(monitor is not None and monitor.config.samples(monitor.global_step))
         t0 = time.perf_counter()
         loss = model.loss(b[:, :-1], b[:, 1:])
         loss.backward()
@@ -73,6 +80,7 @@ def step_times(recipe: str, model_name: str, rounds: int, per_round: int) -> dic
         name: Monitor(model, MonitorConfig(every_n_steps=n), log_dir=tmp) if n else None for name, n in CONFIGS.items()
     }
     times: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    sampled: dict[str, list[bool]] = {name: [] for name in CONFIGS}
     # Warm-up: every code path once (compilation of the statistics kernels included).
     for mon in monitors.values():
         if mon is not None:
@@ -84,7 +92,7 @@ def step_times(recipe: str, model_name: str, rounds: int, per_round: int) -> dic
         for name, mon in monitors.items():
             if mon is not None:
                 mon.attach()  # each monitor keeps its own step count: 2 sampled steps per round of 20
-            train_steps(model, opt, batches, per_round, mon, times[name])
+            train_steps(model, opt, batches, per_round, mon, times[name], sampled[name])
             if mon is not None:
                 mon.detach()
     for mon in monitors.values():
@@ -100,6 +108,10 @@ def step_times(recipe: str, model_name: str, rounds: int, per_round: int) -> dic
             "median_ratio": statistics.median(ts) / base_median,
             "steps": len(ts),
         }
+        hits = [t for t, hit in zip(ts, sampled[name], strict=True) if hit]
+        if hits:
+            out[name]["sampled_step_ms"] = 1e3 * statistics.median(hits)
+            out[name]["sampled_steps"] = len(hits)
     return out
 
 
@@ -166,6 +178,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps-per-round", type=int, default=20)
+    parser.add_argument("--models", default="small/bf16,small/delayed,wide/bf16")
+    parser.add_argument("--no-memory", action="store_true", help="step times only")
     parser.add_argument("--memory-child", nargs=4)
     args = parser.parse_args()
     if args.memory_child:
@@ -175,13 +189,16 @@ def main() -> None:
     result = {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "load_average_1min_at_start": round(os.getloadavg()[0], 2),
         "models": {k: {"config": vars(c), "batch": b} for k, (c, b) in MODELS.items()},
     }
-    for model_name, recipe in (("small", "bf16"), ("small", "delayed"), ("wide", "bf16")):
-        result[f"{model_name}/{recipe}"] = {
+    for key in args.models.split(","):
+        model_name, recipe = key.split("/")
+        result[key] = {
             "step_time": step_times(recipe, model_name, args.rounds, args.steps_per_round),
-            "peak_memory": peak_memory(recipe, model_name, 30),
+            "peak_memory": None if args.no_memory else peak_memory(recipe, model_name, 30),
         }
+    result["load_average_1min_at_end"] = round(os.getloadavg()[0], 2)
     print(json.dumps(result, indent=2))
 
 

@@ -2,7 +2,9 @@
 
 Prints one JSON object. Times are medians (``*_ms``) and minima (``*_min_ms``) over interleaved
 repetitions: other processes may share the CPU, so candidates are measured side by side in the same
-loop, and the minima show the uncontended cost. Run: ``python bench/stats_bench.py``.
+loop, and the minima show the uncontended cost. ``sweep`` reports the same ratio (statistics over
+one ``abs().amax()`` pass) on 1e6..1e8-element bf16 tensors and ``--plot`` draws it
+(``bench/stats_cost_curve.png``). Run: ``python bench/stats_bench.py [--plot bench/stats_cost_curve.png]``.
 """
 
 from __future__ import annotations
@@ -98,9 +100,53 @@ def _case(shape: tuple[int, int], reps: int, with_naive: bool) -> dict[str, floa
     return res
 
 
+SWEEP_NUMEL = (10**6, 3 * 10**6, 10**7, 3 * 10**7, 10**8)
+
+
+def sweep(reps: int) -> list[dict[str, float]]:
+    """Median ms of one amax pass and of ``partial_stats`` (compiled) per size, interleaved."""
+    stats.set_compile("compiled")
+    rows = []
+    for n in SWEEP_NUMEL:
+        x = torch.randn(n).to(torch.bfloat16)
+        res = _interleaved(
+            {"amax_pass_ms": lambda x=x: x.abs().amax().item(), "partial_stats_ms": lambda x=x: stats.partial_stats(x).tolist()},
+            reps,
+        )
+        rows.append({"numel": n, **{k: round(v, 3) for k, v in res.items()}, "ratio": round(res["partial_stats_ms"] / res["amax_pass_ms"], 3)})
+        del x
+    stats.set_compile("auto")
+    return rows
+
+
+def plot(rows: list[dict[str, float]], path: str, load: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = [r["numel"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.loglog(n, [r["amax_pass_ms"] for r in rows], "o-", label="x.abs().amax() (one read)")
+    a.loglog(n, [r["partial_stats_ms"] for r in rows], "s-", label="partial_stats (all 13 statistics)")
+    a.set_xlabel("elements (bf16)")
+    a.set_ylabel("median ms")
+    a.legend()
+    b.semilogx(n, [r["ratio"] for r in rows], "o-")
+    b.axhline(1.15, color="grey", ls="--", label="goal 1.15x")
+    b.set_xlabel("elements (bf16)")
+    b.set_ylabel("statistics / amax pass")
+    b.legend()
+    fig.suptitle(f"fp8track statistics cost, {torch.get_num_threads()} CPU threads, 1-min load {load:.1f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--sweep-reps", type=int, default=5)
+    parser.add_argument("--plot", default=None, help="write the cost curve PNG here")
     args = parser.parse_args()
     torch.manual_seed(0)
     # First-call compile cost in this process (includes inductor start-up unless already warm).
@@ -130,7 +176,10 @@ def main() -> None:
         "ratio_eager_over_amax": round(big["quant_stats_eager_ms"] / big["amax_pass_ms"], 2),
         "small_ratio_compiled_over_eager": round(small["quant_stats_compiled_ms"] / small["quant_stats_eager_ms"], 2),
     }
+    out["sweep"] = sweep(args.sweep_reps)
     out["load_average_1min_at_end"] = round(os.getloadavg()[0], 2)
+    if args.plot:
+        plot(out["sweep"], args.plot, out["load_average_1min_at_end"])
     print(json.dumps(out, indent=2))
 
 

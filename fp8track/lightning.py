@@ -200,7 +200,7 @@ class FP8Monitor(Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         # Gradients are final (accumulated, AMP-unscaled) here and not yet clipped.
-        if self.monitor is not None and self.monitor.config.track_grad_norm:
+        if self.monitor is not None and self.monitor.config.track_grad_norm and self.monitor.sampling:
             self._grad_norm = total_grad_norm(pl_module)
 
     def on_train_batch_end(

@@ -72,25 +72,33 @@ class LayerPlan:
 
 
 def tensor_partial(
-    x: torch.Tensor, plan: LayerPlan, tensor: str, scaling: str | None = None, share: Share | None = None
+    x: torch.Tensor,
+    plan: LayerPlan,
+    tensor: str,
+    scaling: str | None = None,
+    share: Share | None = None,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Partial of ``x`` as ``plan`` quantises it (or as ``scaling`` would, for what-if variants).
+    """Partial of ``x`` as ``plan`` quantises it (or as ``scaling`` would, for what-if variants),
+    merged into the accumulator ``into`` when given (the compiled kernel merges in the same call).
 
     ``share``: this rank's share of a distributed ``x`` (:func:`fp8track.monitoring.sharding.share_of`).
     """
     fmt = plan.formats[tensor]
     scaling = scaling or plan.scaling
     if share is not None and not share.trivial:
-        return _shared_partial(share, plan, tensor, scaling)
+        p = _shared_partial(share, plan, tensor, scaling)
+        return p if into is None else merge_partials([into, p])
     if scaling == "per_tensor" or scaling == "current":
         scale_fn = plan.scale_fns.get(tensor) if scaling == "per_tensor" else None
         scale = scale_fn() if scale_fn is not None else None
         if scale is None and plan.power_2_scales:
             scale = pow2_current_scale(x, fmt, plan.margin)
-        return partial_stats(x, fmt, scale, plan.margin)
+        return partial_stats(x, fmt, scale, plan.margin, into=into)
     if x.dim() < 1 or x.shape[-1] == 0:
-        return partial_stats(x, fmt, None, plan.margin)
-    return block_partial_stats(x, block_layout(scaling, tensor), fmt, plan.power_2_scales is not False)
+        return partial_stats(x, fmt, None, plan.margin, into=into)
+    p = block_partial_stats(x, block_layout(scaling, tensor), fmt, plan.power_2_scales is not False)
+    return p if into is None else merge_partials([into, p])
 
 
 def pow2_current_scale(x: torch.Tensor, fmt: str, margin: int = 0, amax_epsilon: float = 0.0) -> torch.Tensor:
@@ -215,6 +223,10 @@ class LayerCapture:
         self._weight_done = False
         self._resting_weight: torch.Tensor | None = None
         self.partials: dict[tuple[str, str], torch.Tensor] = {}
+        self._observations: list[tuple[str, str | None]] | None = None  # after the plan resolves
+        # Attached = wanted; the hook itself is registered only while a sampled step runs, so an
+        # unsampled step does no Python work in this layer at all.
+        self._attached = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     @property
@@ -229,27 +241,42 @@ class LayerCapture:
         plan = self.plan
         return tuple(v for v in self._whatif_asked if not (v == "current" and plan.scaling == "per_tensor" and not plan.fp8))
 
+    def _observation_list(self) -> list[tuple[str, str | None]]:
+        """``(variant, what-if scaling)`` pairs observed per tensor; built once the plan is resolved."""
+        if self._observations is None:
+            self._observations = [(self.plan.variant, None), *((v, v) for v in self.whatif)]
+        return self._observations
+
     def keys(self) -> list[tuple[str, str]]:
         """Every (tensor, variant) this layer reports, in a fixed order (same on every rank)."""
         variants = [self.plan.variant, *self.whatif]
         return [(t, v) for t in self.tensors for v in variants]
 
     def attach(self) -> None:
-        if self.hooks and not self._handles:
-            # First in line: under tensor parallelism the output is still a DTensor (its gradient then
-            # tells its placement) before parallelize_module's own hook turns it into a local tensor.
-            self._handles.append(self.module.register_forward_hook(self._forward_hook, prepend=True))
+        self._attached = True
+        self._sync_hooks()
 
     def detach(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._attached = False
+        self._sync_hooks()
 
     def begin_step(self, sampled: bool) -> None:
         self.active = sampled
         self._weight_done = False
         # Between steps FSDP2 holds the high-precision shard; the forward may see an FP8 all-gather.
         self._resting_weight = getattr(self.module, "weight", None) if sampled else None
+        self._sync_hooks()
+
+    def _sync_hooks(self) -> None:
+        want = self.hooks and self._attached and self.active
+        if want and not self._handles:
+            # First in line: under tensor parallelism the output is still a DTensor (its gradient then
+            # tells its placement) before parallelize_module's own hook turns it into a local tensor.
+            self._handles.append(self.module.register_forward_hook(self._forward_hook, prepend=True))
+        elif not want and self._handles:
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
 
     def take(self, device: torch.device) -> list[torch.Tensor]:
         """The step's partials in :meth:`keys` order (empty partials where nothing was seen); resets."""
@@ -276,16 +303,14 @@ class LayerCapture:
     def _add(self, tensor: str, x: torch.Tensor, actual: torch.Tensor | None = None) -> None:
         x = x.detach()
         share = share_of(x, tensor, self.sharding)
-        plan = self.plan
-        observations = [(plan.variant, None), *((v, v) for v in self.whatif)]
-        for variant, scaling in observations:
-            if variant == plan.variant and actual is not None:
-                p = actual
-            else:
-                p = tensor_partial(share.local, plan, tensor, scaling, share)
+        partials = self.partials
+        for variant, scaling in self._observation_list():
             key = (tensor, variant)
-            prev = self.partials.get(key)
-            self.partials[key] = p if prev is None else merge_partials([prev, p])
+            if actual is not None and variant == self.plan.variant:
+                prev = partials.get(key)
+                partials[key] = actual if prev is None else merge_partials([prev, actual])
+                continue
+            partials[key] = tensor_partial(share.local, self.plan, tensor, scaling, share, into=partials.get(key))
 
     def _forward_hook(self, module: nn.Module, args: tuple, output: object) -> None:
         # Training forwards only: evaluation passes (no grad) between steps must not leak into the

@@ -84,7 +84,7 @@ class CaptureConfig:
             ``"block"``), table only.
         per_layer_scalars: False logs per-layer detail to tables only (bounded metric count).
         shadow_format: format pair used to judge BF16 layers (``"hybrid"`` or ``"e4m3"``).
-        track_grad_norm: compute the total gradient norm each step (for spike attribution).
+        track_grad_norm: compute the total gradient norm on sampled steps (for spike attribution).
     """
 
     every_n_steps: int = 10
@@ -238,6 +238,7 @@ class Monitor:
         self._fanout: StepSink | None = None
         self.global_step = 0
         self._sampled = False
+        self._layers_idle = False  # every layer known to be in the unsampled state
         self._pending: list[_PendingStep] = []
         self._closed = False
         self._attached = False
@@ -275,12 +276,22 @@ class Monitor:
             cap.detach()
         self._attached = False
 
+    @property
+    def sampling(self) -> bool:
+        """Whether the current step is sampled (frontends compute the grad norm only then)."""
+        return self._sampled
+
     def begin_step(self, step: int) -> None:
         """Mark the start of optimizer step ``step`` (before its first forward)."""
         self.global_step = step
-        self._sampled = self.config.samples(step)
-        for cap in self.captures.values():
-            cap.begin_step(self._sampled)
+        sampled = self.config.samples(step)
+        # Layers change state only around sampled steps: an unsampled step after an unsampled
+        # one does no per-layer work (no hooks are registered either).
+        if sampled or self._sampled or not self._layers_idle:
+            for cap in self.captures.values():
+                cap.begin_step(sampled)
+            self._layers_idle = not sampled
+        self._sampled = sampled
 
     def step(self, loss: torch.Tensor | float | None = None, grad_norm: torch.Tensor | float | None = None) -> None:
         """End the current optimizer step (plain-loop API): record, maybe flush, advance."""
@@ -289,19 +300,29 @@ class Monitor:
 
     def end_step(self, loss: torch.Tensor | float | None = None, grad_norm: torch.Tensor | float | None = None) -> None:
         """Record the step's loss (un-normalised, mean over micro-batches), flush if sampled, and
-        advance the step counter (``global_step`` then names the next step, as Lightning's does)."""
+        advance the step counter (``global_step`` then names the next step, as Lightning's does).
+
+        On an unsampled step only the loss is kept (on its device, no copy): no grad norm (a
+        ``grad_norm`` passed in is dropped), no per-layer work, no device work.
+        """
         if not self._attached:
             self.attach()
+        if not self._sampled:
+            self._pending.append(_PendingStep(self.global_step, _detached(loss), None))
+            if self._te is not None:
+                self._te.end_step()  # nvdlfw's iteration follows global_step (every rank calls it)
+            self.global_step += 1
+            return
         if self.config.track_grad_norm and grad_norm is None:
             grad_norm = total_grad_norm(self.model)
         self._pending.append(_PendingStep(self.global_step, _detached(loss), _detached(grad_norm)))
-        if self._sampled:
-            self.flush()
+        self.flush()
         self._sampled = False
         for cap in self.captures.values():  # nothing is captured between steps (e.g. validation)
             cap.begin_step(False)
         if self._te is not None:
             self._te.end_step()  # nvdlfw's iteration follows global_step (every rank calls it)
+        self._layers_idle = True
         self.global_step += 1
 
     def close(self, reduce: bool = True) -> None:
@@ -592,7 +613,7 @@ def _tensor_or_none(v: float | None) -> torch.Tensor | None:
 def _stack_or_nan(values: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
     if not values:
         return torch.zeros(0, dtype=torch.float32, device=device)
-    nan = torch.tensor(math.nan, dtype=torch.float32, device=device)
+    nan = torch.full((), math.nan, dtype=torch.float32, device=device)  # a fill, not a host copy
     return torch.stack([nan if v is None else v.to(device) for v in values])
 
 

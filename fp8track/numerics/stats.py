@@ -99,7 +99,6 @@ def empty_partial(device: torch.device | str | None = None) -> torch.Tensor:
 
 _CHUNK = 1024
 _ROW_FIELDS = SUM_FIELDS[1:]  # numel is known on the host
-_F32_EXP_MASK = 0x7F800000
 
 
 def _pow2_normaliser(amax_v: torch.Tensor) -> torch.Tensor:
@@ -108,41 +107,56 @@ def _pow2_normaliser(amax_v: torch.Tensor) -> torch.Tensor:
     return ((254 - biased) << 23).view(torch.float32)
 
 
-def round_to_fp8_grid(v: torch.Tensor, mantissa_bits: int, smallest_subnormal_bits: int) -> torch.Tensor:
+# Format constants as one float32 device tensor (see _fmt_consts), so one compiled graph serves
+# every format and margin: max, 2**-margin, then the three constants of round_to_fp8_grid.
+_F_MAX, _F_MARGIN, _F_SPLIT, _F_SUB_MAGIC, _F_MIN_NORMAL = range(5)
+
+
+def round_to_fp8_grid(v: torch.Tensor, fconst: torch.Tensor) -> torch.Tensor:
     """Round float32 ``v`` (already within ±max) to the nearest FP8 value, ties to even, staying float32.
 
-    Pure float32/int32 arithmetic, so inductor vectorises it (its float8 cast is scalar code): the
-    spacing of FP8 values around ``v`` is ``2**(exponent(v) - mantissa_bits)``, never below the
-    smallest subnormal; dividing by a power of two is exact and ``torch.round`` rounds half to even.
-    Bit-exact with ``v.to(float8).float()`` (checked on every bfloat16 and float16 value).
+    Float32 additions and multiplications only, so inductor vectorises it without bit casts (a
+    float<->int bit cast is scalar code in inductor's CPU backend and cost 2.4x this whole function):
+
+    * normal range (``|v| >= smallest normal``): Veltkamp-Dekker splitting. With
+      ``split = 2**(23 - mantissa_bits)``, ``g = v * split + v`` and ``g + (v - g)`` is ``v`` rounded to
+      ``mantissa_bits + 1`` significant bits by the float32 adder's round-half-even. ``v * split`` is
+      exact (a power of two), so a fused multiply-add rounds ``g`` the same way.
+    * subnormal range: the spacing is fixed (the smallest subnormal ``q``); adding and subtracting
+      ``1.5 * 2**23 * q`` rounds ``|v|`` to a multiple of ``q``, half to even; ``copysign`` keeps -0.
+
+    Bit-exact with ``v.to(float8).float()`` (checked on every bfloat16 and float16 value at several
+    scales in tests/unit/test_stats.py).
 
     Args:
         v: float32 tensor with ``|v| <= fmt.max``.
-        mantissa_bits: explicit mantissa bits of the format (3 for e4m3, 2 for e5m2).
-        smallest_subnormal_bits: float32 bit pattern of the format's smallest subnormal.
+        fconst: the format's constants from :func:`_fmt_consts`.
     """
-    exp_bits = v.abs().view(torch.int32) & _F32_EXP_MASK
-    ulp = (exp_bits - (mantissa_bits << 23)).clamp(min=smallest_subnormal_bits).view(torch.float32)
-    return torch.round(v / ulp) * ulp
+    g = v * fconst[_F_SPLIT] + v
+    normal = g + (v - g)
+    magic = fconst[_F_SUB_MAGIC]
+    subnormal = torch.copysign((v.abs() + magic) - magic, v)
+    return torch.where(v.abs() < fconst[_F_MIN_NORMAL], subnormal, normal)
 
 
-def _fmt_consts(fmt: FP8Format, margin: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Format constants as device tensors (cached), so one compiled graph serves every format and margin.
-
-    Returns ``(f, i)``: float32 ``[fmt.max, 2**-margin]`` and int32 ``[mantissa_bits << 23, bits of the
-    smallest subnormal]``.
-    """
+def _fmt_consts(fmt: FP8Format, margin: int, device: torch.device) -> torch.Tensor:
+    """The format's float32 constants on ``device`` (cached): max, ``2**-margin``, and the splitting
+    factor, subnormal rounding constant and smallest normal of :func:`round_to_fp8_grid`."""
     key = (fmt.name, margin, str(device))
     hit = _CONST_CACHE.get(key)
     if hit is None:
-        sub_bits = (127 + round(math.log2(fmt.smallest_subnormal))) << 23
-        f = torch.tensor([fmt.max, 2.0**-margin], dtype=torch.float32, device=device)
-        i = torch.tensor([fmt.mantissa_bits, sub_bits], dtype=torch.int32, device=device)
-        hit = _CONST_CACHE[key] = (f, i)
+        values = [
+            fmt.max,
+            2.0**-margin,
+            2.0 ** (23 - fmt.mantissa_bits),
+            1.5 * 2.0**23 * fmt.smallest_subnormal,
+            fmt.smallest_normal,
+        ]
+        hit = _CONST_CACHE[key] = torch.tensor(values, dtype=torch.float32, device=device)
     return hit
 
 
-_CONST_CACHE: dict[tuple[str, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+_CONST_CACHE: dict[tuple[str, int, str], torch.Tensor] = {}
 
 
 def _finite_abs(x: torch.Tensor) -> torch.Tensor:
@@ -155,7 +169,6 @@ def _row_sums(
     scale: torch.Tensor,
     p: torch.Tensor,
     fconst: torch.Tensor,
-    iconst: torch.Tensor,
     fp8_dtype: torch.dtype | None,
     acc: torch.dtype,
 ) -> torch.Tensor:
@@ -163,7 +176,7 @@ def _row_sums(
 
     ``fp8_dtype`` None rounds with :func:`round_to_fp8_grid` (compiled path), else with the real cast.
     """
-    fmt_max = fconst[0]
+    fmt_max = fconst[_F_MAX]
     x = x2.to(torch.float32)
     finite = torch.isfinite(x)
     xf = torch.where(finite, x, 0.0)
@@ -174,7 +187,7 @@ def _row_sums(
     overflow = xs.abs() > fmt_max * OVERFLOW_RTOL
     clipped = torch.minimum(torch.maximum(xs, -fmt_max), fmt_max)
     if fp8_dtype is None:
-        q = round_to_fp8_grid(clipped, iconst[0], iconst[1])
+        q = round_to_fp8_grid(clipped, fconst)
     else:
         q = clipped.to(fp8_dtype).to(torch.float32)
     # q == 0 must dequantise to 0 even for a zero scale (0 / 0 is NaN).
@@ -192,7 +205,6 @@ def _tensor_partial_body(
     scale: torch.Tensor,
     use_current: torch.Tensor,
     fconst: torch.Tensor,
-    iconst: torch.Tensor,
     fp8_dtype: torch.dtype | None,
 ) -> torch.Tensor:
     """Partial without ``numel`` (``PARTIAL_SIZE - 1`` float64 values) of rows ``main`` plus rows ``tail``.
@@ -204,15 +216,39 @@ def _tensor_partial_body(
     absvals = [_finite_abs(t) for t in parts]
     amax_v = torch.stack([a.amax() for a in absvals]).amax()
     amin_v = torch.stack([torch.where(a > 0, a, math.inf).amin() for a in absvals]).amin()
-    s = torch.where(use_current, scale_from_amax(amax_v, fconst[0], fconst[1]), scale)
+    s = torch.where(use_current, scale_from_amax(amax_v, fconst[_F_MAX], fconst[_F_MARGIN]), scale)
     p = _pow2_normaliser(amax_v)
     acc = torch.float32 if fp8_dtype is None else torch.float64
-    rows = torch.cat([_row_sums(t, s, p, fconst, iconst, fp8_dtype, acc) for t in parts])
+    rows = torch.cat([_row_sums(t, s, p, fconst, fp8_dtype, acc) for t in parts])
     sums = rows.sum(dim=0, dtype=torch.float64)
     inv_p2 = p.to(torch.float64).reciprocal().square()
     sums = torch.cat([sums[:4], sums[4:] * inv_p2])
     maxes = torch.stack([amax_v, -amin_v, s.amax(), -s.amin()]).to(torch.float64)
     return torch.cat([sums, maxes])
+
+
+def _merge_two(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Merge two ``[PARTIAL_SIZE]`` partials (sums add, maxima take the max)."""
+    return torch.cat([a[:NUM_SUM] + b[:NUM_SUM], torch.maximum(a[NUM_SUM:], b[NUM_SUM:])])
+
+
+def _compiled_partial(
+    main: torch.Tensor,
+    tail: torch.Tensor | None,
+    into: torch.Tensor,
+    scale: torch.Tensor,
+    use_current: torch.Tensor,
+    fconst: torch.Tensor,
+) -> torch.Tensor:
+    """What the compiled kernel runs: the partial of rows ``main`` (+ ``tail``) merged into ``into``.
+
+    The element count and the merge are part of the graph, so one call returns the accumulator's
+    new value (no eager glue ops around the kernel). The count includes padding of ``tail``; the
+    caller removes it.
+    """
+    numel = main.numel() if tail is None else main.numel() + tail.numel()
+    body = _tensor_partial_body(main, tail, scale, use_current, fconst, None)
+    return _merge_two(into, torch.cat([body.new_full((1,), numel), body]))
 
 
 # --- compilation policy ------------------------------------------------------------------------------
@@ -248,7 +284,7 @@ class _CompilePolicy:
 
     def get_kernel(self) -> Any:
         if self.kernel is None:
-            self.kernel = torch.compile(_tensor_partial_body, options=_INDUCTOR_OPTIONS)
+            self.kernel = torch.compile(_compiled_partial, options=_INDUCTOR_OPTIONS)
         return self.kernel
 
 
@@ -311,6 +347,25 @@ def _assemble(body: torch.Tensor, numel: int, pad: int) -> torch.Tensor:
     return torch.cat([head, body])
 
 
+def _remove_padding(partial: torch.Tensor, pad: int) -> torch.Tensor:
+    """Take ``pad`` zero elements of padding out of the element and finite counts."""
+    fix = torch.zeros(PARTIAL_SIZE, dtype=torch.float64, device=partial.device)
+    fix[:2] = pad
+    return partial - fix
+
+
+def _identity(device: torch.device) -> torch.Tensor:
+    """A cached :func:`empty_partial` (read only: the kernel merges into it and returns a new tensor)."""
+    key = str(device)
+    hit = _IDENTITY_CACHE.get(key)
+    if hit is None:
+        hit = _IDENTITY_CACHE[key] = empty_partial(device)
+    return hit
+
+
+_IDENTITY_CACHE: dict[str, torch.Tensor] = {}
+
+
 def _as_scale(scale: torch.Tensor | float, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(scale, dtype=torch.float32, device=device)
 
@@ -329,6 +384,7 @@ def partial_stats(
     scale: torch.Tensor | float | None = None,
     margin: int = 0,
     pad: int = 0,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mergeable partial sums of ``x`` quantised to ``fmt`` with ``scale``; no host sync.
 
@@ -339,9 +395,12 @@ def partial_stats(
             scales); ``None`` means current scaling (computed on the device from the finite amax).
         margin: exponent margin of current scaling (only used when ``scale`` is None).
         pad: number of zero elements in ``x`` that are padding (block views), removed from the counts.
+        into: an accumulator partial to merge the result into (micro-batches of one step); the
+            compiled kernel merges in the same call. ``into`` itself is not modified.
 
     Returns:
-        float64 tensor of shape ``[PARTIAL_SIZE]`` on ``x``'s device (layout: :data:`PARTIAL_FIELDS`).
+        float64 tensor of shape ``[PARTIAL_SIZE]`` on ``x``'s device (layout: :data:`PARTIAL_FIELDS`):
+        the partial of ``x``, merged with ``into`` when given (a new tensor).
     """
     fmt = get_format(fmt)
     x = x.detach()
@@ -352,18 +411,19 @@ def partial_stats(
         if s is not None:
             p[_IDX["scale_max"]] = s.amax().to(torch.float64) if s.numel() else -math.inf
             p[_IDX["neg_scale_min"]] = (-s.amin()).to(torch.float64) if s.numel() else -math.inf
-        return p
-    fconst, iconst = _fmt_consts(fmt, margin, x.device)
-    use_current = _BOOL_CACHE.setdefault((s is None, str(x.device)), torch.tensor(s is None, device=x.device))
+        return p if into is None else _merge_two(into, p)
+    fconst = _fmt_consts(fmt, margin, x.device)
+    use_current = _flag(s is None, x.device)
     if s is None:
-        s = fconst[1:]  # placeholder of the right dtype/device, ignored under current scaling
+        s = fconst[_F_MARGIN]  # a 0-d placeholder of the right dtype/device, ignored under current scaling
     if s.numel() == 1 and _POLICY.wants(x):
         main, tail, tail_pad = _split_rows(x)
         try:
             if main.shape[0] >= 2:
                 torch._dynamo.mark_dynamic(main, 0)
-            body = _POLICY.get_kernel()(main, tail, s.reshape(()), use_current, fconst, iconst, None)
-            return _assemble(body, n - pad, pad + tail_pad)
+            acc = _identity(x.device) if into is None else into
+            out = _POLICY.get_kernel()(main, tail, acc, s.reshape(()), use_current, fconst)
+            return _remove_padding(out, pad + tail_pad) if pad + tail_pad else out
         except Exception as exc:  # compiler missing or broken: warn once, stay eager
             _POLICY.failed = True
             warnings.warn(f"fp8track: torch.compile of the statistics kernel failed ({exc!r}); using eager", stacklevel=2)
@@ -376,8 +436,19 @@ def partial_stats(
             s = s.expand(x.shape).reshape(x2.shape)
     else:
         x2, s = x.reshape(1, -1), s.reshape(())
-    body = _tensor_partial_body(x2, None, s, use_current, fconst, iconst, fmt.dtype)
-    return _assemble(body, n - pad, pad)
+    body = _tensor_partial_body(x2, None, s, use_current, fconst, fmt.dtype)
+    out = _assemble(body, n - pad, pad)
+    return out if into is None else _merge_two(into, out)
+
+
+def _flag(value: bool, device: torch.device) -> torch.Tensor:
+    """A cached 0-d bool tensor on ``device`` (built once: a host-to-device copy per call would be
+    a copy per observed tensor on a GPU)."""
+    key = (value, str(device))
+    hit = _BOOL_CACHE.get(key)
+    if hit is None:
+        hit = _BOOL_CACHE[key] = torch.tensor(value, device=device)
+    return hit
 
 
 _BOOL_CACHE: dict[tuple[bool, str], torch.Tensor] = {}

@@ -72,6 +72,31 @@ def test_sampling_and_records(tmp_path):
     assert math.isfinite(metrics[4]["fp8/grad_norm"])
 
 
+def test_unsampled_steps_keep_only_the_loss(tmp_path):
+    # No hooks, no grad norm, no per-layer state on unsampled steps; the loss is still recorded.
+    model = _mlp()
+    layers = [model[0], model[2]]
+    mon = Monitor(model, MonitorConfig(every_n_steps=3), log_dir=tmp_path).attach()
+    hooked, sampled = [], []
+    for step in range(7):
+        hooked.append(all(len(m._forward_hooks) == 1 for m in layers))
+        assert all(len(m._forward_hooks) in (0, 1) for m in layers)
+        sampled.append(mon.sampling)
+        loss = model(torch.randn(4, 16)).pow(2).mean()
+        loss.backward()
+        mon.step(loss=loss, grad_norm=123.0 if step == 1 else None)
+        model.zero_grad()
+    mon.close()
+    assert hooked == sampled == [s % 3 == 0 for s in range(7)]
+    reader = RunReader(mon.run_dir)
+    assert len(reader.series("fp8/loss")) == 7
+    gnorm_steps = [r.step for r in reader.metrics() if "fp8/grad_norm" in r.metrics]
+    assert gnorm_steps == [0, 3, 6]  # the grad norm passed in on unsampled step 1 is dropped
+    assert sorted({r.step for r in reader.tensor_stats()}) == [0, 3, 6]
+    mon.detach()
+    assert all(len(m._forward_hooks) == 0 for m in layers)
+
+
 def test_micro_batches_merge_exactly(tmp_path):
     model = _mlp()
     mon = Monitor(model, MonitorConfig(every_n_steps=1, tensors=("activation",)), log_dir=tmp_path).attach()

@@ -414,15 +414,15 @@ def _all_patterns(dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_emulated_rounding_is_bit_exact_on_every_bf16_and_fp16_value(fmt):
     f = stats.get_format(fmt)
-    _, iconst = stats._fmt_consts(f, 0, torch.device("cpu"))
+    fconst = stats._fmt_consts(f, 0, torch.device("cpu"))
     compiled = torch.compile(stats.round_to_fp8_grid)
     for dtype in (torch.bfloat16, torch.float16):
         v = _all_patterns(dtype)
-        for s in (1.0, 448.0 / 3.0, 2.0**-10, 1e5):
+        for s in (1.0, 448.0 / 3.0, 2.0**-10, 1e5, 0.37):
             vs = (v * s).clamp(-f.max, f.max)
             want = vs.to(f.dtype).float()
             for fn in (stats.round_to_fp8_grid, compiled):
-                got = fn(vs, iconst[0], iconst[1])
+                got = fn(vs, fconst)
                 assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (fmt, dtype, s)
 
 
@@ -485,7 +485,7 @@ def test_failed_compilation_warns_once_and_falls_back():
     x = torch.randn(5000)
     old = stats._POLICY.kernel
     stats.set_compile("compiled")
-    stats._POLICY.kernel = torch.compile(stats._tensor_partial_body, backend=broken_backend)
+    stats._POLICY.kernel = torch.compile(stats._compiled_partial, backend=broken_backend)
     try:
         with pytest.warns(UserWarning, match="using eager"):
             got = partial_stats(x, "e4m3")
@@ -497,3 +497,19 @@ def test_failed_compilation_warns_once_and_falls_back():
     finally:
         stats._POLICY.kernel = old
         stats.set_compile("auto")
+
+
+def test_merging_into_an_accumulator_equals_merge_partials(mode):
+    # The compiled kernel merges into the accumulator in the same call; eager merges after.
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randn(4 * 1024, generator=gen).to(torch.bfloat16)
+    b = (torch.randn(3000, generator=gen) * 7).to(torch.bfloat16)  # a padded tail row
+    acc = partial_stats(a, "e4m3")
+    before = acc.clone()
+    merged = partial_stats(b, "e4m3", into=acc)
+    assert torch.equal(acc, before)  # the accumulator itself is untouched
+    want = merge_partials([partial_stats(a, "e4m3"), partial_stats(b, "e4m3")])
+    assert torch.equal(merged[:5], want[:5]) and merged[0] == 4096 + 3000
+    assert torch.allclose(merged, want, rtol=1e-12, atol=0)
+    empty = partial_stats(torch.zeros(0), "e4m3", into=acc)
+    assert torch.equal(empty, acc)
