@@ -216,6 +216,7 @@ class Monitor:
         self._pending: list[_PendingStep] = []
         self._closed = False
         self._attached = False
+        self._resume_step: int | None = None  # set by load_state_dict: records from here on are redone
 
     # -- lifecycle -------------------------------------------------------------------------------
     @property
@@ -229,7 +230,7 @@ class Monitor:
         for cap in self.captures.values():
             cap.attach()
         if self.is_writer and self.log_dir is not None and self._writer is None:
-            self._writer = RunWriter.create(self.log_dir, self.meta)
+            self._writer = RunWriter.create(self.log_dir, self.meta, self._resume_step)
             if self._sink_factory is not None:
                 self._fanout = self._sink_factory(self._writer.run_dir)
                 self._fanout.start(self.meta)
@@ -424,6 +425,10 @@ class Monitor:
             self._pending = [
                 _PendingStep(s, _tensor_or_none(loss), _tensor_or_none(g)) for s, loss, g in state["pending"]
             ]
+        if "run_id" in state and self._writer is None:
+            # What the run directory holds from this step on came from a process that died after
+            # the checkpoint: RunWriter drops it and the resumed run writes those steps once.
+            self._resume_step = min([p.step for p in self._pending] + [self.global_step])
         for a, s in zip(self.analyzers, state.get("analyzers", []), strict=False):
             a.load_state_dict(s)
 

@@ -46,7 +46,7 @@ def _logger_kind(logger: Any) -> str | None:
 def trackers_from_loggers(loggers: Sequence[Any], **options: Any) -> list[Tracker]:
     """Trackers for the W&B and MLflow loggers of a Lightning trainer; other loggers are ignored.
 
-    ``WandbLogger`` -> ``WandbTracker(logger.experiment)``; ``MLFlowLogger`` ->
+    ``WandbLogger`` -> ``WandbTracker`` over ``logger.experiment`` (opened on first use); ``MLFlowLogger`` ->
     ``MLflowTracker(client=logger.experiment, run_id=logger.run_id)``. Accessing ``experiment``
     creates the logger's run, so call this on global rank 0 only. A second logger of the same kind
     gets the name ``wandb-1``, ``mlflow-1``, ... ``options`` maps a kind to keyword arguments for
@@ -68,7 +68,8 @@ def trackers_from_loggers(loggers: Sequence[Any], **options: Any) -> list[Tracke
         if kind == "wandb":
             from fp8track.trackers.wandb import WandbTracker
 
-            out.append(WandbTracker(logger.experiment, **kwargs))
+            # Opened on first use: a failing wandb.init becomes a tracker failure, not a crash here.
+            out.append(WandbTracker(lambda logger=logger: logger.experiment, **kwargs))
         else:
             from fp8track.trackers.mlflow import MLflowTracker
 

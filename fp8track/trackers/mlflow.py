@@ -88,39 +88,91 @@ def flatten(prefix: str, value: Any) -> dict[str, str]:
     return out
 
 
-def heatmap_matrix(
-    rows: Iterable[TensorStatsRow], stat: str, variants: Sequence[str] = ("actual", "shadow")
-) -> tuple[list[str], list[int], np.ndarray]:
-    """Layer-by-step matrix of one statistic, over the rows of the recipe really used (``actual``)
-    and of BF16 layers judged in shadow mode (``shadow``); what-if variants are left out.
+class HeatmapSummary:
+    """A fixed-size layer-by-step summary of some statistics, for the heatmap.
 
-    Returns ``(labels, steps, m)`` where ``labels`` are ``"<layer>/<tensor>"`` in order of first
-    appearance, ``steps`` are sorted, and ``m[i, j]`` is the value of ``stat`` for ``labels[i]``
-    at ``steps[j]`` (NaN where not sampled; the last row wins if a cell repeats).
+    Memory stays bounded over any number of steps: at most ``max_columns`` step columns per
+    ``"<layer>/<tensor>"`` label. When a step falls past the last column, the columns are merged
+    pairwise (each then spans twice as many steps) and the later value of a pair is kept, the same
+    as the cell's "last value wins" rule. Only the rows of the recipe really used (``actual``) and
+    of BF16 layers judged in shadow mode (``shadow``) are kept; what-if variants are left out.
+
+    Args:
+        stats: statistics to keep.
+        max_columns: the most step columns kept (>= 2).
     """
-    import numpy as np
 
-    cells: dict[tuple[str, int], float] = {}
-    labels: dict[str, None] = {}
-    steps: set[int] = set()
-    for r in rows:
-        if r.variant not in variants or stat not in r.stats:
-            continue
-        label = f"{r.layer}/{r.tensor}"
-        labels.setdefault(label, None)
-        steps.add(int(r.step))
-        v = r.stats[stat]
-        cells[(label, int(r.step))] = float(v) if v is not None else math.nan
-    label_list, step_list = list(labels), sorted(steps)
-    m = np.full((len(label_list), len(step_list)), np.nan)
-    li = {lab: i for i, lab in enumerate(label_list)}
-    si = {s: j for j, s in enumerate(step_list)}
-    for (lab, s), v in cells.items():
-        m[li[lab], si[s]] = v
-    return label_list, step_list, m
+    VARIANTS = ("actual", "shadow")
+
+    def __init__(self, stats: Sequence[str], max_columns: int = 256) -> None:
+        from fp8track.errors import check_int
+
+        check_int("max_columns", max_columns, 2)
+        self.stats = tuple(stats)
+        self.max_columns = max_columns
+        self.first_step: int | None = None
+        self.width = 1  # steps per column
+        self.labels: dict[str, int] = {}
+        self.cells: dict[tuple[str, int, int], float] = {}  # (stat, label index, column) -> value
+        self.last_col = -1
+
+    def add(self, rows: Iterable[TensorStatsRow]) -> None:
+        for r in rows:
+            if r.variant not in self.VARIANTS:
+                continue
+            step = int(r.step)
+            if self.first_step is None:
+                self.first_step = step
+            if step < self.first_step:
+                continue  # a step before the first one seen (a replay out of order): not shown
+            col = (step - self.first_step) // self.width
+            while col >= self.max_columns:
+                self._halve()
+                col = (step - self.first_step) // self.width
+            li = self.labels.setdefault(f"{r.layer}/{r.tensor}", len(self.labels))
+            self.last_col = max(self.last_col, col)
+            for stat in self.stats:
+                if stat in r.stats:
+                    v = r.stats[stat]
+                    self.cells[(stat, li, col)] = float(v) if v is not None else math.nan
+
+    def _halve(self) -> None:
+        merged: dict[tuple[str, int, int], float] = {}
+        for (stat, li, col) in sorted(self.cells, key=lambda k: k[2]):  # later columns overwrite
+            merged[(stat, li, col // 2)] = self.cells[(stat, li, col)]
+        self.cells = merged
+        self.width *= 2
+        self.last_col //= 2
+
+    def matrix(self, stat: str) -> tuple[list[str], list[int], np.ndarray]:
+        """``(labels, steps, m)``: labels with a value of ``stat`` in order of first appearance,
+        the first step of each column, and ``m[i, j]`` (NaN where nothing was sampled)."""
+        import numpy as np
+
+        used = sorted({li for (st, li, _c) in self.cells if st == stat})
+        names = {i: lab for lab, i in self.labels.items()}
+        ncol = self.last_col + 1
+        m = np.full((len(used), max(ncol, 0)), np.nan)
+        row = {li: i for i, li in enumerate(used)}
+        for (st, li, col), v in self.cells.items():
+            if st == stat:
+                m[row[li], col] = v
+        first = self.first_step or 0
+        return [names[li] for li in used], [first + j * self.width for j in range(ncol)], m
 
 
-def heatmap_figure(rows: Sequence[TensorStatsRow], stats: Sequence[str] = ("underflow_pct", "mse")) -> Figure | None:
+def heatmap_matrix(
+    rows: Iterable[TensorStatsRow], stat: str, max_columns: int = 256
+) -> tuple[list[str], list[int], np.ndarray]:
+    """Layer-by-step matrix of one statistic over ``rows`` (see :class:`HeatmapSummary`)."""
+    summary = HeatmapSummary((stat,), max_columns)
+    summary.add(rows)
+    return summary.matrix(stat)
+
+
+def heatmap_figure(
+    rows: Sequence[TensorStatsRow] | HeatmapSummary, stats: Sequence[str] = ("underflow_pct", "mse")
+) -> Figure | None:
     """One heatmap panel per statistic (rows: layer/tensor, columns: steps); ``mse`` is shown as
     log10 because it spans decades. ``None`` when no row has any of ``stats``.
 
@@ -129,7 +181,11 @@ def heatmap_figure(rows: Sequence[TensorStatsRow], stats: Sequence[str] = ("unde
     import numpy as np
     from matplotlib.figure import Figure
 
-    panels = [(s, *heatmap_matrix(rows, s)) for s in stats]
+    summary = rows
+    if not isinstance(summary, HeatmapSummary):
+        summary = HeatmapSummary(stats)
+        summary.add(rows)
+    panels = [(s, *summary.matrix(s)) for s in stats]
     panels = [p for p in panels if p[1]]
     if not panels:
         return None
@@ -165,10 +221,16 @@ class MLflowTracker(QueuedTracker):
         artifact_location: artifact root of the experiment if this tracker creates it (by
             default MLflow uses ``./mlruns`` under the current directory for a SQLite store).
         table_every_n_steps: write buffered table rows every n logged steps (0 = only at finish).
+        max_buffered_rows: table rows buffered at most; reaching it writes the tables early, so
+            memory stays bounded whatever ``table_every_n_steps`` says.
         heatmap: log ``fp8_heatmap.png`` (underflow and MSE by layer over steps) at finish.
         heatmap_stats: the statistics shown in the heatmap.
+        heatmap_columns: step columns of the heatmap (a fixed-size summary, see :class:`HeatmapSummary`).
         name: tracker name (missed-step file name).
-        background, max_queue, finish_timeout_s: see :class:`~fp8track.trackers.base.QueuedTracker`.
+        retry_for_s: how long one step is retried while the server is unreachable (default 15
+            minutes; the training thread never waits for it).
+        background, max_queue, finish_timeout_s, retry_initial_s, retry_max_s: see
+            :class:`~fp8track.trackers.base.QueuedTracker`.
 
     Raises:
         ConfigError: bad ``table_every_n_steps``, or a ``file:`` tracking URI (MLflow >= 3.13
@@ -185,14 +247,25 @@ class MLflowTracker(QueuedTracker):
         run_name: str | None = None,
         artifact_location: str | None = None,
         table_every_n_steps: int = 0,
+        max_buffered_rows: int = 100_000,
         heatmap: bool = True,
         heatmap_stats: Sequence[str] = ("underflow_pct", "mse"),
+        heatmap_columns: int = 256,
         name: str = "mlflow",
         background: bool = True,
         max_queue: int = 1000,
         finish_timeout_s: float = 600.0,
+        retry_for_s: float = 900.0,
+        retry_initial_s: float = 0.5,
+        retry_max_s: float = 30.0,
     ) -> None:
-        super().__init__(background=background, max_queue=max_queue, finish_timeout_s=finish_timeout_s)
+        super().__init__(
+            background=background, max_queue=max_queue, finish_timeout_s=finish_timeout_s,
+            retry_for_s=retry_for_s, retry_initial_s=retry_initial_s, retry_max_s=retry_max_s,
+        )  # fmt: skip
+        from fp8track.errors import check_int
+
+        check_int("max_buffered_rows", max_buffered_rows, 1)
         if not isinstance(table_every_n_steps, int) or table_every_n_steps < 0:
             raise ConfigError(f"table_every_n_steps must be an int >= 0 (0 = at finish only), got {table_every_n_steps!r}")
         if client is None and tracking_uri is not None and str(tracking_uri).startswith("file:"):
@@ -212,12 +285,28 @@ class MLflowTracker(QueuedTracker):
         self.table_every_n_steps = table_every_n_steps
         self.heatmap = heatmap
         self.heatmap_stats = tuple(heatmap_stats)
+        self.max_buffered_rows = max_buffered_rows
         self._keys: dict[str, str] = {}  # raw name -> sanitised key (names repeat every step)
-        self._rows: list[TensorStatsRow] = []  # every tensor row, for the heatmap
+        self._heatmap = HeatmapSummary(self.heatmap_stats, heatmap_columns)
         self._unwritten_rows: list[TensorStatsRow] = []
+        self._ts: tuple[int, int] = (-1, 0)  # (step, ms timestamp): a retried step reuses its timestamp
+        self._buffered_step: int | None = None  # last step whose rows/events were buffered
         self._events: dict[str, list[list[Any]]] = {}
         self._steps_since_tables = 0
         self.worst_event: EventRecord | None = None
+
+    def _transient(self, exc: BaseException) -> bool:
+        """A connection problem or a server-side error (HTTP 5xx, 429) that a retry may cure; a
+        refused request (bad value, no such run, permission) is not retried."""
+        if super()._transient(exc) or isinstance(exc, OSError):
+            return True
+        try:
+            from mlflow.exceptions import MlflowException
+        except ImportError:
+            return False
+        if not isinstance(exc, MlflowException):
+            return False
+        return exc.get_http_status_code() >= 500 or exc.get_http_status_code() == 429
 
     # -- run metadata -----------------------------------------------------------------------
     def _ensure_run(self) -> str:
@@ -264,13 +353,20 @@ class MLflowTracker(QueuedTracker):
         from mlflow.entities import Metric
 
         run_id = self._ensure_run()
-        ts = int(time.time() * 1000)
         step = batch.step
+        if self._ts[0] != step:
+            self._ts = (step, int(time.time() * 1000))
+        # A retry re-sends identical (key, value, timestamp, step) points, which MLflow's stores
+        # keep once (its SQL store skips rows that already exist), so a retry adds no duplicate.
+        ts = self._ts[1]
         metrics = [Metric(self._key(k), v, ts, step) for k, v in scalar_metrics(batch.metrics).items()]
         for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
             self.client.log_batch(run_id, metrics=metrics[i : i + MAX_METRICS_PER_BATCH], synchronous=True)
+        if self._buffered_step == step:
+            return  # a retry of a step whose rows and events are already buffered
+        self._buffered_step = step
         if batch.tensor_rows:
-            self._rows.extend(batch.tensor_rows)
+            self._heatmap.add(batch.tensor_rows)
             self._unwritten_rows.extend(batch.tensor_rows)
         new_worst = None
         for ev in batch.events:
@@ -281,11 +377,18 @@ class MLflowTracker(QueuedTracker):
                 self.worst_event is None or event_severity(ev) > event_severity(self.worst_event)
             ):
                 self.worst_event = new_worst = ev
-        if new_worst is not None:
-            self._tag_worst(new_worst)
         self._steps_since_tables += 1
-        if self.table_every_n_steps and self._steps_since_tables >= self.table_every_n_steps:
-            self._write_tables()
+        try:
+            if new_worst is not None:
+                self._tag_worst(new_worst)
+            due = self.table_every_n_steps and self._steps_since_tables >= self.table_every_n_steps
+            if due or len(self._unwritten_rows) >= self.max_buffered_rows:
+                self._write_tables()
+        except Exception as exc:
+            # The step's scalars arrived; its rows and events stay buffered and go out with the next
+            # table write (a failure of the final one, in finish, is recorded per step). Re-sending
+            # the step would duplicate them, so this is a notice, not a failure.
+            self._notice(f"table write at step {step} failed ({type(exc).__name__}: {str(exc)[:300]}); rows stay buffered")
 
     def _tag_worst(self, ev: EventRecord) -> None:
         d = ev.data
@@ -332,8 +435,8 @@ class MLflowTracker(QueuedTracker):
             for step in sorted(steps):
                 self._record_failure(step, TablesNotWritten(exc))
             raise
-        if self.heatmap and self._rows:
-            fig = heatmap_figure(self._rows, self.heatmap_stats)
+        if self.heatmap and self._heatmap.labels:
+            fig = heatmap_figure(self._heatmap, self.heatmap_stats)
             if fig is not None:
                 self.client.log_figure(run_id, fig, HEATMAP_FILE)
         if self.own_run:
