@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from fp8track.errors import ConfigError, check_int, invalid_choice
+from fp8track.errors import ConfigError, check_float, check_int, invalid_choice
 from fp8track.monitoring.capture import (
     LayerCapture,
     LayerFilter,
@@ -81,6 +81,8 @@ class MonitorConfig:
         per_layer_scalars: False logs per-layer detail to tables only (bounded metric count).
         shadow_format: format pair used to judge BF16 layers (``"hybrid"`` or ``"e4m3"``).
         track_grad_norm: compute the total gradient norm each step (for spike attribution).
+        collective_timeout_s: the longest a rank waits for the others in fp8track's all-reduces
+            before raising :class:`fp8track.errors.RankFailure` (a peer died or hangs).
     """
 
     every_n_steps: int = 10
@@ -91,9 +93,11 @@ class MonitorConfig:
     per_layer_scalars: bool = True
     shadow_format: str = "hybrid"
     track_grad_norm: bool = True
+    collective_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         check_int("every_n_steps", self.every_n_steps, 1)
+        check_float("collective_timeout_s", self.collective_timeout_s, 0.0, strict=True)
         for s in self.steps:
             if not isinstance(s, int) or s < 0:
                 raise ConfigError(f"steps must be non-negative integers, got {s!r}")
@@ -314,13 +318,15 @@ class Monitor:
         if world > 1:
             import torch.distributed as dist
 
-            from fp8track.numerics.stats import all_reduce_partials
+            from fp8track.numerics.stats import all_reduce_partials, wait_collectives
 
+            # Bounded waits: a rank that died or hangs stops this one with a RankFailure.
+            timeout = self.config.collective_timeout_s
             if len(parts):
-                stacked = all_reduce_partials(stacked)
+                stacked = all_reduce_partials(stacked, timeout_s=timeout)
             # Mean loss over ranks: every rank takes part in the same SUM collective.
             scalars = torch.cat([losses, gnorms]).to(torch.float64)
-            dist.all_reduce(scalars, op=dist.ReduceOp.SUM)
+            wait_collectives([dist.all_reduce(scalars, op=dist.ReduceOp.SUM, async_op=True)], timeout, "the loss all-reduce")
             scalars = scalars / world
             losses, gnorms = scalars[: len(pending)], scalars[len(pending) :]
         if not self.is_writer:
