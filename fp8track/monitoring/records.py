@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import socket
 import time
 import uuid
@@ -99,6 +100,39 @@ def software_versions() -> dict[str, str]:
     return versions
 
 
+SECRET_ENV_VARS = (
+    "WANDB_API_KEY",
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_TRACKING_TOKEN",
+    "MLFLOW_TRACKING_CLIENT_CERT_PATH",
+    "DATABRICKS_TOKEN",
+    "HF_TOKEN",
+    "AWS_SECRET_ACCESS_KEY",
+)
+"""Environment variables whose values never appear in anything fp8track writes."""
+
+_URI_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/\s@'\"]+@")
+
+
+def redact(text: str) -> str:
+    """``text`` with credentials removed: ``scheme://user:password@host`` becomes
+    ``scheme://***@host``, and the value of each :data:`SECRET_ENV_VARS` set in the environment
+    (4 characters or more) becomes ``***``. Applied to every record line, ``meta.json``, tracker
+    params/tags/config and failure messages.
+
+    Example:
+        >>> redact("https://alice:pw@mlflow.example.com/api")
+        'https://***@mlflow.example.com/api'
+    """
+    if "@" in text:
+        text = _URI_CREDENTIALS.sub(r"\g<scheme>***@", text)
+    for name in SECRET_ENV_VARS:
+        value = os.environ.get(name)
+        if value and len(value) >= 4 and value in text:
+            text = text.replace(value, "***")
+    return text
+
+
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), default=str)
 
@@ -154,7 +188,7 @@ class RunWriter:
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if not meta_path.exists():
-                meta_path.write_text(json.dumps(asdict(meta), indent=2, default=str))
+                meta_path.write_text(redact(json.dumps(asdict(meta), indent=2, default=str)))
             if resume_step is not None:
                 for name in (METRICS_FILE, TENSOR_STATS_FILE, EVENTS_FILE):
                     self.lines_dropped_on_resume += _truncate_from_step(self.run_dir / name, resume_step)
@@ -178,7 +212,7 @@ class RunWriter:
             return
         f = self._files[name]
         # vars(), not asdict(): records hold plain data, and asdict deep-copies every stats dict.
-        text = "".join(_dumps(vars(r)) + "\n" for r in rows)
+        text = redact("".join(_dumps(vars(r)) + "\n" for r in rows))
         try:
             f.write(text)
             f.flush()

@@ -23,7 +23,7 @@ from typing import Any
 
 from fp8track.errors import ConfigError
 from fp8track.monitoring import naming
-from fp8track.monitoring.records import EventRecord, RunMeta, StepBatch, TensorStatsRow
+from fp8track.monitoring.records import EventRecord, RunMeta, StepBatch, TensorStatsRow, redact
 
 SYNC_DIR = "sync"
 """Sub-directory of a run directory holding one ``<tracker>.missed.jsonl`` file per tracker."""
@@ -87,8 +87,8 @@ def event_row(event: EventRecord) -> list[Any]:
         str(d.get("layer", "")),
         str(d.get("tensor", "")),
         float(severity) if isinstance(severity, (int, float)) and not isinstance(severity, bool) else None,
-        str(d.get("title", "")),
-        json.dumps(dict(d), default=str, sort_keys=True),
+        redact(str(d.get("title", ""))),
+        redact(json.dumps(dict(d), default=str, sort_keys=True)),
     ]
 
 
@@ -389,7 +389,7 @@ class TrackerFanout:
             what = "tables"
         elif isinstance(exc, ScalarsNotWritten):
             what = "scalars"
-        entry = {"step": step, "what": what, "error": f"{type(exc).__name__}: {exc}"[:2000], "time": time.time()}
+        entry = {"step": step, "what": what, "error": redact(f"{type(exc).__name__}: {exc}")[:2000], "time": time.time()}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "a", encoding="utf-8") as f:
@@ -417,7 +417,7 @@ class TrackerFanout:
             if tracker.name not in self._warned:
                 self._warned.add(tracker.name)
                 warnings.warn(
-                    f"fp8track: tracker {tracker.name!r}: {notice}. Training continues; everything is in the "
+                    f"fp8track: tracker {tracker.name!r}: {redact(notice)}. Training continues; everything is in the "
                     f"run directory {self.run_dir}. Further problems of this tracker are recorded silently.",
                     RuntimeWarning,
                     stacklevel=3,

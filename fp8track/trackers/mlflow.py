@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from fp8track.errors import ConfigError
 from fp8track.monitoring import naming
-from fp8track.monitoring.records import EventRecord, RunMeta, TensorStatsRow
+from fp8track.monitoring.records import EventRecord, RunMeta, TensorStatsRow, redact
 from fp8track.optional import require
 from fp8track.trackers.base import (
     EVENT_COLUMNS,
@@ -336,8 +336,8 @@ class MLflowTracker(QueuedTracker):
             "fp8track.run_id": str(m["run_id"]),
         }
         tags.update(flatten("fp8track.version", m["versions"]))
-        p = [Param(sanitize_key(k), v[:MAX_PARAM_VALUE_LEN]) for k, v in params.items()]
-        t = [RunTag(sanitize_key(k), v[:MAX_TAG_VALUE_LEN]) for k, v in tags.items()]
+        p = [Param(sanitize_key(k), redact(v)[:MAX_PARAM_VALUE_LEN]) for k, v in params.items()]
+        t = [RunTag(sanitize_key(k), redact(v)[:MAX_TAG_VALUE_LEN]) for k, v in tags.items()]
         for i in range(0, max(len(p), len(t)), MAX_PARAMS_TAGS_PER_BATCH):
             chunk = slice(i, i + MAX_PARAMS_TAGS_PER_BATCH)
             self.client.log_batch(run_id, params=p[chunk], tags=t[chunk], synchronous=True)
@@ -402,7 +402,7 @@ class MLflowTracker(QueuedTracker):
         from mlflow.entities import RunTag
 
         self.client.log_batch(
-            self._ensure_run(), tags=[RunTag(k, v[:MAX_TAG_VALUE_LEN]) for k, v in tags.items()], synchronous=True
+            self._ensure_run(), tags=[RunTag(k, redact(v)[:MAX_TAG_VALUE_LEN]) for k, v in tags.items()], synchronous=True
         )
 
     def _write_tables(self) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8track.errors import ConfigError
-from fp8track.monitoring.records import RunMeta, RunReader
+from fp8track.monitoring.records import RunMeta, RunReader, redact
 from fp8track.trackers.base import QueuedTracker, StepBatch, Tracker, missed_path, read_missed
 
 
@@ -93,7 +93,7 @@ def replay(run_dir: str | os.PathLike[str], tracker: Tracker, only_missed: bool 
     failed: dict[int | None, str] = {}
 
     def fail(step: int | None, exc: BaseException) -> None:
-        failed.setdefault(step, f"{type(exc).__name__}: {exc}"[:2000])
+        failed.setdefault(step, redact(f"{type(exc).__name__}: {exc}")[:2000])
 
     try:
         tracker.start(run_meta(run_dir))

@@ -13,6 +13,7 @@ throttled per title. The run config holds the recipe and the BF16 fallback set.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from fp8track.errors import ConfigError, invalid_choice
 from fp8track.monitoring import naming
-from fp8track.monitoring.records import EventRecord, RunMeta, TensorStatsRow
+from fp8track.monitoring.records import EventRecord, RunMeta, TensorStatsRow, redact
 from fp8track.optional import require
 from fp8track.trackers.base import (
     EVENT_COLUMNS,
@@ -171,6 +172,8 @@ class WandbTracker(QueuedTracker):
             "versions": m["versions"],
             "config": m["config"],
         }
+        # Through JSON and back so that no credential in any nested value reaches the run's config.
+        config = json.loads(redact(json.dumps(config, default=str)))
         run.config.update({"fp8track": config}, allow_val_change=True)
         run.define_metric(self.step_metric)
         run.define_metric(f"{naming.PREFIX}/*", step_metric=self.step_metric, summary=self.summaries)
