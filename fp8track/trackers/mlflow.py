@@ -13,6 +13,7 @@ of underflow and MSE over steps to ``fp8_heatmap.png`` via ``log_figure``.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
@@ -91,15 +92,16 @@ def flatten(prefix: str, value: Any) -> dict[str, str]:
 class HeatmapSummary:
     """A fixed-size layer-by-step summary of some statistics, for the heatmap.
 
-    Memory stays bounded over any number of steps: at most ``max_columns`` step columns per
-    ``"<layer>/<tensor>"`` label. When a step falls past the last column, the columns are merged
-    pairwise (each then spans twice as many steps) and the later value of a pair is kept, the same
-    as the cell's "last value wins" rule. Only the rows of the recipe really used (``actual``) and
-    of BF16 layers judged in shadow mode (``shadow``) are kept; what-if variants are left out.
+    Memory stays bounded over any number of steps: at most ``max_columns`` columns per
+    ``"<layer>/<tensor>"`` label. Each column holds consecutive sampled steps (one at first); when
+    a step would open one column too many, neighbouring columns are merged pairwise, so each then
+    holds twice as many sampled steps. A cell keeps the value of its latest step (the last row
+    wins if a step repeats). Only the rows of the recipe really used (``actual``) and of BF16 layers
+    judged in shadow mode (``shadow``) are kept; what-if variants are left out.
 
     Args:
         stats: statistics to keep.
-        max_columns: the most step columns kept (>= 2).
+        max_columns: the most columns kept (>= 2).
     """
 
     VARIANTS = ("actual", "shadow")
@@ -110,55 +112,71 @@ class HeatmapSummary:
         check_int("max_columns", max_columns, 2)
         self.stats = tuple(stats)
         self.max_columns = max_columns
-        self.first_step: int | None = None
-        self.width = 1  # steps per column
-        self.labels: dict[str, int] = {}
-        self.cells: dict[tuple[str, int, int], float] = {}  # (stat, label index, column) -> value
-        self.last_col = -1
+        self.starts: list[int] = []  # first step of each column, increasing
+        self.span = 1  # sampled steps per column
+        self._fill = 0  # sampled steps in the last column so far
+        self._last = -1  # largest step seen
+        self.labels: dict[str, None] = {}
+        self.cells: dict[tuple[str, str, int], tuple[int, float]] = {}  # (stat, label, start) -> (step, value)
+
+    def _column(self, step: int) -> int:
+        """The start of the column ``step`` belongs to (opening or merging columns as needed)."""
+        if step > self._last:
+            self._last = step
+            if self.starts and self._fill < self.span:
+                self._fill += 1
+                return self.starts[-1]
+            self.starts.append(step)
+            self._fill = 1
+        elif step < self.starts[0]:  # older than anything shown (a replay): a column in front
+            self.starts.insert(0, step)
+        if len(self.starts) > self.max_columns:
+            self._merge()
+        return self.starts[bisect.bisect_right(self.starts, step) - 1]
+
+    def _merge(self) -> None:
+        paired = len(self.starts) % 2 == 0
+        new = {old: self.starts[i - i % 2] for i, old in enumerate(self.starts)}
+        merged: dict[tuple[str, str, int], tuple[int, float]] = {}
+        for (stat, label, start), (step, v) in self.cells.items():
+            key = (stat, label, new[start])
+            if key not in merged or step >= merged[key][0]:  # the later step of a pair wins
+                merged[key] = (step, v)
+        self.cells = merged
+        self._fill = self._fill + self.span if paired else self._fill
+        self.starts = self.starts[::2]
+        self.span *= 2
 
     def add(self, rows: Iterable[TensorStatsRow]) -> None:
         for r in rows:
             if r.variant not in self.VARIANTS:
                 continue
             step = int(r.step)
-            if self.first_step is None:
-                self.first_step = step
-            if step < self.first_step:
-                continue  # a step before the first one seen (a replay out of order): not shown
-            col = (step - self.first_step) // self.width
-            while col >= self.max_columns:
-                self._halve()
-                col = (step - self.first_step) // self.width
-            li = self.labels.setdefault(f"{r.layer}/{r.tensor}", len(self.labels))
-            self.last_col = max(self.last_col, col)
+            start = self._column(step)
+            label = f"{r.layer}/{r.tensor}"
             for stat in self.stats:
-                if stat in r.stats:
-                    v = r.stats[stat]
-                    self.cells[(stat, li, col)] = float(v) if v is not None else math.nan
-
-    def _halve(self) -> None:
-        merged: dict[tuple[str, int, int], float] = {}
-        for (stat, li, col) in sorted(self.cells, key=lambda k: k[2]):  # later columns overwrite
-            merged[(stat, li, col // 2)] = self.cells[(stat, li, col)]
-        self.cells = merged
-        self.width *= 2
-        self.last_col //= 2
+                if stat not in r.stats:
+                    continue
+                self.labels.setdefault(label, None)
+                v = r.stats[stat]
+                key = (stat, label, start)
+                if key not in self.cells or step >= self.cells[key][0]:
+                    self.cells[key] = (step, float(v) if v is not None else math.nan)
 
     def matrix(self, stat: str) -> tuple[list[str], list[int], np.ndarray]:
-        """``(labels, steps, m)``: labels with a value of ``stat`` in order of first appearance,
-        the first step of each column, and ``m[i, j]`` (NaN where nothing was sampled)."""
+        """``(labels, steps, m)``: the labels with a value of ``stat`` in order of first
+        appearance, the first step of each column, and ``m[i, j]`` (NaN where nothing was sampled)."""
         import numpy as np
 
-        used = sorted({li for (st, li, _c) in self.cells if st == stat})
-        names = {i: lab for lab, i in self.labels.items()}
-        ncol = self.last_col + 1
-        m = np.full((len(used), max(ncol, 0)), np.nan)
-        row = {li: i for i, li in enumerate(used)}
-        for (st, li, col), v in self.cells.items():
+        used = {label for (st, label, _s) in self.cells if st == stat}
+        labels = [lab for lab in self.labels if lab in used]
+        row = {lab: i for i, lab in enumerate(labels)}
+        col = {s: j for j, s in enumerate(self.starts)}
+        m = np.full((len(labels), len(self.starts)), np.nan)
+        for (st, label, start), (_step, v) in self.cells.items():
             if st == stat:
-                m[row[li], col] = v
-        first = self.first_step or 0
-        return [names[li] for li in used], [first + j * self.width for j in range(ncol)], m
+                m[row[label], col[start]] = v
+        return labels, list(self.starts), m
 
 
 def heatmap_matrix(
@@ -291,6 +309,7 @@ class MLflowTracker(QueuedTracker):
         self._unwritten_rows: list[TensorStatsRow] = []
         self._ts: tuple[int, int] = (-1, 0)  # (step, ms timestamp): a retried step reuses its timestamp
         self._buffered_step: int | None = None  # last step whose rows/events were buffered
+        self._logged_steps: frozenset[int] = frozenset()  # an existing run's steps (set by start)
         self._events: dict[str, list[list[Any]]] = {}
         self._steps_since_tables = 0
         self.worst_event: EventRecord | None = None
@@ -324,6 +343,8 @@ class MLflowTracker(QueuedTracker):
         from mlflow.entities import Param, RunTag
 
         run_id = self._ensure_run()
+        if not self.own_run:
+            self._logged_steps = self._steps_in_run(run_id)
         m = asdict(meta)
         recipe = m["recipe"] or {}
         params = flatten("fp8.recipe", recipe) if recipe else {}
@@ -341,6 +362,16 @@ class MLflowTracker(QueuedTracker):
         for i in range(0, max(len(p), len(t)), MAX_PARAMS_TAGS_PER_BATCH):
             chunk = slice(i, i + MAX_PARAMS_TAGS_PER_BATCH)
             self.client.log_batch(run_id, params=p[chunk], tags=t[chunk], synchronous=True)
+
+    def _steps_in_run(self, run_id: str) -> frozenset[int]:
+        """Steps of an existing run's ``loss`` (else first ``fp8/`` metric) history. A run resumed
+        after a crash holds the points the process that died had sent; a replay may find points
+        that did arrive. Either way those steps' scalars are not sent again."""
+        keys = sorted(self.client.get_run(run_id).data.metrics)
+        key = "loss" if "loss" in keys else next((k for k in keys if k.startswith(f"{naming.PREFIX}/")), None)
+        if key is None:
+            return frozenset()
+        return frozenset(int(m.step) for m in self.client.get_metric_history(run_id, key))
 
     # -- per step (worker thread) -------------------------------------------------------------
     def _key(self, name: str) -> str:
@@ -360,6 +391,8 @@ class MLflowTracker(QueuedTracker):
         # keep once (its SQL store skips rows that already exist), so a retry adds no duplicate.
         ts = self._ts[1]
         metrics = [Metric(self._key(k), v, ts, step) for k, v in scalar_metrics(batch.metrics).items()]
+        if step in self._logged_steps:
+            metrics = []  # already in the run (a resumed or replayed step): one point per step
         for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
             self.client.log_batch(run_id, metrics=metrics[i : i + MAX_METRICS_PER_BATCH], synchronous=True)
         if self._buffered_step == step:

@@ -74,7 +74,7 @@ def test_planted_credentials_never_appear_in_any_output(tmp_path, monkeypatch, c
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         monitor.attach()
-        for step in range(3):
+        for _ in range(3):
             model(torch.randn(2, 4)).sum().backward()
             monitor.step(loss=1.0)
         # an analyzer-style event whose payload quotes the URI
