@@ -15,6 +15,7 @@ from fp8track.analysis.baseline import Baseline
 from fp8track.monitoring import monitor as core
 from fp8track.monitoring.capture import LayerFilter, LayerPlan
 from fp8track.monitoring.records import RunMeta
+from fp8track.monitoring.sharding import ShardSpec
 from fp8track.trackers.base import Tracker, TrackerFanout
 
 
@@ -37,7 +38,7 @@ class Monitor(core.Monitor):
     analyzers and the tracker fan-out wired in.
 
     Args (beyond the core's ``model``, ``config``, ``layers``, ``plans``, ``log_dir``, ``meta``,
-    ``is_writer``):
+    ``is_writer``, ``sharding``):
         trackers: :class:`fp8track.trackers.Tracker` objects fed after the records are written.
         baseline: the BF16 control (a loaded :class:`fp8track.analysis.baseline.Baseline`) for the
             default loss analyzer.
@@ -57,6 +58,7 @@ class Monitor(core.Monitor):
         analyzers: Sequence[core.StepAnalyzer] | None = None,
         baseline: Baseline | None = None,
         is_writer: bool | None = None,
+        sharding: ShardSpec | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -68,6 +70,7 @@ class Monitor(core.Monitor):
             meta=meta,
             analyzers=default_analyzers(baseline) if analyzers is None else analyzers,
             is_writer=is_writer,
+            sharding=sharding,
         )
 
 

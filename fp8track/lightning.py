@@ -13,6 +13,7 @@ from fp8track.errors import ConfigError, invalid_choice
 from fp8track.frontend import Monitor
 from fp8track.monitoring.capture import LayerFilter
 from fp8track.monitoring.monitor import DEFAULT_SCALAR_STATS, MonitorConfig, run_meta_for
+from fp8track.monitoring.sharding import ShardSpec
 from fp8track.numerics.formats import TENSOR_KINDS
 
 SPIKE_ACTIONS = ("log", "stop", "checkpoint")
@@ -137,6 +138,7 @@ class FP8Monitor(Callback):
             analyzers=self.analyzers,
             baseline=baseline,
             is_writer=trainer.is_global_zero,
+            sharding=_sharding_for(trainer),
         )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -215,6 +217,17 @@ class FP8Monitor(Callback):
         self._restored = dict(state_dict)
         if self.monitor is not None:
             self.monitor.load_state_dict(state_dict)
+
+
+def _sharding_for(trainer: pl.Trainer) -> ShardSpec | None:
+    """The 2-D (data x tensor) mesh of ``ModelParallelStrategy``; ``None`` for the others (DDP's
+    replicated weights and FSDP's gathered ones need no mesh: the whole world is data-parallel)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy = trainer.strategy
+    if not isinstance(strategy, ModelParallelStrategy):
+        return None
+    return ShardSpec(strategy.device_mesh, data_dims=("data_parallel",))
 
 
 def _mlflow_uri(loggers: Sequence[Any]) -> str | None:

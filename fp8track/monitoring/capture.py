@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from fp8track.errors import ConfigError, invalid_choice
+from fp8track.monitoring.sharding import ShardSpec, Share, observed_weight, share_of
 from fp8track.numerics.formats import TENSOR_KINDS, get_format_pair
 from fp8track.numerics.stats import block_partial_stats, empty_partial, merge_partials, partial_stats
 
@@ -68,10 +69,17 @@ def _block_recipe(scaling: str, tensor: str) -> str:
     return "block128x128" if tensor == "weight" else "block128"
 
 
-def tensor_partial(x: torch.Tensor, plan: LayerPlan, tensor: str, scaling: str | None = None) -> torch.Tensor:
-    """Partial of ``x`` as ``plan`` quantises it (or as ``scaling`` would, for what-if variants)."""
+def tensor_partial(
+    x: torch.Tensor, plan: LayerPlan, tensor: str, scaling: str | None = None, share: Share | None = None
+) -> torch.Tensor:
+    """Partial of ``x`` as ``plan`` quantises it (or as ``scaling`` would, for what-if variants).
+
+    ``share``: this rank's share of a distributed ``x`` (:func:`fp8track.monitoring.sharding.share_of`).
+    """
     fmt = plan.formats[tensor]
     scaling = scaling or plan.scaling
+    if share is not None and not share.trivial:
+        return _shared_partial(share, plan, tensor, scaling)
     if scaling == "per_tensor" or scaling == "current":
         scale_fn = plan.scale_fns.get(tensor) if scaling == "per_tensor" else None
         scale = scale_fn() if scale_fn is not None else None
@@ -79,6 +87,21 @@ def tensor_partial(x: torch.Tensor, plan: LayerPlan, tensor: str, scaling: str |
     if x.dim() < 1 or x.shape[-1] == 0:
         return partial_stats(x, fmt, None, plan.margin)
     return block_partial_stats(x, _block_recipe(scaling, tensor), fmt)
+
+
+def _shared_partial(share: Share, plan: LayerPlan, tensor: str, scaling: str) -> torch.Tensor:
+    """This rank's part of a distributed tensor, judged with the scale of the whole logical tensor."""
+    fmt = plan.formats[tensor]
+    if scaling == "per_tensor" or scaling == "current":
+        scale_fn = plan.scale_fns.get(tensor) if scaling == "per_tensor" else None
+        scale = scale_fn() if scale_fn is not None else None
+        if scale is None:
+            scale = share.scale(fmt, plan.margin)
+        return partial_stats(share.part(), fmt, scale, plan.margin)
+    # Block recipes: slicing would cut blocks, so the first copy takes its whole local tensor.
+    if share.piece:
+        return empty_partial(share.local.device)
+    return tensor_partial(share.local, plan, tensor, scaling)
 
 
 def is_linear_like(module: nn.Module) -> bool:
@@ -173,13 +196,22 @@ class LayerCapture:
     ``partials[(tensor, variant)]`` is the merged partial of the current sampled step (or absent).
     """
 
-    def __init__(self, module: nn.Module, plan: LayerPlan, tensors: Sequence[str], whatif: Sequence[str]) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        plan: LayerPlan,
+        tensors: Sequence[str],
+        whatif: Sequence[str],
+        sharding: ShardSpec | None = None,
+    ) -> None:
         self.module = module
+        self.sharding = sharding
         self.plan = plan
         self.tensors = tuple(tensors)
         self.whatif = tuple(v for v in whatif if not (v == "current" and plan.scaling == "per_tensor" and not plan.fp8))
         self.active = False
         self._weight_done = False
+        self._resting_weight: torch.Tensor | None = None
         self.partials: dict[tuple[str, str], torch.Tensor] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
@@ -190,7 +222,9 @@ class LayerCapture:
 
     def attach(self) -> None:
         if not self._handles:
-            self._handles.append(self.module.register_forward_hook(self._forward_hook))
+            # First in line: under tensor parallelism the output is still a DTensor (its gradient then
+            # tells its placement) before parallelize_module's own hook turns it into a local tensor.
+            self._handles.append(self.module.register_forward_hook(self._forward_hook, prepend=True))
 
     def detach(self) -> None:
         for h in self._handles:
@@ -200,6 +234,8 @@ class LayerCapture:
     def begin_step(self, sampled: bool) -> None:
         self.active = sampled
         self._weight_done = False
+        # Between steps FSDP2 holds the high-precision shard; the forward may see an FP8 all-gather.
+        self._resting_weight = getattr(self.module, "weight", None) if sampled else None
 
     def take(self, device: torch.device) -> list[torch.Tensor]:
         """The step's partials in :meth:`keys` order (empty partials where nothing was seen); resets."""
@@ -209,9 +245,10 @@ class LayerCapture:
 
     def _add(self, tensor: str, x: torch.Tensor) -> None:
         x = x.detach()
+        share = share_of(x, tensor, self.sharding)
         observations = [(self.plan.variant, None), *((v, v) for v in self.whatif)]
         for variant, scaling in observations:
-            p = tensor_partial(x, self.plan, tensor, scaling)
+            p = tensor_partial(share.local, self.plan, tensor, scaling, share)
             key = (tensor, variant)
             prev = self.partials.get(key)
             self.partials[key] = p if prev is None else merge_partials([prev, p])
@@ -230,7 +267,7 @@ class LayerCapture:
         if "activation" in self.tensors and args and isinstance(args[0], torch.Tensor):
             self._add("activation", args[0])
         if "weight" in self.tensors and not self._weight_done:
-            weight = getattr(module, "weight", None)
+            weight = observed_weight(getattr(module, "weight", None), self._resting_weight)
             if isinstance(weight, torch.Tensor):
                 self._add("weight", weight)
                 self._weight_done = True

@@ -47,6 +47,7 @@ from fp8track.monitoring.records import (
     StepBatch,
     TensorStatsRow,
 )
+from fp8track.monitoring.sharding import ShardSpec, grad_sq_share, is_dtensor
 from fp8track.numerics.formats import TENSOR_KINDS, get_format_pair
 from fp8track.numerics.stats import NUM_SUM, PARTIAL_SIZE, STAT_NAMES, finalize
 
@@ -176,6 +177,9 @@ class Monitor:
         analyzers: rank-0 analysis components (:class:`StepAnalyzer`); the frontends
             (:class:`fp8track.Monitor`, the Lightning callback) plug in spikes, divergence and drift.
         is_writer: whether this process writes (default: global rank 0).
+        sharding: the device mesh of a sharded run and its data-parallel dimensions
+            (:class:`fp8track.monitoring.sharding.ShardSpec`, docs/sharding.md); ``None`` works
+            for DDP, FSDP2 and DTensor tensor parallelism on one root mesh.
 
     Logged metrics (per sampled step):
         ``loss``; ``fp8/<layer>/<tensor>/<stat>`` for each stat in ``config.scalar_stats``
@@ -197,6 +201,7 @@ class Monitor:
         meta: RunMeta | None = None,
         analyzers: Sequence[StepAnalyzer] = (),
         is_writer: bool | None = None,
+        sharding: ShardSpec | None = None,
     ) -> None:
         self.model = model
         self.config = config or MonitorConfig()
@@ -205,7 +210,7 @@ class Monitor:
         self.captures: dict[str, LayerCapture] = {}
         for fqn, module in chosen:
             plan = plans.get(fqn) or plan_for(fqn, module, self.config.shadow_format)
-            self.captures[fqn] = LayerCapture(module, plan, self.config.tensors, self.config.whatif)
+            self.captures[fqn] = LayerCapture(module, plan, self.config.tensors, self.config.whatif, sharding)
         self.analyzers = list(analyzers)
         self.last_events: list[EventRecord] = []
         self._warned: set[str] = set()
@@ -324,11 +329,12 @@ class Monitor:
             timeout = self.config.collective_timeout_s
             if len(parts):
                 stacked = all_reduce_partials(stacked, timeout_s=timeout)
-            # Mean loss over ranks: every rank takes part in the same SUM collective.
-            scalars = torch.cat([losses, gnorms]).to(torch.float64)
+            # Mean loss and root-mean-square grad norm over ranks (the global norm for sharded
+            # gradients, see total_grad_norm): every rank takes part in the same SUM collective.
+            scalars = torch.cat([losses.to(torch.float64), gnorms.to(torch.float64).square()])
             wait_collectives([dist.all_reduce(scalars, op=dist.ReduceOp.SUM, async_op=True)], timeout, "the loss all-reduce")
             scalars = scalars / world
-            losses, gnorms = scalars[: len(pending)], scalars[len(pending) :]
+            losses, gnorms = scalars[: len(pending)], scalars[len(pending) :].sqrt()
         if not self.is_writer:
             return
         # The one host copy of this logging step.
@@ -485,10 +491,21 @@ def _stack_or_nan(values: Sequence[torch.Tensor | None], device: torch.device) -
 
 
 def total_grad_norm(model: nn.Module) -> torch.Tensor | None:
-    """L2 norm of all parameter gradients as a device tensor (no host sync); None without grads."""
+    """L2 norm of all parameter gradients as a device tensor (no host sync, no collective); None
+    without grads.
+
+    Sharded gradients (DTensors: FSDP2, tensor parallelism): this rank's *contribution*
+    ``sqrt(world * share)``, where the shares (:func:`fp8track.monitoring.sharding.grad_sq_share`) sum
+    to the squared global norm over the world; :meth:`Monitor.flush` reduces grad norms to their
+    root mean square over ranks, which is then the global norm (and leaves a norm that is the same
+    on every rank, as under DDP, unchanged).
+    """
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
         return None
+    if any(is_dtensor(g) for g in grads):
+        sq = grad_sq_share(model)
+        return None if sq is None else (sq * _dist_world()).sqrt()
     norms = torch._foreach_norm(grads)
     return torch.linalg.vector_norm(torch.stack([n.to(torch.float32) for n in norms]))
 
