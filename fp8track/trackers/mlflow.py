@@ -315,8 +315,9 @@ class MLflowTracker(QueuedTracker):
         self.worst_event: EventRecord | None = None
 
     def _transient(self, exc: BaseException) -> bool:
-        """A connection problem or a server-side error (HTTP 5xx, 429) that a retry may cure; a
-        refused request (bad value, no such run, permission) is not retried."""
+        """A request that did not reach the server or that the server could not serve now (MLflow's
+        "API request ... failed", HTTP 429/502/503/504, a locked SQLite store): a retry may cure
+        it. Anything else (a bad value, no such run, a server error) fails at once."""
         if super()._transient(exc) or isinstance(exc, OSError):
             return True
         try:
@@ -325,7 +326,13 @@ class MLflowTracker(QueuedTracker):
             return False
         if not isinstance(exc, MlflowException):
             return False
-        return exc.get_http_status_code() >= 500 or exc.get_http_status_code() == 429
+        message = str(exc)
+        return (
+            message.startswith("API request to")
+            or "database is locked" in message
+            or exc.error_code in ("TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED")
+            or exc.get_http_status_code() in (429, 502, 503, 504)
+        )
 
     # -- run metadata -----------------------------------------------------------------------
     def _ensure_run(self) -> str:

@@ -98,7 +98,7 @@ class WandbTracker(QueuedTracker):
         if not step_metric:
             raise ConfigError("step_metric must be a non-empty metric name")
         self._open_run = run if callable(run) and not hasattr(run, "log") else None
-        self.run: wandb.Run | None = None if self._open_run is not None else run
+        self._run: wandb.Run | None = None if self._open_run is not None else run
         self._meta: RunMeta | None = None
         self._meta_applied = False
         self.name = name
@@ -146,14 +146,19 @@ class WandbTracker(QueuedTracker):
 
         return cls(open_run if lazy else open_run(), own_run=True, name=tracker_name, **kwargs)
 
+    @property
+    def run(self) -> wandb.Run:
+        """The W&B run (opened here on first access when the tracker was given a callable)."""
+        if self._run is None and self._open_run is not None:
+            self._run = self._open_run()
+        return self._run
+
     def _ensure_run(self) -> wandb.Run:
-        if self.run is None:
-            assert self._open_run is not None
-            self.run = self._open_run()
+        run = self.run
         if self._meta is not None and not self._meta_applied:
-            self._apply_meta(self.run, self._meta)
+            self._apply_meta(run, self._meta)
             self._meta_applied = True
-        return self.run
+        return run
 
     # -- run metadata -----------------------------------------------------------------------
     def start(self, meta: RunMeta) -> None:
@@ -252,8 +257,6 @@ class WandbTracker(QueuedTracker):
             self._alert(batch.events)
 
     def _close(self) -> None:
-        if self.run is None and self._open_run is not None:
-            self._ensure_run()
         if self._pending:
             data: dict[str, Any] = {k: self._tables[k] for k in self._pending}
             data[self.step_metric] = self._last_step
@@ -264,7 +267,7 @@ class WandbTracker(QueuedTracker):
                     self._record_failure(step, TablesNotWritten(exc))
                 raise
             self._pending.clear()
-        if self.own_run and self.run is not None:
+        if self.own_run:
             self.run.finish()
 
 

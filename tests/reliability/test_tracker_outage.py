@@ -54,7 +54,7 @@ def test_mlflow_server_killed_and_restarted_heals_without_sync(tmp_path, monkeyp
     # MLflow's own HTTP retries would hide the outage from the adapter for minutes: off, so the
     # adapter's back-off is what is tested.
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")  # a refused connection fails at once anyway
     server = MlflowServer(tmp_path, free_port()).start()
     try:
         tracker = MLflowTracker(
