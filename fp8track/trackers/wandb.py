@@ -98,7 +98,7 @@ class WandbTracker(QueuedTracker):
         if not step_metric:
             raise ConfigError("step_metric must be a non-empty metric name")
         self._open_run = run if callable(run) and not hasattr(run, "log") else None
-        self._run: wandb.Run | None = None if self._open_run is not None else run
+        self._wandb_run: wandb.Run | None = None if self._open_run is not None else run
         self._meta: RunMeta | None = None
         self._meta_applied = False
         self.name = name
@@ -149,9 +149,9 @@ class WandbTracker(QueuedTracker):
     @property
     def run(self) -> wandb.Run:
         """The W&B run (opened here on first access when the tracker was given a callable)."""
-        if self._run is None and self._open_run is not None:
-            self._run = self._open_run()
-        return self._run
+        if self._wandb_run is None and self._open_run is not None:
+            self._wandb_run = self._open_run()
+        return self._wandb_run
 
     def _ensure_run(self) -> wandb.Run:
         run = self.run

@@ -32,7 +32,7 @@ from fp8track.monitoring.records import (  # noqa: E402
 )
 from fp8track.numerics.stats import finalize, partial_stats  # noqa: E402
 
-FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 SPECIAL = [0.0, -0.0, 1e-45, -1e-42, 1e-39, 3e38, -3e38, 1e300, math.inf, -math.inf, math.nan, 1.0, -448.0, 57344.0]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
