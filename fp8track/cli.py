@@ -39,16 +39,86 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fail(message: str) -> int:
+    print(f"fp8track: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _cmd_diagnose(args: argparse.Namespace) -> int:
+    from fp8track.errors import ConfigError
+    from fp8track.report.console import print_diagnosis
+    from fp8track.report.run import diagnose_runs
+
+    try:
+        res = diagnose_runs(args.fp8_run, args.baseline, args.out, tracking_uri=args.tracking_uri)
+    except ConfigError as err:
+        return _fail(str(err))
+    print_diagnosis(res.diagnosis, res.html_path)
+    print(f"diagnosis.json: {res.json_path}")
+    for where in res.logged:
+        print(f"logged: {where}")
+    return 0
+
+
+def _cmd_check_inference(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from fp8track.demo import check_example_checkpoint
+    from fp8track.errors import ConfigError
+
+    try:
+        res = check_example_checkpoint(args.checkpoint, batches=args.batches)
+    except ConfigError as err:
+        return _fail(str(err))
+    console = Console()
+    table = Table(title=f"inference chain: {res.metric_name} per variant (same {args.batches} batches)")
+    table.add_column("variant")
+    table.add_column(res.metric_name)
+    for k, v in res.metrics.items():
+        table.add_row(k, "n/a" if v is None else f"{v:.4f}")
+    console.print(table)
+    worst = sorted((r for r in res.layers if r.variant == "fp8_trained_scales"), key=lambda r: r.sqnr_db)[:5]
+    for r in worst:
+        console.print(f"  {r.layer}: output SQNR vs BF16 {r.sqnr_db:.1f} dB, cos {r.cos:.5f} (trained scales)")
+    console.print("checkpoint restores weights and scaling state exactly" if not res.checkpoint
+                  else f"[red]checkpoint differs in {len(res.checkpoint)} entries[/red]")
+    for p in res.problems:
+        console.print(f"[red]{p.kind}[/red] {p.layer}{'/' + p.tensor if p.tensor else ''}: {p.detail}")
+    if args.out:
+        import json
+        from pathlib import Path
+
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "inference.json").write_text(json.dumps(res.to_dict(), indent=2))
+        console.print(f"inference.json: {out / 'inference.json'}")
+    return 1 if res.problems else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fp8track", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("stats", help="FP8 quantisation statistics of a real tensor")
     p.set_defaults(func=_cmd_stats)
     from fp8track.demo import add_subparser as add_demo
+    from fp8track.sweep.cli import add_subparser as add_sweep
     from fp8track.trackers.replay import add_subparser as add_sync
 
     add_demo(sub)
     add_sync(sub)
+    p = sub.add_parser("diagnose", help="diagnose an FP8 run against its BF16 control: findings, layer ranking, report.html")
+    p.add_argument("fp8_run", metavar="FP8_RUN", help="run directory, mlflow:<run_id> or W&B offline run directory")
+    p.add_argument("--baseline", required=True, metavar="BF16_RUN", help="the BF16 control, same forms")
+    p.add_argument("--out", default="fp8track-diagnosis", help="output folder (default ./fp8track-diagnosis)")
+    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI for mlflow: runs (else MLFLOW_TRACKING_URI)")
+    p.set_defaults(func=_cmd_diagnose)
+    p = sub.add_parser("check-inference", help="FP8 (trained / fresh scales) vs BF16 inference of a checkpoint; exact reload")
+    p.add_argument("checkpoint", help="a checkpoint written by fp8track.inference.save_checkpoint (the demo writes one)")
+    p.add_argument("--batches", type=int, default=8, help="validation batches to evaluate (default 8)")
+    p.add_argument("--out", default=None, help="folder for inference.json")
+    p.set_defaults(func=_cmd_check_inference)
+    add_sweep(sub)
     return parser
 
 

@@ -1,32 +1,52 @@
-"""``fp8track demo``: the example GPT as a BF16 control and as emulated FP8, monitored and compared.
+"""``fp8track demo``: the main job, ending with answers.
 
-Everything lands in one folder (default ``./fp8track-demo``):
+It trains the example GPT three times, each run monitored by :class:`fp8track.lightning.FP8Monitor`
+and logged to MLflow (and W&B offline with ``--wandb``):
 
-* ``mlflow.db``: an MLflow SQLite store, experiment ``fp8track-demo``, one run per recipe
-  (look at it with ``mlflow ui --backend-store-uri sqlite:///<folder>/mlflow.db``), its artifacts
-  (tables, the per-layer heatmap) in ``mlartifacts/``;
-* ``runs/<run_id>/``: fp8track's own run directories (the source of truth, replayable);
-* ``wandb/``: W&B offline runs with ``--wandb`` (``wandb sync`` uploads them later).
+1. ``bf16-control``: the BF16 control;
+2. ``fp8-<recipe>``: the same model, data and seed in emulated FP8;
+3. ``fp8-planted``: the FP8 run with a documented planted problem (:class:`OutlierPlant`): from
+   step ``0.6 x steps`` on, an outlier of ``PLANT_AMAX`` (1e6) enters the activation amax history
+   of one layer (``blocks.1.mlp.fc``) at every training step, as if one token carried a huge
+   value. Delayed scaling sets that layer's activation scale for the outlier, so its ordinary
+   activations underflow to zero; the BF16 control cannot notice.
 
-The FP8 run takes the control's run directory as its baseline, so it logs the loss gap and
-classifies its spikes as shared or FP8-only.
+Then it diagnoses both FP8 runs against the control (:func:`fp8track.report.run.diagnose_runs`)
+and prints the findings, the top-ranked layer, where each ``report.html`` is, the command that
+opens the MLflow UI on the store and the URL of its compare view for the three runs.
+
+Everything lands in one folder (default ``./fp8track-demo``): ``mlflow.db`` (MLflow SQLite store,
+experiment ``fp8track-demo``, artifacts in ``mlartifacts/``), ``runs/<run_id>/`` (fp8track's run
+directories), ``diagnosis-fp8/`` and ``diagnosis-planted/`` (``diagnosis.json``, ``report.html``),
+``fp8.ckpt`` (the FP8 run's weights and scaling state, for ``fp8track check-inference``) and, with
+``--wandb``, ``wandb/`` (one offline run per training run).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import time
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from fp8track.errors import ConfigError
+
+PLANT_LAYER = "blocks.1.mlp.fc"
+PLANT_AMAX = 1e6
+PLANT_FRACTION = 0.6
+QUIET_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning", "mlflow", "alembic", "wandb")
 
 
 @dataclass(frozen=True)
 class DemoRun:
-    """One finished demo run: its name, recipe, fp8track run directory, and MLflow run id."""
+    """One finished demo run: its name, recipe, fp8track run directory, MLflow run id and W&B run id."""
 
     name: str
     recipe: str
@@ -34,6 +54,57 @@ class DemoRun:
     mlflow_run_id: str | None
     final_loss: float
     seconds: float
+    wandb_run_id: str | None = None
+
+
+@contextlib.contextmanager
+def quiet_libraries() -> Iterator[None]:
+    """Keep the console for fp8track's progress and answers: library info logs (Lightning's
+    "GPU available" lines and tips, MLflow/alembic set-up, W&B banners) and their warnings are
+    silenced for the duration; errors still show."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # Lightning and MLflow set their loggers' levels when first imported: import them first.
+        import lightning.pytorch  # noqa: F401
+        import mlflow  # noqa: F401
+
+        saved = {name: logging.getLogger(name).level for name in QUIET_LOGGERS}
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for name, level in saved.items():
+                logging.getLogger(name).setLevel(level)
+
+
+class OutlierPlant:
+    """The planted problem: from optimizer step ``start`` on, every training forward of the hooked
+    layer records an outlier of ``amax`` in its activation amax history before quantising, as if
+    one token carried a huge value. Delayed scaling then sets the layer's activation scale for the
+    outlier and its ordinary activations underflow. The BF16 control has no such state, so it is
+    an FP8-only problem of one layer, starting mid-training."""
+
+    def __init__(self, module: Any, layer: str, start: int, amax: float = PLANT_AMAX) -> None:
+        self.module, self.layer, self.start, self.amax = module, layer, start, amax
+        target = module.model.get_submodule(layer)
+        scalers = getattr(target, "delayed_scalers", {})
+        if "activation" not in scalers:
+            raise ConfigError(
+                f"the planted problem needs delayed scaling on {layer}; use a delayed recipe or --no-plant"
+            )
+        self.scaler = scalers["activation"]
+        target.register_forward_pre_hook(self._hook)
+
+    def _hook(self, mod: Any, args: tuple[Any, ...]) -> None:
+        import torch
+
+        if self.module.training and self.module.global_step >= self.start:
+            self.scaler.observe(torch.tensor(self.amax, device=args[0].device))
+
+    def describe(self) -> str:
+        return (f"from step {self.start}, an outlier of {self.amax:g} enters the activation amax history of "
+                f"{self.layer} at every training step (delayed scaling: its other activations underflow)")
 
 
 def run_one(
@@ -47,6 +118,8 @@ def run_one(
     use_wandb: bool,
     progress: bool,
     seed: int = 0,
+    plant: bool = False,
+    checkpoint: Path | None = None,
 ) -> DemoRun:
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import MLFlowLogger
@@ -56,6 +129,8 @@ def run_one(
     from fp8track.monitoring.records import RunReader
 
     module, data, _report = build_example(recipe=recipe, seed=seed)
+    if plant:
+        OutlierPlant(module, PLANT_LAYER, int(PLANT_FRACTION * steps))
     loggers: list[Any] = [
         MLFlowLogger(
             experiment_name="fp8track-demo",
@@ -66,11 +141,13 @@ def run_one(
         )
     ]
     if use_wandb:
+        import wandb
         from lightning.pytorch.loggers import WandbLogger
 
         # mode="offline" goes to wandb.init for this run only (offline=True would set WANDB_MODE
-        # for the whole process).
-        loggers.append(WandbLogger(project="fp8track-demo", name=name, save_dir=str(out), mode="offline"))
+        # for the whole process); reinit="create_new" gives every training run its own W&B run.
+        loggers.append(WandbLogger(project="fp8track-demo", name=name, save_dir=str(out), mode="offline",
+                                   reinit="create_new", settings=wandb.Settings(silent=True)))
     monitor = FP8Monitor(every_n_steps=every_n_steps, log_dir=out / "runs", baseline=baseline, run_name=name)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -81,18 +158,40 @@ def run_one(
         enable_model_summary=False,
         enable_progress_bar=progress,
         log_every_n_steps=every_n_steps,
-        limit_val_batches=20,
-        val_check_interval=steps // 2 if steps >= 2 else None,
+        limit_val_batches=8,
+        val_check_interval=max(1, steps // 5) if steps >= 5 else None,
+        num_sanity_val_steps=0,
         default_root_dir=out,
     )
     t0 = time.perf_counter()
-    trainer.fit(module, datamodule=data)
+    wandb_id = None
+    try:
+        trainer.fit(module, datamodule=data)
+    finally:
+        if use_wandb:
+            run = loggers[1].experiment
+            wandb_id = run.id
+            run.finish()  # the next run's WandbLogger must not find this one still active
     seconds = time.perf_counter() - t0
     run_dir = monitor.monitor.run_dir if monitor.monitor else None
     if run_dir is None:
         raise RuntimeError("the monitor did not open a run directory")
+    if checkpoint is not None:
+        from fp8track.inference import save_checkpoint
+
+        save_checkpoint(module, checkpoint, example="gpt", recipe=recipe, seed=seed)
     losses = RunReader(run_dir).series("loss")
-    return DemoRun(name, recipe, run_dir, loggers[0].run_id, losses[max(losses)], seconds)
+    return DemoRun(name, recipe, run_dir, loggers[0].run_id, losses[max(losses)], seconds, wandb_id)
+
+
+def compare_url(tracking_uri: str, run_ids: list[str], host: str = "http://127.0.0.1:5000") -> str:
+    """The MLflow UI's compare view of ``run_ids`` (as served by ``mlflow ui`` on ``host``)."""
+    from mlflow import MlflowClient
+
+    exp = {MlflowClient(tracking_uri).get_run(r).info.experiment_id for r in run_ids}
+    runs = quote(json.dumps(run_ids, separators=(",", ":")))
+    exps = quote(json.dumps(sorted(exp), separators=(",", ":")))
+    return f"{host}/#/compare-runs?runs={runs}&experiments={exps}"
 
 
 def run_demo(
@@ -103,62 +202,105 @@ def run_demo(
     every_n_steps: int = 10,
     use_wandb: bool = False,
     progress: bool = True,
+    plant: bool = True,
 ) -> list[DemoRun]:
-    """Train the BF16 control and the FP8 run; return both runs (control first)."""
+    """Train the BF16 control, the FP8 run and (``plant``) the planted-problem run; return the
+    runs, control first."""
     from fp8track.execution.recipes import Recipe
 
-    Recipe.parse(recipe)  # a bad recipe fails here, before any training
-    if steps < 2:
-        raise ConfigError(f"steps must be >= 2, got {steps!r}")
+    parsed = Recipe.parse(recipe)  # a bad recipe fails here, before any training
+    if plant and parsed.scaling != "delayed":
+        raise ConfigError(f"the planted problem needs a delayed-scaling recipe, got {recipe!r}; or pass --no-plant")
+    if steps < 10:
+        raise ConfigError(f"steps must be >= 10, got {steps!r}")
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    control = run_one(
-        out, "bf16-control", "bf16", steps=steps, every_n_steps=every_n_steps, baseline=None,
-        use_wandb=use_wandb, progress=progress,
-    )
-    fp8 = run_one(
-        out, f"fp8-{recipe.split(':')[0]}", recipe, steps=steps, every_n_steps=every_n_steps,
-        baseline=control.run_dir, use_wandb=use_wandb, progress=progress,
-    )
-    return [control, fp8]
+    common: dict[str, Any] = {"steps": steps, "every_n_steps": every_n_steps, "use_wandb": use_wandb, "progress": progress}
+    runs = [run_one(out, "bf16-control", "bf16", baseline=None, **common)]
+    print(f"[fp8track] trained bf16-control in {runs[0].seconds:.0f} s", flush=True)
+    runs.append(run_one(out, f"fp8-{recipe.split(':')[0]}", recipe, baseline=runs[0].run_dir,
+                        checkpoint=out / "fp8.ckpt", **common))
+    print(f"[fp8track] trained {runs[1].name} in {runs[1].seconds:.0f} s", flush=True)
+    if plant:
+        runs.append(run_one(out, "fp8-planted", recipe, baseline=runs[0].run_dir, plant=True, **common))
+        print(f"[fp8track] trained fp8-planted in {runs[2].seconds:.0f} s", flush=True)
+    return runs
+
+
+def check_example_checkpoint(path: str | Path, batches: int = 8) -> Any:
+    """``fp8track check-inference``: rebuild the example GPT a demo checkpoint names, load it
+    (``weights_only=True``), verify it holds the checkpoint exactly, and run the inference chain
+    on ``batches`` validation batches (:func:`fp8track.inference.check_inference`)."""
+    import itertools
+
+    from fp8track.examples.gpt import build_example
+    from fp8track.inference import check_inference, load_checkpoint, read_checkpoint
+
+    ckpt = read_checkpoint(path)
+    build = dict(ckpt.get("build") or {})
+    if build.pop("example", None) != "gpt":
+        raise ConfigError(f"{path}: check-inference rebuilds the example GPT only; this checkpoint names {build!r}")
+    module, data, _ = build_example(**build)
+    load_checkpoint(module, path)
+    data.setup()
+    val = list(itertools.islice(data.val_dataloader(), batches))
+    return check_inference(module.model, val, checkpoint=_prefixed(ckpt["state_dict"]))
+
+
+def _prefixed(state: dict[str, Any]) -> dict[str, Any]:
+    """The Lightning module's state dict seen from its inner ``model`` (``model.`` prefix dropped)."""
+    return {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    runs = run_demo(
-        args.out, steps=args.steps, recipe=args.recipe, every_n_steps=args.every_n_steps,
-        use_wandb=args.wandb, progress=not args.no_progress,
-    )
+    from fp8track.report.console import print_diagnosis
+    from fp8track.report.run import diagnose_runs
+
     out = Path(args.out).resolve()
+    uri = f"sqlite:///{out / 'mlflow.db'}"
+    with quiet_libraries():
+        runs = run_demo(out, steps=args.steps, recipe=args.recipe, every_n_steps=args.every_n_steps,
+                        use_wandb=args.wandb, progress=not args.no_progress, plant=not args.no_plant)
+        control = runs[0]
+        results = {}
+        for run in runs[1:]:
+            label = "planted" if run.name == "fp8-planted" else "fp8"
+            wandb_run = ("fp8track-demo", run.wandb_run_id, out) if args.wandb and run.wandb_run_id else None
+            results[label] = diagnose_runs(run.run_dir, control.run_dir, out / f"diagnosis-{label}",
+                                           tracking_uri=uri, mlflow_run_id=run.mlflow_run_id, wandb_run=wandb_run)
+        url = compare_url(uri, [r.mlflow_run_id for r in runs if r.mlflow_run_id])
     summary = {
-        "runs": [
-            {
-                "name": r.name,
-                "recipe": r.recipe,
-                "run_dir": str(r.run_dir),
-                "mlflow_run_id": r.mlflow_run_id,
-                "final_loss": r.final_loss,
-                "seconds": round(r.seconds, 1),
-            }
-            for r in runs
-        ],
+        "runs": [{"name": r.name, "recipe": r.recipe, "run_dir": str(r.run_dir), "mlflow_run_id": r.mlflow_run_id,
+                  "wandb_run_id": r.wandb_run_id, "final_loss": r.final_loss, "seconds": round(r.seconds, 1)}
+                 for r in runs],
         "final_loss_gap": runs[1].final_loss - runs[0].final_loss,
+        "findings": {k: [f.kind for f in v.diagnosis.findings] for k, v in results.items()},
     }
     print(json.dumps(summary, indent=2))
+    for label, res in results.items():
+        print(f"\n== {label} run vs the BF16 control ==")
+        if label == "planted":
+            print(f"planted problem: from step {int(PLANT_FRACTION * args.steps)}, an outlier of {PLANT_AMAX:g} "
+                  f"enters the activation amax history of {PLANT_LAYER} every step")
+        print_diagnosis(res.diagnosis, res.html_path)
     print(f"\nfp8track run directories: {out / 'runs'}")
-    print(f"MLflow store:              sqlite:///{out / 'mlflow.db'}")
-    print(f"Look at it:                mlflow ui --backend-store-uri sqlite:///{out / 'mlflow.db'}")
+    print(f"MLflow store:              {uri}")
+    print(f"Look at it:                mlflow ui --backend-store-uri {uri}")
+    print(f"Compare the runs:          {url}")
+    print(f"Inference chain:           fp8track check-inference {out / 'fp8.ckpt'}")
     if args.wandb:
         print(f"W&B offline runs:          {out / 'wandb'}  (upload: wandb sync {out / 'wandb'}/offline-run-*)")
     return 0
 
 
 def add_subparser(sub: Any) -> argparse.ArgumentParser:
-    p = sub.add_parser("demo", help="BF16 control vs emulated FP8 on the example GPT, monitored and logged")
+    p = sub.add_parser("demo", help="BF16 control, emulated FP8 and a planted problem on the example GPT, diagnosed")
     p.add_argument("--out", default="fp8track-demo", help="output folder (default ./fp8track-demo)")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default 300)")
     p.add_argument("--recipe", default="delayed:hybrid:h16:max", help="FP8 recipe (fp8track.execution.recipes grammar)")
     p.add_argument("--every-n-steps", type=int, default=10, help="monitor sampling interval")
-    p.add_argument("--wandb", action="store_true", help="also log to W&B in offline mode")
+    p.add_argument("--wandb", action="store_true", help="also log to W&B in offline mode (one run per training run)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-plant", action="store_true", help="skip the planted-problem run")
     p.set_defaults(func=_cmd_demo)
     return p

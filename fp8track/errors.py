@@ -1,14 +1,18 @@
-"""Exceptions raised by fp8track.
+"""Exceptions raised by fp8track, the shared validators, and the one way state is checkpointed.
 
 Every user-facing configuration error is a :class:`ConfigError` (a ``ValueError``), raised at
 construction time and naming the bad value together with the valid ones.
+
+Stateful parts (detectors, scalers) save their state as versioned plain data with
+:func:`save_state` and restore it with :func:`restore_state`; both live here, at the bottom of the
+package, so every layer can use them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -58,3 +62,55 @@ def dataclass_from_dict(cls: type[T], data: Mapping[str, Any]) -> T:
     if unknown:
         raise invalid_choice(f"{cls.__name__} key", unknown[0], sorted(known))
     return cls(**dict(data))
+
+
+def save_state(version: int = 1, **fields: Any) -> dict[str, Any]:
+    """A checkpointable state: ``{"version": version, **fields}``; the fields must be plain data
+    (numbers, strings, ``None``, lists and dicts of them) so the state survives JSON and pickling."""
+    check_int("state version", version, 1)
+    return {"version": version, **fields}
+
+
+Setter = Callable[[Any], None] | tuple[str, Callable[[Any], Any]]
+
+
+def restore_state(obj: object, state: Mapping[str, Any], fields: Mapping[str, Setter], version: int = 1) -> int:
+    """Restore :func:`save_state` output into ``obj``, field by field.
+
+    Args:
+        obj: the object restored (its class names it in errors).
+        state: the saved state.
+        fields: per field, a setter called with the stored value, or ``(attribute, convert)``:
+            ``setattr(obj, attribute, convert(value))`` (``None`` stays ``None``).
+        version: the newest version ``obj`` reads.
+
+    Every field present is restored; a missing field keeps its current value and an unknown one is
+    ignored, so a state of the same version from an older or newer release loads. A state without
+    ``"version"`` is read as version 1.
+
+    Returns:
+        the state's version (for an owner whose layout changed between versions).
+
+    Raises:
+        ConfigError: ``state`` is not a mapping, or its version is not an integer in
+            ``1..version`` (a state from a newer fp8track).
+    """
+    owner = type(obj).__name__
+    if not isinstance(state, Mapping):
+        raise ConfigError(f"{owner} state must be a mapping, got {type(state).__name__}")
+    found = state.get("version", 1)
+    if isinstance(found, bool) or not isinstance(found, int) or not 1 <= found <= version:
+        raise ConfigError(
+            f"{owner} state has version {found!r}; this fp8track reads versions 1..{version}. "
+            "It was saved by a newer fp8track: upgrade fp8track, or resume without the fp8track state"
+        )
+    for key, setter in fields.items():
+        if key not in state:
+            continue
+        value = state[key]
+        if callable(setter):
+            setter(value)
+        else:
+            attr, convert = setter
+            setattr(obj, attr, None if value is None else convert(value))
+    return found

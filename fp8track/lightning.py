@@ -46,6 +46,9 @@ class FP8Monitor(Callback):
         on_spike: ``"log"`` (default: never interferes), ``"stop"`` (stop training when a spike
             or non-finite loss opens) or ``"checkpoint"`` (save a checkpoint then).
         analyzers: replace the default analyzers (spikes/divergence and drift).
+        eval_metrics: validation/downstream metrics recorded after each validation as
+            ``fp8/eval/<name>``: ``"auto"`` (what the module logged whose name starts with
+            ``val``/``eval``/``test``/``downstream``) or a list of logged names.
 
     Raises:
         ConfigError: at construction for bad values; in ``setup`` when a layer selector matches
@@ -71,6 +74,7 @@ class FP8Monitor(Callback):
         baseline: str | Path | None = None,
         on_spike: str = "log",
         analyzers: Sequence[Any] | None = None,
+        eval_metrics: str | Sequence[str] = "auto",
     ) -> None:
         self.config = MonitorConfig(
             every_n_steps=every_n_steps,
@@ -90,6 +94,9 @@ class FP8Monitor(Callback):
         self.baseline = baseline
         self.on_spike = on_spike
         self.analyzers = analyzers
+        if not (eval_metrics == "auto" or (not isinstance(eval_metrics, str) and all(isinstance(n, str) for n in eval_metrics))):
+            raise ConfigError(f"eval_metrics must be 'auto' or a list of logged metric names, got {eval_metrics!r}")
+        self.eval_metrics = eval_metrics if isinstance(eval_metrics, str) else tuple(eval_metrics)
         self.layers = layers
         self.log_dir = log_dir
         self.trackers = trackers
@@ -147,6 +154,7 @@ class FP8Monitor(Callback):
             return
         if self._restored is not None:
             self.monitor.load_state_dict(self._restored)
+        self._describe_precision(trainer, pl_module)
         self.monitor.attach()
         self.monitor.begin_step(trainer.global_step)
 
@@ -199,6 +207,37 @@ class FP8Monitor(Callback):
         else:
             path = Path(trainer.default_root_dir) / "fp8track-spikes" / f"spike-step{trainer.global_step}.ckpt"
             trainer.save_checkpoint(path)
+
+    def _describe_precision(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Name the precision set-up in the run metadata (before the run directory is written)."""
+        from dataclasses import replace
+
+        from fp8track.monitoring.monitor import precision_setup
+
+        if self.monitor is None or self.monitor.run_dir is not None:
+            return
+        strategy = trainer.strategy
+        offload = getattr(strategy, "cpu_offload", None)
+        ds_zero = (getattr(strategy, "config", None) or {}).get("zero_optimization", {}) if hasattr(strategy, "config") else {}
+        setup = precision_setup(
+            pl_module,
+            trainer.optimizers,
+            precision_plugin=type(trainer.precision_plugin).__name__,
+            precision=str(trainer.precision),
+            strategy=type(strategy).__name__,
+            cpu_offloading=bool(getattr(offload, "offload_params", offload))
+            or bool(ds_zero.get("offload_optimizer") or ds_zero.get("offload_param")),
+        )
+        meta = self.monitor.meta
+        self.monitor.meta = replace(meta, config={**dict(meta.config), "precision": setup})
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Validation metrics per evaluation, so the control comparison covers more than training loss.
+        if self.monitor is None or trainer.sanity_checking:
+            return
+        from fp8track.monitoring.monitor import select_eval_metrics
+
+        self.monitor.record_eval(trainer.global_step, select_eval_metrics(trainer.callback_metrics, self.eval_metrics))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.monitor is not None:

@@ -6,3 +6,34 @@ def _run_in_tmp_path(tmp_path, monkeypatch):
     """Every test runs in its own directory, so library defaults that write to the working
     directory (MLflow's ./mlruns artifact root, wandb/, lightning_logs/) stay out of the checkout."""
     monkeypatch.chdir(tmp_path)
+
+
+def _install_chromium() -> str | None:
+    """Debian's chromium, installed with apt on CI or as root when missing (the project's own test
+    set-up: the report test renders report.html in it). Returns the binary or None."""
+    import os
+    import shutil
+    import subprocess
+
+    for name in ("chromium", "chromium-browser"):
+        if shutil.which(name):
+            return shutil.which(name)
+    allowed = os.environ.get("CI") == "true" or (hasattr(os, "geteuid") and os.geteuid() == 0)
+    if not allowed or not shutil.which("apt-get"):
+        return None
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    try:
+        subprocess.run(["apt-get", "update"], check=True, capture_output=True, timeout=600, env=env)
+        subprocess.run(["apt-get", "install", "-y", "chromium"], check=True, capture_output=True, timeout=900, env=env)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return shutil.which("chromium")
+
+
+@pytest.fixture(scope="session")
+def chromium():
+    """Path of a headless-capable Chromium; skips (with the reason) only when it cannot be installed."""
+    path = _install_chromium()
+    if path is None:
+        pytest.skip("chromium is not installed and could not be installed with apt-get (needs root or CI=true)")
+    return path

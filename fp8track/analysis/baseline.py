@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from fp8track.analysis.spikes import SpikeClassification, SpikeConfig, SpikeEvent, detect_spikes
-from fp8track.errors import ConfigError
+from fp8track.errors import ConfigError, check_int
 
-LOSS_KEYS = ("loss", "train_loss", "train/loss", "train_loss_step")
+LOSS_KEYS = ("loss", "fp8/loss", "train_loss", "train/loss", "train_loss_step")
 REF_FORMS = (
     "a local fp8track run directory (with meta.json)",
     "'mlflow:<run_id>'",
@@ -136,8 +136,7 @@ def classify_spike(
         >>> classify_spike(fp8, Baseline("ctl", {}, (ctl,)), window=10).label
         'fp8_only'
     """
-    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
-        raise ConfigError(f"window must be an integer >= 0, got {window!r}")
+    check_int("window", window, 0)
     candidates = [
         c for c in baseline.spikes if c.kind == event.kind and abs(c.start_step - event.start_step) <= window
     ]
@@ -200,50 +199,158 @@ def _pick_key(available: Iterable[str], key: str | None, source: str) -> str:
     if key is not None:
         if key not in avail:
             raise ConfigError(
-                f"baseline {source} has no metric {key!r}; it has: {', '.join(sorted(avail)) or 'none'}"
+                f"run {source} has no metric {key!r}; it has: {', '.join(sorted(avail)) or 'none'}"
             )
         return key
     for k in LOSS_KEYS:
         if k in avail:
             return k
     raise ConfigError(
-        f"baseline {source} has none of the loss metrics {', '.join(LOSS_KEYS)}; it has: "
+        f"run {source} has none of the loss metrics {', '.join(LOSS_KEYS)}; it has: "
         f"{', '.join(sorted(avail)) or 'none'}. Pass key=<metric name>"
     )
 
 
-def _load_run_dir(path: Path, key: str | None) -> tuple[dict[int, float], str]:
+@dataclass(frozen=True)
+class RunData:
+    """Everything the diagnosis reads from one run, whatever stored it.
+
+    Attributes:
+        source: the reference it was loaded from.
+        metrics: scalar name -> ``{step: value}`` (loss, ``fp8/...`` metrics, ``fp8/eval/<name>``).
+        tensor_rows: per (step, layer, tensor, variant) statistics. From a run directory they are
+            its ``tensor_stats.jsonl``; from MLflow the ``fp8_tensor_stats.json`` table artifact
+            when present; otherwise rebuilt from the per-layer scalars ``fp8/<layer>/<tensor>/<stat>``
+            (variant ``"actual"``).
+        meta: run metadata (``meta.json``; from MLflow its params/tags, from W&B ``config["fp8track"]``).
+        events: ``(kind, step, data)`` of recorded events (run directories only).
+    """
+
+    source: str
+    metrics: Mapping[str, Mapping[int, float]]
+    tensor_rows: Sequence[Any] = ()
+    meta: Mapping[str, Any] = field(default_factory=dict)
+    events: Sequence[Any] = ()
+
+    def loss_key(self, key: str | None = None) -> str:
+        """The loss metric's name: ``key`` if the run has it, else the first of :data:`LOSS_KEYS`."""
+        return _pick_key(self.metrics, key, self.source)
+
+    def eval_metrics(self) -> dict[str, dict[int, float]]:
+        """``{name: {step: value}}`` of the ``fp8/eval/<name>`` records (validation/downstream)."""
+        prefix = EVAL_PREFIX
+        return {k[len(prefix) :]: dict(v) for k, v in self.metrics.items() if k.startswith(prefix)}
+
+
+EVAL_PREFIX = "fp8/eval/"
+"""Prefix of the validation/downstream metrics the monitor records per evaluation."""
+
+
+def rows_from_scalars(metrics: Mapping[str, Mapping[int, float]]) -> list[Any]:
+    """Rebuild tensor-statistics rows from per-layer scalars ``fp8/<layer>/<tensor>/<stat>``
+    (what a tracker keeps when its tables are unavailable); variant ``"actual"``."""
+    from fp8track.monitoring.records import TensorStatsRow
+    from fp8track.numerics.formats import TENSOR_KINDS
+    from fp8track.numerics.stats import STAT_NAMES
+
+    cells: dict[tuple[int, str, str], dict[str, float]] = {}
+    for name, series in metrics.items():
+        parts = name.split("/")
+        if len(parts) < 4 or parts[0] != "fp8" or parts[-2] not in TENSOR_KINDS or parts[-1] not in STAT_NAMES:
+            continue
+        layer = "/".join(parts[1:-2])
+        for step, v in series.items():
+            cells.setdefault((int(step), layer, parts[-2]), {})[parts[-1]] = float(v)
+    return [TensorStatsRow(s, layer, t, stats) for (s, layer, t), stats in sorted(cells.items())]
+
+
+def _load_run_dir(path: Path) -> RunData:
     from fp8track.monitoring.records import RunReader
 
     reader = RunReader(path)
-    names: set[str] = set()
+    metrics: dict[str, dict[int, float]] = {}
     for rec in reader.metrics():
-        names.update(rec.metrics)
-    k = _pick_key(names, key, str(path))
-    return reader.series(k), k
+        for k, v in rec.metrics.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                metrics.setdefault(k, {})[int(rec.step)] = float(v)
+    events = [(e.kind, e.step, e.data) for e in reader.events()]
+    return RunData(str(path), metrics, list(reader.tensor_stats()), reader.meta(), events)
 
 
-def _load_mlflow(run_id: str, tracking_uri: str | None, key: str | None) -> tuple[dict[int, float], str]:
+def _mlflow_table_rows(client: Any, run_id: str) -> list[Any]:
+    """Rows of the ``fp8_tensor_stats.json`` table artifact (``[]`` when absent)."""
+    import tempfile
+
+    from fp8track.monitoring.records import TensorStatsRow
+
+    try:
+        names = {a.path for a in client.list_artifacts(run_id)}
+        if "fp8_tensor_stats.json" not in names:
+            return []
+        with tempfile.TemporaryDirectory() as tmp:
+            local = client.download_artifacts(run_id, "fp8_tensor_stats.json", tmp)
+            table = json.loads(Path(local).read_text())
+    except Exception:  # an unreadable artifact store: fall back to the per-layer scalars
+        return []
+    cols = table.get("columns", [])
+    out = []
+    for row in table.get("data", []):
+        d = dict(zip(cols, row, strict=False))
+        stats = {k: float(v) for k, v in d.items() if k not in ("step", "layer", "tensor", "variant")
+                 and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        out.append(TensorStatsRow(int(d["step"]), str(d["layer"]), str(d["tensor"]), stats, str(d.get("variant", "actual"))))
+    return out
+
+
+def _unflatten(flat: Mapping[str, str], prefix: str) -> dict[str, Any]:
+    """``{"a.b": "1"}`` under ``prefix`` -> ``{"a": {"b": 1}}`` (values parsed as JSON when they are)."""
+    out: dict[str, Any] = {}
+    for k, v in flat.items():
+        if not k.startswith(prefix + "."):
+            continue
+        node = out
+        *parents, leaf = k[len(prefix) + 1 :].split(".")
+        for p in parents:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                break
+            node = nxt
+        else:
+            try:
+                node[leaf] = json.loads(v)
+            except ValueError:
+                node[leaf] = v
+    return out
+
+
+def _load_mlflow(run_id: str, tracking_uri: str | None) -> RunData:
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not uri:
         raise ConfigError(
-            f"baseline 'mlflow:{run_id}' needs a tracking URI: pass tracking_uri (the trainer's MLFlowLogger "
-            "has one) or set MLFLOW_TRACKING_URI, e.g. sqlite:///mlflow.db"
+            f"run 'mlflow:{run_id}' needs a tracking URI: pass tracking_uri / --tracking-uri (the trainer's "
+            "MLFlowLogger has one) or set MLFLOW_TRACKING_URI, e.g. sqlite:///mlflow.db"
         )
     try:
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
     except ImportError as err:
-        raise ConfigError("an mlflow: baseline needs MLflow: pip install 'fp8track[mlflow]'") from err
+        raise ConfigError("an mlflow: run needs MLflow: pip install 'fp8track[mlflow]'") from err
     client = MlflowClient(tracking_uri=uri)
     try:
         run = client.get_run(run_id)
     except MlflowException as err:
-        raise ConfigError(f"baseline 'mlflow:{run_id}': no such run at {uri} ({err})") from err
-    k = _pick_key(run.data.metrics, key, f"mlflow:{run_id}")
-    # Several values at one step (e.g. a resumed run): the latest write wins.
-    history = sorted(client.get_metric_history(run_id, k), key=lambda m: (m.step, m.timestamp))
-    return {int(m.step): float(m.value) for m in history}, k
+        raise ConfigError(f"run 'mlflow:{run_id}': no such run at {uri} ({err})") from err
+    metrics: dict[str, dict[int, float]] = {}
+    for k in run.data.metrics:
+        # Several values at one step (e.g. a resumed run): the latest write wins.
+        history = sorted(client.get_metric_history(run_id, k), key=lambda m: (m.step, m.timestamp))
+        metrics[k] = {int(m.step): float(m.value) for m in history}
+    params = dict(run.data.params)
+    meta = {"run_id": run.data.tags.get("fp8track.run_id", run_id), "name": run.info.run_name,
+            "recipe": _unflatten(params, "fp8.recipe") or None, "config": _unflatten(params, "fp8track.config"),
+            "mlflow_run_id": run_id}
+    rows = _mlflow_table_rows(client, run_id) or rows_from_scalars(metrics)
+    return RunData(f"mlflow:{run_id}", metrics, rows, meta)
 
 
 def find_wandb_run(path: Path) -> Path | None:
@@ -300,17 +407,59 @@ def _as_float(v: Any) -> float | None:
     return None
 
 
-def _load_wandb(wandb_file: Path, key: str | None) -> tuple[dict[int, float], str]:
+def _wandb_config(wandb_file: Path) -> dict[str, Any]:
+    """``config["fp8track"]`` of an offline W&B run (its ``files/config.yaml``), ``{}`` if absent."""
+    import yaml
+
+    path = wandb_file.parent / "files" / "config.yaml"
+    try:
+        cfg = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return {}
+    entry = cfg.get("fp8track", {})
+    value = entry.get("value", entry) if isinstance(entry, dict) else {}
+    return value if isinstance(value, dict) else {}
+
+
+def _load_wandb(wandb_file: Path) -> RunData:
     rows = read_wandb_history(wandb_file)
-    names = {k for r in rows for k, v in r.items() if not k.startswith("_") and _as_float(v) is not None}
-    k = _pick_key(names, key, str(wandb_file.parent))
-    series: dict[int, float] = {}
+    metrics: dict[str, dict[int, float]] = {}
     for r in rows:
-        value = _as_float(r.get(k))
         step = _as_float(r.get("trainer/global_step", r.get("_step")))
-        if value is not None and step is not None and math.isfinite(step):
-            series[int(step)] = value
-    return series, k
+        if step is None or not math.isfinite(step):
+            continue
+        for k, v in r.items():
+            value = _as_float(v)
+            if not k.startswith("_") and value is not None and k != "trainer/global_step":
+                metrics.setdefault(k, {})[int(step)] = value
+    return RunData(str(wandb_file.parent), metrics, rows_from_scalars(metrics), _wandb_config(wandb_file))
+
+
+def load_run(ref: str | os.PathLike[str], tracking_uri: str | None = None) -> RunData:
+    """Load a run for the diagnosis or as a control: a local fp8track run directory,
+    ``"mlflow:<run_id>"`` (``tracking_uri``, else ``MLFLOW_TRACKING_URI``) or a W&B offline run
+    directory (or its ``.wandb`` file).
+
+    Raises:
+        ConfigError: for a reference in none of the forms (naming them) or a missing run.
+    """
+    text = os.fspath(ref)
+    if not isinstance(text, str) or not text:
+        raise ConfigError(f"run reference {ref!r} is empty; give one of: {'; '.join(REF_FORMS)}")
+    if text.startswith("mlflow:"):
+        run_id = text[len("mlflow:") :].strip()
+        if not run_id:
+            raise ConfigError(f"run reference {text!r} has no run id; expected 'mlflow:<run_id>'")
+        return _load_mlflow(run_id, tracking_uri)
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise ConfigError(f"run reference {text!r} does not exist; give one of: {'; '.join(REF_FORMS)}")
+    if (path / "meta.json").is_file():
+        return _load_run_dir(path)
+    wandb_file = find_wandb_run(path)
+    if wandb_file is None:
+        raise ConfigError(f"run reference {text!r} is not a run; give one of: {'; '.join(REF_FORMS)}")
+    return _load_wandb(wandb_file)
 
 
 def load_baseline(
@@ -333,38 +482,22 @@ def load_baseline(
         ConfigError: for a reference in none of the forms (naming them), a missing run, or a run
             without a loss metric.
     """
-    text = os.fspath(ref)
-    if not isinstance(text, str) or not text:
-        raise ConfigError(f"baseline reference {ref!r} is empty; give one of: {'; '.join(REF_FORMS)}")
-    if text.startswith("mlflow:"):
-        run_id = text[len("mlflow:") :].strip()
-        if not run_id:
-            raise ConfigError(f"baseline reference {text!r} has no run id; expected 'mlflow:<run_id>'")
-        series, k = _load_mlflow(run_id, tracking_uri, key)
-    else:
-        path = Path(text).expanduser()
-        if not path.exists():
-            raise ConfigError(
-                f"baseline reference {text!r} does not exist; give one of: {'; '.join(REF_FORMS)}"
-            )
-        if (path / "meta.json").is_file():
-            series, k = _load_run_dir(path, key)
-        else:
-            wandb_file = find_wandb_run(path)
-            if wandb_file is None:
-                raise ConfigError(
-                    f"baseline reference {text!r} is not a run; give one of: {'; '.join(REF_FORMS)}"
-                )
-            series, k = _load_wandb(wandb_file, key)
+    run = load_run(ref, tracking_uri)
+    k = run.loss_key(key)
+    series = run.metrics[k]
     if not series:
-        raise ConfigError(f"baseline {text!r} has no values of {k!r}")
-    return Baseline.from_series(text, series, spike_config, key=k)
+        raise ConfigError(f"baseline {run.source!r} has no values of {k!r}")
+    return Baseline.from_series(run.source, series, spike_config, key=k, meta=run.meta)
 
 
 __all__ = [
     "Baseline",
     "SpikeClassification",
     "load_baseline",
+    "load_run",
+    "RunData",
+    "rows_from_scalars",
+    "EVAL_PREFIX",
     "loss_gap",
     "classify_spike",
     "spike_summary",

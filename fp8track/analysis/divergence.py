@@ -36,8 +36,15 @@ from typing import Any
 
 import numpy as np
 
-from fp8track.analysis.windows import HalvesWindow, RobustWindow, centred_median
-from fp8track.errors import ConfigError, check_float, check_int, dataclass_from_dict
+from fp8track.analysis.windows import HalvesWindow, RobustWindow, centred_median, filled
+from fp8track.errors import (
+    ConfigError,
+    check_float,
+    check_int,
+    dataclass_from_dict,
+    restore_state,
+    save_state,
+)
 from fp8track.monitoring.records import EventRecord
 
 DIVERGENCE_REASONS = ("rise", "gap", "nonfinite")
@@ -345,58 +352,48 @@ class DivergenceDetector:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-data state (JSON-able) to resume exactly."""
-        return {
-            "version": 1,
-            "config": asdict(self.config),
-            "losses": list(self._losses.values),
-            "hist": [list(p) for p in self._hist],
-            "gaps": list(self._gaps.values),
-            "gap_hist": [list(p) for p in self._gap_hist],
-            "first": list(self._first),
-            "first_step": self._first_step,
-            "last_step": self._last_step,
-            "rise_run": self._rise_run,
-            "armed": dict(self._armed),
-            "nonfinite_run": self._nonfinite_run,
-            "nonfinite_start": self._nonfinite_start,
-            "events": [e.to_dict() for e in self.events],
-        }
+        return save_state(
+            config=asdict(self.config),
+            losses=list(self._losses.values),
+            hist=[list(p) for p in self._hist],
+            gaps=list(self._gaps.values),
+            gap_hist=[list(p) for p in self._gap_hist],
+            first=list(self._first),
+            first_step=self._first_step,
+            last_step=self._last_step,
+            rise_run=self._rise_run,
+            armed=dict(self._armed),
+            nonfinite_run=self._nonfinite_run,
+            nonfinite_start=self._nonfinite_start,
+            events=[e.to_dict() for e in self.events],
+        )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; missing keys keep their current value."""
-        if "losses" in state:
-            self._losses = HalvesWindow(self.config.window)
-            for x in state["losses"]:
-                self._losses.append(x)
-        if "hist" in state:
-            self._hist = deque(
-                ((int(s), float(x)) for s, x in state["hist"]), maxlen=self.config.effective_lookback
-            )
-        if "gaps" in state:
-            self._gaps = RobustWindow(self.config.gap_window)
-            for x in state["gaps"]:
-                self._gaps.append(x)
-        if "gap_hist" in state:
-            self._gap_hist = deque(
-                ((int(s), float(x)) for s, x in state["gap_hist"]), maxlen=self.config.effective_lookback
-            )
-        if "first" in state:
-            self._first = [float(x) for x in state["first"]]
-        for key, attr in (
-            ("first_step", "_first_step"),
-            ("last_step", "_last_step"),
-            ("nonfinite_start", "_nonfinite_start"),
-        ):
-            if key in state:
-                setattr(self, attr, None if state[key] is None else int(state[key]))
-        if "rise_run" in state:
-            self._rise_run = int(state["rise_run"])
-        if "nonfinite_run" in state:
-            self._nonfinite_run = int(state["nonfinite_run"])
-        if "armed" in state:
-            self._armed.update({k: bool(v) for k, v in state["armed"].items() if k in self._armed})
-        if "events" in state:
-            self.events = [DivergenceEvent.from_dict(d) for d in state["events"]]
+        """Restore :meth:`state_dict` output (:func:`fp8track.errors.restore_state`: missing keys keep
+        their current value, a newer version is a ConfigError)."""
+        c = self.config
+
+        def steps(pairs: Any) -> deque[tuple[int, float]]:
+            return deque(((int(s), float(x)) for s, x in pairs), maxlen=c.effective_lookback)
+
+        restore_state(
+            self,
+            state,
+            {
+                "losses": ("_losses", lambda vs: filled(HalvesWindow(c.window), vs)),
+                "hist": ("_hist", steps),
+                "gaps": ("_gaps", lambda vs: filled(RobustWindow(c.gap_window), vs)),
+                "gap_hist": ("_gap_hist", steps),
+                "first": ("_first", lambda xs: [float(x) for x in xs]),
+                "first_step": ("_first_step", int),
+                "last_step": ("_last_step", int),
+                "nonfinite_start": ("_nonfinite_start", int),
+                "rise_run": ("_rise_run", int),
+                "nonfinite_run": ("_nonfinite_run", int),
+                "armed": lambda a: self._armed.update({k: bool(v) for k, v in a.items() if k in self._armed}),
+                "events": ("events", lambda es: [DivergenceEvent.from_dict(d) for d in es]),
+            },
+        )
 
 
 __all__ = [

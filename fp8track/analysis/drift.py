@@ -1,6 +1,7 @@
 """Scale drift: the recipe's scale against the tensor's own current scale, per layer and tensor.
 
-``scale_drift_log2 = log2(scale / current_scale)`` (docs/statistics.md): ``> 0`` means the
+``scale_drift_log2 = log2(scale / current_scale)`` (docs/statistics.md; the one function is
+:func:`fp8track.numerics.scaling.drift_log2`, re-exported here): ``> 0`` means the
 scale in use is too large for today's amax (overflow risk), ``< 0`` means range is wasted
 (underflow risk). One unit is one binade (a factor of 2).
 
@@ -25,24 +26,13 @@ from typing import Any
 
 import torch
 
+import fp8track.errors as errors
 from fp8track.errors import ConfigError, check_float, check_int, dataclass_from_dict, invalid_choice
 from fp8track.monitoring.records import EventRecord
 from fp8track.numerics.formats import TENSOR_KINDS, FormatPair, FP8Format, get_format, get_format_pair
-from fp8track.numerics.scaling import AMAX_COMPUTE_ALGOS, current_scale, delayed_scaling_update
+from fp8track.numerics.scaling import AMAX_COMPUTE_ALGOS, current_scale, delayed_scaling_update, drift_log2
 
 DIRECTIONS = ("overflow_risk", "underflow_risk")
-
-
-def drift_log2(scale: float, current: float) -> float:
-    """``log2(scale / current)``; NaN when either is not a positive finite number.
-
-    Example:
-        >>> drift_log2(4.0, 1.0), drift_log2(1.0, 8.0)
-        (2.0, -3.0)
-    """
-    if not (scale > 0 and current > 0 and math.isfinite(scale) and math.isfinite(current)):
-        return math.nan
-    return math.log2(scale) - math.log2(current)
 
 
 @dataclass(frozen=True)
@@ -178,21 +168,36 @@ class DriftTracker:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": 1,
-            "runs": [[layer, tensor, *run] for (layer, tensor), run in self._runs.items()],
-            "events": [e.to_dict() for e in self.events],
-        }
+        """Plain-data state: each open excursion by name (version 2; version 1 stored them by position)."""
+        runs = [
+            {"layer": layer, "tensor": tensor, **dict(zip(_RUN_FIELDS, run, strict=True))}
+            for (layer, tensor), run in self._runs.items()
+        ]
+        return errors.save_state(version=2, runs=runs, events=[e.to_dict() for e in self.events])
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; missing keys keep their current value."""
-        if "runs" in state:
-            self._runs = {
-                (r[0], r[1]): [int(r[2]), int(r[3]), int(r[4]), float(r[5]), bool(r[6])]
-                for r in state["runs"]
-            }
-        if "events" in state:
-            self.events = [DriftEvent(**d) for d in state["events"]]
+        """Restore :meth:`state_dict` output (:func:`fp8track.errors.restore_state`: missing keys keep
+        their current value, a newer version is a ConfigError)."""
+
+        def run(r: Any) -> tuple[tuple[str, str], list[Any]]:
+            if not isinstance(r, Mapping):  # version 1: [layer, tensor, sign, count, start, peak, fired]
+                r = dict(zip(("layer", "tensor", *_RUN_FIELDS), r, strict=True))
+            values = [int(r["sign"]), int(r["count"]), int(r["start_step"]), float(r["peak"]), bool(r["fired"])]
+            return (r["layer"], r["tensor"]), values
+
+        errors.restore_state(
+            self,
+            state,
+            {
+                "runs": ("_runs", lambda rs: dict(run(r) for r in rs)),
+                "events": ("events", lambda es: [DriftEvent(**d) for d in es]),
+            },
+            version=2,
+        )
+
+
+_RUN_FIELDS = ("sign", "count", "start_step", "peak", "fired")
+"""An open excursion of :class:`DriftTracker`, in the order it keeps them."""
 
 
 @dataclass(frozen=True)
@@ -281,26 +286,37 @@ class WhatIfDelayed:
         return {k: out[k] for k in amaxes}
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain data (lists, not tensors): histories, scales and sample counts per (layer, tensor)."""
-        rows = []
+        """Plain data (lists, not tensors): history, scale and sample count per (layer, tensor)."""
+        scalers = []
         for batch in self._batches.values():
-            for key, i in batch.index.items():
-                rows.append([*key, batch.history[:, i].tolist(), float(batch.scale[i]), batch.seen[i]])
-        return {"version": 1, "scalers": rows}
+            for (layer, tensor), i in batch.index.items():
+                scalers.append(
+                    {
+                        "layer": layer,
+                        "tensor": tensor,
+                        "history": batch.history[:, i].tolist(),
+                        "scale": float(batch.scale[i]),
+                        "seen": batch.seen[i],
+                    }
+                )
+        return errors.save_state(version=2, scalers=scalers)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; missing keys keep their current value."""
-        for layer, tensor, hist, scale, seen in state.get("scalers", []):
-            hist_t = torch.as_tensor(hist, dtype=torch.float32)
-            if hist_t.numel() != self.history_len:
-                raise ConfigError(
-                    f"checkpointed what-if history has length {hist_t.numel()}, expected {self.history_len}"
-                )
-            batch = self._batch(tensor)
-            i = batch.column((layer, tensor))
-            batch.history[:, i] = hist_t
-            batch.scale[i] = float(scale)
-            batch.seen[i] = int(seen)
+        """Restore :meth:`state_dict` output (:func:`fp8track.errors.restore_state`: missing keys keep
+        their current value, a newer version is a ConfigError)."""
+        errors.restore_state(self, state, {"scalers": lambda rows: [self._load_scaler(r) for r in rows]}, version=2)
+
+    def _load_scaler(self, row: Any) -> None:
+        if not isinstance(row, Mapping):  # version 1: [layer, tensor, history, scale, seen]
+            row = dict(zip(("layer", "tensor", "history", "scale", "seen"), row, strict=True))
+        hist_t = torch.as_tensor(row["history"], dtype=torch.float32)
+        if hist_t.numel() != self.history_len:
+            raise ConfigError(f"checkpointed what-if history has length {hist_t.numel()}, expected {self.history_len}")
+        batch = self._batch(row["tensor"])
+        i = batch.column((row["layer"], row["tensor"]))
+        batch.history[:, i] = hist_t
+        batch.scale[i] = float(row["scale"])
+        batch.seen[i] = int(row["seen"])
 
 
 class _FormatBatch:

@@ -126,6 +126,17 @@ def signals(summary: Mapping[str, float]) -> dict[str, float]:
     }
 
 
+def row_signals(stats: Mapping[str, float]) -> dict[str, float]:
+    """The five signals of one step's statistics (one :class:`TensorStatsRow`'s ``stats``)."""
+    return signals({
+        "sqnr_db": float(stats.get("sqnr_db", math.nan)),
+        "cos": float(stats.get("cos", math.nan)),
+        "underflow_pct": float(stats.get("underflow_pct", math.nan)),
+        "overflow_pct": float(stats.get("overflow_pct", math.nan)),
+        "abs_drift_log2": abs(float(stats.get("scale_drift_log2", math.nan))),
+    })
+
+
 def robust_z(values: Sequence[float], floor: float) -> list[float]:
     """``(v - median) / max(1.4826 * MAD, floor)`` over the finite values; NaN stays NaN, +-inf
     becomes +-inf-clipped to the finite range's extremes (an exact tensor is simply the best)."""
@@ -179,16 +190,107 @@ def rank_layers(rows: Iterable[TensorStatsRow], tensors: Sequence[str] | None = 
     return sorted(layers.values(), key=lambda r: (-r.score, r.layer))
 
 
-def outliers(ranking: Sequence[LayerRisk], z_threshold: float = 3.5, min_score: float = 3.0) -> list[LayerRisk]:
+def outliers(
+    ranking: Sequence[LayerRisk],
+    z_threshold: float = 3.5,
+    min_score: float = 3.0,
+    control: Sequence[LayerRisk] | None = None,
+) -> list[LayerRisk]:
     """Layers whose risk score stands out from the other layers' scores: robust z of the score
     above ``z_threshold`` (3.5, the usual modified-z cut-off) *and* a score of at least
     ``min_score`` (one signal three robust deviations worse than the typical layer), so a model
-    whose layers are all alike has none."""
+    whose layers are all alike has none.
+
+    With ``control`` (the ranking of the BF16 control's shadow rows, i.e. what FP8 would do to the
+    control's tensors) a layer also has to stand out *more* than it does there, by at least
+    ``min_score``: a layer that is hard to quantise in every run is a property of the model, not
+    of this FP8 run."""
     if len(ranking) < 3:
         return []
     scores = [r.score for r in ranking]
     z = robust_z(scores, floor=1.0)
-    return [r for r, zi in zip(ranking, z, strict=True) if zi > z_threshold and r.score >= min_score]
+    ref = {r.layer: r.score for r in control or ()}
+    return [
+        r for r, zi in zip(ranking, z, strict=True)
+        if zi > z_threshold and r.score >= min_score and r.score - ref.get(r.layer, 0.0) >= min_score
+    ]
 
 
-__all__ = ["SIGNALS", "SIGNAL_FLOORS", "LayerRisk", "summarise", "signals", "robust_z", "rank_layers", "outliers"]
+@dataclass(frozen=True)
+class HistoryShift:
+    """A lasting change in one layer's statistics against its own history.
+
+    Attributes:
+        layer, tensor: where.
+        signal: which of :data:`SIGNALS` changed.
+        step: first sampled step of the changed segment (the onset).
+        before, after: the signal's median before / from the onset on (signal units).
+        z: ``(after - before) / max(1.4826 * pooled MAD, floor)``, larger is worse.
+    """
+
+    layer: str
+    tensor: str
+    signal: str
+    step: int
+    before: float
+    after: float
+    z: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layer": self.layer, "tensor": self.tensor, "signal": self.signal, "step": self.step,
+                "before": self.before, "after": self.after, "z": self.z}
+
+
+def history_shifts(rows: Iterable[TensorStatsRow], min_segment: int = 3) -> list[HistoryShift]:
+    """Per (layer, tensor), the strongest lasting worsening of a signal against its own history.
+
+    For each signal's per-step series (main rows, sorted by step) every split leaving at least
+    ``min_segment`` samples on each side is tried; the split's score is the difference of the
+    segment medians over the pooled robust scale of the residuals around them (floored by
+    :data:`SIGNAL_FLOORS`, so a flat series cannot yield a huge z). The best split per
+    (layer, tensor) is returned, strongest first; series shorter than ``2 * min_segment`` are skipped.
+    """
+    series: dict[tuple[str, str], list[tuple[int, dict[str, float]]]] = {}
+    for r in rows:
+        if r.variant in MAIN_VARIANTS:
+            series.setdefault((r.layer, r.tensor), []).append((int(r.step), row_signals(r.stats)))
+    out: list[HistoryShift] = []
+    for (layer, tensor), points in series.items():
+        points.sort(key=lambda p: p[0])
+        if len(points) < 2 * min_segment:
+            continue
+        steps = [p[0] for p in points]
+        best: HistoryShift | None = None
+        for sig in SIGNALS:
+            v = np.array([p[1][sig] for p in points], dtype=np.float64)
+            if not np.isfinite(v).all():
+                finite = v[np.isfinite(v)]
+                if finite.size == 0:
+                    continue
+                v = np.clip(np.nan_to_num(v, nan=float(np.median(finite))), finite.min(), finite.max())
+            for k in range(min_segment, len(v) - min_segment + 1):
+                a, b = v[:k], v[k:]
+                ma, mb = float(np.median(a)), float(np.median(b))
+                resid = np.concatenate([a - ma, b - mb])
+                scale = max(MAD_TO_SIGMA * float(np.median(np.abs(resid))), SIGNAL_FLOORS[sig])
+                z = (mb - ma) / scale
+                if best is None or z > best.z:
+                    best = HistoryShift(layer, tensor, sig, steps[k], ma, mb, z)
+        if best is not None:
+            out.append(best)
+    return sorted(out, key=lambda h: (-h.z, h.layer, h.tensor))
+
+
+__all__ = [
+    "SIGNALS",
+    "SIGNAL_FLOORS",
+    "LayerRisk",
+    "HistoryShift",
+    "summarise",
+    "signals",
+    "row_signals",
+    "robust_z",
+    "rank_layers",
+    "outliers",
+    "history_shifts",
+]

@@ -37,7 +37,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from fp8track.analysis.windows import RobustWindow
+import fp8track.errors as errors
+from fp8track.analysis.windows import RobustWindow, filled
 from fp8track.errors import ConfigError, check_float, check_int, dataclass_from_dict, invalid_choice
 from fp8track.monitoring.records import EventRecord
 
@@ -260,10 +261,6 @@ class SpikeEvent:
         return EventRecord(kind=self.kind, step=self.start_step, data=data)
 
 
-def _finite(x: float | None) -> bool:
-    return x is not None and math.isfinite(x)
-
-
 class SpikeDetector:
     """Streaming loss-spike and non-finite-loss detector (algorithm in the module docstring).
 
@@ -394,39 +391,38 @@ class SpikeDetector:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-data state (JSON-able; NaN/inf are Python floats) to resume exactly."""
-        return {
-            "version": 1,
-            "config": asdict(self.config),
-            "last_step": self._last_step,
-            "loss_window": list(self._loss.values),
-            "grad_window": list(self._grad.values),
-            "pending": [list(p) for p in self._pending],
-            "open": dict(self._open) if self._open is not None else None,
-            "nonfinite": dict(self._nonfinite) if self._nonfinite is not None else None,
-            "events": [e.to_dict() for e in self.events],
-        }
+        return errors.save_state(
+            config=asdict(self.config),
+            last_step=self._last_step,
+            loss_window=list(self._loss.values),
+            grad_window=list(self._grad.values),
+            pending=[list(p) for p in self._pending],
+            open=dict(self._open) if self._open is not None else None,
+            nonfinite=dict(self._nonfinite) if self._nonfinite is not None else None,
+            events=[e.to_dict() for e in self.events],
+        )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; missing keys keep their current value.
+        """Restore :meth:`state_dict` output (:func:`fp8track.errors.restore_state`: missing keys keep
+        their current value, a newer version is a ConfigError).
 
         The configuration is *not* taken from the state (the constructor's wins), so a resumed run
         may change thresholds; windows longer than the new ``window`` keep their newest values.
         """
-        if "last_step" in state:
-            self._last_step = None if state["last_step"] is None else int(state["last_step"])
-        for key, win in (("loss_window", self._loss), ("grad_window", self._grad)):
-            if key in state:
-                win.clear()
-                for v in state[key]:
-                    win.append(v)
-        if "pending" in state:
-            self._pending = [(int(s), float(x), g) for s, x, g in state["pending"]]
-        if "open" in state:
-            self._open = dict(state["open"]) if state["open"] is not None else None
-        if "nonfinite" in state:
-            self._nonfinite = dict(state["nonfinite"]) if state["nonfinite"] is not None else None
-        if "events" in state:
-            self.events = [SpikeEvent.from_dict(d) for d in state["events"]]
+
+        errors.restore_state(
+            self,
+            state,
+            {
+                "last_step": ("_last_step", int),
+                "loss_window": ("_loss", lambda vs: filled(RobustWindow(self.config.window), vs)),
+                "grad_window": ("_grad", lambda vs: filled(RobustWindow(self.config.window), vs)),
+                "pending": ("_pending", lambda ps: [(int(s), float(x), g) for s, x, g in ps]),
+                "open": ("_open", dict),
+                "nonfinite": ("_nonfinite", dict),
+                "events": ("events", lambda es: [SpikeEvent.from_dict(d) for d in es]),
+            },
+        )
 
     # --- internals --------------------------------------------------------------------------
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
+from collections.abc import Iterable
+from typing import TypeVar
 
 import numpy as np
 
@@ -129,4 +131,22 @@ def sorted_median(s: list[float]) -> float:
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
-__all__ = ["MAD_TO_SIGMA", "RobustWindow", "HalvesWindow", "centred_median", "sorted_median", "sorted_quantile"]
+W = TypeVar("W", RobustWindow, HalvesWindow)
+
+
+def filled(window: W, values: Iterable[float]) -> W:
+    """``window`` after appending ``values`` in order (restoring a window from a saved state)."""
+    for v in values:
+        window.append(v)
+    return window
+
+
+__all__ = [
+    "MAD_TO_SIGMA",
+    "RobustWindow",
+    "HalvesWindow",
+    "centred_median",
+    "filled",
+    "sorted_median",
+    "sorted_quantile",
+]

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from fp8track.errors import ConfigError
+from fp8track.errors import ConfigError, check_int
 
 VOCAB_SIZE = 256
 
@@ -55,12 +55,11 @@ class GPTConfig:
     def __post_init__(self) -> None:
         for name in ("vocab", "n_embd"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 16 or value % 16:
+            check_int(name, value, 16)
+            if value % 16:
                 raise ConfigError(f"{name} must be a positive multiple of 16, got {value!r}")
         for name in ("n_layer", "n_head", "block_size", "mlp_ratio"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+            check_int(name, getattr(self, name), 1)
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
 

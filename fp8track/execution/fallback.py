@@ -36,7 +36,6 @@ candidates.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,22 +44,27 @@ import torch
 from torch import nn
 
 from fp8track.errors import ConfigError
+from fp8track.execution.layers import (
+    compile_selector,
+    gemm_layers,
+    is_gemm_layer,
+    match_layers,
+    preview_names,
+)
 
 _KEYWORDS = ("none", "first", "last", "first_last", "first:N", "last:N", "first_last:N", "re:PATTERN", "auto:K")
 
 
-def _is_linear(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear)
-
-
 def linear_names(model: nn.Module) -> list[str]:
-    """Qualified names of every ``nn.Linear`` (subclasses included) in registration order."""
-    return [name for name, m in model.named_modules() if _is_linear(m) and name]
+    """Qualified names of every GEMM layer (:func:`~fp8track.execution.layers.is_gemm_layer`) in
+    registration order, the root excluded (it cannot be swapped in place)."""
+    return [name for name, _ in gemm_layers(model) if name]
 
 
 def repeated_blocks(model: nn.Module) -> list[str]:
     """Qualified names of the model's repeated blocks (see the module docstring), in order."""
     by_type: dict[type, list[str]] = {}
+    first: dict[type, nn.Module] = {}  # one instance per type, for the GEMM-layer predicate
     for cname, container in model.named_modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)):
             continue
@@ -71,13 +75,14 @@ def repeated_blocks(model: nn.Module) -> list[str]:
         if len(types) != 1:
             continue
         (ctype,) = types
-        if not any(_is_linear(m) for _, c in children for m in c.modules()):
+        if not any(is_gemm_layer(m) for _, c in children for m in c.modules()):
             continue
         prefix = f"{cname}." if cname else ""
         by_type.setdefault(ctype, []).extend(prefix + n for n, _ in children)
+        first.setdefault(ctype, children[0][1])
     # Lists of bare linears (e.g. per-head projections inside a block) only count as blocks when
     # nothing else repeats, so they cannot outnumber the transformer blocks that hold them.
-    composite = {t: names for t, names in by_type.items() if not issubclass(t, nn.Linear)}
+    composite = {t: names for t, names in by_type.items() if not is_gemm_layer(first[t])}
     pool = composite or by_type
     if not pool:
         return []
@@ -89,8 +94,8 @@ def execution_order(model: nn.Module, example_inputs: Any) -> list[str]:
     """Linear names in the order one forward pass calls them (each name once, first call wins)."""
     order: list[str] = []
     handles = []
-    for name, m in model.named_modules():
-        if name and _is_linear(m):
+    for name, m in gemm_layers(model):
+        if name:
             handles.append(m.register_forward_pre_hook(lambda _m, _a, n=name: order.append(n) if n not in order else None))
     try:
         with torch.no_grad():
@@ -194,8 +199,7 @@ class FallbackSpec:
         """
         linears = linear_names(model)
         if not linears:
-            raise ConfigError("the model has no nn.Linear layers to run in FP8")
-        modules = dict(model.named_modules())
+            raise ConfigError("the model has no linear layers to run in FP8")
         chosen: dict[str, str] = {}
         blocks: list[str] | None = None
         singles: list[str] | None = None
@@ -214,42 +218,28 @@ class FallbackSpec:
                     if n > len(blocks):
                         raise ConfigError(
                             f"bf16_layers term {term!r} asks for {n} blocks but the model has {len(blocks)}: "
-                            f"{_clip(blocks)}"
+                            f"{preview_names(blocks)}"
                         )
                     picked = blocks[:n] if side == "first" else blocks[len(blocks) - n :]
                     for b in picked:
-                        take(_linears_under(b, linears), f"{term} (block {b})")
+                        take(match_layers(model, b, linears), f"{term} (block {b})")
                 else:
                     if singles is None:
                         singles = execution_order(model, example_inputs) if example_inputs is not None else linears
                     if n > len(singles):
                         raise ConfigError(
                             f"bf16_layers term {term!r} asks for {n} linears but the model has {len(singles)} "
-                            f"and no repeated blocks: {_clip(singles)}"
+                            f"and no repeated blocks: {preview_names(singles)}"
                         )
                     take(singles[:n] if side == "first" else singles[len(singles) - n :], term)
-            elif term.startswith("re:"):
-                pattern = re.compile(term[3:])
-                hits = [n for n in linears if pattern.search(n)]
-                if not hits:
-                    raise ConfigError(f"bf16_layers regex {term[3:]!r} matches no linear layer; candidates: {_clip(linears)}")
-                take(hits, term)
             elif term.startswith("auto:"):
                 k = int(term.split(":")[1])
                 for n, why in _from_ranking(ranking, k, linears, term).items():
                     chosen.setdefault(n, why)
             else:
-                if term not in modules or not term:
-                    raise ConfigError(f"bf16_layers names a missing module {term!r}; linear layers: {_clip(linears)}")
-                hits = _linears_under(term, linears)
-                if not hits:
-                    raise ConfigError(f"module {term!r} holds no linear layer; linear layers: {_clip(linears)}")
-                take(hits, f"named {term}")
+                hits = match_layers(model, term, linears, "bf16_layers term")
+                take(hits, term if term.startswith("re:") else f"named {term}")
         return {n: chosen[n] for n in linears if n in chosen}
-
-
-def _linears_under(prefix: str, linears: Sequence[str]) -> list[str]:
-    return [n for n in linears if n == prefix or n.startswith(prefix + ".")]
 
 
 def _from_ranking(
@@ -263,7 +253,9 @@ def _from_ranking(
         ordered = list(ranking)
     unknown = [n for n in ordered if n not in linears]
     if unknown:
-        raise ConfigError(f"ranking names layers the model lacks: {_clip(unknown)}; linear layers: {_clip(linears)}")
+        raise ConfigError(
+            f"ranking names layers the model lacks: {preview_names(unknown)}; linear layers: {preview_names(linears)}"
+        )
     if k > len(ordered):
         raise ConfigError(f"bf16_layers term {term!r} asks for {k} layers but the ranking has {len(ordered)}")
     return {n: f"{term} (rank {i + 1})" for i, n in enumerate(ordered[:k])}
@@ -277,17 +269,9 @@ def _validate_term(term: str) -> None:
         if not count.isdigit() or int(count) < 1:
             raise ConfigError(f"bf16_layers term {term!r} needs a positive integer count; valid forms: {', '.join(_KEYWORDS)}")
     elif term.startswith("re:"):
-        try:
-            re.compile(term[3:])
-        except re.error as exc:
-            raise ConfigError(f"bf16_layers regex {term[3:]!r} does not compile: {exc}") from None
+        compile_selector(term, "bf16_layers")
     elif term in ("none", "first", "last", "first_last"):
         raise ConfigError(f"bf16_layers term {term!r} must go through FallbackSpec.parse")
-
-
-def _clip(names: Sequence[str], limit: int = 24) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
 def resolve_fallback(

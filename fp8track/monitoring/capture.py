@@ -3,7 +3,9 @@
 For every chosen layer, on sampled steps only, the hooks see:
 
 * ``activation``: the forward GEMM input (the layer's first positional input);
-* ``weight``: the layer's weight, once per sampled step;
+* ``weight``: the layer's weight in GEMM orientation ``[out, in]`` (``Conv1D``'s ``[in, out]``
+  weight is seen transposed, which changes no per-tensor statistic and blocks block recipes along
+  the reduction dimension as the GEMM does), once per sampled step;
 * ``gradient``: dY, the gradient of the layer's output (a tensor hook on the output, which fires
   before the layer's own backward in every case).
 
@@ -17,7 +19,6 @@ what FP8 would do to them).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -25,14 +26,16 @@ import torch
 from torch import nn
 
 from fp8track.errors import ConfigError, invalid_choice
+from fp8track.execution.layers import GEMM_LAYER_KINDS, gemm_layers, gemm_weight, match_layers, preview_names
 from fp8track.monitoring.sharding import ShardSpec, Share, observed_weight, share_of
 from fp8track.numerics.formats import TENSOR_KINDS, get_format_pair
+from fp8track.numerics.scaling import BLOCK_SCALINGS, block_layout
 from fp8track.numerics.stats import block_partial_stats, empty_partial, merge_partials, partial_stats
 
 # How a tensor is scaled, per recipe family. "per_tensor" covers delayed, current and
 # fp8_input_bf16_gemm (one scale per tensor); block recipes carry their own per-block scales.
-SCALING_KINDS = ("per_tensor", "mxfp8", "block")
-WHATIF_VARIANTS = ("current", "mxfp8", "block")
+SCALING_KINDS = ("per_tensor", *BLOCK_SCALINGS)
+WHATIF_VARIANTS = ("current", *BLOCK_SCALINGS)
 
 ScaleFn = Callable[[], "torch.Tensor | None"]
 
@@ -63,12 +66,6 @@ class LayerPlan:
         return "actual" if self.fp8 else "shadow"
 
 
-def _block_recipe(scaling: str, tensor: str) -> str:
-    if scaling == "mxfp8":
-        return "mxfp8"
-    return "block128x128" if tensor == "weight" else "block128"
-
-
 def tensor_partial(
     x: torch.Tensor, plan: LayerPlan, tensor: str, scaling: str | None = None, share: Share | None = None
 ) -> torch.Tensor:
@@ -86,7 +83,7 @@ def tensor_partial(
         return partial_stats(x, fmt, scale, plan.margin)
     if x.dim() < 1 or x.shape[-1] == 0:
         return partial_stats(x, fmt, None, plan.margin)
-    return block_partial_stats(x, _block_recipe(scaling, tensor), fmt)
+    return block_partial_stats(x, block_layout(scaling, tensor), fmt)
 
 
 def _shared_partial(share: Share, plan: LayerPlan, tensor: str, scaling: str) -> torch.Tensor:
@@ -104,14 +101,6 @@ def _shared_partial(share: Share, plan: LayerPlan, tensor: str, scaling: str) ->
     return tensor_partial(share.local, plan, tensor, scaling)
 
 
-def is_linear_like(module: nn.Module) -> bool:
-    """nn.Linear and subclasses (emulated FP8 linear, torchao Float8Linear) and TE Linear layers."""
-    if isinstance(module, nn.Linear):
-        return True
-    cls = type(module)
-    return cls.__module__.startswith("transformer_engine") and cls.__name__ in ("Linear", "LayerNormLinear")
-
-
 LayerFilter = Callable[[nn.Module, str], bool]
 
 
@@ -119,50 +108,35 @@ def select_layers(
     model: nn.Module,
     layers: str | Sequence[str] | LayerFilter | None = None,
 ) -> list[tuple[str, nn.Module]]:
-    """The linear-like layers to monitor, in registration order.
+    """The GEMM layers to monitor (:func:`~fp8track.execution.layers.is_gemm_layer`), in registration order.
 
     Args:
-        layers: ``None`` (every linear-like layer), a regex string prefixed ``re:`` (searched in
-            the qualified name), a list of exact qualified names (and/or ``re:`` patterns), or a
+        layers: ``None`` (every GEMM layer), one selector term or a list of them (see
+            :func:`~fp8track.execution.layers.match_layers`: ``re:PATTERN`` searched in the
+            qualified name, or the qualified name of a layer or of a module holding layers), or a
             ``(module, fqn) -> bool`` filter.
 
     Raises:
-        ConfigError: when nothing is linear-like, or a name/pattern matches no linear-like layer
-            (the message lists candidates).
+        ConfigError: when the model has no GEMM layer, or a term matches none (the message lists
+            candidates).
     """
-    candidates = [(fqn, m) for fqn, m in model.named_modules() if is_linear_like(m)]
+    candidates = gemm_layers(model)
     if not candidates:
-        raise ConfigError(f"{type(model).__name__} has no linear layer to monitor (nn.Linear, FP8 linear or TE Linear)")
+        raise ConfigError(f"{type(model).__name__} has no linear layer to monitor ({'; '.join(GEMM_LAYER_KINDS)})")
     names = [fqn for fqn, _ in candidates]
     if layers is None:
         return candidates
     if callable(layers):
         chosen = [(fqn, m) for fqn, m in candidates if layers(m, fqn)]
         if not chosen:
-            raise ConfigError(f"the layer filter matched none of the linear layers: {_preview(names)}")
+            raise ConfigError(f"the layer filter matched none of the linear layers: {preview_names(names)}")
         return chosen
-    specs = [layers] if isinstance(layers, str) else list(layers)
     picked: set[str] = set()
-    for spec in specs:
-        if not isinstance(spec, str):
-            raise ConfigError(f"layer selectors must be strings or a callable, got {spec!r}")
-        if spec.startswith("re:"):
-            try:
-                pattern = re.compile(spec[3:])
-            except re.error as e:
-                raise ConfigError(f"bad layer regex {spec!r}: {e}") from None
-            hits = {n for n in names if pattern.search(n)}
-        else:
-            hits = {spec} if spec in names else set()
-        if not hits:
-            raise ConfigError(f"layer selector {spec!r} matches no linear layer; candidates: {_preview(names)}")
-        picked |= hits
+    for term in [layers] if isinstance(layers, str) else list(layers):
+        if not isinstance(term, str):
+            raise ConfigError(f"layer selectors must be strings or a callable, got {term!r}")
+        picked.update(match_layers(model, term, names))
     return [(fqn, m) for fqn, m in candidates if fqn in picked]
-
-
-def _preview(names: Sequence[str], limit: int = 12) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
 
 def validate_tensors(tensors: Iterable[str]) -> tuple[str, ...]:
@@ -267,8 +241,8 @@ class LayerCapture:
         if "activation" in self.tensors and args and isinstance(args[0], torch.Tensor):
             self._add("activation", args[0])
         if "weight" in self.tensors and not self._weight_done:
-            weight = observed_weight(getattr(module, "weight", None), self._resting_weight)
-            if isinstance(weight, torch.Tensor):
+            weight = gemm_weight(module, observed_weight(getattr(module, "weight", None), self._resting_weight))
+            if weight is not None:
                 self._add("weight", weight)
                 self._weight_done = True
 
@@ -301,7 +275,7 @@ def plan_for(fqn: str, module: nn.Module, shadow_format: str = "hybrid") -> Laye
     recipe = backends.recipe_of(module)
     scaling_name = recipe.scaling if recipe is not None else "current"
     margin = recipe.margin if recipe is not None else 0
-    if scaling_name in ("mxfp8", "block"):
+    if scaling_name in BLOCK_SCALINGS:
         return LayerPlan(fqn, True, formats, scaling=scaling_name, margin=margin)
     scale_fns: dict[str, ScaleFn] = {}
     if scaling_name == "delayed":

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from fp8track.errors import ConfigError, check_float, check_int, invalid_choice
+from fp8track.errors import check_float, check_int, invalid_choice
 from fp8track.monitoring.capture import (
     LayerCapture,
     LayerFilter,
@@ -49,7 +49,7 @@ from fp8track.monitoring.records import (
 )
 from fp8track.monitoring.sharding import ShardSpec, grad_sq_share, is_dtensor
 from fp8track.numerics.formats import TENSOR_KINDS, get_format_pair
-from fp8track.numerics.stats import NUM_SUM, PARTIAL_SIZE, STAT_NAMES, finalize
+from fp8track.numerics.stats import NUM_SUM, PARTIAL_SIZE, STAT_NAMES, finalize_many
 
 DEFAULT_SCALAR_STATS = (
     "underflow_pct",
@@ -100,8 +100,7 @@ class MonitorConfig:
         check_int("every_n_steps", self.every_n_steps, 1)
         check_float("collective_timeout_s", self.collective_timeout_s, 0.0, strict=True)
         for s in self.steps:
-            if not isinstance(s, int) or s < 0:
-                raise ConfigError(f"steps must be non-negative integers, got {s!r}")
+            check_int("steps entry", s, 0)
         object.__setattr__(self, "steps", tuple(self.steps))
         object.__setattr__(self, "tensors", validate_tensors(self.tensors))
         object.__setattr__(self, "whatif", validate_whatif(self.whatif))
@@ -374,15 +373,17 @@ class Monitor:
         events.append(EventRecord("analysis_error", step, {"analyzer": name, "error": repr(exc)}))
 
     def _rows(self, step: int, keys: Sequence[tuple[str, str, str]], flat: Sequence[float]) -> list[TensorStatsRow]:
-        rows = []
-        for i, (fqn, tensor, variant) in enumerate(keys):
+        live = []
+        for i, key in enumerate(keys):
             part = flat[i * PARTIAL_SIZE : (i + 1) * PARTIAL_SIZE]
-            if part[0] == 0 and part[NUM_SUM] == -math.inf:
-                continue  # nothing observed (e.g. a layer unused this step)
-            plan = self.captures[fqn].plan
-            stats = finalize(part, plan.formats[tensor], plan.margin)
-            rows.append(TensorStatsRow(step, fqn, tensor, stats, variant))
-        return rows
+            if not (part[0] == 0 and part[NUM_SUM] == -math.inf):  # else nothing observed (an unused layer)
+                live.append((key, part))
+        if not live:
+            return []
+        plans = [self.captures[fqn].plan for (fqn, _, _), _ in live]
+        fmts = [plan.formats[tensor] for plan, ((_, tensor, _), _) in zip(plans, live, strict=True)]
+        stats = finalize_many([part for _, part in live], fmts, [plan.margin for plan in plans])
+        return [TensorStatsRow(step, fqn, tensor, s, variant) for ((fqn, tensor, variant), _), s in zip(live, stats, strict=True)]
 
     def _scalars(self, rows: Sequence[TensorStatsRow]) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -414,6 +415,28 @@ class Monitor:
             self._writer.write_events(events)
         if self._fanout is not None:
             self._fanout.log(StepBatch(step, metrics, tuple(rows), tuple(events)))
+
+    # -- evaluations -------------------------------------------------------------------------------
+    def record_eval(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
+        """Record the validation/downstream metrics of one evaluation at optimizer step ``step`` as
+        ``fp8/eval/<name>`` (``val/acc`` becomes ``fp8/eval/val/acc``), so the diagnosis compares
+        them with the control's, not only the training loss. Values must already be reduced across
+        ranks (Lightning's logged metrics are); non-numeric and non-finite values are skipped.
+        Only the writer rank records. Returns what was recorded."""
+        out: dict[str, float] = {}
+        for name, value in metrics.items():
+            try:
+                v = float(value)
+            except (TypeError, ValueError, RuntimeError):
+                continue
+            if math.isfinite(v):
+                out[run_metric("eval", *str(name).split("/"))] = v
+        if not self.is_writer or not out:
+            return out
+        if not self._attached:
+            self.attach()
+        self._emit(int(step), out, [], [])
+        return out
 
     # -- checkpointing -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -449,15 +472,72 @@ def run_meta_for(model: nn.Module, name: str = "fp8track", config: Mapping[str, 
     """Run metadata for ``model``: its recipe and FP8/BF16 layer sets when :func:`fp8track.apply_fp8`
     converted it or one of its submodules (the report it leaves there), plus ``config``."""
     report = next((m.fp8track_report for m in model.modules() if hasattr(m, "fp8track_report")), None)
+    config = {"precision": precision_setup(model), **dict(config or {})}
     if report is None:
-        return RunMeta(name=name, config=dict(config or {}))
+        return RunMeta(name=name, config=config)
     return RunMeta(
         name=name,
         recipe=report.recipe.to_dict(),
         fp8_layers=tuple(report.fp8_layers),
         bf16_layers=tuple(n for n, _ in report.bf16_layers),
-        config={**dict(config or {}), "apply": report.to_dict()},
+        config={**config, "apply": report.to_dict()},
     )
+
+
+EVAL_NAME_PREFIXES = ("val", "valid", "eval", "test", "downstream")
+"""Logged metric names that count as evaluation metrics by default (:func:`select_eval_metrics`)."""
+
+
+def select_eval_metrics(logged: Mapping[str, Any], names: str | Sequence[str] = "auto") -> dict[str, Any]:
+    """The evaluation metrics among ``logged`` (e.g. Lightning's ``trainer.callback_metrics`` at
+    validation end): ``names`` itself when a list (missing ones are skipped), or for ``"auto"``
+    every name whose first word is one of :data:`EVAL_NAME_PREFIXES` (``val_loss``, ``val/acc``,
+    ``eval_accuracy``, ``test_f1``...)."""
+    if names != "auto":
+        return {n: logged[n] for n in names if n in logged}
+    out = {}
+    for name, value in logged.items():
+        head = str(name).lower().replace("/", "_").split("_")[0]
+        if head in EVAL_NAME_PREFIXES:
+            out[name] = value
+    return out
+
+
+def precision_setup(model: nn.Module, optimizers: Sequence[Any] = (), **extra: Any) -> dict[str, Any]:
+    """What the run enabled around precision, as read from the model and its optimizers, so a
+    diagnosis can list what the FP8 run newly enabled relative to its control.
+
+    Keys: ``recipe`` (name, from :func:`fp8track.apply_fp8`'s report, else ``None``),
+    ``fp8_weights`` (a parameter is stored in an FP8 dtype or an FP8 tensor subclass),
+    ``activation_checkpointing`` (a checkpoint wrapper module or a Hugging Face model with
+    gradient checkpointing on), ``torch_compile`` (a compiled module), ``fused_optimizer``
+    (``"fused"``/``"foreach"``/``None``), plus ``extra`` (the frontends add ``precision_plugin``,
+    ``precision``, ``strategy``, ``cpu_offloading``).
+    """
+    fp8_dtypes = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+                  if hasattr(torch, n)}
+    report = next((m.fp8track_report for m in model.modules() if hasattr(m, "fp8track_report")), None)
+    fp8_weights = any(p.dtype in fp8_dtypes or "float8" in type(p.data).__name__.lower() for p in model.parameters())
+    checkpointing = any("checkpointwrapper" in type(m).__name__.lower() or getattr(m, "is_gradient_checkpointing", False)
+                        for m in model.modules())
+    compiled = any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
+                   for m in model.modules())
+    fused = None
+    for opt in optimizers:
+        defaults = getattr(opt, "defaults", {}) or {}
+        if defaults.get("fused"):
+            fused = "fused"
+        elif defaults.get("foreach") and fused is None:
+            fused = "foreach"
+    out = {
+        "recipe": str(report.recipe) if report is not None else None,
+        "fp8_weights": fp8_weights,
+        "activation_checkpointing": checkpointing,
+        "torch_compile": compiled,
+        "fused_optimizer": fused,
+    }
+    out.update(extra)
+    return out
 
 
 def _loss_metrics(loss: float, grad_norm: float | None) -> dict[str, float]:
@@ -510,4 +590,12 @@ def total_grad_norm(model: nn.Module) -> torch.Tensor | None:
     return torch.linalg.vector_norm(torch.stack([n.to(torch.float32) for n in norms]))
 
 
-__all__ = ["Monitor", "MonitorConfig", "StepAnalyzer", "StepSink", "DEFAULT_SCALAR_STATS"]
+__all__ = [
+    "Monitor",
+    "MonitorConfig",
+    "StepAnalyzer",
+    "StepSink",
+    "DEFAULT_SCALAR_STATS",
+    "precision_setup",
+    "select_eval_metrics",
+]

@@ -2,8 +2,10 @@
 
 Names look like ``fp8/<layer fqn>/<tensor>/<stat>`` (per layer) or ``fp8/<group>/<name>``
 (run level). They use only characters MLflow accepts (letters, digits, ``_ - . / space``), never
-``%`` (it becomes ``_pct``), have no empty segment, and are at most 250 characters: a longer
-name keeps its tail and gains a short hash of the full name so distinct names stay distinct.
+``%`` (it becomes ``_pct``), have no empty (or dots-only) segment, and are at most 250 characters:
+a longer name keeps its tail and gains a short hash of the full name so distinct names stay
+distinct. :func:`sanitize_key` applies the same rules to any other name (trackers use it for the
+user's params and tags).
 """
 
 from __future__ import annotations
@@ -26,19 +28,38 @@ TABLE_FINDINGS = "fp8_findings"
 
 
 def sanitize_segment(segment: str) -> str:
-    """Make one path segment tracker-safe: ``%`` -> ``_pct``, other bad characters -> ``_``."""
-    s = str(segment).replace("%", "_pct")
-    s = _BAD_CHARS.sub("_", s).strip()
-    return s or "_"
+    """Make one path segment tracker-safe: ``%`` -> ``_pct``, other bad characters -> ``_``; a
+    segment left empty or made only of dots (MLflow rejects ``.`` and ``..``) becomes ``_``."""
+    s = _BAD_CHARS.sub("_", str(segment).replace("%", "_pct")).strip()
+    return s if s.strip(".") else "_"
+
+
+def _bound(name: str) -> str:
+    """``name`` if it fits :data:`MAX_NAME_LEN`, else its tail after a hash of the whole (and the
+    ``fp8/`` prefix when it had one), exactly :data:`MAX_NAME_LEN` long, so distinct names stay distinct."""
+    if len(name) <= MAX_NAME_LEN:
+        return name
+    head = f"{PREFIX}/" if name.startswith(f"{PREFIX}/") else ""
+    digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+    keep = MAX_NAME_LEN - len(head) - len(digest) - 1
+    return f"{head}{digest}-{name[-keep:]}"
+
+
+def sanitize_key(name: str) -> str:
+    """Any name (a user's param, tag or metric key) made tracker-safe: every ``/`` segment through
+    :func:`sanitize_segment`, then bounded in length.
+
+    Example:
+        >>> sanitize_key("model.fc1/activation/underflows%")
+        'model.fc1/activation/underflows_pct'
+        >>> sanitize_key("/a//b/./c:d")
+        '_/a/_/b/_/c_d'
+    """
+    return _bound("/".join(sanitize_segment(p) for p in str(name).split("/")))
 
 
 def _join(segments: list[str]) -> str:
-    name = "/".join([PREFIX, *(sanitize_segment(s) for s in segments)])
-    if len(name) <= MAX_NAME_LEN:
-        return name
-    digest = hashlib.sha1(name.encode()).hexdigest()[:8]
-    keep = MAX_NAME_LEN - len(PREFIX) - len(digest) - 3
-    return f"{PREFIX}/{digest}-{name[-keep:]}"
+    return _bound("/".join([PREFIX, *(sanitize_segment(s) for s in segments)]))
 
 
 @functools.lru_cache(maxsize=65536)

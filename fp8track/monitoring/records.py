@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp8track.errors import ConfigError
+from fp8track.errors import ConfigError, check_int
 
 META_FILE = "meta.json"
 METRICS_FILE = "metrics.jsonl"
@@ -154,8 +154,7 @@ class StepBatch:
     events: Sequence[EventRecord] = ()
 
     def __post_init__(self) -> None:
-        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
-            raise ConfigError(f"StepBatch.step must be an int >= 0, got {self.step!r}")
+        check_int("StepBatch.step", self.step, 0)
         if not isinstance(self.metrics, Mapping):
             raise ConfigError(f"StepBatch.metrics must be a mapping name -> float, got {type(self.metrics).__name__}")
         # Sequences become tuples so a batch handed to a worker thread cannot change under it.

@@ -10,11 +10,12 @@ work under ``torch.no_grad`` and compute in float32.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
-from fp8track.errors import ConfigError, check_int, invalid_choice
+from fp8track.errors import ConfigError, check_int, invalid_choice, restore_state, save_state
 from fp8track.numerics.formats import FP8Format, get_format
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -28,27 +29,62 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     return x.detach().abs().amax().to(torch.float32)
 
 
+def scale_from_amax(
+    amax_value: torch.Tensor,
+    fmt_max: torch.Tensor | float,
+    margin_factor: torch.Tensor | float = 1.0,
+    previous: torch.Tensor | float = 1.0,
+) -> torch.Tensor:
+    """THE current-scaling rule: ``fmt_max / amax * margin_factor`` (``margin_factor = 2**-margin``).
+
+    Guards follow Transformer Engine's ``_default_sf_compute``: where amax is 0, inf or NaN the
+    previous scale is kept (default 1.0), and an infinite result (a tiny amax) is clamped to the
+    float32 maximum so the scale stays finite. The format constants may be device tensors, so one
+    compiled graph serves every format and margin (:mod:`fp8track.numerics.stats`); computed in
+    float32.
+    """
+    amax_value = amax_value.to(torch.float32)
+    # A tensor numerator: ``python_float / tensor`` runs as reciprocal-then-multiply, which rounds
+    # twice and can miss the correctly rounded quotient TE and torchao compute by one ulp.
+    # Multiplying by a power of two is exact, so ``* 2**-margin`` equals ``/ 2**margin``.
+    numerator = fmt_max if isinstance(fmt_max, torch.Tensor) else torch.full_like(amax_value, fmt_max)
+    scale = torch.div(numerator, amax_value) * margin_factor
+    usable = (amax_value > 0) & torch.isfinite(amax_value)
+    scale = torch.where(usable, scale, previous)
+    return torch.where(torch.isinf(scale), FLOAT32_MAX, scale)
+
+
 def current_scale(
     amax_value: torch.Tensor,
     fmt: str | FP8Format,
     margin: int = 0,
     previous: torch.Tensor | float = 1.0,
 ) -> torch.Tensor:
-    """Current-scaling factor ``fmt.max / amax / 2**margin`` (float32, same shape as ``amax_value``).
-
-    Guards follow Transformer Engine's ``_default_sf_compute``: where amax is 0, inf or NaN the
-    previous scale is kept (default 1.0), and an infinite result (a tiny amax) is clamped to the
-    float32 maximum so the scale stays finite.
-    """
+    """Current-scaling factor ``fmt.max / amax / 2**margin`` (float32, same shape as ``amax_value``),
+    by :func:`scale_from_amax` (where amax is unusable: ``previous``)."""
     fmt = get_format(fmt)
     amax_value = amax_value.to(torch.float32)
-    # A tensor numerator: ``python_float / tensor`` runs as reciprocal-then-multiply, which rounds
-    # twice and can miss the correctly rounded quotient TE and torchao compute by one ulp.
-    scale = torch.div(torch.full_like(amax_value, fmt.max), amax_value) / (2.0**margin)
-    prev = torch.as_tensor(previous, dtype=torch.float32, device=amax_value.device).expand_as(scale)
-    usable = (amax_value > 0) & torch.isfinite(amax_value)
-    scale = torch.where(usable, scale, prev)
-    return torch.where(torch.isinf(scale), torch.full_like(scale, FLOAT32_MAX), scale)
+    prev = torch.as_tensor(previous, dtype=torch.float32, device=amax_value.device).expand_as(amax_value)
+    return scale_from_amax(amax_value, fmt.max, 2.0**-margin, prev)
+
+
+def drift_log2(scale: float, current: float) -> float:
+    """Scale drift ``log2(scale / current)`` in binades (docs/statistics.md).
+
+    ``+inf`` for an infinite ``scale``, ``-inf`` for a zero one; NaN when ``scale`` is NaN or
+    negative or ``current`` is not a positive finite number (nothing to compare with).
+
+    Example:
+        >>> drift_log2(4.0, 1.0), drift_log2(1.0, 8.0), drift_log2(0.0, 1.0)
+        (2.0, -3.0, -inf)
+    """
+    if not (current > 0 and math.isfinite(current)) or not scale >= 0:
+        return math.nan
+    if scale == 0:
+        return -math.inf
+    if math.isinf(scale):
+        return math.inf
+    return math.log2(scale) - math.log2(current)
 
 
 def saturating_cast(x_scaled: torch.Tensor, fmt: str | FP8Format) -> torch.Tensor:
@@ -70,11 +106,6 @@ def quantize(x: torch.Tensor, fmt: str | FP8Format, scale: torch.Tensor | float)
 def dequantize(q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``q / scale`` in ``dtype`` (float32 by default)."""
     return (q.to(torch.float32) / scale).to(dtype)
-
-
-def fake_quantize(x: torch.Tensor, fmt: str | FP8Format, scale: torch.Tensor | float) -> torch.Tensor:
-    """Quantise then dequantise (float32 result): what the FP8 GEMM actually sees of ``x``."""
-    return dequantize(quantize(x, fmt, scale), scale)
 
 
 def delayed_scaling_update(
@@ -162,27 +193,30 @@ class DelayedScaler:
         return q, scale_used
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain-data state (CPU tensors), enough to resume bit for bit."""
-        return {
-            "amax_history": self.amax_history.detach().cpu().clone(),
-            "scale": self.scale.detach().cpu().clone(),
-            "history_len": self.history_len,
-            "algo": self.algo,
-            "margin": self.margin,
-            "fmt": self.fmt.name,
-        }
+        """Plain-data state (:func:`fp8track.errors.save_state`; CPU tensors), enough to resume bit for bit."""
+        return save_state(
+            amax_history=self.amax_history.detach().cpu().clone(),
+            scale=self.scale.detach().cpu().clone(),
+            history_len=self.history_len,
+            algo=self.algo,
+            margin=self.margin,
+            fmt=self.fmt.name,
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`; tolerant of missing keys (they keep their value)."""
-        if "amax_history" in state:
-            hist = torch.as_tensor(state["amax_history"], dtype=torch.float32)
-            if hist.numel() != self.history_len:
-                raise ConfigError(
-                    f"checkpointed amax history has length {hist.numel()}, this scaler expects {self.history_len}"
-                )
-            self.amax_history = hist.to(self.amax_history.device).clone()
-        if "scale" in state:
-            self.scale = torch.as_tensor(state["scale"], dtype=torch.float32).to(self.scale.device).clone()
+        restore_state(self, state, {"amax_history": self._load_history, "scale": self._load_scale})
+
+    def _load_history(self, value: Any) -> None:
+        hist = torch.as_tensor(value, dtype=torch.float32)
+        if hist.numel() != self.history_len:
+            raise ConfigError(
+                f"checkpointed amax history has length {hist.numel()}, this scaler expects {self.history_len}"
+            )
+        self.amax_history = hist.to(self.amax_history.device).clone()
+
+    def _load_scale(self, value: Any) -> None:
+        self.scale = torch.as_tensor(value, dtype=torch.float32).to(self.scale.device).clone()
 
 
 # --- block scales --------------------------------------------------------------------------------
@@ -228,6 +262,64 @@ def unblockify_tiles(tiles: torch.Tensor, shape: torch.Size, tile: int) -> torch
     R, C = r + (-r) % tile, c + (-c) % tile
     padded = tiles.reshape(R // tile, C // tile, tile, tile).permute(0, 2, 1, 3).reshape(R, C)
     return padded[:r, :c]
+
+
+# The block-scaling vocabulary, one table: layout name -> (block edge, 2-D tiles, scale rule).
+# Transformer Engine (transformer_engine/common/recipe/__init__.py): MXFP8BlockScaling uses 1x32
+# blocks with E8M0 scales for every tensor; Float8BlockScaling uses 1x128 blocks for activations
+# and gradients (x_block_scaling_dim=1, grad_block_scaling_dim=1) and 128x128 tiles for weights
+# (w_block_scaling_dim=2), with power-of-two scales.
+BLOCK_LAYOUTS: dict[str, tuple[int, bool, str]] = {
+    "mxfp8": (32, False, "e8m0"),
+    "block128": (128, False, "pow2"),
+    "block128x128": (128, True, "pow2"),
+}
+BLOCK_SCALINGS = ("mxfp8", "block")
+"""The block-scaled recipe families (``Recipe.scaling`` values)."""
+
+
+def block_layout(scaling: str, tensor: str) -> str:
+    """The :data:`BLOCK_LAYOUTS` name block recipe ``scaling`` uses for ``tensor`` (any operand
+    orientation: TE quantises each copy along the GEMM's reduction dimension with the same layout)."""
+    if scaling not in BLOCK_SCALINGS:
+        raise invalid_choice("block scaling", scaling, BLOCK_SCALINGS)
+    if scaling == "mxfp8":
+        return "mxfp8"
+    return "block128x128" if tensor == "weight" else "block128"
+
+
+def _layout(layout: str) -> tuple[int, bool, str]:
+    if layout not in BLOCK_LAYOUTS:
+        raise invalid_choice("block layout", layout, tuple(BLOCK_LAYOUTS))
+    return BLOCK_LAYOUTS[layout]
+
+
+def blockify(x: torch.Tensor, layout: str) -> tuple[torch.Tensor, int]:
+    """``x`` as ``[num_blocks, block elements]`` for ``layout`` plus the padding count (tiles see
+    ``x`` as 2-D ``[-1, last dim]``)."""
+    size, tiles, _ = _layout(layout)
+    if tiles:
+        return blockify_tiles(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), size)
+    return blockify_rows(x, size)
+
+
+def unblockify(blocks: torch.Tensor, shape: torch.Size, layout: str) -> torch.Tensor:
+    """Inverse of :func:`blockify` for a tensor of ``shape`` (2-D for tiles)."""
+    size, tiles, _ = _layout(layout)
+    return unblockify_tiles(blocks, shape, size) if tiles else unblockify_rows(blocks, shape)
+
+
+def block_scales(blocks: torch.Tensor, layout: str, fmt: str | FP8Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(block amax, scale)``, each ``[num_blocks, 1]`` float32, of :func:`blockify` output.
+
+    The amax ignores non-finite elements; the scale follows the layout's rule
+    (:func:`mx_block_scales` or :func:`pow2_block_scales`).
+    """
+    _, _, rule = _layout(layout)
+    finite_abs = torch.where(torch.isfinite(blocks), blocks.abs(), 0.0).to(torch.float32)
+    block_amax = finite_abs.amax(dim=1, keepdim=True)
+    scale = mx_block_scales(block_amax, fmt)[0] if rule == "e8m0" else pow2_block_scales(block_amax, fmt)
+    return block_amax, scale
 
 
 def mx_block_scales(block_amax: torch.Tensor, fmt: str | FP8Format) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ cos                 sum(x d) / (|x| |d|); 1 when both norms are 0, 0 when exactl
 sqnr_db             10 log10(sum(x^2) / sum((x - d)^2)); +inf when the error is 0
 scale               the scale used (for several merged parts: the smallest; for block recipes:
                     the smallest block scale, i.e. that of the block holding amax)
-current_scale       M / amax / 2^margin (1.0 when amax is 0, as TE keeps its initial scale)
+current_scale       M / amax / 2^margin in float32 (1.0 when amax is 0, as TE keeps its initial scale)
 scale_drift_log2    log2(scale / current_scale)
 nonfinite_pct       100 * count(NaN or inf) / numel
 numel               element count, non-finite elements included
@@ -39,11 +39,11 @@ import torch
 from fp8track.errors import ConfigError, invalid_choice
 from fp8track.numerics.formats import FP8Format, get_format
 from fp8track.numerics.scaling import (
-    FLOAT32_MAX,
-    blockify_rows,
-    blockify_tiles,
-    mx_block_scales,
-    pow2_block_scales,
+    BLOCK_LAYOUTS,
+    block_scales,
+    blockify,
+    drift_log2,
+    scale_from_amax,
 )
 
 STAT_NAMES: tuple[str, ...] = (
@@ -72,7 +72,8 @@ NUM_SUM = len(SUM_FIELDS)
 PARTIAL_SIZE = len(PARTIAL_FIELDS)
 _IDX = {name: i for i, name in enumerate(PARTIAL_FIELDS)}
 
-BLOCK_RECIPES = ("mxfp8", "block128", "block128x128")
+BLOCK_RECIPES = tuple(BLOCK_LAYOUTS)
+"""Block layouts :func:`block_quant_stats` accepts (the table lives in :mod:`fp8track.numerics.scaling`)."""
 OVERFLOW_RTOL = 1.0 + 2.0**-22
 """An element overflows when ``|x * s| > M * OVERFLOW_RTOL`` (float32 rounding allowance)."""
 
@@ -185,14 +186,6 @@ def _row_sums(
     return torch.stack([t.sum(dim=1, dtype=acc) for t in terms], dim=1)
 
 
-def _current_scale(amax_v: torch.Tensor, fconst: torch.Tensor) -> torch.Tensor:
-    """:func:`fp8track.numerics.scaling.current_scale` (previous scale 1.0) with the format as a tensor."""
-    raw = fconst[0] / amax_v * fconst[1]
-    usable = (amax_v > 0) & torch.isfinite(amax_v)
-    s = torch.where(usable, raw, 1.0)
-    return torch.where(torch.isinf(s), FLOAT32_MAX, s)
-
-
 def _tensor_partial_body(
     main: torch.Tensor,
     tail: torch.Tensor | None,
@@ -211,7 +204,7 @@ def _tensor_partial_body(
     absvals = [_finite_abs(t) for t in parts]
     amax_v = torch.stack([a.amax() for a in absvals]).amax()
     amin_v = torch.stack([torch.where(a > 0, a, math.inf).amin() for a in absvals]).amin()
-    s = torch.where(use_current, _current_scale(amax_v, fconst), scale)
+    s = torch.where(use_current, scale_from_amax(amax_v, fconst[0], fconst[1]), scale)
     p = _pow2_normaliser(amax_v)
     acc = torch.float32 if fp8_dtype is None else torch.float64
     rows = torch.cat([_row_sums(t, s, p, fconst, iconst, fp8_dtype, acc) for t in parts])
@@ -442,16 +435,33 @@ def wait_collectives(works: Sequence[Any], timeout_s: float | None, what: str) -
             ) from exc
 
 
-def _safe_log2(v: float) -> float:
-    if v == 0:
-        return -math.inf
-    return math.log2(v) if math.isfinite(v) else math.inf
-
-
 def finalize(partial: torch.Tensor | Sequence[float], fmt: str | FP8Format = "e4m3", margin: int = 0) -> dict[str, float]:
     """Turn one partial (a ``[PARTIAL_SIZE]`` tensor or list) into the statistics dict on the host."""
-    fmt = get_format(fmt)
-    p = partial.detach().cpu().tolist() if isinstance(partial, torch.Tensor) else list(partial)
+    return finalize_many(torch.as_tensor(partial, dtype=torch.float64).reshape(1, -1), [fmt], margin)[0]
+
+
+def finalize_many(
+    partials: torch.Tensor | Sequence[Sequence[float]],
+    fmts: Sequence[str | FP8Format],
+    margin: int | Sequence[int] = 0,
+) -> list[dict[str, float]]:
+    """Finalize stacked partials ``[n, PARTIAL_SIZE]`` (a tensor or host lists) with one host copy.
+
+    ``margin`` is one for all rows or one per row. ``current_scale`` comes from
+    :func:`fp8track.numerics.scaling.scale_from_amax` (float32, as the backends compute it), for
+    all rows in one call: finalize many rows at once rather than one :func:`finalize` per row.
+    """
+    fmts = [get_format(f) for f in fmts]
+    rows = torch.as_tensor(partials, dtype=torch.float64).detach().cpu().reshape(len(fmts), PARTIAL_SIZE)
+    margins = [margin] * len(fmts) if isinstance(margin, int) else list(margin)
+    amaxes = rows[:, _IDX["amax"]].clamp(min=0.0).to(torch.float32)
+    fmt_max = torch.tensor([f.max for f in fmts], dtype=torch.float32)
+    factor = torch.tensor([2.0**-m for m in margins], dtype=torch.float32)
+    currents = scale_from_amax(amaxes, fmt_max, factor).tolist()
+    return [_finalize_row(row, cur) for row, cur in zip(rows.tolist(), currents, strict=True)]
+
+
+def _finalize_row(p: Sequence[float], cur: float) -> dict[str, float]:
     v = dict(zip(PARTIAL_FIELDS, p, strict=True))
     numel, n = v["numel"], v["n_finite"]
     amax_v = max(v["amax"], 0.0)
@@ -471,15 +481,9 @@ def finalize(partial: torch.Tensor | Sequence[float], fmt: str | FP8Format = "e4
         sqnr = -math.inf
     else:
         sqnr = 10.0 * math.log10(sum_x2 / sum_err2)
-    cur = fmt.max / amax_v / 2.0**margin if amax_v > 0 else 1.0
-    cur = min(cur, torch.finfo(torch.float32).max)
     scale = -v["neg_scale_min"]
     if not math.isfinite(scale) and n == 0:
         scale = cur
-    if scale > 0 and math.isfinite(scale):
-        drift = math.log2(scale) - math.log2(cur)
-    else:
-        drift = _safe_log2(scale)
     return {
         "amax": amax_v,
         "amin": amin_v,
@@ -491,16 +495,10 @@ def finalize(partial: torch.Tensor | Sequence[float], fmt: str | FP8Format = "e4
         "sqnr_db": sqnr,
         "scale": scale,
         "current_scale": cur,
-        "scale_drift_log2": drift,
+        "scale_drift_log2": drift_log2(scale, cur),
         "nonfinite_pct": 100.0 * (numel - n) / numel if numel else 0.0,
         "numel": numel,
     }
-
-
-def finalize_many(partials: torch.Tensor, fmts: Sequence[str | FP8Format], margin: int = 0) -> list[dict[str, float]]:
-    """Finalize stacked partials ``[n, PARTIAL_SIZE]`` with one host copy."""
-    rows = partials.detach().cpu().tolist()
-    return [finalize(row, fmt, margin) for row, fmt in zip(rows, fmts, strict=True)]
 
 
 def quant_stats(
@@ -544,17 +542,8 @@ def block_partial_stats(x: torch.Tensor, recipe: str, fmt: str | FP8Format = "e4
     fmt = get_format(fmt)
     if recipe not in BLOCK_RECIPES:
         raise invalid_choice("block recipe", recipe, BLOCK_RECIPES)
-    x = x.detach().to(torch.float32)
-    if recipe == "block128x128":
-        blocks, pad = blockify_tiles(x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x, 128)
-    else:
-        blocks, pad = blockify_rows(x, 32 if recipe == "mxfp8" else 128)
-    finite_abs = torch.where(torch.isfinite(blocks), blocks.abs(), 0.0)
-    block_amax = finite_abs.amax(dim=1, keepdim=True)
-    if recipe == "mxfp8":
-        scale, _codes = mx_block_scales(block_amax, fmt)
-    else:
-        scale = pow2_block_scales(block_amax, fmt)
+    blocks, pad = blockify(x.detach().to(torch.float32), recipe)
+    block_amax, scale = block_scales(blocks, recipe, fmt)
     # Only blocks holding data decide the reported scale range (empty blocks get arbitrary scales).
     p = partial_stats(blocks, fmt, scale, pad=pad)
     # An all-zero tensor has no occupied block: then every block's scale counts.

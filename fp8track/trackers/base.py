@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fp8track.errors import ConfigError
+from fp8track.errors import ConfigError, check_float, check_int
 from fp8track.monitoring import naming
 from fp8track.monitoring.records import EventRecord, RunMeta, StepBatch, TensorStatsRow, redact
 
@@ -179,8 +179,6 @@ class QueuedTracker(Tracker):
         retry_initial_s: float = 0.5,
         retry_max_s: float = 30.0,
     ) -> None:
-        from fp8track.errors import check_float, check_int
-
         check_int("max_queue", max_queue, 1)
         check_float("finish_timeout_s", finish_timeout_s, 0.0, strict=True)
         check_float("retry_for_s", retry_for_s, 0.0)

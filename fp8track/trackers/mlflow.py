@@ -2,9 +2,10 @@
 
 Per step, one ``log_batch`` (chunks of at most 1000 metrics, MLflow's per-request limit) is made
 from a background worker, so the training thread only enqueues. Names are sanitised to the
-characters MLflow accepts. Per-layer rows and events are buffered and written with ``log_table``
-once at the end (or every ``table_every_n_steps``: ``log_table`` appends by downloading and
-rewriting the file, so it must not run every step). The recipe goes to params and tags
+characters MLflow accepts by :func:`fp8track.monitoring.naming.sanitize_key`. Per-layer rows and
+events are buffered and written with ``log_table`` once at the end (or every
+``table_every_n_steps``: ``log_table`` appends by downloading and rewriting the file, so it must
+not run every step). The recipe goes to params and tags
 (``fp8.recipe``...), the most severe event to tags ``fp8.worst_event.*``, and a per-layer heatmap
 of underflow and MSE over steps to ``fp8_heatmap.png`` via ``log_figure``.
 
@@ -14,17 +15,16 @@ of underflow and MSE over steps to ``fp8_heatmap.png`` via ``log_figure``.
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 import math
-import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from fp8track.errors import ConfigError
+from fp8track.errors import ConfigError, check_int
 from fp8track.monitoring import naming
+from fp8track.monitoring.naming import sanitize_key
 from fp8track.monitoring.records import EventRecord, RunMeta, TensorStatsRow, redact
 from fp8track.optional import require
 from fp8track.trackers.base import (
@@ -47,33 +47,9 @@ if TYPE_CHECKING:
 
 MAX_METRICS_PER_BATCH = 1000  # mlflow/utils/validation.py MAX_METRICS_PER_BATCH
 MAX_PARAMS_TAGS_PER_BATCH = 100
-MAX_KEY_LEN = 250
 MAX_PARAM_VALUE_LEN = 6000
 MAX_TAG_VALUE_LEN = 8000
 HEATMAP_FILE = "fp8_heatmap.png"
-_BAD = re.compile(r"[^A-Za-z0-9_\-. /]")
-
-
-def sanitize_key(name: str) -> str:
-    """An MLflow-valid metric/param/tag key for ``name``.
-
-    ``%`` becomes ``_pct``; characters other than letters, digits, ``_ - . / space`` become
-    ``_``; empty, ``.`` and ``..`` path segments (which MLflow rejects because they change under
-    path normalisation) become ``_``; keys over 250 characters keep their tail plus a hash.
-
-    Example:
-        >>> sanitize_key("model.fc1/activation/underflows%")
-        'model.fc1/activation/underflows_pct'
-        >>> sanitize_key("/a//b/./c:d")
-        '_/a/_/b/_/c_d'
-    """
-    s = _BAD.sub("_", str(name).replace("%", "_pct"))
-    parts = [p if p.strip(". ") else "_" for p in s.split("/")]
-    s = "/".join(parts)
-    if len(s) > MAX_KEY_LEN:
-        digest = hashlib.sha1(s.encode()).hexdigest()[:8]
-        s = f"{digest}-{s[-(MAX_KEY_LEN - len(digest) - 1):]}"
-    return s
 
 
 def flatten(prefix: str, value: Any) -> dict[str, str]:
@@ -281,11 +257,8 @@ class MLflowTracker(QueuedTracker):
             background=background, max_queue=max_queue, finish_timeout_s=finish_timeout_s,
             retry_for_s=retry_for_s, retry_initial_s=retry_initial_s, retry_max_s=retry_max_s,
         )  # fmt: skip
-        from fp8track.errors import check_int
-
         check_int("max_buffered_rows", max_buffered_rows, 1)
-        if not isinstance(table_every_n_steps, int) or table_every_n_steps < 0:
-            raise ConfigError(f"table_every_n_steps must be an int >= 0 (0 = at finish only), got {table_every_n_steps!r}")
+        check_int("table_every_n_steps (0 = at finish only)", table_every_n_steps, 0)
         if client is None and tracking_uri is not None and str(tracking_uri).startswith("file:"):
             raise ConfigError(
                 f"tracking_uri {tracking_uri!r} uses MLflow's file store, which MLflow >= 3.13 refuses; "

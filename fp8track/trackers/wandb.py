@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from fp8track.errors import ConfigError, invalid_choice
+from fp8track.errors import ConfigError, check_int, invalid_choice
 from fp8track.monitoring import naming
 from fp8track.monitoring.records import EventRecord, RunMeta, TensorStatsRow, redact
 from fp8track.optional import require
@@ -91,8 +91,7 @@ class WandbTracker(QueuedTracker):
         for op in summaries.split(","):
             if op.strip().lower() not in _SUMMARY_OPS:
                 raise invalid_choice("W&B summary op", op, _SUMMARY_OPS)
-        if not isinstance(table_every_n_steps, int) or table_every_n_steps < 1:
-            raise ConfigError(f"table_every_n_steps must be an int >= 1, got {table_every_n_steps!r}")
+        check_int("table_every_n_steps", table_every_n_steps, 1)
         if not alert_wait_s >= 0:
             raise ConfigError(f"alert_wait_s must be >= 0 seconds, got {alert_wait_s!r}")
         if not step_metric:

@@ -1,48 +1,71 @@
-"""The README's main job, end to end: `fp8track demo` on a short budget."""
+"""The README's main job, end to end: `fp8track demo` on a short budget, with W&B offline."""
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
 
+from fp8track.analysis.baseline import read_wandb_history
 from fp8track.monitoring.records import RunReader
+
+STEPS, EVERY = 30, 5
 
 
 @pytest.mark.slow
-def test_demo_writes_both_runs_to_mlflow_and_compares_them(tmp_path):
+def test_demo_trains_three_runs_diagnoses_and_keeps_wandb_runs_apart(tmp_path):
     out = tmp_path / "demo"
     proc = subprocess.run(
-        [sys.executable, "-m", "fp8track.cli", "demo", "--out", str(out), "--steps", "30", "--every-n-steps", "5", "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=600,
+        [sys.executable, "-m", "fp8track.cli", "demo", "--out", str(out), "--steps", str(STEPS), "--every-n-steps",
+         str(EVERY), "--no-progress", "--wandb"],
+        capture_output=True, text=True, timeout=1200,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout[: proc.stdout.index("\n}\n") + 2])
-    control, fp8 = summary["runs"]
-    assert (control["recipe"], fp8["recipe"]) == ("bf16", "delayed:hybrid:h16:max")
-    assert f"mlflow ui --backend-store-uri sqlite:///{out / 'mlflow.db'}" in proc.stdout
+    control, fp8, planted = summary["runs"]
+    assert (control["recipe"], fp8["recipe"], planted["name"]) == ("bf16", "delayed:hybrid:h16:max", "fp8-planted")
+    uri = f"sqlite:///{out / 'mlflow.db'}"
+    assert f"mlflow ui --backend-store-uri {uri}" in proc.stdout
+    url = re.search(r"Compare the runs: +(\S+)", proc.stdout).group(1)
+    assert all(r["mlflow_run_id"] in url for r in summary["runs"]) and "#/compare-runs?runs=" in url
+    # the console carries fp8track's answers, not library chatter
+    assert "Top-ranked layer:" in proc.stdout and "Report:" in proc.stdout
+    for noise in ("GPU available", "Tip:", "litlogger", "alembic", "wandb: "):
+        assert noise not in proc.stdout + proc.stderr, noise
 
-    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
-    for run in (control, fp8):
+    client = MlflowClient(uri)
+    for run in summary["runs"]:
         reader = RunReader(run["run_dir"])
-        assert sorted(reader.series("loss")) == list(range(30))
-        assert {r.step for r in reader.tensor_stats()} == {0, 5, 10, 15, 20, 25}
-        mlrun = client.get_run(run["mlflow_run_id"])
-        history = client.get_metric_history(run["mlflow_run_id"], "fp8/worst/mse")
-        assert sorted(m.step for m in history) == [0, 5, 10, 15, 20, 25]
-        assert mlrun.data.tags["fp8track.run_id"] == reader.meta()["run_id"]
-        artifacts = {a.path for a in client.list_artifacts(run["mlflow_run_id"])}
-        assert {"fp8_heatmap.png", "fp8_tensor_stats.json"} <= artifacts, artifacts
-    # the control is judged in shadow mode, the FP8 run with its own scales, against the control
-    assert {r.variant for r in RunReader(control["run_dir"]).tensor_stats()} == {"shadow"}
-    assert {r.variant for r in RunReader(fp8["run_dir"]).tensor_stats()} == {"actual"}
-    gap = client.get_metric_history(fp8["mlflow_run_id"], "fp8/loss_gap_vs_baseline")
-    # every sampled step, plus the last step (flushed when the run closes)
-    assert sorted(m.step for m in gap) == [0, 5, 10, 15, 20, 25, 29]
-    fp8_loss = RunReader(fp8["run_dir"]).series("loss")
-    control_loss = RunReader(control["run_dir"]).series("loss")
-    last = max(m.step for m in gap)
-    assert next(m.value for m in gap if m.step == last) == pytest.approx(fp8_loss[last] - control_loss[last], rel=1e-6)
+        assert sorted(reader.series("loss")) == list(range(STEPS))
+        assert {r.step for r in reader.tensor_stats()} == set(range(0, STEPS, EVERY))
+        evals = reader.series("fp8/eval/val_loss")  # validation recorded per evaluation
+        assert sorted(evals) == [6, 12, 18, 24, 30]
+        assert client.get_run(run["mlflow_run_id"]).data.tags["fp8track.run_id"] == reader.meta()["run_id"]
+    for label, run in (("fp8", fp8), ("planted", planted)):
+        d = json.loads((out / f"diagnosis-{label}" / "diagnosis.json").read_text())
+        assert d["findings"] and len(d["layer_ranking"]) == 9  # the example GPT's 9 linear layers
+        assert summary["findings"][label] == [f["kind"] for f in d["findings"]]
+        arts = {a.path for a in client.list_artifacts(run["mlflow_run_id"], "fp8track-diagnosis")}
+        assert arts == {"fp8track-diagnosis/report.html", "fp8track-diagnosis/diagnosis.json"}
+    assert (out / "fp8.ckpt").is_file()
+
+    # one W&B run per training run (a reused run would mix the three losses into one history)
+    by_id: dict[str, list[Path]] = {}
+    for f in sorted((out / "wandb").glob("offline-run-*/run-*.wandb")):
+        by_id.setdefault(f.stem[len("run-"):], []).append(f)
+    ids = [r["wandb_run_id"] for r in summary["runs"]]
+    assert len(set(ids)) == 3 and set(ids) <= set(by_id)
+    for run in summary["runs"]:
+        rows = read_wandb_history(by_id[run["wandb_run_id"]][0])
+        steps = sorted({int(r["trainer/global_step"]) for r in rows if "loss" in r})
+        assert steps == list(range(0, STEPS, EVERY)) + [STEPS - 1]
+        ours = RunReader(run["run_dir"]).series("loss")
+        assert all(r["loss"] == pytest.approx(ours[int(r["trainer/global_step"])]) for r in rows if "loss" in r)
+    # the report went into the FP8 runs' W&B runs as HTML (a resumed offline run with the same id)
+    for run in (fp8, planted):
+        rows = [r for f in by_id[run["wandb_run_id"]] for r in read_wandb_history(f)]
+        assert any(isinstance(r.get("fp8track/report"), dict) and r["fp8track/report"].get("_type") == "html-file"
+                   for r in rows), rows[-1]

@@ -24,8 +24,9 @@ LAYERS = {
     "inference": 55,  # the inference-chain check: runs models, reads analysis
     "config": 65,  # frontend-level configuration (capture + analysis thresholds)
     "frontend": 70,
+    "trial": 75,  # a sweep trial's settings and shared caches: below the sweep program and the executor
     "lightning": 80,
-    "examples": 80,
+    "examples": 82,  # example programs; the sweep program uses the Lightning callback
     "sweep": 85,  # drives Lightning training runs
     "demo": 90,
     "cli": 100,

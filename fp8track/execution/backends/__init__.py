@@ -15,7 +15,7 @@ from torch import nn
 from fp8track.errors import invalid_choice
 from fp8track.execution.backends import te as _te
 from fp8track.execution.backends import torchao as _torchao
-from fp8track.execution.backends.emulated import EmulatedFP8Linear
+from fp8track.execution.backends.emulated import EmulatedFP8Conv1D, EmulatedFP8Layer, EmulatedFP8Linear
 from fp8track.execution.recipes import Recipe
 from fp8track.numerics.formats import TENSOR_KINDS
 
@@ -23,6 +23,8 @@ BACKENDS = ("auto", "emulated", "torchao", "te")
 
 __all__ = [
     "BACKENDS",
+    "EmulatedFP8Conv1D",
+    "EmulatedFP8Layer",
     "EmulatedFP8Linear",
     "resolve_backend",
     "is_fp8_linear",
@@ -44,9 +46,9 @@ def resolve_backend(name: str) -> str:
 def is_fp8_linear(module: nn.Module) -> bool:
     """True for a linear layer that quantises in FP8 under any backend.
 
-    The ``bf16`` control's :class:`EmulatedFP8Linear` layers and BF16 fallback layers are False.
+    The ``bf16`` control's emulated layers and BF16 fallback layers are False.
     """
-    if isinstance(module, EmulatedFP8Linear):
+    if isinstance(module, EmulatedFP8Layer):
         return module.fp8_recipe.quantizes
     return _torchao.is_torchao_fp8(module) or _te.is_te_fp8(module)
 
@@ -74,18 +76,18 @@ def fp8_format_for(module: nn.Module, tensor: str) -> str:
         return _te.te_format(module, tensor)
     recipe = recipe_of(module)
     if recipe is None or not is_fp8_linear(module):
-        raise invalid_choice("FP8 linear", type(module).__name__, ["EmulatedFP8Linear", "Float8Linear", "te.Linear"])
+        raise invalid_choice("FP8 linear", type(module).__name__, ["EmulatedFP8Linear", "EmulatedFP8Conv1D", "Float8Linear", "te.Linear"])
     return recipe.formats.for_tensor(tensor).name
 
 
 def used_scales(module: nn.Module) -> dict[str, torch.Tensor] | None:
     """The scales the backend used last for this layer, on device (no host sync), or ``None``.
 
-    Emulated: :meth:`EmulatedFP8Linear.fp8_scales`. TE: delayed-scaling scales from ``fp8_meta``
+    Emulated: :meth:`EmulatedFP8Layer.fp8_scales`. TE: delayed-scaling scales from ``fp8_meta``
     (``None`` for TE's other recipes, whose scales live only inside transient tensors). torchao:
     ``None`` (its scales are transient), so callers fall back to current scaling.
     """
-    if isinstance(module, EmulatedFP8Linear):
+    if isinstance(module, EmulatedFP8Layer):
         return module.fp8_scales() if module.fp8_recipe.quantizes else None
     if _te.is_te_fp8(module):
         return _te.te_delayed_scales(module)

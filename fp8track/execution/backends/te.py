@@ -23,7 +23,7 @@ use; after the step they are the next step's scales.
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -116,11 +116,11 @@ def _te_linear_from(linear: nn.Linear, cls: type) -> nn.Module:
     return new
 
 
-def convert(model: nn.Module, recipe: Recipe, keep_bf16: Collection[str]) -> list[str]:
-    """Replace linears with TE modules (FP8 ones carry ``fp8_recipe``); returns the FP8 names."""
+def convert(model: nn.Module, recipe: Recipe, names: Sequence[str], keep_bf16: Collection[str]) -> list[str]:
+    """Replace the ``nn.Linear`` layers ``names`` with TE modules (FP8 ones carry ``fp8_recipe``);
+    returns the FP8 names."""
     to_te_recipe(recipe)  # fail early on recipes TE cannot run
     te, _ = import_te()
-    names = [n for n, m in model.named_modules() if n and type(m) is nn.Linear]
     fp8: list[str] = []
     for name in names:
         linear = model.get_submodule(name)

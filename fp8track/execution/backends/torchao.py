@@ -31,6 +31,7 @@ from torch import nn
 
 from fp8track.errors import ConfigError
 from fp8track.execution.recipes import Recipe
+from fp8track.numerics.scaling import BLOCK_SCALINGS
 
 INSTALL_HINT = "install it with `pip install fp8track[torchao]` (torchao>=0.18)"
 
@@ -50,7 +51,7 @@ def torchao_config(recipe: Recipe, device_type: str = "cpu") -> Any:
             "torchao does not offer delayed scaling (removed in torchao 0.10, pytorch/ao#1680); "
             "use recipe 'current', or backend 'emulated' or 'te' for delayed scaling"
         )
-    if recipe.scaling in ("mxfp8", "block"):
+    if recipe.scaling in BLOCK_SCALINGS:
         raise ConfigError(
             f"recipe {recipe.name!r} is not part of torchao's float8 training API (tensorwise/rowwise only); "
             "use backend 'emulated' or 'te'"
@@ -69,18 +70,20 @@ def torchao_config(recipe: Recipe, device_type: str = "cpu") -> Any:
     return cfg
 
 
-def convert(model: nn.Module, recipe: Recipe, keep_bf16: Collection[str], device_type: str = "cpu") -> list[str]:
-    """Convert every plain ``nn.Linear`` not in ``keep_bf16`` to torchao's ``Float8Linear``.
+def convert(
+    model: nn.Module, recipe: Recipe, names: Collection[str], keep_bf16: Collection[str], device_type: str = "cpu"
+) -> list[str]:
+    """Convert the ``nn.Linear`` layers ``names`` not in ``keep_bf16`` to torchao's ``Float8Linear``.
 
     Returns the converted layers' qualified names. Parameters keep their identity.
     """
     cfg = torchao_config(recipe, device_type)
     float8 = _import_torchao()
     converted: list[str] = []
+    wanted = set(names)
 
     def keep_fp8(module: nn.Module, fqn: str) -> bool:
-        # type() is exact: Float8Linear subclasses nn.Linear and must not be wrapped twice.
-        ok = type(module) is nn.Linear and fqn not in keep_bf16
+        ok = fqn in wanted and fqn not in keep_bf16
         if ok:
             converted.append(fqn)
         return ok

@@ -1,0 +1,734 @@
+"""The diagnosis: an FP8 run and its BF16 control in, findings a training team can act on out.
+
+It follows the troubleshooting path (docs/diagnosis.md) step by step:
+
+1. compare with the control: the step-aligned loss gap, spikes on both sides, the evaluation
+   metrics (``fp8/eval/<name>``);
+2. spikes at similar places in both runs -> ``shared_spikes`` (a general training problem); spikes
+   only in FP8 -> ``fp8_only_spikes`` (FP8 configuration and numerics), with the recovery times;
+3. a lasting gap that opens at the start -> ``divergence_from_start`` (software first: what the
+   FP8 run newly enabled relative to the control, from the run metadata);
+4. a lasting gap that opens later -> ``mid_training_gap`` (FP8-input BF16 GEMM, current scaling,
+   block scaling, BF16 fallback of the top-ranked layers);
+5. loss like the control's but an evaluation metric worse -> ``downstream_drop_with_normal_loss``
+   (check the inference chain: scales, weights, precision mix);
+
+plus ``layer_outlier`` (a layer whose statistics stand out against the model's other layers, more
+than in the control, with the onset against its own history) and ``healthy`` when nothing stands out.
+
+**No fixed universal threshold.** Every decision is relative:
+
+* the loss gap is measured in units of the control's own noise: ``sigma`` = its relative
+  step-to-step noise (:func:`relative_noise`: robust, trend-free, spike-proof). The
+  gap (relative to the control) is smoothed by a centred running median of ``w`` steps and counts
+  when it stays above ``noise_k`` standard errors of such a median of the control's noise,
+  ``noise_k * 1.2533 * sigma / sqrt(w)`` (``noise_k`` = 3);
+* spikes are found by the robust rolling detector (:mod:`fp8track.analysis.spikes`) on each run and
+  matched by step (:func:`fp8track.analysis.baseline.classify_spike`);
+* evaluation metrics are compared in the same noise unit (or the control's own evaluation-to-
+  evaluation noise when it has at least five evaluations);
+* layers are scored against the run's other layers (:func:`fp8track.analysis.ranking.rank_layers`),
+  counted as outliers only where they stand out more than in the control, and their onset is found
+  against their own history (:func:`fp8track.analysis.ranking.history_shifts`).
+
+Confidence is ``1 - exp(-(z / z_cut - 1))`` clipped to ``[0.05, 0.99]`` where ``z`` is the
+finding's evidence in its own noise unit and ``z_cut`` the cut it had to pass: evidence just at
+the cut gives low confidence, three times the cut about 0.86.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fp8track.analysis.baseline import Baseline, RunData, classify_spike
+from fp8track.analysis.ranking import LayerRisk, history_shifts, outliers, rank_layers
+from fp8track.analysis.spikes import SpikeConfig, SpikeEvent, detect_spikes
+from fp8track.analysis.windows import MAD_TO_SIGMA, centred_median
+from fp8track.errors import ConfigError, check_float, check_int
+
+KINDS = (
+    "shared_spikes",
+    "fp8_only_spikes",
+    "divergence_from_start",
+    "mid_training_gap",
+    "downstream_drop_with_normal_loss",
+    "layer_outlier",
+    "healthy",
+)
+"""Finding kinds, in the troubleshooting path's order."""
+
+SEVERITIES = ("high", "medium", "low", "info")
+
+MEDIAN_SE = math.sqrt(math.pi / 2)
+"""Standard error of the median of n normal values is ``MEDIAN_SE * sigma / sqrt(n)`` (1.2533)."""
+
+LOWER_IS_BETTER = ("loss", "ppl", "perplexity", "error", "err", "wer", "cer", "nll", "bpb")
+"""An evaluation metric whose name contains one of these is better when lower; others when higher."""
+
+
+@dataclass(frozen=True)
+class DiagnosisConfig:
+    """The few knobs of the diagnosis, all in units of the runs' own noise (module docstring).
+
+    Attributes:
+        noise_k: a loss or evaluation gap counts above ``noise_k`` control-noise sigmas (3).
+        smooth: width of the centred running median (odd); default ``max(5, n // 25)`` made odd.
+        start_fraction: a gap opening within this share of the run is "from the start" (0.1).
+        sustain: share of the steps from the onset to the end that must stay above the cut (0.8).
+        classify_window: a spike is shared when the control spiked within this many steps (50).
+        history_z: a layer's own-history shift counts above this z (4).
+        outlier_z, outlier_min_score: :func:`fp8track.analysis.ranking.outliers` cut-offs.
+        top_k: layers named in the BF16-fallback experiment (3).
+    """
+
+    noise_k: float = 3.0
+    smooth: int | None = None
+    start_fraction: float = 0.1
+    sustain: float = 0.8
+    classify_window: int = 50
+    history_z: float = 4.0
+    outlier_z: float = 3.5
+    outlier_min_score: float = 3.0
+    top_k: int = 3
+
+    def __post_init__(self) -> None:
+        check_float("noise_k", self.noise_k, 0.0, strict=True)
+        if self.smooth is not None:
+            check_int("smooth", self.smooth, 1)
+        check_float("start_fraction", self.start_fraction, 0.0, strict=True)
+        check_float("sustain", self.sustain, 0.0, strict=True)
+        check_int("classify_window", self.classify_window, 0)
+        check_float("history_z", self.history_z, 0.0, strict=True)
+        check_int("top_k", self.top_k, 1)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One answer of the diagnosis.
+
+    Attributes:
+        kind: one of :data:`KINDS`.
+        severity: ``"high"``, ``"medium"``, ``"low"`` or ``"info"``.
+        confidence: 0..1 (module docstring).
+        title: one line.
+        text: what was seen, in words, with the numbers.
+        steps: the steps it concerns (onset, spike starts...).
+        layers: layers it names (riskiest first).
+        tensors: tensor kinds it names.
+        evidence: the numbers behind it.
+        next_experiments: what to try, in the troubleshooting path's order.
+    """
+
+    kind: str
+    severity: str
+    confidence: float
+    title: str
+    text: str
+    steps: tuple[int, ...] = ()
+    layers: tuple[str, ...] = ()
+    tensors: tuple[str, ...] = ()
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+    next_experiments: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ConfigError(f"unknown finding kind {self.kind!r}; valid values are: {', '.join(KINDS)}")
+        if self.severity not in SEVERITIES:
+            raise ConfigError(f"unknown severity {self.severity!r}; valid values are: {', '.join(SEVERITIES)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind, "severity": self.severity, "confidence": round(self.confidence, 3),
+            "title": self.title, "text": self.text, "steps": list(self.steps), "layers": list(self.layers),
+            "tensors": list(self.tensors), "evidence": _plain(self.evidence),
+            "next_experiments": list(self.next_experiments),
+        }
+
+
+@dataclass(frozen=True)
+class LossComparison:
+    """The FP8 loss against the control's, step-aligned (steps both runs logged).
+
+    Attributes:
+        steps: common steps.
+        fp8, control: the two losses at those steps.
+        rel_gap: ``(fp8 - control) / |control|`` per step (``inf`` where FP8 is non-finite).
+        smooth_gap: ``rel_gap`` through the centred running median.
+        noise: the control's relative step-to-step noise sigma (module docstring).
+        tolerance: ``noise_k * 1.2533 * noise / sqrt(smooth)`` (module docstring).
+        onset: first step of the lasting gap, ``None`` when there is none.
+        phase: ``"start"`` / ``"mid"`` for an onset, else ``None``.
+    """
+
+    steps: tuple[int, ...]
+    fp8: tuple[float, ...]
+    control: tuple[float, ...]
+    rel_gap: tuple[float, ...]
+    smooth_gap: tuple[float, ...]
+    noise: float
+    tolerance: float
+    onset: int | None
+    phase: str | None
+    smooth: int
+
+    @property
+    def final_gap(self) -> float:
+        """Smoothed relative gap at the last common step."""
+        return self.smooth_gap[-1] if self.smooth_gap else math.nan
+
+    @property
+    def max_gap(self) -> float:
+        return max(self.smooth_gap, default=math.nan)
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """Findings (most severe first, path order within a severity) and the layer ranking."""
+
+    fp8_source: str
+    control_source: str
+    findings: tuple[Finding, ...]
+    layer_ranking: tuple[LayerRisk, ...]
+    ranking_window: tuple[int, int] | None
+    loss: LossComparison
+    fp8_spikes: tuple[SpikeEvent, ...] = ()
+    control_spikes: tuple[SpikeEvent, ...] = ()
+    eval_metrics: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def top(self) -> Finding:
+        return self.findings[0]
+
+    def kinds(self) -> list[str]:
+        return [f.kind for f in self.findings]
+
+    def to_dict(self) -> dict[str, Any]:
+        lc = self.loss
+        return {
+            "fp8_run": self.fp8_source,
+            "control_run": self.control_source,
+            "findings": [f.to_dict() for f in self.findings],
+            "layer_ranking": [_plain(r.to_dict()) for r in self.layer_ranking],
+            "ranking_window": list(self.ranking_window) if self.ranking_window else None,
+            "loss": _plain({
+                "common_steps": len(lc.steps), "control_noise_rel": lc.noise, "tolerance_rel": lc.tolerance,
+                "final_gap_rel": lc.final_gap, "max_gap_rel": lc.max_gap, "onset": lc.onset, "phase": lc.phase,
+                "smooth": lc.smooth,
+            }),
+            "spikes": {"fp8": [_plain(e.to_dict()) for e in self.fp8_spikes],
+                       "control": [_plain(e.to_dict()) for e in self.control_spikes]},
+            "eval": _plain(self.eval_metrics),
+            "method": "relative: the loss and evaluation gaps in units of the control's own noise, "
+                      "layers against the run's other layers, the control, and their own history; "
+                      "no fixed universal threshold",
+        }
+
+
+# --- the pieces ----------------------------------------------------------------------------------
+
+
+def _plain(obj: Any) -> Any:
+    """JSON-safe copy: NaN/inf become None; tuples lists; numpy scalars floats."""
+    if isinstance(obj, Mapping):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, (bool, np.bool_)):
+        return bool(obj)
+    if isinstance(obj, (int, np.integer)):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        return float(obj) if math.isfinite(obj) else None
+    return obj
+
+
+def confidence(z: float, cut: float) -> float:
+    """``1 - exp(-(z / cut - 1))`` clipped to ``[0.05, 0.99]`` (module docstring)."""
+    if not math.isfinite(z):
+        return 0.99
+    return float(min(0.99, max(0.05, 1.0 - math.exp(-(z / cut - 1.0)))))
+
+
+def _width(n: int, smooth: int | None) -> int:
+    w = smooth if smooth is not None else max(5, n // 25)
+    return w if w % 2 else w + 1
+
+
+def relative_noise(values: Sequence[float], width: int | None = None) -> float:
+    """A series' relative step-to-step noise: ``1.4826 x MAD(d) / sqrt(2)`` where
+    ``d_i = (v_i - v_{i-1}) / |v_{i-1}|`` over consecutive finite values. Differencing removes a
+    smooth trend; for independent per-step noise of relative sigma ``s``, ``d`` has sigma
+    ``s * sqrt(2)``; the MAD ignores spikes. NaN with fewer than 3 finite values. (``width`` is
+    accepted for call compatibility and unused.)"""
+    v = np.array([x for x in values if math.isfinite(x)], dtype=np.float64)
+    if v.size < 3:
+        return math.nan
+    with np.errstate(divide="ignore", invalid="ignore"):
+        d = np.diff(v) / np.abs(v[:-1])
+    d = d[np.isfinite(d)]
+    if not d.size:
+        return math.nan
+    return MAD_TO_SIGMA * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2.0)
+
+
+def compare_loss(
+    fp8: Mapping[int, float], control: Mapping[int, float], config: DiagnosisConfig | None = None
+) -> LossComparison:
+    """Step-aligned loss comparison and the onset of a lasting gap (module docstring).
+
+    The onset is the first common step ``s`` such that the smoothed gap is above the tolerance at
+    the last step and at ``>= sustain`` of the steps from ``s`` on, and above it at ``s`` itself.
+    Its phase is ``"start"`` when it lies in the first ``start_fraction`` of the steps, or when the
+    FP8 run had made less than half of the control's progress by then (measured half a smoothing
+    window before the onset: it never trained properly); otherwise ``"mid"``.
+    """
+    cfg = config or DiagnosisConfig()
+    steps = sorted(set(fp8) & set(control))
+    if len(steps) < 3:
+        raise ConfigError(
+            f"the FP8 run and the control share {len(steps)} logged loss steps; the diagnosis needs at least 3"
+        )
+    f = np.array([fp8[s] for s in steps], dtype=np.float64)
+    c = np.array([control[s] for s in steps], dtype=np.float64)
+    w = _width(len(steps), cfg.smooth)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        gap = (f - c) / np.abs(c)
+    gap = np.where(np.isfinite(f), gap, np.inf)
+    gap = np.where(np.isnan(gap), 0.0, gap)
+    smooth = centred_median(np.where(np.isinf(gap), 1e30, gap), w)
+    smooth = np.where(smooth >= 1e29, np.inf, smooth)
+    noise = relative_noise(c.tolist(), w)
+    # A perfectly smooth control (synthetic or deterministic) still has float rounding: floor it.
+    noise = max(noise if math.isfinite(noise) else 0.0, 1e-6)
+    # The smoothed gap is a running median of w steps: compare it with the standard error of such
+    # a median of the control's own noise (1.2533 sigma / sqrt(w) for a median of w normal values).
+    tol = cfg.noise_k * MEDIAN_SE * noise / math.sqrt(w)
+    above = smooth > tol
+    onset = phase = None
+    if above[-1]:
+        n = len(steps)
+        tail_share = np.cumsum(above[::-1])[::-1] / np.arange(n, 0, -1)
+        for i in range(n):
+            if above[i] and tail_share[i] >= cfg.sustain:
+                onset = steps[i]
+                break
+    if onset is not None:
+        i = steps.index(onset)
+        c_s = centred_median(c, w)
+        f_s = centred_median(np.where(np.isfinite(f), f, np.nan), w)
+        # Progress made before the trouble: half a smoothing window before the onset, where the
+        # running median does not see the steps after it yet.
+        j = max(0, i - w // 2 - 1)
+        ctl_progress = c_s[0] - c_s[j]
+        fp8_progress = f_s[0] - f_s[j] if np.isfinite(f_s[j]) else -math.inf
+        early = (onset - steps[0]) <= cfg.start_fraction * (steps[-1] - steps[0])
+        phase = "start" if early or fp8_progress < 0.5 * ctl_progress else "mid"
+    return LossComparison(
+        tuple(steps), tuple(f.tolist()), tuple(c.tolist()), tuple(gap.tolist()), tuple(smooth.tolist()),
+        noise, tol, onset, phase, w,
+    )
+
+
+def spike_config_for(n_steps: int) -> SpikeConfig:
+    """The spike detector's defaults, with the window shortened for short runs (a quarter of the
+    logged steps, at least 8, at most the default 128)."""
+    window = int(min(128, max(8, n_steps // 4)))
+    return SpikeConfig(window=window, warmup=min(64, max(8, window // 2)))
+
+
+def newly_enabled(fp8_meta: Mapping[str, Any], control_meta: Mapping[str, Any]) -> dict[str, Any]:
+    """Precision options the FP8 run has that the control does not (from ``config.precision`` of
+    the run metadata, :func:`fp8track.monitoring.monitor.precision_setup`), plus the FP8 recipe."""
+    def setup(meta: Mapping[str, Any]) -> Mapping[str, Any]:
+        cfg = meta.get("config") or {}
+        return cfg.get("precision") or {} if isinstance(cfg, Mapping) else {}
+
+    mine, theirs = setup(fp8_meta), setup(control_meta)
+    out: dict[str, Any] = {}
+    for key, value in mine.items():
+        if value in (None, False, "", "bf16", "none") or value == theirs.get(key):
+            continue
+        out[key] = value
+    recipe = fp8_meta.get("recipe")
+    if "recipe" not in out and isinstance(recipe, Mapping) and recipe.get("name") not in (None, "bf16"):
+        out["recipe"] = recipe.get("name")
+    return out
+
+
+OPTION_LABELS = {
+    "recipe": "the FP8 recipe itself (run the control's precision with only the recipe changed)",
+    "fp8_weights": "FP8 weights/parameters (keep master weights in BF16/FP32)",
+    "cpu_offloading": "CPU offloading",
+    "activation_checkpointing": "activation checkpointing",
+    "torch_compile": "torch.compile",
+    "fused_optimizer": "the fused/foreach optimizer",
+    "precision_plugin": "the precision plugin",
+    "precision": "the precision setting",
+    "strategy": "the distributed strategy",
+}
+
+
+def _eval_direction(name: str) -> int:
+    """+1 when larger is better, -1 when smaller is better (:data:`LOWER_IS_BETTER`)."""
+    low = name.lower()
+    return -1 if any(tok in low for tok in LOWER_IS_BETTER) else 1
+
+
+def compare_evals(
+    fp8: Mapping[str, Mapping[int, float]], control: Mapping[str, Mapping[int, float]], loss_noise: float,
+    noise_k: float,
+) -> dict[str, dict[str, Any]]:
+    """Per evaluation metric both runs have: the values at the last common evaluation step, the
+    relative change in the "worse" direction, the noise unit and its z."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in sorted(set(fp8) & set(control)):
+        common = sorted(set(fp8[name]) & set(control[name]))
+        if not common:
+            continue
+        step = common[-1]
+        a, b = float(fp8[name][step]), float(control[name][step])
+        direction = _eval_direction(name)
+        worse = -direction * (a - b) / abs(b) if b != 0 else (math.inf if -direction * (a - b) > 0 else 0.0)
+        if not math.isfinite(a):
+            worse = math.inf
+        series = [control[name][s] for s in sorted(control[name])]
+        noise = loss_noise
+        source = "control loss noise"
+        if len(series) >= 5:
+            own = relative_noise(series, 3)
+            if math.isfinite(own) and own > 0:
+                noise, source = max(own, 1e-6), "control evaluation noise"
+        z = worse / noise if noise > 0 else math.inf
+        out[name] = {"step": step, "fp8": a, "control": b, "worse_rel": worse, "noise_rel": noise,
+                     "noise_source": source, "z": z, "dropped": z > noise_k, "higher_is_better": direction > 0}
+    return out
+
+
+# --- findings ------------------------------------------------------------------------------------
+
+
+def _severity(z: float, cut: float) -> str:
+    if not math.isfinite(z) or z >= 3 * cut:
+        return "high"
+    return "medium" if z >= 1.5 * cut else "low"
+
+
+def _layers_near(rows: Sequence[Any], step: int, spacing: int, history_z: float) -> list[tuple[str, str, str, float]]:
+    """``(layer, tensor, signal, z)`` of (layer, tensor) pairs whose statistics at the sampled step
+    nearest ``step`` (within ``spacing``) jump against their own other samples, strongest first."""
+    from fp8track.analysis.ranking import MAIN_VARIANTS, SIGNAL_FLOORS, SIGNALS, robust_z, row_signals
+
+    by_key: dict[tuple[str, str], dict[int, dict[str, float]]] = {}
+    for r in rows:
+        if r.variant in MAIN_VARIANTS:
+            by_key.setdefault((r.layer, r.tensor), {})[int(r.step)] = row_signals(r.stats)
+    hits = []
+    for (layer, tensor), per_step in by_key.items():
+        near = [s for s in per_step if step - spacing <= s <= step + 1]
+        if not near or len(per_step) < 4:
+            continue
+        s0 = max(near)
+        order = sorted(per_step)
+        for sig in SIGNALS:
+            z = robust_z([per_step[s][sig] for s in order], SIGNAL_FLOORS[sig])[order.index(s0)]
+            if math.isfinite(z) and z > history_z:
+                hits.append((layer, tensor, sig, float(z)))
+    best: dict[tuple[str, str], tuple[str, str, str, float]] = {}
+    for h in hits:
+        if (h[0], h[1]) not in best or h[3] > best[(h[0], h[1])][3]:
+            best[(h[0], h[1])] = h
+    return sorted(best.values(), key=lambda h: -h[3])
+
+
+def _spike_findings(
+    fp8_spikes: Sequence[SpikeEvent], control: Baseline, rows: Sequence[Any], cfg: DiagnosisConfig, spacing: int
+) -> list[Finding]:
+    shared, only = [], []
+    for ev in fp8_spikes:
+        if ev.kind != "spike":
+            continue
+        cls = classify_spike(ev, control, cfg.classify_window)
+        (shared if cls.label == "shared" else only).append((ev, cls))
+    out = []
+    if shared:
+        z = max(e.z_score for e, _ in shared if math.isfinite(e.z_score)) if any(
+            math.isfinite(e.z_score) for e, _ in shared) else math.inf
+        out.append(Finding(
+            "shared_spikes", "low", confidence(len(shared) + 1.0, 1.0),
+            f"{len(shared)} loss spike(s) also in the BF16 control: a general training problem, not FP8",
+            "The FP8 run spiked where the control did (within "
+            f"{cfg.classify_window} steps). Look at data, learning rate and optimizer state first.",
+            steps=tuple(e.start_step for e, _ in shared),
+            evidence={"spikes": [{"start_step": e.start_step, "control_start_step": c.control_start_step,
+                                  "rel_excess": e.rel_excess, "recover_steps": e.recover_steps,
+                                  "control_recover_steps": c.control_recover_steps, "z": e.z_score}
+                                 for e, c in shared], "max_z": z},
+            next_experiments=(
+                "inspect the batches at these steps (data quality, sequence lengths) and the learning-rate schedule",
+                "lower the learning rate or add warm-up / gradient clipping; the same change should help the control",
+                "only if FP8 recovers much more slowly than the control, treat them as FP8 spikes",
+            ),
+        ))
+    if only:
+        slow = [e for e, c in only if e.status == "not_recovered"]
+        ctl_rec = sorted(e.recover_steps for e in control.spikes if e.recover_steps is not None)
+        fp8_rec = sorted(e.recover_steps for e, _ in only if e.recover_steps is not None)
+        zs = [e.z_score for e, _ in only]
+        zmax = max((z for z in zs if math.isfinite(z)), default=math.inf)
+        layer_hits: dict[tuple[str, str], float] = {}
+        for ev, _ in only:
+            for layer, tensor, _sig, z in _layers_near(rows, ev.start_step, spacing, cfg.history_z):
+                layer_hits[(layer, tensor)] = layer_hits.get((layer, tensor), 0.0) + z
+        named = sorted(layer_hits.items(), key=lambda kv: -kv[1])
+        layers = tuple(dict.fromkeys(k[0] for k, _ in named))[: cfg.top_k]
+        tensors = tuple(dict.fromkeys(k[1] for k, _ in named if k[0] in layers))
+        sev = "high" if slow or len(only) >= 3 else "medium"
+        out.append(Finding(
+            "fp8_only_spikes", sev, confidence(zmax, 6.0) if len(only) == 1 else max(confidence(zmax, 6.0), 0.8),
+            f"{len(only)} loss spike(s) only in FP8" + (f", first at step {only[0][0].start_step}" if only else ""),
+            "The control did not spike within "
+            f"{cfg.classify_window} steps of these. Median FP8 recovery "
+            f"{_median_or_none(fp8_rec)} steps vs control spikes {_median_or_none(ctl_rec)}; "
+            f"{len(slow)} did not recover. "
+            + (f"Layers whose statistics jump at the spikes: {', '.join(layers)}." if layers else ""),
+            steps=tuple(e.start_step for e, _ in only), layers=layers, tensors=tensors,
+            evidence={"spikes": [{"start_step": e.start_step, "rel_excess": e.rel_excess, "z": e.z_score,
+                                  "recover_steps": e.recover_steps, "status": e.status} for e, _ in only],
+                      "fp8_median_recover_steps": _median_or_none(fp8_rec),
+                      "control_median_recover_steps": _median_or_none(ctl_rec),
+                      "layer_jumps": [{"layer": k[0], "tensor": k[1], "z_sum": v} for k, v in named[:10]]},
+            next_experiments=_numerics_experiments(layers, (), cfg),
+        ))
+    return out
+
+
+def _median_or_none(xs: Sequence[int]) -> float | None:
+    return float(np.median(xs)) if xs else None
+
+
+def _numerics_experiments(top_layers: Sequence[str], all_layers: Sequence[str], cfg: DiagnosisConfig) -> tuple[str, ...]:
+    """Step 4 of the path, in its order; first/last layers only where they are among the top."""
+    exps = [
+        "FP8 inputs with a BF16 GEMM (recipe fp8_input_bf16_gemm): separates quantisation of the "
+        "operands from the FP8 GEMM itself",
+        "current scaling (recipe current): removes the delayed scale's lag behind the amax",
+        "block scaling (recipes mxfp8, block): one scale per 32/128 elements absorbs outliers",
+    ]
+    if top_layers:
+        names = ",".join(top_layers[: cfg.top_k])
+        hint = ""
+        if all_layers and (all_layers[0] in top_layers[: cfg.top_k] or all_layers[-1] in top_layers[: cfg.top_k]):
+            hint = " (the first/last layer is among them, as is often the case)"
+        exps.append(f"keep the top-ranked layers in BF16: --bf16-layers {names}{hint}; measurement decides the set")
+    else:
+        exps.append("keep the top-ranked layers of layer_ranking in BF16 (auto:K); measurement decides the set")
+    return tuple(exps)
+
+
+def _ranking_window(loss: LossComparison, shifts: Sequence[Any], cfg: DiagnosisConfig) -> int | None:
+    """Start of the steps the layer ranking should cover: the loss gap's onset (mid-training), else
+    the strongest own-history shift when it counts, else ``None`` (whole run)."""
+    if loss.onset is not None and loss.phase == "mid":
+        return loss.onset
+    if loss.onset is None and shifts and shifts[0].z > cfg.history_z:
+        return shifts[0].step
+    return None
+
+
+def diagnose(fp8: RunData, control: RunData, config: DiagnosisConfig | None = None,
+             loss_key: str | None = None) -> Diagnosis:
+    """Diagnose ``fp8`` against its BF16 ``control`` (module docstring).
+
+    Raises:
+        ConfigError: when the runs have no loss metric or fewer than 3 common loss steps.
+    """
+    cfg = config or DiagnosisConfig()
+    fkey, ckey = fp8.loss_key(loss_key), control.loss_key(loss_key)
+    fl, cl = fp8.metrics[fkey], control.metrics[ckey]
+    loss = compare_loss(fl, cl, cfg)
+    steps = loss.steps
+    spacing = max(1, int(np.median(np.diff(steps)))) if len(steps) > 1 else 1
+    scfg = spike_config_for(len(steps))
+    fp8_spikes = detect_spikes({s: fl[s] for s in steps}, scfg)
+    ctl_base = Baseline.from_series(control.source, {s: cl[s] for s in steps}, scfg, key=ckey)
+    fp8_rows = [r for r in fp8.tensor_rows]
+    ctl_rows = [r for r in control.tensor_rows]
+    shifts = history_shifts(fp8_rows)
+    row_spacing = _row_spacing(fp8_rows) or spacing
+
+    start = _ranking_window(loss, shifts, cfg)
+    window_rows = [r for r in fp8_rows if start is None or r.step >= start]
+    ranking = rank_layers(window_rows or fp8_rows)
+    ctl_ranking = rank_layers([r for r in ctl_rows if start is None or r.step >= start] or ctl_rows)
+    last_step = max((r.step for r in fp8_rows), default=steps[-1])
+    window = (start if start is not None else min((r.step for r in fp8_rows), default=steps[0]), last_step)
+    top = [r.layer for r in ranking]
+    model_order = list(fp8.meta.get("fp8_layers") or []) + [
+        n for n in (fp8.meta.get("bf16_layers") or []) if n not in (fp8.meta.get("fp8_layers") or [])]
+
+    outs = outliers(ranking, cfg.outlier_z, cfg.outlier_min_score, control=ctl_ranking)
+    # The layers a numerics finding names: those that stand out, else the top of the ranking.
+    named = [r.layer for r in outs][: cfg.top_k] or top[: cfg.top_k]
+
+    findings: list[Finding] = []
+    findings.extend(_spike_findings(fp8_spikes, ctl_base, fp8_rows, cfg, row_spacing))
+    nonfinite = [e for e in fp8_spikes if e.kind == "nonfinite"]
+
+    gap_z = loss.max_gap / loss.noise if loss.noise > 0 else math.inf
+    if loss.onset is not None:
+        i = steps.index(loss.onset)
+        evidence = {"onset_step": loss.onset, "gap_rel_at_end": loss.final_gap, "max_gap_rel": loss.max_gap,
+                    "control_noise_rel": loss.noise, "tolerance_rel": loss.tolerance, "gap_in_noise_units": gap_z,
+                    "fp8_loss_at_onset": loss.fp8[i], "control_loss_at_onset": loss.control[i],
+                    "fp8_final_loss": loss.fp8[-1], "control_final_loss": loss.control[-1],
+                    "nonfinite_steps": [e.start_step for e in nonfinite]}
+        if loss.phase == "start":
+            new = newly_enabled(fp8.meta, control.meta)
+            evidence["newly_enabled"] = new
+            exps = [f"switch off {OPTION_LABELS.get(k, k)} ({k}={v})" for k, v in new.items() if k != "recipe"]
+            exps.append("re-enable the options one at a time and rerun the first steps against the control")
+            exps.append("compare the first sampled step's tensor statistics (non-finite, overflow) layer by layer: "
+                        f"top of the ranking is {top[0] if top else 'n/a'}")
+            if "recipe" in new:
+                exps.insert(0, f"keep everything as in the control except the FP8 recipe ({new['recipe']}): "
+                               "if that alone diverges, go to the numerics experiments")
+            findings.append(Finding(
+                "divergence_from_start", "high", confidence(gap_z, cfg.noise_k),
+                f"FP8 diverges from the start (gap opens at step {loss.onset})",
+                f"The FP8 loss departs from the control from step {loss.onset} on and never comes back: "
+                f"{100 * loss.final_gap:+.1f}% at the end, {gap_z:.0f}x the control's own noise "
+                f"({100 * loss.noise:.2f}%). Suspect software first. Newly enabled relative to the control: "
+                + (", ".join(f"{k}={v}" for k, v in new.items()) or "nothing recorded") + ".",
+                steps=(loss.onset,), layers=tuple(top[:1]), evidence=evidence, next_experiments=tuple(exps),
+            ))
+        else:
+            findings.append(Finding(
+                "mid_training_gap", "high" if gap_z >= 3 * cfg.noise_k else "medium", confidence(gap_z, cfg.noise_k),
+                f"FP8 falls behind the control mid-training (from step {loss.onset})",
+                f"The FP8 loss tracked the control until step {loss.onset}, then stayed above it: "
+                f"{100 * loss.final_gap:+.1f}% at the end, {gap_z:.0f}x the control's own noise "
+                f"({100 * loss.noise:.2f}%). Top-ranked layers since then: {', '.join(named)}.",
+                steps=(loss.onset,), layers=tuple(named),
+                tensors=tuple(dict.fromkeys(r.tensor for r in ranking if r.layer in named)),
+                evidence=evidence, next_experiments=_numerics_experiments(named, model_order, cfg),
+            ))
+
+    evals = compare_evals(fp8.eval_metrics(), control.eval_metrics(), loss.noise, cfg.noise_k)
+    dropped = {k: v for k, v in evals.items() if v["dropped"]}
+    loss_normal = loss.onset is None and not nonfinite
+    if dropped and loss_normal:
+        worst_name, worst = max(dropped.items(), key=lambda kv: kv[1]["z"])
+        findings.append(Finding(
+            "downstream_drop_with_normal_loss", "high" if worst["z"] >= 3 * cfg.noise_k else "medium",
+            confidence(worst["z"], cfg.noise_k),
+            f"Evaluation drops ({', '.join(dropped)}) while the training loss matches the control",
+            f"{worst_name}: {worst['fp8']:.4g} vs control {worst['control']:.4g} at step {worst['step']} "
+            f"({100 * worst['worse_rel']:.1f}% worse, {worst['z']:.0f}x the {worst['noise_source']}), while the "
+            f"training loss stays within {100 * loss.tolerance:.2f}% of the control. Loss alone misses "
+            "problems in the inference path: scaling factors, weight loading, precision mix.",
+            steps=(int(worst["step"]),), layers=tuple(top[:1]), evidence={"eval": dropped, "loss_final_gap_rel": loss.final_gap},
+            next_experiments=(
+                "check the inference chain: fp8track check-inference CKPT (trained vs fresh scales vs BF16, "
+                "per-layer output error, checkpoint reload of weights and amax histories)",
+                "verify inference loads the trained scaling state (amax histories, scales) and the final weights",
+                "use FP8 training + FP8 inference as the control: BF16 inference of an FP8-trained model can add error",
+            ),
+        ))
+
+    # Corroboration (the path: "a high underflow share in one layer is not by itself a reason to
+    # fall back"): an outlier is a finding when its quantisation error itself stands out (relative
+    # error or cosine at least CORROBORATE_Z above the typical layer) or the loss / evaluation shows
+    # trouble; otherwise it is only noted under `healthy` as a layer to watch.
+    trouble = any(f.kind in TROUBLE_KINDS for f in findings)
+    watch = [r for r in outs if not trouble and not _error_stands_out(r)]
+    ctl_scores = {r.layer: r.score for r in ctl_ranking}
+    shift_by_layer: dict[str, Any] = {}
+    for h in shifts:
+        shift_by_layer.setdefault(h.layer, h)
+    for r in (r for r in outs if r not in watch):
+        h = shift_by_layer.get(r.layer)
+        own = h.to_dict() if h is not None and h.z > cfg.history_z else None
+        st = r.stats.get(r.tensor, {})
+        worst_sig = max(r.z, key=lambda k: r.z[k] if math.isfinite(r.z[k]) else -math.inf)
+        findings.append(Finding(
+            "layer_outlier", _severity(r.score, cfg.outlier_min_score), confidence(r.score, cfg.outlier_min_score),
+            f"Layer {r.layer} ({r.tensor}) stands out" + (f" from step {own['step']}" if own else ""),
+            f"Risk score {r.score:.1f} (control {ctl_scores.get(r.layer, 0.0):.1f}) against the model's other layers; "
+            f"worst signal {worst_sig} (z {r.z[worst_sig]:.1f}): SQNR {st.get('sqnr_db', math.nan):.1f} dB, "
+            f"underflow {st.get('underflow_pct', math.nan):.2f}%, cos {st.get('cos', math.nan):.5f}, "
+            f"|drift| {st.get('abs_drift_log2', math.nan):.2f} binades."
+            + (f" Against its own history, {own['signal']} worsened from step {own['step']} (z {own['z']:.1f})." if own else ""),
+            steps=(own["step"],) if own else (), layers=(r.layer,), tensors=(r.tensor,),
+            evidence={"score": r.score, "control_score": ctl_scores.get(r.layer), "z": dict(r.z), "stats": st,
+                      "own_history": own},
+            next_experiments=(
+                f"look for outlier features entering {r.layer}'s {r.tensor} (amax over steps)",
+                f"rerun with {r.layer} in BF16 (--bf16-layers {r.layer}) and compare the loss gap",
+                "try current or block scaling for this layer's tensors (what-if rows show the expected error)",
+            ),
+        ))
+
+    if not findings:
+        best = ranking[0] if ranking else None
+        findings.append(Finding(
+            "healthy", "info", confidence(cfg.noise_k / max(abs(loss.max_gap) / loss.noise, 1e-9), 1.0),
+            "FP8 matches the BF16 control",
+            f"Loss gap {100 * loss.final_gap:+.2f}% at the end, within {cfg.noise_k:g}x the control's own noise "
+            f"({100 * loss.noise:.2f}%); no FP8-only spikes; no evaluation drop; no layer stands out "
+            f"against the others more than in the control with an error to show for it"
+            + (f" (highest risk score {best.score:.1f}, {best.layer})." if best else ".")
+            + (f" To watch: {', '.join(f'{r.layer} ({r.tensor}, worst signal {max(r.z, key=lambda k: r.z[k])})' for r in watch)}"
+               " stand out on underflow/overflow/drift alone, without a larger quantisation error or any loss impact."
+               if watch else ""),
+            evidence={"final_gap_rel": loss.final_gap, "max_gap_rel": loss.max_gap, "control_noise_rel": loss.noise,
+                      "tolerance_rel": loss.tolerance, "eval": evals,
+                      "top_layer": best.layer if best else None, "top_score": best.score if best else None,
+                      "watch": [{"layer": r.layer, "tensor": r.tensor, "score": r.score, "z": dict(r.z)} for r in watch]},
+            next_experiments=("keep monitoring at a lower sampling rate; rerun the diagnosis after longer training",),
+        ))
+
+    order = {k: i for i, k in enumerate(KINDS)}
+    sev = {k: i for i, k in enumerate(SEVERITIES)}
+    findings.sort(key=lambda f: (sev[f.severity], order[f.kind]))
+    return Diagnosis(
+        fp8.source, control.source, tuple(findings), tuple(ranking), window if fp8_rows else None, loss,
+        tuple(fp8_spikes), tuple(ctl_base.spikes), evals,
+    )
+
+
+TROUBLE_KINDS = ("fp8_only_spikes", "divergence_from_start", "mid_training_gap", "downstream_drop_with_normal_loss")
+ERROR_SIGNALS = ("rel_error_db", "cos_loss")
+CORROBORATE_Z = 2.0
+"""Robust z (against the other layers) of a layer's relative error or cosine loss that makes an
+outlier a finding on its own, without loss or evaluation trouble."""
+
+
+def _error_stands_out(r: LayerRisk) -> bool:
+    return any(math.isfinite(r.z.get(s, math.nan)) and r.z[s] >= CORROBORATE_Z for s in ERROR_SIGNALS)
+
+
+def _row_spacing(rows: Sequence[Any]) -> int | None:
+    steps = sorted({int(r.step) for r in rows})
+    if len(steps) < 2:
+        return None
+    return max(1, int(np.median(np.diff(steps))))
+
+
+__all__ = [
+    "KINDS",
+    "DiagnosisConfig",
+    "Finding",
+    "Diagnosis",
+    "LossComparison",
+    "diagnose",
+    "compare_loss",
+    "compare_evals",
+    "newly_enabled",
+    "relative_noise",
+    "confidence",
+]

@@ -1,0 +1,432 @@
+"""The sweep program: train the example GPT under one FP8 recipe and BF16-layer choice and score it
+by its held-out loss gap to the BF16 control.
+
+    python -m fp8track.examples.train --recipe=delayed:hybrid:h16:max --bf16_layers=auto:2
+    wandb agent <sweep id>          # integrations/wandb/fp8_sweep.yaml runs this module with ${args}
+    fp8track sweep integrations/wandb/fp8_sweep.yaml --trials 6    # the same YAML, no W&B server
+
+Options are flat names (``--steps=120 --eval_every=20``) so a W&B sweep's ``${args}`` reaches every
+rank. The trial's ``recipe``/``bf16_layers`` are read by :func:`fp8track.trial.trial_settings`
+(command line, else the YAML at ``WANDB_SWEEP_PARAM_PATH``).
+
+What one trial does (:func:`train`):
+
+1. The BF16 control (same model, data, seed, steps, evaluation) is trained once, with
+   ``control_seeds`` seeds, and cached (:func:`control_run`): its held-out loss per evaluation
+   and the spread of its final held-out loss across seeds (the noise any FP8 gap is judged against).
+2. ``auto:K``: a short FP8 probe under the trial's recipe with every linear in FP8, watched by the
+   monitor; :func:`fp8track.analysis.ranking.rank_layers` ranks the layers and the K riskiest stay
+   in BF16 (:func:`probe_ranking`, cached per recipe).
+3. Training with :class:`fp8track.lightning.FP8Monitor` (baseline: the control's run directory, so
+   spikes are classified shared / FP8-only); every ``eval_every`` steps the held-out loss on fixed
+   batches is compared to the control's at the same step: ``fp8/val_loss_gap`` (nats, FP8 minus
+   control; one value per evaluation) and ``fp8/val_loss_gap_best`` (running minimum).
+
+``--plant_outlier LAYER`` plants a fragile layer (for tests and demos): input channel 0 of that
+linear is overwritten by a constant of 1e6 while its weight column is held at zero, so the BF16
+model is unchanged but per-tensor FP8 scaling of the layer's input is wrecked by the outlier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+
+from fp8track.errors import ConfigError, check_float, check_int
+from fp8track.monitoring.naming import run_metric
+from fp8track.trial import JsonCache, add_trial_arguments, ranking_table, trial_settings
+
+GAP_METRIC = run_metric("val_loss_gap")
+"""``fp8/val_loss_gap``: held-out loss minus the control's at the same step, nats (the sweep metric)."""
+GAP_BEST_METRIC = run_metric("val_loss_gap_best")
+"""``fp8/val_loss_gap_best``: running minimum of :data:`GAP_METRIC` (MLflow keeps only a run's last value)."""
+VAL_LOSS_METRIC = run_metric("val_loss")
+"""``fp8/val_loss``: held-out loss, nats."""
+OUTLIER_VALUE = 1e6
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a trial shares with its BF16 control (the control's cache key), validated.
+
+    Attributes:
+        steps: optimizer steps.
+        eval_every: held-out evaluation every N steps (and at the last step); 0 = none.
+        eval_batches: held-out batches per evaluation (the first ones of the validation split).
+        seed: model initialisation and data order.
+        n_layer, n_embd, n_head, block_size, batch_size, lr, max_bytes, data: the example GPT
+            and its data (:func:`fp8track.examples.gpt.build_example`).
+        every_n_steps: monitor sampling interval.
+        precision: Lightning precision (``"bf16-mixed"`` or ``"32-true"``).
+        plant_outlier: a linear's qualified name to make fragile (module docstring), or ``""``.
+        control_seeds: seeds of the BF16 control (``seed``, ``seed + 1``, ...); >= 2 measures
+            the spread the recommendation's tolerance is based on.
+        probe_steps: steps of the ``auto:K`` probe.
+    """
+
+    steps: int = 120
+    eval_every: int = 20
+    eval_batches: int = 8
+    seed: int = 0
+    n_layer: int = 2
+    n_embd: int = 64
+    n_head: int = 4
+    block_size: int = 64
+    batch_size: int = 16
+    lr: float = 3e-3
+    max_bytes: int = 1_000_000
+    data: str = ""
+    every_n_steps: int = 10
+    precision: str = "bf16-mixed"
+    plant_outlier: str = ""
+    control_seeds: int = 2
+    probe_steps: int = 30
+
+    def __post_init__(self) -> None:
+        for name, low in (("steps", 1), ("eval_every", 0), ("eval_batches", 1), ("seed", 0), ("n_layer", 1),
+                          ("n_embd", 16), ("n_head", 1), ("block_size", 1), ("batch_size", 1), ("max_bytes", 1),
+                          ("every_n_steps", 1), ("control_seeds", 1), ("probe_steps", 1)):
+            check_int(name, getattr(self, name), low)
+        check_float("lr", self.lr, 0.0, strict=True)
+        if self.precision not in ("bf16-mixed", "32-true"):
+            raise ConfigError(f"unknown precision {self.precision!r}; valid values are: 'bf16-mixed', '32-true'")
+
+    def control_key(self) -> dict[str, Any]:
+        """What the control depends on: model, data, seed(s), steps, evaluation schedule."""
+        key = dataclasses.asdict(self)
+        key.pop("probe_steps")
+        key["data_bytes"] = Path(self.data).stat().st_size if self.data else f"stdlib-{sys.version_info[:2]}"
+        return key
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One held-out evaluation: optimizer step, held-out loss (nats), gap to the control (nats or NaN)."""
+
+    index: int
+    step: int
+    val_loss: float
+    gap: float
+
+
+@dataclass
+class TrialResult:
+    """What :func:`train` returns.
+
+    Attributes:
+        evals: the evaluations, in order.
+        pruned: the ``on_eval`` hook stopped training early.
+        run_dir: the monitor's run directory.
+        seconds_per_step: training wall time per optimizer step (evaluations excluded), seconds.
+        fp8_layers, bf16_layers: the layer split :func:`fp8track.apply_fp8` made.
+        metrics: run-level metrics (:func:`run_metrics`).
+        ranking: the ``auto:K`` table when the spec needed one.
+    """
+
+    evals: list[Evaluation]
+    pruned: bool
+    run_dir: Path
+    seconds_per_step: float
+    fp8_layers: tuple[str, ...]
+    bf16_layers: tuple[str, ...]
+    metrics: dict[str, float] = field(default_factory=dict)
+    ranking: list[dict[str, Any]] | None = None
+
+    @property
+    def final_gap(self) -> float:
+        return self.evals[-1].gap if self.evals else math.nan
+
+    @property
+    def best_gap(self) -> float:
+        gaps = [e.gap for e in self.evals if math.isfinite(e.gap)]
+        return min(gaps) if gaps else math.nan
+
+
+def plant_outlier(model: nn.Module, layer: str, value: float = OUTLIER_VALUE) -> None:
+    """Make ``layer`` fragile under per-tensor FP8 without changing the BF16 model's function:
+    its input channel 0 becomes ``value`` and its weight column 0 is zeroed and kept at zero (the
+    gradient hook zeroes that column, so AdamW never moves it)."""
+    modules = dict(model.named_modules())
+    if layer not in modules or not hasattr(modules[layer], "weight"):
+        linears = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
+        raise ConfigError(f"plant_outlier names no linear layer {layer!r}; linear layers: {', '.join(linears)}")
+    target = modules[layer]
+    with torch.no_grad():
+        target.weight[:, 0] = 0.0
+
+    def keep_zero(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad[:, 0] = 0.0
+        return grad
+
+    def overwrite(_m: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        x = args[0].clone()
+        x[..., 0] = value
+        return (x, *args[1:])
+
+    target.weight.register_hook(keep_zero)
+    target.register_forward_pre_hook(overwrite)
+
+
+class HeldOutEval(L.Callback):
+    """Held-out loss every ``every`` optimizer steps on fixed batches, compared with the control.
+
+    ``on_eval(evaluation) -> bool`` is called after each evaluation; True stops training (pruning).
+    Values go to the trainer's loggers as :data:`VAL_LOSS_METRIC`, :data:`GAP_METRIC`,
+    :data:`GAP_BEST_METRIC` (one row per evaluation).
+    """
+
+    def __init__(self, data: Any, every: int, batches: int, steps: int, control: Mapping[int, float] | None,
+                 precision: str, on_eval: Callable[[Evaluation], bool] | None = None) -> None:
+        self.data, self.every, self.batches, self.steps = data, every, batches, steps
+        self.control = {int(k): float(v) for k, v in (control or {}).items()}
+        self.precision, self.on_eval = precision, on_eval
+        self.evals: list[Evaluation] = []
+        self.pruned = False
+        self.eval_seconds = 0.0
+        self._fixed: list[Any] | None = None
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step > 0 and (step % self.every == 0 or step == self.steps)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step
+        if not self.due(step) or (self.evals and self.evals[-1].step == step):
+            return
+        t0 = time.perf_counter()
+        loss = self.evaluate(pl_module)
+        ref = self.control.get(step)
+        gap = loss - ref if ref is not None else math.nan
+        ev = Evaluation(len(self.evals), step, loss, gap)
+        self.evals.append(ev)
+        best = min((e.gap for e in self.evals if math.isfinite(e.gap)), default=math.nan)
+        row = {VAL_LOSS_METRIC: loss}
+        if math.isfinite(gap):
+            row.update({GAP_METRIC: gap, GAP_BEST_METRIC: best})
+        for lg in trainer.loggers:
+            lg.log_metrics(row, step=step)
+        self.eval_seconds += time.perf_counter() - t0
+        if self.on_eval is not None and self.on_eval(ev):
+            self.pruned = True
+            trainer.should_stop = True
+
+    @torch.no_grad()
+    def evaluate(self, pl_module: L.LightningModule) -> float:
+        if self._fixed is None:
+            self.data.setup()
+            self._fixed = [b for _, b in zip(range(self.batches), self.data.val_dataloader(), strict=False)]
+        was_training = pl_module.training
+        pl_module.eval()
+        total = 0.0
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.precision == "bf16-mixed"):
+            for x, y in self._fixed:
+                total += float(pl_module.model.loss(x.to(pl_module.device), y.to(pl_module.device)))
+        pl_module.train(was_training)
+        return total / len(self._fixed)
+
+
+def train(
+    cfg: TrainConfig,
+    recipe: Any,
+    bf16_layers: Any = "none",
+    *,
+    log_dir: str | Path,
+    ranking: Sequence[str] | None = None,
+    control: Mapping[str, Any] | None = None,
+    on_eval: Callable[[Evaluation], bool] | None = None,
+    loggers: Sequence[Any] = (),
+    run_name: str = "trial",
+) -> TrialResult:
+    """Train the example GPT once (module docstring, step 3).
+
+    Args:
+        cfg: model, data and schedule.
+        recipe, bf16_layers: the trial's recipe and fallback spec.
+        log_dir: parent of the monitor's run directory.
+        ranking: layer names riskiest first, for ``auto:K``.
+        control: a :func:`control_run` result (held-out losses per step, run directory); ``None``
+            trains without a gap (the control itself).
+        on_eval: pruning hook (:class:`HeldOutEval`).
+        loggers: Lightning loggers (W&B, MLflow) that receive the held-out metrics.
+    """
+    from fp8track.examples.gpt import build_example
+    from fp8track.lightning import FP8Monitor
+    from fp8track.monitoring.records import RunReader
+
+    module, data, report = build_example(
+        recipe=recipe, bf16_layers=bf16_layers, seed=cfg.seed, n_layer=cfg.n_layer, n_embd=cfg.n_embd,
+        n_head=cfg.n_head, block_size=cfg.block_size, batch_size=cfg.batch_size, lr=cfg.lr,
+        data_path=cfg.data or None, max_bytes=cfg.max_bytes, backend="emulated", ranking=ranking,
+    )
+    if cfg.plant_outlier:
+        plant_outlier(module.model, cfg.plant_outlier.removeprefix("model."))
+    held_out = HeldOutEval(data, cfg.eval_every, cfg.eval_batches, cfg.steps,
+                           control["val_loss"] if control else None, cfg.precision, on_eval)
+    monitor = FP8Monitor(every_n_steps=cfg.every_n_steps, trackers="none", log_dir=log_dir,
+                         baseline=control["run_dir"] if control else None)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=cfg.steps, precision=cfg.precision, logger=list(loggers) or False,
+        callbacks=[monitor, held_out], enable_checkpointing=False, enable_model_summary=False,
+        enable_progress_bar=False, limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=cfg.every_n_steps,
+        default_root_dir=str(log_dir),
+    )
+    L.seed_everything(cfg.seed, verbose=False)
+    t0 = time.perf_counter()
+    trainer.fit(module, datamodule=data)
+    elapsed = time.perf_counter() - t0 - held_out.eval_seconds
+    run_dir = monitor.monitor.run_dir if monitor.monitor is not None else None
+    if run_dir is None:
+        raise RuntimeError("the monitor did not open a run directory")
+    fp8 = tuple(report.fp8_layers)
+    bf16 = tuple(n for n, _ in report.bf16_layers)
+    result = TrialResult(held_out.evals, held_out.pruned, Path(run_dir), elapsed / max(trainer.global_step, 1), fp8, bf16)
+    result.metrics = run_metrics(RunReader(run_dir), result)
+    return result
+
+
+def run_metrics(reader: Any, result: TrialResult) -> dict[str, float]:
+    """Run-level numbers of a trial, one value each (no NaN: absent counts are 0):
+
+    ``fp8/val_loss_gap`` (final) and ``fp8/val_loss_gap_best`` (nats), ``fp8/spikes/fp8_only`` and
+    ``fp8/spikes/shared`` (counts, from the monitor's control comparison), ``fp8/worst/underflow_pct``
+    and ``fp8/worst/overflow_pct`` (max over sampled steps and the FP8 layers' tensors, percent; 0
+    without FP8 layers), ``fp8/fp8_layer_share`` (FP8 linears / all linears), ``fp8/step_time_s``
+    (seconds per optimizer step, evaluations excluded), ``fp8/val_loss`` (final held-out loss)."""
+    last: dict[str, float] = {}
+    for rec in reader.metrics():
+        last.update(rec.metrics)
+    fp8 = set(result.fp8_layers)
+    worst = {"underflow_pct": 0.0, "overflow_pct": 0.0}
+    for row in reader.tensor_stats():
+        if row.variant == "actual" and row.layer in fp8:
+            for k in worst:
+                v = float(row.stats.get(k, 0.0))
+                if math.isfinite(v):
+                    worst[k] = max(worst[k], v)
+    n = len(result.fp8_layers) + len(result.bf16_layers)
+    out = {
+        run_metric("spikes", "fp8_only"): float(last.get(run_metric("spikes", "fp8_only"), 0.0)),
+        run_metric("spikes", "shared"): float(last.get(run_metric("spikes", "shared"), 0.0)),
+        run_metric("worst", "underflow_pct"): worst["underflow_pct"],
+        run_metric("worst", "overflow_pct"): worst["overflow_pct"],
+        run_metric("fp8_layer_share"): len(result.fp8_layers) / n if n else 0.0,
+        run_metric("step_time_s"): result.seconds_per_step,
+    }
+    if result.evals:
+        out[VAL_LOSS_METRIC] = result.evals[-1].val_loss
+    if math.isfinite(result.final_gap):
+        out[GAP_METRIC] = result.final_gap
+        out[GAP_BEST_METRIC] = result.best_gap
+    return out
+
+
+def control_run(cfg: TrainConfig, cache: JsonCache, log_dir: str | Path) -> tuple[dict[str, Any], bool]:
+    """The BF16 control, trained once per (model, data, seed, steps, evaluation) and cached:
+    ``({"val_loss": {step: nats}, "final_by_seed": [...], "spread": nats, "run_dir": str,
+    "seconds": s}, cached)``. ``spread`` is max - min of the final held-out loss over the
+    ``control_seeds`` seeds (0 with one seed)."""
+
+    def compute() -> dict[str, Any]:
+        t0 = time.perf_counter()
+        runs = [train(dataclasses.replace(cfg, seed=cfg.seed + i), "bf16", "none", log_dir=log_dir,
+                      run_name=f"bf16-control-seed{cfg.seed + i}") for i in range(cfg.control_seeds)]
+        finals = [r.evals[-1].val_loss for r in runs if r.evals]
+        return {
+            "val_loss": {str(e.step): e.val_loss for e in runs[0].evals},
+            "final_by_seed": finals,
+            "spread": (max(finals) - min(finals)) if finals else 0.0,
+            "run_dir": str(runs[0].run_dir),
+            "seconds": time.perf_counter() - t0,
+        }
+
+    result, cached = cache.get_or_compute("control", cfg.control_key(), compute)
+    result["val_loss"] = {int(k): float(v) for k, v in result["val_loss"].items()}
+    return result, cached
+
+
+def probe_ranking(cfg: TrainConfig, recipe: Any, cache: JsonCache, log_dir: str | Path) -> tuple[dict[str, Any], bool]:
+    """The ``auto:K`` ranking under ``recipe``: a ``probe_steps``-step run with every linear in FP8
+    and the monitor sampling every step, ranked by :func:`fp8track.analysis.ranking.rank_layers`.
+    Cached per (control key, recipe, probe steps): ``({"ranking": [layer, ...], "table": rows}, cached)``."""
+    from fp8track.analysis.ranking import rank_layers
+    from fp8track.execution.recipes import Recipe
+    from fp8track.monitoring.records import RunReader
+
+    r = Recipe.parse(recipe)
+    probe_cfg = dataclasses.replace(cfg, steps=cfg.probe_steps, eval_every=0, every_n_steps=max(1, cfg.probe_steps // 10))
+
+    def compute() -> dict[str, Any]:
+        res = train(probe_cfg, r, "none", log_dir=log_dir, run_name=f"probe-{r.name}")
+        # Names as apply_fp8 saw them (the Lightning module's, "model.lm_head"): what auto:K resolves.
+        table = ranking_table(rank_layers(RunReader(res.run_dir).tensor_stats()))
+        return {"ranking": [row["layer"] for row in table], "table": table, "run_dir": str(res.run_dir)}
+
+    key = {"control": cfg.control_key(), "recipe": r.to_string(), "probe_steps": cfg.probe_steps}
+    return cache.get_or_compute("probe", key, compute)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m fp8track.examples.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_trial_arguments(p)
+    for f in dataclasses.fields(TrainConfig):
+        p.add_argument(f"--{f.name}", type=type(f.default), default=f.default)
+    p.add_argument("--out", default="fp8track-train", help="output folder (run directories, cache)")
+    p.add_argument("--cache_dir", default=None, help="control/probe cache (default <out>/cache)")
+    p.add_argument("--wandb", action="store_true", help="log to W&B (offline unless a sweep agent started us)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny GEMMs run best on 1)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    settings = trial_settings(argv)
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    torch.set_num_threads(args.threads)
+    out = Path(args.out).resolve()
+    cache = JsonCache(args.cache_dir or out / "cache")
+    if settings.control:
+        control = json.loads(Path(settings.control).read_text())
+        control["val_loss"] = {int(k): float(v) for k, v in control["val_loss"].items()}
+    else:
+        control, _ = control_run(cfg, cache, out / "runs")
+    ranking = None
+    table = None
+    if settings.bf16_layers.needs_ranking:
+        probe, _ = probe_ranking(cfg, settings.recipe, cache, out / "runs")
+        ranking, table = probe["ranking"], probe["table"]
+    loggers: list[Any] = []
+    if args.wandb:
+        import os
+
+        from lightning.pytorch.loggers import WandbLogger
+
+        # Under `wandb agent` (WANDB_SWEEP_ID set) the agent decides the mode; alone, stay offline.
+        mode = None if os.environ.get("WANDB_SWEEP_ID") else "offline"
+        loggers.append(WandbLogger(project="fp8track-sweep", save_dir=str(out), mode=mode))
+    result = train(cfg, settings.recipe, settings.bf16_layers, log_dir=out / "runs", ranking=ranking, control=control,
+                   loggers=loggers)
+    summary = {"recipe": str(settings.recipe), "bf16_layers": settings.spec, **result.metrics,
+               "bf16_layer_names": list(result.bf16_layers), "auto_ranking": table}
+    if loggers:
+        loggers[0].experiment.summary.update({k: v for k, v in result.metrics.items()})
+    print(json.dumps(summary, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

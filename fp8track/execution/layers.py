@@ -1,0 +1,127 @@
+"""The GEMM layers of a model: the one "is this a linear layer" predicate and the one layer selector.
+
+Every part that looks for linear layers (the monitor's layer choice, the fallback spec,
+``apply_fp8``, the backends) asks :func:`is_gemm_layer`, and every part that picks layers by name
+(the monitor's ``layers=``, the fallback's ``re:`` and module-name terms) uses :func:`match_layers`.
+
+Classes are recognised by their defining module and name, so neither Transformer Engine nor
+Hugging Face ``transformers`` is imported here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from fp8track.errors import ConfigError
+
+TE_GEMM_CLASSES = ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear")
+"""Transformer Engine modules that run GEMMs (``transformer_engine.pytorch``), subclasses included."""
+
+HF_CONV1D = ("transformers.pytorch_utils", "Conv1D")
+"""Hugging Face's GPT-2 style linear: ``y = x @ W + b`` with ``W`` stored ``[in, out]``."""
+
+GEMM_LAYER_KINDS = (
+    "nn.Linear and subclasses (fp8track EmulatedFP8Linear, torchao Float8Linear)",
+    "Transformer Engine " + "/".join(TE_GEMM_CLASSES),
+    "transformers Conv1D (and fp8track EmulatedFP8Conv1D)",
+)
+
+
+class InOutWeightGemm(nn.Module):
+    """Base of fp8track's own GEMM layers that store their weight ``[in, out]`` as ``Conv1D`` does."""
+
+
+def _has_base(module: nn.Module, module_prefix: str, names: Sequence[str]) -> bool:
+    return any(c.__module__.startswith(module_prefix) and c.__name__ in names for c in type(module).__mro__)
+
+
+def is_hf_conv1d(module: nn.Module) -> bool:
+    """True for ``transformers.pytorch_utils.Conv1D`` (GPT-2's GEMMs) and its subclasses."""
+    return _has_base(module, HF_CONV1D[0], (HF_CONV1D[1],))
+
+
+def is_te_gemm(module: nn.Module) -> bool:
+    """True for Transformer Engine's GEMM modules (:data:`TE_GEMM_CLASSES`) and their subclasses."""
+    return _has_base(module, "transformer_engine", TE_GEMM_CLASSES)
+
+
+def is_gemm_layer(module: nn.Module) -> bool:
+    """THE linear-layer predicate: any module of :data:`GEMM_LAYER_KINDS`, FP8 or not."""
+    return isinstance(module, (nn.Linear, InOutWeightGemm)) or is_hf_conv1d(module) or is_te_gemm(module)
+
+
+def is_convertible(module: nn.Module) -> bool:
+    """A GEMM layer :func:`fp8track.apply_fp8` may convert: exactly ``nn.Linear`` or exactly Hugging
+    Face ``Conv1D`` (a subclass is someone's own layer, or one already converted)."""
+    cls = type(module)
+    return cls is nn.Linear or (cls.__module__, cls.__name__) == HF_CONV1D
+
+
+def gemm_weight(module: nn.Module, weight: object = None) -> torch.Tensor | None:
+    """The layer's weight (or ``weight``, a tensor standing for it) in GEMM orientation ``[out, in]``:
+    a view, ``None`` if there is no weight tensor.
+
+    ``nn.Linear`` stores that already; ``Conv1D`` stores ``[in, out]`` and gets its transpose, so a
+    block-scaled statistic blocks the weight along the reduction dimension ``in`` as the GEMM does.
+    """
+    if weight is None:
+        weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return None
+    return weight.t() if isinstance(module, InOutWeightGemm) or is_hf_conv1d(module) else weight
+
+
+def gemm_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(qualified name, module)`` of every GEMM layer in registration order (the root is named ``""``)."""
+    return [(name, m) for name, m in model.named_modules() if is_gemm_layer(m)]
+
+
+def preview_names(names: Sequence[str], limit: int = 24) -> str:
+    """``names`` joined by commas, cut after ``limit`` with a count of the rest (for error messages)."""
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def compile_selector(term: str, what: str) -> re.Pattern[str] | None:
+    """The compiled pattern of an ``re:PATTERN`` term (``None`` for a name); a bad regex is a ConfigError."""
+    if not term.startswith("re:"):
+        return None
+    try:
+        return re.compile(term[3:])
+    except re.error as exc:
+        raise ConfigError(f"{what} regex {term[3:]!r} does not compile: {exc}") from None
+
+
+def match_layers(model: nn.Module, term: str, names: Sequence[str], what: str = "layer selector") -> list[str]:
+    """The layers of ``names`` (GEMM layer names of ``model``) that one selector ``term`` picks.
+
+    Args:
+        term: ``re:PATTERN`` (every name where ``re.search(PATTERN, name)`` matches) or the
+            qualified name of a layer or of a module whose GEMM layers are all picked.
+        what: how error messages name the setting (``"layer selector"``, ``"bf16_layers term"``).
+
+    Returns:
+        the picked names, in the order of ``names``.
+
+    Raises:
+        ConfigError: a bad regex, a term matching nothing, or a module that does not exist; the
+            message lists the candidates.
+    """
+    pattern = compile_selector(term, what)
+    if pattern is not None:
+        hits = [n for n in names if pattern.search(n)]
+        if not hits:
+            raise ConfigError(f"{what} {term!r} matches no linear layer; candidates: {preview_names(names)}")
+        return hits
+    hits = [n for n in names if n == term or n.startswith(term + ".")]
+    if hits:
+        return hits
+    try:
+        model.get_submodule(term)
+    except AttributeError:
+        raise ConfigError(f"{what} names a missing module {term!r}; linear layers: {preview_names(names)}") from None
+    raise ConfigError(f"{what}: module {term!r} holds no linear layer; linear layers: {preview_names(names)}")

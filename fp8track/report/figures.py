@@ -1,0 +1,182 @@
+"""The report's figures, drawn on ``matplotlib.figure.Figure`` (no pyplot, no global backend) and
+returned as base64 PNG text for ``<img src="data:image/png;base64,...">``."""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from fp8track.analysis.baseline import RunData
+from fp8track.analysis.diagnose import Diagnosis
+from fp8track.optional import require
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+FP8_COLOR, CONTROL_COLOR, BAD_COLOR = "#d62728", "#1f77b4", "#ff7f0e"
+
+HEATMAPS: tuple[tuple[str, str], ...] = (
+    ("underflow_pct", "underflow (% of nonzero elements flushed to zero)"),
+    ("rel_error_db", "relative error (dB) = -SQNR: error energy over the tensor's own energy"),
+    ("log10_one_minus_cos", "log10(1 - cosine similarity)"),
+    ("scale_drift_log2", "scale drift (binades): log2(scale used / current scale)"),
+)
+"""Per-layer heatmaps: relative error rather than raw MSE, which scales with each tensor's magnitude."""
+
+
+def to_png_base64(fig: Figure) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _figure(width: float, height: float) -> Figure:
+    require("matplotlib", "the HTML report")
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def loss_figure(d: Diagnosis) -> Figure:
+    """Loss of both runs over steps, spikes marked, the gap's onset as a line; below, the smoothed
+    relative gap with the tolerance band (the control's own noise times ``noise_k``)."""
+    lc = d.loss
+    fig = _figure(10, 6)
+    ax, gx = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
+    steps = np.array(lc.steps)
+    ax.plot(steps, lc.control, color=CONTROL_COLOR, lw=1, label="BF16 control")
+    ax.plot(steps, lc.fp8, color=FP8_COLOR, lw=1, alpha=0.85, label="FP8")
+    index = {s: i for i, s in enumerate(lc.steps)}
+    for events, color, label in ((d.fp8_spikes, FP8_COLOR, "FP8 spike"), (d.control_spikes, CONTROL_COLOR, "control spike")):
+        xs = [e.peak_step for e in events if e.peak_step in index]
+        ys = [lc.fp8[index[s]] if color == FP8_COLOR else lc.control[index[s]] for s in xs]
+        if xs:
+            ax.scatter(xs, ys, marker="v", s=50, color=color, edgecolor="black", zorder=3, label=label)
+    if lc.onset is not None:
+        for a in (ax, gx):
+            a.axvline(lc.onset, color=BAD_COLOR, ls="--", lw=1.2)
+        ax.text(lc.onset, ax.get_ylim()[1], f" gap opens (step {lc.onset}, {lc.phase})", color=BAD_COLOR,
+                va="top", fontsize=8)
+    ax.set_ylabel("training loss")
+    ax.set_title("Training loss: FP8 vs BF16 control (triangles: detected spikes)")
+    ax.legend(fontsize=8)
+    finite = np.isfinite(np.array(lc.smooth_gap))
+    gx.plot(steps, 100 * np.where(np.isfinite(lc.rel_gap), lc.rel_gap, np.nan), color="grey", lw=0.6, label="per step")
+    gx.plot(steps[finite], 100 * np.array(lc.smooth_gap)[finite], color=FP8_COLOR, lw=1.5, label="running median")
+    gx.axhspan(-100 * lc.tolerance, 100 * lc.tolerance, color=CONTROL_COLOR, alpha=0.15,
+               label=f"±{100 * lc.tolerance:.2f}% (control noise x k)")
+    gx.axhline(0, color="black", lw=0.5)
+    gx.set_ylabel("gap to control (%)")
+    gx.set_xlabel("step")
+    gx.legend(fontsize=8)
+    return fig
+
+
+def eval_figure(fp8: RunData, control: RunData) -> Figure | None:
+    """One panel per evaluation metric both runs recorded (``fp8/eval/<name>``)."""
+    a, b = fp8.eval_metrics(), control.eval_metrics()
+    names = sorted(set(a) & set(b))
+    if not names:
+        return None
+    fig = _figure(10, 2.6 * len(names))
+    axes = fig.subplots(len(names), 1, squeeze=False)[:, 0]
+    for axis, name in zip(axes, names, strict=True):
+        for series, color, label in ((b[name], CONTROL_COLOR, "BF16 control"), (a[name], FP8_COLOR, "FP8")):
+            xs = sorted(series)
+            axis.plot(xs, [series[s] for s in xs], marker="o", color=color, label=label)
+        axis.set_title(f"evaluation: {name}")
+        axis.set_xlabel("step")
+        axis.legend(fontsize=8)
+    return fig
+
+
+def _matrix(rows: Sequence[Any], stat: str) -> tuple[list[str], list[int], np.ndarray]:
+    from fp8track.trackers.mlflow import heatmap_matrix
+
+    source = {"rel_error_db": "sqnr_db", "log10_one_minus_cos": "cos"}.get(stat, stat)
+    labels, steps, m = heatmap_matrix(rows, source)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if stat == "rel_error_db":
+            m = -m
+        elif stat == "log10_one_minus_cos":
+            m = np.log10(np.clip(1.0 - m, 1e-12, None))
+    m = np.where(np.isfinite(m), m, np.nan)
+    return labels, steps, m
+
+
+def heatmap_figure(rows: Sequence[Any], stat: str, title: str, mark: Sequence[str] = ()) -> Figure | None:
+    """Layer/tensor x step heatmap of one statistic; labels in ``mark`` (the top-ranked) in red."""
+    labels, steps, m = _matrix(rows, stat)
+    if not labels or not steps:
+        return None
+    fig = _figure(10, 1.2 + 0.22 * len(labels))
+    ax = fig.subplots()
+    cmap = "coolwarm" if stat == "scale_drift_log2" else "viridis"
+    kwargs: dict[str, Any] = {}
+    if stat == "scale_drift_log2":
+        lim = float(np.nanmax(np.abs(m))) if np.isfinite(m).any() else 1.0
+        kwargs = {"vmin": -max(lim, 1e-3), "vmax": max(lim, 1e-3)}
+    im = ax.imshow(m, aspect="auto", interpolation="nearest", cmap=cmap, **kwargs)
+    ax.set_title(title, fontsize=10)
+    ax.set_yticks(range(len(labels)), labels, fontsize=6)
+    for tick in ax.get_yticklabels():
+        if tick.get_text().rsplit("/", 1)[0] in mark:
+            tick.set_color(FP8_COLOR)
+            tick.set_fontweight("bold")
+    ticks = np.linspace(0, len(steps) - 1, num=min(len(steps), 10)).round().astype(int)
+    ax.set_xticks(ticks, [str(steps[i]) for i in ticks], fontsize=7)
+    ax.set_xlabel("step")
+    fig.colorbar(im, ax=ax)
+    return fig
+
+
+def ranking_figure(d: Diagnosis, top: int = 15) -> Figure | None:
+    """Bar chart of the risk score of the ``top`` riskiest layers."""
+    ranking = list(d.layer_ranking)[:top]
+    if not ranking:
+        return None
+    fig = _figure(10, 1.0 + 0.28 * len(ranking))
+    ax = fig.subplots()
+    names = [f"{r.layer} ({r.tensor})" for r in ranking][::-1]
+    scores = [r.score for r in ranking][::-1]
+    flagged = {f.layers[0] for f in d.findings if f.kind == "layer_outlier" and f.layers}
+    colors = [FP8_COLOR if r.layer in flagged else CONTROL_COLOR for r in ranking][::-1]
+    ax.barh(names, scores, color=colors)
+    ax.tick_params(axis="y", labelsize=7)
+    ax.set_xlabel("risk score (sum of positive robust z against the other layers; 0 = typical)")
+    ax.set_title("Layer ranking (red: layer outliers)")
+    return fig
+
+
+def all_figures(d: Diagnosis, fp8: RunData, control: RunData) -> list[tuple[str, str, str]]:
+    """``(id, caption, base64 png)`` of every figure the report shows, in order."""
+    out: list[tuple[str, str, str]] = []
+
+    def add(fig_id: str, caption: str, fig: Figure | None) -> None:
+        if fig is not None:
+            out.append((fig_id, caption, to_png_base64(fig)))
+
+    add("fig-loss", "Training loss of the FP8 run and its BF16 control, and the gap between them.", loss_figure(d))
+    add("fig-eval", "Validation / downstream metrics per evaluation.", eval_figure(fp8, control))
+    add("fig-ranking", "Layer risk scores.", ranking_figure(d))
+    mark = [r.layer for r in d.layer_ranking[:3]]
+    for stat, title in HEATMAPS:
+        add(f"fig-heatmap-{stat}", f"FP8 run: {title}, per layer/tensor over the sampled steps.",
+            heatmap_figure(fp8.tensor_rows, stat, title, mark))
+    return out
+
+
+def finite_or(value: Any, default: str = "n/a") -> str:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"{value:.4g}" if math.isfinite(value) else default
+    return default if value is None else str(value)
+
+
+def stats_line(stats: Mapping[str, float]) -> str:
+    keys = ("sqnr_db", "cos", "underflow_pct", "overflow_pct", "abs_drift_log2")
+    return ", ".join(f"{k} {finite_or(stats.get(k))}" for k in keys)

@@ -1,0 +1,78 @@
+"""One call from two run references to ``diagnosis.json`` + ``report.html`` (and the trackers):
+what ``fp8track diagnose`` and the demo run."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fp8track.analysis.baseline import RunData, load_run
+from fp8track.analysis.diagnose import Diagnosis, DiagnosisConfig, diagnose
+from fp8track.report.html import write_report
+
+
+@dataclass(frozen=True)
+class DiagnosisOutput:
+    """The diagnosis, the files written and where the report was logged."""
+
+    diagnosis: Diagnosis
+    json_path: Path
+    html_path: Path
+    fp8: RunData
+    control: RunData
+    logged: tuple[str, ...] = field(default_factory=tuple)
+
+
+def diagnose_runs(
+    fp8_ref: str | os.PathLike[str],
+    baseline_ref: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    tracking_uri: str | None = None,
+    config: DiagnosisConfig | None = None,
+    mlflow_run_id: str | None = None,
+    wandb_run: tuple[str, str, str | os.PathLike[str]] | None = None,
+) -> DiagnosisOutput:
+    """Load both runs (:func:`fp8track.analysis.baseline.load_run`), diagnose, write
+    ``<out_dir>/diagnosis.json`` and ``<out_dir>/report.html``.
+
+    The report goes to MLflow as artifacts of ``mlflow_run_id`` (default: the FP8 run itself when
+    it is an ``mlflow:`` reference) and, with ``wandb_run=(project, run_id, dir)``, into that W&B
+    run as HTML. A tracker that fails is warned about; the files are written regardless.
+
+    Raises:
+        ConfigError: an unusable run reference (naming it) or runs that cannot be compared.
+    """
+    fp8 = load_run(fp8_ref, tracking_uri)
+    control = load_run(baseline_ref, tracking_uri)
+    d = diagnose(fp8, control, config)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / "diagnosis.json"
+    json_path.write_text(json.dumps(d.to_dict(), indent=2, allow_nan=False))
+    html_path = write_report(out / "report.html", d, fp8, control)
+    logged: list[str] = []
+    run_id = mlflow_run_id or (str(fp8_ref)[len("mlflow:"):] if str(fp8_ref).startswith("mlflow:") else None)
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if run_id and uri:
+        try:
+            from fp8track.report.publish import log_report_to_mlflow
+
+            logged += [f"mlflow:{run_id}/{p}" for p in log_report_to_mlflow(run_id, uri, [html_path, json_path])]
+        except Exception as exc:  # the files exist; a tracker problem must not lose the diagnosis
+            warnings.warn(f"fp8track: could not log the report to MLflow run {run_id}: {exc!r}", RuntimeWarning, stacklevel=2)
+    if wandb_run is not None:
+        try:
+            from fp8track.report.publish import log_report_to_wandb
+
+            project, wid, wdir = wandb_run
+            logged.append(f"wandb:{log_report_to_wandb(html_path, project=project, run_id=wid, dir=wdir)}")
+        except Exception as exc:
+            warnings.warn(f"fp8track: could not log the report to W&B run {wandb_run[1]}: {exc!r}", RuntimeWarning, stacklevel=2)
+    return DiagnosisOutput(d, json_path, html_path, fp8, control, tuple(logged))
+
+
+__all__ = ["diagnose_runs", "DiagnosisOutput"]

@@ -1,0 +1,76 @@
+"""``fp8track sweep SWEEP.yaml --trials N [--tracking-uri URI] [--storage URL] [--wandb] [--summary]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from fp8track.sweep.executor import SweepOptions, find_parent, read_summary, run_sweep
+    from fp8track.sweep.spec import load_sweep
+    from fp8track.sweep.summary import format_text
+
+    spec = load_sweep(args.sweep)  # every problem of the YAML is refused here, before any training
+    trials = args.trials or spec.run_cap or spec.grid_size
+    if trials is None:
+        from fp8track.errors import ConfigError
+
+        raise ConfigError("--trials is required (the sweep has no run_cap and is not a finite grid)")
+    if spec.grid_size is not None and spec.method == "grid":
+        trials = min(trials, spec.grid_size)
+    options = SweepOptions(
+        trials=trials, out=Path(args.out or f"fp8track-sweep/{spec.name}"), tracking_uri=args.tracking_uri,
+        storage=args.storage, wandb=args.wandb, seed=args.seed, progress=not args.no_progress,
+        tolerance_factor=args.tolerance_factor, tolerance_floor=args.tolerance_floor,
+        heartbeat_s=args.heartbeat, grace_s=args.grace, threads=args.threads,
+    )
+    if args.summary:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(options.mlflow_uri)
+        exp_id, parent = find_parent(client, spec.name)
+        rows, rec = read_summary(client, exp_id, parent, options.tolerance_factor, options.tolerance_floor)
+        print(f"sweep {spec.name!r}: parent run {parent} at {options.mlflow_uri}")
+        print(format_text(rows, rec))
+        return 0
+    t0 = time.perf_counter()
+    outcome = run_sweep(spec, options)
+    seconds = time.perf_counter() - t0
+    report: dict[str, Any] = {
+        "sweep": spec.name, "parent_run_id": outcome.parent_run_id, "trials_run_here": outcome.ran,
+        "seconds": round(seconds, 1), "tracking_uri": options.mlflow_uri, "storage": options.storage_url,
+    }
+    if outcome.recommendation is not None:
+        print(format_text(outcome.rows, outcome.recommendation))
+        report["recommendation"] = outcome.recommendation.to_dict()
+    else:
+        report["note"] = "other workers are still running trials; the last one to finish writes the summary"
+    print(json.dumps(report, indent=1, default=str))
+    print(f"Look at it: mlflow ui --backend-store-uri {options.mlflow_uri}")
+    if options.wandb:
+        print(f"W&B offline runs: {options.out / 'wandb'}  (upload: wandb sync {options.out / 'wandb'}/offline-run-*)")
+    return 0
+
+
+def add_subparser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser("sweep", help="run a W&B sweep YAML locally with Optuna into MLflow parent/child runs")
+    p.add_argument("sweep", help="the sweep YAML (e.g. integrations/wandb/fp8_sweep.yaml)")
+    p.add_argument("--trials", type=int, default=None, help="finished trials the sweep needs (default: run_cap or the grid)")
+    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///<out>/mlflow.db)")
+    p.add_argument("--storage", default=None, help="Optuna RDB URL shared by workers (default sqlite:///<out>/optuna.db)")
+    p.add_argument("--wandb", action="store_true", help="also write W&B offline runs grouped by the sweep name")
+    p.add_argument("--summary", action="store_true", help="print the summary and recommendation from the store, run nothing")
+    p.add_argument("--out", default=None, help="output folder (default ./fp8track-sweep/<sweep name>)")
+    p.add_argument("--seed", type=int, default=0, help="sampler seed")
+    p.add_argument("--tolerance-factor", type=float, default=1.0, help="tolerance = factor x control seed spread")
+    p.add_argument("--tolerance-floor", type=float, default=0.01, help="smallest tolerance, nats")
+    p.add_argument("--heartbeat", type=int, default=5, help="Optuna heartbeat interval, seconds")
+    p.add_argument("--grace", type=int, default=20, help="seconds without heartbeat before a trial counts as dead")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--no-progress", action="store_true", help="no live display")
+    p.set_defaults(func=_cmd_sweep)
+    return p

@@ -1,0 +1,205 @@
+"""The diagnosis on synthetic run directories written with RunWriter: each failure kind planted on
+purpose, the healthy case, and the control-relative rules (no fixed thresholds)."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from fp8track.analysis.baseline import load_run
+from fp8track.analysis.diagnose import (
+    DiagnosisConfig,
+    compare_loss,
+    confidence,
+    diagnose,
+    newly_enabled,
+    relative_noise,
+)
+from fp8track.analysis.synthetic_loss import Curve, healthy, plant_divergence, plant_spike
+from fp8track.monitoring.records import MetricsRecord, RunMeta, RunWriter, TensorStatsRow
+
+N = 300
+EVERY = 10
+LAYERS = [f"blocks.{i}.{m}" for i in range(3) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")] + ["lm_head"]
+PLANTED = "blocks.1.mlp.fc"
+
+
+def _stats(rng, sqnr=30.0, under=1.0, drift=0.0):
+    sqnr = sqnr + rng.normal(0, 0.4)
+    return {"sqnr_db": sqnr, "cos": 1 - 0.5 * 10 ** (-sqnr / 10), "underflow_pct": max(under + rng.normal(0, 0.08), 0),
+            "overflow_pct": 0.0, "scale_drift_log2": drift + rng.normal(0, 0.1), "mse": 1e-4, "amax": 1.0}
+
+
+def _rows(rng, variant="actual", planted_from=None, planted_steps=()):
+    rows = []
+    for step in range(0, N, EVERY):
+        for i, layer in enumerate(LAYERS):
+            for t in ("activation", "weight", "gradient"):
+                bad = layer == PLANTED and t == "activation" and (
+                    (planted_from is not None and step >= planted_from) or step in planted_steps)
+                s = _stats(rng, 12.0, 18.0, -6.0) if bad else _stats(rng, 30.0 + 0.1 * i, 1.0 + 0.02 * i)
+                rows.append(TensorStatsRow(step, layer, t, s, variant))
+    return rows
+
+
+def _write(tmp_path, name, loss, rows, evals=None, precision=None, recipe="delayed"):
+    meta = RunMeta(name=name, recipe={"name": recipe}, fp8_layers=tuple(LAYERS) if recipe != "bf16" else (),
+                   config={"precision": precision or {"recipe": None if recipe == "bf16" else recipe,
+                                                      "fp8_weights": False, "cpu_offloading": False}})
+    w = RunWriter(tmp_path / name, meta)
+    for s, v in enumerate(loss):
+        w.write_metrics(MetricsRecord(s, {"loss": float(v)}))
+    for s, metrics in (evals or {}).items():
+        w.write_metrics(MetricsRecord(s, {f"fp8/eval/{k}": v for k, v in metrics.items()}))
+    w.write_tensor_stats(rows)
+    w.close()
+    return load_run(tmp_path / name)
+
+
+def _pair(tmp_path, fp8_loss=None, fp8_rows=None, fp8_evals=None, ctl_evals=None, precision=None, seed=0):
+    rng = np.random.default_rng(seed)
+    control = healthy(Curve(start=6.0, floor=2.0, tau=60.0, sigma=0.02), N, rng)
+    # Same data order: FP8's loss follows the control's step to step, with a little own noise.
+    fp8 = control * (1 + rng.normal(0, 0.002, N)) if fp8_loss is None else fp8_loss(control, rng)
+    evals = {s: {"val_loss": 2.4 - 0.1 * s / N, "val_acc": 0.60 + 0.1 * s / N} for s in range(59, N, 60)}
+    ctl = _write(tmp_path, "control", control, _rows(rng, "shadow"), ctl_evals or evals, recipe="bf16")
+    run = _write(tmp_path, "fp8", fp8, fp8_rows(rng) if fp8_rows else _rows(rng), fp8_evals or evals, precision)
+    return run, ctl
+
+
+def test_healthy_fp8_run_is_healthy_with_no_layer_outlier(tmp_path):
+    d = diagnose(*_pair(tmp_path))
+    assert d.kinds() == ["healthy"]
+    assert d.top.severity == "info"
+    # |gap| within noise_k control-noise sigmas: the numbers behind the verdict
+    ev = d.top.evidence
+    # tolerance: 3 standard errors of a 13-step running median (n=300 -> width 13) of the control's noise
+    assert abs(ev["final_gap_rel"]) < ev["tolerance_rel"] == pytest.approx(3 * 1.2533 * ev["control_noise_rel"] / 13**0.5, rel=1e-4)
+    assert 0.01 < ev["control_noise_rel"] < 0.03  # the planted 2% multiplicative noise
+    assert len(d.layer_ranking) == len(LAYERS)
+
+
+def test_planted_outlier_layer_is_named_and_ranked_first(tmp_path):
+    d = diagnose(*_pair(tmp_path, fp8_rows=lambda rng: _rows(rng, planted_from=150)))
+    assert d.kinds() == ["layer_outlier"]
+    f = d.top
+    assert f.layers == (PLANTED,) and f.tensors == ("activation",)
+    assert f.steps == (150,)  # the onset, found against the layer's own history
+    assert d.layer_ranking[0].layer == PLANTED
+    assert d.ranking_window == (150, N - EVERY)  # the ranking covers the steps since the onset
+    assert f.evidence["stats"]["underflow_pct"] == pytest.approx(18.0, abs=0.5)
+
+
+def test_divergence_from_start_lists_newly_enabled_options(tmp_path):
+    def broken(control, rng):  # a bug breaks training at step 0: the loss never comes down
+        return control[0] * (1 + rng.normal(0, 0.02, N))
+
+    precision = {"recipe": "delayed", "fp8_weights": True, "cpu_offloading": True, "torch_compile": False}
+    run, ctl = _pair(tmp_path, fp8_loss=broken, fp8_rows=lambda rng: _rows(rng, planted_from=0), precision=precision)
+    d = diagnose(run, ctl)
+    assert d.top.kind == "divergence_from_start"
+    assert d.top.severity == "high"
+    assert d.top.evidence["newly_enabled"] == {"recipe": "delayed", "fp8_weights": True, "cpu_offloading": True}
+    exps = d.top.next_experiments
+    assert "FP8 recipe" in exps[0] and "FP8 weights" in exps[1] and "CPU offloading" in exps[2]
+    assert d.layer_ranking[0].layer == PLANTED
+    assert d.loss.phase == "start" and d.loss.onset is not None and d.loss.onset <= 0.1 * N
+
+
+def test_mid_training_instability_is_a_mid_training_gap_with_the_planted_layer_first(tmp_path):
+    run, ctl = _pair(tmp_path, fp8_loss=lambda c, rng: plant_divergence(c * (1 + rng.normal(0, 0.002, N)), 180, 0.004),
+                     fp8_rows=lambda rng: _rows(rng, planted_from=170))
+    d = diagnose(run, ctl)
+    assert d.top.kind == "mid_training_gap"
+    assert 180 <= d.top.steps[0] <= 200
+    assert d.layer_ranking[0].layer == PLANTED and d.top.layers[0] == PLANTED
+    exps = d.top.next_experiments
+    # the path's order: BF16 GEMM with FP8 inputs, current scaling, block scaling, BF16 fallback of the top layers
+    assert ["fp8_input_bf16_gemm" in exps[0], "current" in exps[1], "mxfp8" in exps[2], PLANTED in exps[3]] == [True] * 4
+    assert "layer_outlier" in d.kinds()
+
+
+def test_downstream_drop_with_normal_loss(tmp_path):
+    ctl_evals = {s: {"val_acc": 0.60 + 0.1 * s / N} for s in range(59, N, 60)}
+    fp8_evals = {s: {"val_acc": v["val_acc"] * (0.7 if s > 200 else 1.0)} for s, v in ctl_evals.items()}
+    d = diagnose(*_pair(tmp_path, fp8_evals=fp8_evals, ctl_evals=ctl_evals))
+    assert d.kinds() == ["downstream_drop_with_normal_loss"]
+    ev = d.top.evidence["eval"]["val_acc"]
+    assert ev["worse_rel"] == pytest.approx(0.3)
+    assert ev["higher_is_better"] is True
+    assert "check-inference" in d.top.next_experiments[0]
+
+
+def test_fp8_only_spikes_name_the_layer_that_jumps(tmp_path):
+    spike_steps = (120, 190, 260)
+
+    def spiky(control, rng):
+        out = control * (1 + rng.normal(0, 0.002, N))
+        for s in spike_steps:
+            out = plant_spike(out, s, 1.5, decay=4.0)
+        return out
+
+    run, ctl = _pair(tmp_path, fp8_loss=spiky, fp8_rows=lambda rng: _rows(rng, planted_steps=spike_steps))
+    d = diagnose(run, ctl)
+    assert d.top.kind == "fp8_only_spikes"
+    assert d.top.steps == spike_steps
+    assert d.top.layers[0] == PLANTED
+
+
+def test_spikes_in_both_runs_are_shared(tmp_path):
+    def both(control):
+        return plant_spike(control, 200, 1.5, decay=4.0)
+
+    rng = np.random.default_rng(3)
+    control = both(healthy(Curve(start=6.0, floor=2.0, tau=60.0, sigma=0.02), N, rng))
+    fp8 = control * (1 + rng.normal(0, 0.002, N))
+    ctl = _write(tmp_path, "control", control, _rows(rng, "shadow"), recipe="bf16")
+    run = _write(tmp_path, "fp8", fp8, _rows(rng))
+    d = diagnose(run, ctl)
+    assert "shared_spikes" in d.kinds() and "fp8_only_spikes" not in d.kinds()
+    shared = next(f for f in d.findings if f.kind == "shared_spikes")
+    assert shared.steps == (200,)
+
+
+def test_a_layer_hard_in_the_control_too_is_not_an_fp8_outlier(tmp_path):
+    rng = np.random.default_rng(0)
+    control = healthy(Curve(start=6.0, floor=2.0, tau=60.0, sigma=0.02), N, rng)
+    ctl = _write(tmp_path, "control", control, _rows(rng, "shadow", planted_from=0), recipe="bf16")
+    run = _write(tmp_path, "fp8", control * 1.0005, _rows(rng, planted_from=0))
+    d = diagnose(run, ctl)
+    assert d.layer_ranking[0].layer == PLANTED  # still ranked first...
+    assert d.kinds() == ["healthy"]  # ...but the model's own property, not FP8's
+
+
+def test_gap_is_judged_in_the_controls_noise_unit():
+    rng = np.random.default_rng(0)
+    trend = 3.0 + 2.0 * np.exp(-np.arange(4000) / 1000)
+    noisy = trend * (1 + 0.01 * rng.standard_normal(4000))
+    # 1% white noise, a smooth trend and one huge spike: the estimate is the 1% (+-5% sampling)
+    noisy[2000] *= 3
+    assert relative_noise(list(noisy)) == pytest.approx(0.01, rel=0.05)
+    steps = range(400)
+    # hand-worked: alternating +-1% around a constant: |d| = 2/1.01 % or 2/0.99 %, MAD-based sigma
+    alt = [3.0 * (1 + (0.01 if s % 2 else -0.01)) for s in range(9)]
+    d = np.diff(alt) / np.abs(np.array(alt[:-1]))
+    assert relative_noise(alt) == pytest.approx(1.4826 * np.median(np.abs(d - np.median(d))) / math.sqrt(2))
+    # the same 2% lasting gap: alarming against a quiet control, noise against a noisy one
+    quiet = {s: 3.0 * (1 + 0.001 * rng.standard_normal()) for s in steps}
+    assert compare_loss({s: v * 1.02 for s, v in quiet.items()}, quiet).onset == 0
+    loud = {s: 3.0 * (1 + 0.05 * rng.standard_normal()) for s in steps}
+    assert compare_loss({s: v * 1.02 for s, v in loud.items()}, loud).onset is None
+    assert confidence(3.0, 3.0) == 0.05 and confidence(9.0, 3.0) == pytest.approx(1 - math.exp(-2))
+
+
+def test_newly_enabled_and_json_is_plain(tmp_path):
+    fp8 = {"recipe": {"name": "current"}, "config": {"precision": {"recipe": "current", "torch_compile": True,
+                                                                   "fused_optimizer": "fused", "precision": "bf16-mixed"}}}
+    ctl = {"recipe": {"name": "bf16"}, "config": {"precision": {"recipe": None, "torch_compile": True,
+                                                                "fused_optimizer": None, "precision": "bf16-mixed"}}}
+    assert newly_enabled(fp8, ctl) == {"recipe": "current", "fused_optimizer": "fused"}
+    d = diagnose(*_pair(tmp_path))
+    text = json.dumps(d.to_dict(), allow_nan=False)  # no NaN/inf leaks into diagnosis.json
+    assert '"layer_ranking"' in text
+    with pytest.raises(ValueError, match="noise_k"):
+        DiagnosisConfig(noise_k=0)

@@ -1,0 +1,80 @@
+"""A trial's settings (CLI and the W&B agent's parameter file), the shared JSON cache, and the
+``auto:K`` ranking table."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from fp8track.analysis.ranking import rank_layers
+from fp8track.errors import ConfigError
+from fp8track.monitoring.records import TensorStatsRow
+from fp8track.trial import JsonCache, cache_key, ranking_table, read_param_file, trial_settings
+
+
+def _param_file(tmp_path: Path, **values) -> Path:
+    """What the W&B agent writes (wandb.sdk.lib.config_util.save_config_file_from_dict)."""
+    import yaml
+
+    p = tmp_path / "config.yaml"
+    p.write_text(yaml.safe_dump({"wandb_version": 1, **{k: {"value": v} for k, v in values.items()}}))
+    return p
+
+
+def test_command_line_wins_over_the_param_file(tmp_path: Path) -> None:
+    path = _param_file(tmp_path, recipe="mxfp8", bf16_layers="auto:2", lr=0.01)
+    s = trial_settings(["--recipe=delayed:hybrid:h16:max", "--steps=5"], param_path=path)
+    assert s.recipe.name == "delayed" and s.recipe.amax_history_len == 16
+    assert s.spec == "auto:2" and s.bf16_layers.needs_ranking
+    assert s.params["lr"] == 0.01 and s.control is None
+
+
+def test_param_file_from_the_environment_on_ranks_without_wandb_config(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("WANDB_SWEEP_PARAM_PATH", str(_param_file(tmp_path, recipe="block", bf16_layers="first_last")))
+    s = trial_settings([])
+    assert (s.recipe.name, s.spec) == ("block", "first:1,last:1")
+    assert read_param_file(_param_file(tmp_path, recipe="current")) == {"recipe": "current"}
+
+
+def test_defaults_and_bad_values() -> None:
+    s = trial_settings([], param_path="")
+    assert (s.recipe.name, s.spec) == ("delayed", "none")
+    with pytest.raises(ConfigError, match="unknown recipe name 'fp6'"):
+        trial_settings(["--recipe", "fp6"], param_path="")
+    with pytest.raises(ConfigError, match="needs a positive integer count"):
+        trial_settings(["--bf16-layers", "last:x"], param_path="")
+
+
+def test_json_cache_computes_once_per_key(tmp_path: Path) -> None:
+    cache = JsonCache(tmp_path)
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return {"value": len(calls)}
+
+    first, cached1 = cache.get_or_compute("control", {"seed": 0, "steps": 10}, compute)
+    again, cached2 = JsonCache(tmp_path).get_or_compute("control", {"steps": 10, "seed": 0}, compute)  # key order irrelevant
+    other, cached3 = cache.get_or_compute("control", {"seed": 1, "steps": 10}, compute)
+    assert (first["value"], again["value"], other["value"]) == (1, 1, 2)
+    assert (cached1, cached2, cached3) == (False, True, False)
+    assert cache_key({"a": 1}) != cache_key({"a": 2}) and len(cache_key({"a": 1})) == 16
+
+
+def test_ranking_table_follows_rank_layers() -> None:
+    """Three layers, one with a far lower SQNR and a high underflow share: rank 1 in the table."""
+    rows = []
+    for step in range(3):
+        for layer, sqnr, under in (("a", 30.0, 0.1), ("b", 31.0, 0.2), ("c", 8.0, 12.0), ("d", 30.5, 0.1)):
+            rows.append(TensorStatsRow(step, layer, "activation", {
+                "sqnr_db": sqnr, "cos": 0.999, "underflow_pct": under, "overflow_pct": 0.0, "scale_drift_log2": 0.0,
+                "mse": 1e-4, "amax": 1.0}))
+    table = ranking_table(rank_layers(rows))
+    assert [r["layer"] for r in table][0] == "c" and table[0]["rank"] == 1
+    # rel_error_db = -sqnr: median of (-31, -30.5, -30, -8) is -30.25, MAD 0.5 -> 0.74 < floor 1 dB:
+    # z = (-8 + 30.25) / 1. Underflow: median 0.15, MAD 0.05 -> 0.074 < floor 0.5: z = (12 - 0.15) / 0.5.
+    assert table[0]["z_rel_error_db"] == pytest.approx(22.25, rel=1e-9)
+    assert table[0]["z_underflow_pct"] == pytest.approx((12.0 - 0.15) / 0.5, rel=1e-6)
+    assert all(r["score"] is None or math.isfinite(r["score"]) for r in table)
