@@ -9,6 +9,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from fp8track.errors import ConfigError
+
+EXIT_BAD_INPUT = 2
+"""Exit status for refused input, the same as argparse's for a bad option."""
+
 
 def _cmd_stats(args: argparse.Namespace) -> int:
     """Quantisation statistics of a real tensor: the weights of a seeded linear layer and its
@@ -18,8 +23,11 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     from fp8track.numerics.stats import block_quant_stats, quant_stats
 
     torch.manual_seed(0)
-    text = open(__file__, "rb").read()
-    x = torch.tensor(list(text[: 64 * 256]), dtype=torch.float32).reshape(-1, 256) / 255.0
+    rows, width = 64, 256
+    text = Path(__file__).read_bytes()
+    # Repeat the source to fill the matrix: the file may be shorter than rows * width bytes.
+    text = (text * (rows * width // max(len(text), 1) + 1))[: rows * width]
+    x = torch.tensor(list(text), dtype=torch.float32).reshape(rows, width) / 255.0
     layer = torch.nn.Linear(256, 512)
     act = layer(x).detach()
     out = {
@@ -157,8 +165,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    """Run one command. Refused input (a :class:`~fp8track.errors.ConfigError`: a bad recipe, a run
+    directory that does not exist...) prints one line, ``fp8track <command>: error: <message>``, on
+    stderr and returns 2, like argparse's own errors; anything else is a bug and keeps its traceback."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

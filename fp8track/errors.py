@@ -22,6 +22,14 @@ class ConfigError(ValueError):
     """A bad argument or configuration value, detected before any training step."""
 
 
+class RankFailure(RuntimeError):
+    """Another rank failed, died or stopped answering during one of fp8track's collectives.
+
+    Raised after a bounded wait instead of hanging forever: the run cannot go on consistently
+    (the training's own collectives would hang next), so it stops with this message.
+    """
+
+
 def invalid_choice(what: str, value: object, valid: Iterable[object], hint: str = "") -> ConfigError:
     """Build the standard "unknown X" error: names the value received and the valid ones."""
     choices = ", ".join(repr(v) for v in valid)

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from fp8track.errors import check_int, invalid_choice
+from fp8track.errors import check_float, check_int, invalid_choice
 from fp8track.execution.backends.te import te_gemm_class
 from fp8track.monitoring import te_capture
 from fp8track.monitoring.capture import (
@@ -85,6 +85,8 @@ class CaptureConfig:
         per_layer_scalars: False logs per-layer detail to tables only (bounded metric count).
         shadow_format: format pair used to judge BF16 layers (``"hybrid"`` or ``"e4m3"``).
         track_grad_norm: compute the total gradient norm on sampled steps (for spike attribution).
+        collective_timeout_s: the longest a rank waits for the others in fp8track's all-reduces
+            before raising :class:`fp8track.errors.RankFailure` (a peer died or hangs).
     """
 
     every_n_steps: int = 10
@@ -95,9 +97,11 @@ class CaptureConfig:
     per_layer_scalars: bool = True
     shadow_format: str = "hybrid"
     track_grad_norm: bool = True
+    collective_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         check_int("every_n_steps", self.every_n_steps, 1)
+        check_float("collective_timeout_s", self.collective_timeout_s, 0.0, strict=True)
         for s in self.steps:
             check_int("steps entry", s, 0)
         object.__setattr__(self, "steps", tuple(self.steps))
@@ -242,6 +246,7 @@ class Monitor:
         self._pending: list[_PendingStep] = []
         self._closed = False
         self._attached = False
+        self._resume_step: int | None = None  # set by load_state_dict: records from here on are redone
 
     # -- lifecycle -------------------------------------------------------------------------------
     @property
@@ -260,7 +265,7 @@ class Monitor:
         for cap in self.captures.values():
             cap.attach()
         if self.is_writer and self.log_dir is not None and self._writer is None:
-            self._writer = RunWriter.create(self.log_dir, self.meta)
+            self._writer = RunWriter.create(self.log_dir, self.meta, self._resume_step)
             if self._sink_factory is not None:
                 self._fanout = self._sink_factory(self._writer.run_dir)
                 self._fanout.start(self.meta)
@@ -375,14 +380,16 @@ class Monitor:
         if world > 1:
             import torch.distributed as dist
 
-            from fp8track.numerics.stats import all_reduce_partials
+            from fp8track.numerics.stats import all_reduce_partials, wait_collectives
 
+            # Bounded waits: a rank that died or hangs stops this one with a RankFailure.
+            timeout = self.config.collective_timeout_s
             if len(parts):
-                stacked = all_reduce_partials(stacked)
+                stacked = all_reduce_partials(stacked, timeout_s=timeout)
             # Mean loss and root-mean-square grad norm over ranks (the global norm for sharded
             # gradients, see total_grad_norm): every rank takes part in the same SUM collective.
             scalars = torch.cat([losses.to(torch.float64), gnorms.to(torch.float64).square()])
-            dist.all_reduce(scalars, op=dist.ReduceOp.SUM)
+            wait_collectives([dist.all_reduce(scalars, op=dist.ReduceOp.SUM, async_op=True)], timeout, "the loss all-reduce")
             scalars = scalars / world
             losses, gnorms = scalars[: len(pending)], scalars[len(pending) :].sqrt()
         if not self.is_writer:
@@ -511,6 +518,10 @@ class Monitor:
             self._pending = [
                 _PendingStep(s, _tensor_or_none(loss), _tensor_or_none(g)) for s, loss, g in state["pending"]
             ]
+        if "run_id" in state and self._writer is None:
+            # What the run directory holds from this step on came from a process that died after
+            # the checkpoint: RunWriter drops it and the resumed run writes those steps once.
+            self._resume_step = min([p.step for p in self._pending] + [self.global_step])
         for a, s in zip(self.analyzers, state.get("analyzers", []), strict=False):
             a.load_state_dict(s)
 

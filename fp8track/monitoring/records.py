@@ -10,7 +10,9 @@ A run directory holds append-only JSON Lines files, written before any tracker s
 =====================  ===========================================================================
 
 Values are JSON numbers; ``inf``/``nan`` are written as JSON's non-standard ``Infinity``/``NaN``
-(Python's json reads them back). Readers skip a torn last line (a crash mid-write).
+(Python's json reads them back). The reader never stops on damage: a torn last line (a crash
+mid-write) or a corrupted line (bad JSON, wrong fields) is skipped, counted in
+:attr:`RunReader.problems` and reported once with a ``RuntimeWarning``.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import socket
 import time
 import uuid
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -97,6 +101,39 @@ def software_versions() -> dict[str, str]:
     return versions
 
 
+SECRET_ENV_VARS = (
+    "WANDB_API_KEY",
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_TRACKING_TOKEN",
+    "MLFLOW_TRACKING_CLIENT_CERT_PATH",
+    "DATABRICKS_TOKEN",
+    "HF_TOKEN",
+    "AWS_SECRET_ACCESS_KEY",
+)
+"""Environment variables whose values never appear in anything fp8track writes."""
+
+_URI_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/\s@'\"]+@")
+
+
+def redact(text: str) -> str:
+    """``text`` with credentials removed: ``scheme://user:password@host`` becomes
+    ``scheme://***@host``, and the value of each :data:`SECRET_ENV_VARS` set in the environment
+    (4 characters or more) becomes ``***``. Applied to every record line, ``meta.json``, tracker
+    params/tags/config and failure messages.
+
+    Example:
+        >>> redact("https://alice:pw@mlflow.example.com/api")
+        'https://***@mlflow.example.com/api'
+    """
+    if "@" in text:
+        text = _URI_CREDENTIALS.sub(r"\g<scheme>***@", text)
+    for name in SECRET_ENV_VARS:
+        value = os.environ.get(name)
+        if value and len(value) >= 4 and value in text:
+            text = text.replace(value, "***")
+    return text
+
+
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), default=str)
 
@@ -127,32 +164,82 @@ class StepBatch:
 
 
 class RunWriter:
-    """Appends records to a run directory; every write is flushed so a crash loses at most a line."""
+    """Appends records to a run directory; every write is flushed so a crash loses at most a line.
 
-    def __init__(self, run_dir: str | os.PathLike[str], meta: RunMeta) -> None:
+    A directory that cannot be created or written is a :class:`ConfigError` here, before step 0.
+    A write that fails later (a full disk, a vanished mount) never raises: it warns once
+    (``RuntimeWarning``), counts the lost lines in :attr:`lines_lost` and retries on the next write.
+
+    Args:
+        run_dir: the run directory (created if missing).
+        meta: written to ``meta.json`` when the directory is new.
+        resume_step: a run resumed from a checkpoint taken before optimizer step ``resume_step``:
+            lines of steps >= ``resume_step`` (written after that checkpoint by the process that
+            died) are removed, so each step is recorded once, by the resumed timeline.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str], meta: RunMeta, resume_step: int | None = None) -> None:
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.meta = meta
+        self.lines_lost = 0
+        self.lines_dropped_on_resume = 0
+        self._warned = False
         meta_path = self.run_dir / META_FILE
-        if not meta_path.exists():
-            meta_path.write_text(json.dumps(asdict(meta), indent=2, default=str))
-        self._files = {
-            name: open(self.run_dir / name, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
-            for name in (METRICS_FILE, TENSOR_STATS_FILE, EVENTS_FILE)
-        }
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if not meta_path.exists():
+                meta_path.write_text(redact(json.dumps(asdict(meta), indent=2, default=str)))
+            if resume_step is not None:
+                for name in (METRICS_FILE, TENSOR_STATS_FILE, EVENTS_FILE):
+                    self.lines_dropped_on_resume += _truncate_from_step(self.run_dir / name, resume_step)
+            self._files = {
+                name: open(self.run_dir / name, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+                for name in (METRICS_FILE, TENSOR_STATS_FILE, EVENTS_FILE)
+            }
+        except OSError as exc:
+            raise ConfigError(
+                f"log_dir: cannot write the run directory {str(self.run_dir)!r} ({exc.strerror or exc}); "
+                "pass a writable log_dir"
+            ) from exc
 
     @classmethod
-    def create(cls, log_dir: str | os.PathLike[str], meta: RunMeta) -> RunWriter:
-        """A new run directory ``<log_dir>/<meta.run_id>``."""
-        return cls(Path(log_dir) / meta.run_id, meta)
+    def create(cls, log_dir: str | os.PathLike[str], meta: RunMeta, resume_step: int | None = None) -> RunWriter:
+        """A new (or, with ``resume_step``, resumed) run directory ``<log_dir>/<meta.run_id>``."""
+        return cls(Path(log_dir) / meta.run_id, meta, resume_step)
 
     def _append(self, name: str, rows: Sequence[Any]) -> None:
         if not rows:
             return
         f = self._files[name]
         # vars(), not asdict(): records hold plain data, and asdict deep-copies every stats dict.
-        f.write("".join(_dumps(vars(r)) + "\n" for r in rows))
-        f.flush()
+        text = redact("".join(_dumps(vars(r)) + "\n" for r in rows))
+        try:
+            f.write(text)
+            f.flush()
+        except (OSError, ValueError) as exc:  # ValueError: the handle could not be reopened last time
+            self.lines_lost += len(rows)
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"fp8track: cannot write {self.run_dir / name} ({exc.strerror or exc}); training continues, "
+                    "records of the steps that fail are lost (counted in RunWriter.lines_lost) and trackers "
+                    "still receive them. Further write errors are not reported",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            self._reopen(name)
+
+    def _reopen(self, name: str) -> None:
+        """Drop what a failed write left in the file's buffer: close the handle (its flush fails
+        again, the descriptor is closed anyway) and open a fresh one for the next write."""
+        try:
+            self._files[name].close()
+        except OSError:
+            pass
+        try:
+            self._files[name] = open(self.run_dir / name, "a", encoding="utf-8")  # noqa: SIM115
+        except OSError:
+            pass  # stays closed: the next write raises ValueError, counted as lost, and tries again
 
     def write_metrics(self, record: MetricsRecord) -> None:
         self._append(METRICS_FILE, [record])
@@ -165,42 +252,136 @@ class RunWriter:
 
     def close(self) -> None:
         for f in self._files.values():
-            f.close()
+            try:
+                f.close()
+            except OSError:
+                pass  # already reported by the failed write
 
 
-def _iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+def _truncate_from_step(path: Path, step: int) -> int:
+    """Remove the lines of ``path`` whose ``step`` is >= ``step`` (and a torn last line); atomic.
+    Returns the number of lines removed."""
     if not path.exists():
-        return
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.endswith("\n"):
-                return  # torn last line: the writer died mid-write
-            yield json.loads(line)
+        return 0
+    keep: list[bytes] = []
+    dropped = 0
+    with open(path, "rb") as f:
+        for raw in f:
+            try:
+                s = json.loads(raw).get("step") if raw.endswith(b"\n") else None
+            except (ValueError, AttributeError):
+                s = None
+            if isinstance(s, int) and s < step:
+                keep.append(raw)
+            else:
+                dropped += 1
+    if dropped:
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_bytes(b"".join(keep))
+        os.replace(tmp, path)
+    return dropped
+
+
+def _check_record(record: Any) -> None:
+    """Field types a reader relies on (a hand-edited or corrupted line can have any JSON)."""
+    if not isinstance(record.step, int) or isinstance(record.step, bool):
+        raise TypeError(f"step {record.step!r} is not an integer")
+    for name in ("metrics", "stats", "data"):
+        value = getattr(record, name, {})
+        if not isinstance(value, Mapping):
+            raise TypeError(f"{name} is a {type(value).__name__}, not an object")
+
+
+@dataclass(frozen=True)
+class ReadProblem:
+    """A line of a run-directory file the reader skipped: ``kind`` is ``"torn_last_line"`` (the
+    writer died mid-line) or ``"corrupt_line"``; ``line`` is 1-based."""
+
+    file: str
+    line: int
+    kind: str
+    detail: str
 
 
 class RunReader:
-    """Reads a run directory written by :class:`RunWriter`."""
+    """Reads a run directory written by :class:`RunWriter`, skipping and reporting damaged lines.
+
+    Raises:
+        ConfigError: ``run_dir`` does not exist, is not a run directory (no ``meta.json``), or its
+            ``meta.json`` is not a JSON object.
+    """
 
     def __init__(self, run_dir: str | os.PathLike[str]) -> None:
         self.run_dir = Path(run_dir)
+        if not self.run_dir.is_dir():
+            raise ConfigError(f"run directory {str(self.run_dir)!r} does not exist (expected a folder holding {META_FILE})")
         if not (self.run_dir / META_FILE).exists():
-            raise FileNotFoundError(f"{self.run_dir} is not an fp8track run directory (no {META_FILE})")
+            raise ConfigError(
+                f"{str(self.run_dir)!r} is not an fp8track run directory: it has no {META_FILE} "
+                f"(a run directory holds {META_FILE}, {METRICS_FILE}, {TENSOR_STATS_FILE}, {EVENTS_FILE})"
+            )
+        self.problems: list[ReadProblem] = []
+        self._reported: set[tuple[str, int]] = set()
+        self.meta()  # a corrupted meta.json is refused here, not halfway through a replay
 
     def meta(self) -> dict[str, Any]:
-        return json.loads((self.run_dir / META_FILE).read_text())
+        path = self.run_dir / META_FILE
+        try:
+            d = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{str(path)!r} is corrupted (not JSON: {exc}); the run directory cannot be read") from exc
+        if not isinstance(d, dict):
+            raise ConfigError(f"{str(path)!r} is corrupted: expected a JSON object, got {type(d).__name__}")
+        return d
+
+    def _problem(self, name: str, line: int, kind: str, detail: str) -> None:
+        if (name, line) in self._reported:
+            return  # the same file read twice: report each damaged line once
+        self._reported.add((name, line))
+        self.problems.append(ReadProblem(name, line, kind, detail))
+        if len(self._reported) == 1:
+            warnings.warn(
+                f"fp8track: {self.run_dir / name} line {line}: {kind} ({detail}); skipped. Every damaged line "
+                "is skipped and listed in RunReader.problems",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def _records(self, name: str, build: Any) -> Iterator[Any]:
+        path = self.run_dir / name
+        if not path.exists():
+            return
+        with open(path, "rb") as f:
+            for i, raw in enumerate(f, start=1):
+                if not raw.endswith(b"\n"):
+                    self._problem(name, i, "torn_last_line", f"{len(raw)} bytes without a newline")
+                    return
+                if not raw.strip():
+                    continue
+                try:
+                    d = json.loads(raw)
+                    if not isinstance(d, dict):
+                        raise TypeError(f"a JSON {type(d).__name__}, not an object")
+                    record = build(**d)
+                    _check_record(record)
+                except (ValueError, TypeError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                    self._problem(name, i, "corrupt_line", f"{type(exc).__name__}: {str(exc)[:200]}")
+                    continue
+                yield record
 
     def metrics(self) -> Iterator[MetricsRecord]:
-        for d in _iter_jsonl(self.run_dir / METRICS_FILE):
-            yield MetricsRecord(**d)
+        return self._records(METRICS_FILE, MetricsRecord)
 
     def tensor_stats(self) -> Iterator[TensorStatsRow]:
-        for d in _iter_jsonl(self.run_dir / TENSOR_STATS_FILE):
-            yield TensorStatsRow(**d)
+        return self._records(TENSOR_STATS_FILE, TensorStatsRow)
 
     def events(self) -> Iterator[EventRecord]:
-        for d in _iter_jsonl(self.run_dir / EVENTS_FILE):
-            yield EventRecord(**d)
+        return self._records(EVENTS_FILE, EventRecord)
 
     def series(self, name: str = LOSS_METRIC) -> dict[int, float]:
         """``{step: value}`` of one scalar (last value wins if a step repeats)."""
-        return {r.step: r.metrics[name] for r in self.metrics() if name in r.metrics}
+        out: dict[int, float] = {}
+        for r in self.metrics():
+            if isinstance(r.metrics, Mapping) and name in r.metrics:
+                out[r.step] = r.metrics[name]
+        return out

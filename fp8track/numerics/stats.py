@@ -463,18 +463,47 @@ def merge_partials(partials: torch.Tensor | Sequence[torch.Tensor]) -> torch.Ten
     return torch.cat([stacked[..., :NUM_SUM].sum(0), stacked[..., NUM_SUM:].amax(0)], dim=-1)
 
 
-def all_reduce_partials(partials: torch.Tensor, group: Any = None) -> torch.Tensor:
+def all_reduce_partials(partials: torch.Tensor, group: Any = None, timeout_s: float | None = None) -> torch.Tensor:
     """Reduce ``[..., PARTIAL_SIZE]`` partials over all ranks of ``group`` (one SUM, one MAX collective).
 
     Every rank must call this with the same shape. Returns the merged tensor (a new tensor).
+    With ``timeout_s``, waits at most that long (see :func:`wait_collectives`).
     """
     import torch.distributed as dist
 
     sums = partials[..., :NUM_SUM].contiguous()
     maxes = partials[..., NUM_SUM:].contiguous()
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-    dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+    works = [
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group, async_op=True),
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group, async_op=True),
+    ]
+    wait_collectives(works, timeout_s, "the statistics all-reduce")
     return torch.cat([sums, maxes], dim=-1)
+
+
+def wait_collectives(works: Sequence[Any], timeout_s: float | None, what: str) -> None:
+    """Wait for async collectives, at most ``timeout_s`` seconds each (None: the process group's
+    own timeout). A peer that died (gloo: connection reset) or stopped answering raises
+    :class:`fp8track.errors.RankFailure` naming ``what``, this rank and the wait."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from fp8track.errors import RankFailure
+
+    for work in works:
+        try:
+            if timeout_s is None:
+                work.wait()
+            else:
+                work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            raise RankFailure(
+                f"fp8track: rank {rank} gave up on {what} after waiting at most {timeout_s} s: another rank "
+                f"failed, died or stopped answering ({str(exc).splitlines()[0][:300]}). The run stops here "
+                "rather than hang; look at the other ranks' logs for the first error"
+            ) from exc
 
 
 def finalize(partial: torch.Tensor | Sequence[float], fmt: str | FP8Format = "e4m3", margin: int = 0) -> dict[str, float]:

@@ -29,7 +29,7 @@ TRACKER_NAMES = ("wandb", "mlflow")
 def trackers_from_loggers(loggers: Sequence[Any], **options: Any) -> list[Tracker]:
     """One tracker per logger of a Lightning trainer (:func:`fp8track.trackers.loggers.logger_kind`).
 
-    ``WandbLogger`` -> ``WandbTracker(logger.experiment)``; ``MLFlowLogger`` ->
+    ``WandbLogger`` -> ``WandbTracker`` over ``logger.experiment`` (opened on first use); ``MLFlowLogger`` ->
     ``MLflowTracker(client=logger.experiment, run_id=logger.run_id)``; any other logger with
     ``log_metrics`` (TensorBoard, CSV, ...) -> :class:`LoggerTracker` (scalar metrics only).
     Accessing ``experiment`` creates the logger's run, so call this on global rank 0 only. A second
@@ -56,7 +56,8 @@ def trackers_from_loggers(loggers: Sequence[Any], **options: Any) -> list[Tracke
         elif kind == "wandb":
             from fp8track.trackers.wandb import WandbTracker
 
-            out.append(WandbTracker(logger.experiment, **kwargs))
+            # Opened on first use: a failing wandb.init becomes a tracker failure, not a crash here.
+            out.append(WandbTracker(lambda logger=logger: logger.experiment, **kwargs))
         else:
             from fp8track.trackers.mlflow import MLflowTracker
 

@@ -21,9 +21,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fp8track.errors import ConfigError, check_int
+from fp8track.errors import ConfigError, check_float, check_int
 from fp8track.monitoring import naming
-from fp8track.monitoring.records import EventRecord, RunMeta, StepBatch, TensorStatsRow
+from fp8track.monitoring.records import EventRecord, RunMeta, StepBatch, TensorStatsRow, redact
 
 SYNC_DIR = "sync"
 """Sub-directory of a run directory holding one ``<tracker>.missed.jsonl`` file per tracker."""
@@ -42,6 +42,16 @@ EVENT_COLUMNS: tuple[str, ...] = ("step", "kind", "layer", "tensor", "severity",
 
 TENSOR_KEY_COLUMNS: tuple[str, ...] = ("step", "layer", "tensor", "variant")
 """Leading columns of the long-format tensor statistics table; one column per statistic follows."""
+
+
+class ScalarsNotWritten(Exception):
+    """A step's table rows and events were kept by the tracker (they go out with a later step) but
+    its scalars did not arrive. Recorded as ``what="scalars"``; replay then re-sends only the
+    scalars of that step, so table rows are never sent twice."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.__cause__ = cause
 
 
 class TablesNotWritten(Exception):
@@ -77,8 +87,8 @@ def event_row(event: EventRecord) -> list[Any]:
         str(d.get("layer", "")),
         str(d.get("tensor", "")),
         float(severity) if isinstance(severity, (int, float)) and not isinstance(severity, bool) else None,
-        str(d.get("title", "")),
-        json.dumps(dict(d), default=str, sort_keys=True),
+        redact(str(d.get("title", ""))),
+        redact(json.dumps(dict(d), default=str, sort_keys=True)),
     ]
 
 
@@ -127,6 +137,10 @@ class Tracker(ABC):
         """Failures found since the last call, as ``(step or None, exception)``; clears them."""
         return []
 
+    def take_notices(self) -> list[str]:
+        """Conditions worth one warning that lose nothing (e.g. "retrying"); clears them."""
+        return []
+
 
 class QueuedTracker(Tracker):
     """A tracker that delivers batches from one background thread.
@@ -134,22 +148,51 @@ class QueuedTracker(Tracker):
     :meth:`log` only puts the batch on a bounded queue (microseconds), so the training thread is
     not blocked by network or database I/O. Subclasses implement :meth:`_deliver` (runs in the
     worker) and optionally :meth:`_close` (runs in :meth:`finish` after the queue is drained).
-    A failing ``_deliver`` is recorded with its step and surfaces through :meth:`take_failures`;
-    the worker keeps going. When the queue is full, ``log`` raises :class:`queue.Full` instead of
-    blocking: the fan-out records the step as missed (it is on disk; ``fp8track sync`` replays it).
+    A ``_deliver`` that fails with a *transient* error (:meth:`_transient`: the server is down or
+    slow) is retried with exponential back-off (``retry_initial_s`` doubling up to
+    ``retry_max_s``) for up to ``retry_for_s`` per batch; batches logged meanwhile wait in the
+    queue, in order, and go out once the destination is back, so an outage shorter than that
+    loses nothing and needs no ``fp8track sync``. The first retry of an outage is reported once
+    through :meth:`take_notices`. ``_deliver`` must therefore be idempotent for one batch (the
+    MLflow adapter reuses the batch's timestamps, which MLflow's stores de-duplicate on).
+    A batch that still fails is recorded with its step and surfaces through
+    :meth:`take_failures`; the worker keeps going. When the queue is full, ``log`` raises
+    :class:`queue.Full` instead of blocking: the fan-out records the step as missed (it is on
+    disk; ``fp8track sync`` replays it).
 
     Args:
-        background: deliver in a worker thread (default); ``False`` delivers inside :meth:`log`.
+        background: deliver in a worker thread (default); ``False`` delivers inside :meth:`log`
+            (no retries: the caller's thread must not sleep).
         max_queue: batches that may wait for the worker before :meth:`log` refuses more.
         finish_timeout_s: how long :meth:`finish` waits for the worker to drain the queue.
+        retry_for_s: seconds one batch may be retried (0 = fail at once).
+        retry_initial_s, retry_max_s: first and largest wait between two retries.
     """
 
-    def __init__(self, *, background: bool = True, max_queue: int = 1000, finish_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        *,
+        background: bool = True,
+        max_queue: int = 1000,
+        finish_timeout_s: float = 600.0,
+        retry_for_s: float = 0.0,
+        retry_initial_s: float = 0.5,
+        retry_max_s: float = 30.0,
+    ) -> None:
         check_int("max_queue", max_queue, 1)
-        if not finish_timeout_s > 0:
-            raise ConfigError(f"finish_timeout_s must be > 0 seconds, got {finish_timeout_s!r}")
+        check_float("finish_timeout_s", finish_timeout_s, 0.0, strict=True)
+        check_float("retry_for_s", retry_for_s, 0.0)
+        check_float("retry_initial_s", retry_initial_s, 0.0, strict=True)
+        check_float("retry_max_s", retry_max_s, retry_initial_s)
         self.background = bool(background)
         self.finish_timeout_s = float(finish_timeout_s)
+        self.retry_for_s = float(retry_for_s)
+        self.retry_initial_s = float(retry_initial_s)
+        self.retry_max_s = float(retry_max_s)
+        self.retries = 0  # deliveries retried over the tracker's life
+        self._notices: list[str] = []
+        self._in_outage = False
+        self._stop = threading.Event()
         self._queue: queue.Queue[StepBatch | None] = queue.Queue(maxsize=max_queue)
         self._failures: list[tuple[int | None, BaseException]] = []
         self._failures_lock = threading.Lock()
@@ -173,6 +216,42 @@ class QueuedTracker(Tracker):
             out, self._failures = self._failures, []
         return out
 
+    def _notice(self, message: str) -> None:
+        with self._failures_lock:
+            self._notices.append(message)
+
+    def take_notices(self) -> list[str]:
+        with self._failures_lock:
+            out, self._notices = self._notices, []
+        return out
+
+    def _transient(self, exc: BaseException) -> bool:
+        """Whether retrying may help: connection and time-out errors (subclasses add their own)."""
+        return isinstance(exc, (ConnectionError, TimeoutError))
+
+    def _deliver_with_retry(self, batch: StepBatch) -> None:
+        delay, deadline = self.retry_initial_s, None
+        while True:
+            try:
+                self._deliver(batch)
+                self._in_outage = False
+                return
+            except Exception as exc:
+                now = time.monotonic()
+                deadline = now + self.retry_for_s if deadline is None else deadline
+                if not self.retry_for_s or now >= deadline or self._stop.is_set() or not self._transient(exc):
+                    raise
+                if not self._in_outage:
+                    self._in_outage = True
+                    self._notice(
+                        f"step {batch.step} not delivered ({type(exc).__name__}: {str(exc)[:300]}); retrying "
+                        f"with back-off from {self.retry_initial_s:g} s to {self.retry_max_s:g} s for up to "
+                        f"{self.retry_for_s:g} s per step, later steps wait in the queue"
+                    )
+                self.retries += 1
+                self._stop.wait(min(delay, max(deadline - now, 0.0)))
+                delay = min(2 * delay, self.retry_max_s)
+
     def _run(self) -> None:
         while True:
             batch = self._queue.get()
@@ -181,9 +260,10 @@ class QueuedTracker(Tracker):
                     return
                 self._inflight = batch.step
                 try:
-                    self._deliver(batch)
+                    self._deliver_with_retry(batch)
                 except Exception as exc:  # a tracker error must never kill the process
-                    self._record_failure(batch.step, exc)
+                    if not self._stop.is_set():  # after a timed-out finish, finish recorded it
+                        self._record_failure(batch.step, exc)
                 finally:
                     self._inflight = None
             finally:
@@ -224,7 +304,9 @@ class QueuedTracker(Tracker):
             drained = self.flush(self.finish_timeout_s)
             if not drained:
                 # The worker is stuck (e.g. a dead server): report the batch it holds and whatever is
-                # still queued as missed, and leave it behind (it is a daemon thread).
+                # still queued as missed, and leave it behind (it is a daemon thread; _stop ends its
+                # retries).
+                self._stop.set()
                 timeout = TimeoutError(f"not delivered within {self.finish_timeout_s} s")
                 if self._inflight is not None:
                     self._record_failure(self._inflight, timeout)
@@ -266,10 +348,11 @@ def read_missed(run_dir: str | Path, tracker_name: str) -> list[dict[str, Any]]:
 class TrackerFanout:
     """Sends each step to every tracker; a failing tracker never stops training.
 
-    On the first failure of a tracker it warns once (``RuntimeWarning``); every failure appends
+    On the first failure or retry notice of a tracker it warns once (``RuntimeWarning``); every failure appends
     ``{"step", "what", "error", "time"}`` to ``<run_dir>/sync/<name>.missed.jsonl`` (``step`` is
     null for a failed ``start``/``finish``; ``what`` is ``"tables"`` when only the step's table
-    rows were lost, see :class:`TablesNotWritten`). Owned by one monitor instance; nothing global.
+    rows were lost, see :class:`TablesNotWritten`, ``"scalars"`` when only its scalars were, see
+    :class:`ScalarsNotWritten`). Owned by one monitor instance; nothing global.
 
     Args:
         trackers: :class:`Tracker` instances with distinct ``name`` s.
@@ -295,13 +378,16 @@ class TrackerFanout:
         self.run_dir = Path(run_dir)
         self._warned: set[str] = set()
         self.failures: dict[str, int] = {t.name: 0 for t in trackers}
+        self.notices: dict[str, int] = {t.name: 0 for t in trackers}
 
     def _fail(self, tracker: Tracker, step: int | None, what: str, exc: BaseException) -> None:
         self.failures[tracker.name] = self.failures.get(tracker.name, 0) + 1
         path = missed_path(self.run_dir, tracker.name)
         if isinstance(exc, TablesNotWritten):
             what = "tables"
-        entry = {"step": step, "what": what, "error": f"{type(exc).__name__}: {exc}"[:2000], "time": time.time()}
+        elif isinstance(exc, ScalarsNotWritten):
+            what = "scalars"
+        entry = {"step": step, "what": what, "error": redact(f"{type(exc).__name__}: {exc}")[:2000], "time": time.time()}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "a", encoding="utf-8") as f:
@@ -321,8 +407,19 @@ class TrackerFanout:
     def _collect(self, tracker: Tracker, what: str) -> None:
         try:
             failures = tracker.take_failures()
+            notices = tracker.take_notices()
         except Exception as exc:
-            failures = [(None, exc)]
+            failures, notices = [(None, exc)], []
+        for notice in notices:
+            self.notices[tracker.name] = self.notices.get(tracker.name, 0) + 1
+            if tracker.name not in self._warned:
+                self._warned.add(tracker.name)
+                warnings.warn(
+                    f"fp8track: tracker {tracker.name!r}: {redact(notice)}. Training continues; everything is in the "
+                    f"run directory {self.run_dir}. Further problems of this tracker are recorded silently.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
         for step, exc in failures:
             self._fail(tracker, step, what, exc)
 

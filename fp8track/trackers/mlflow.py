@@ -14,6 +14,7 @@ of underflow and MSE over steps to ``fp8_heatmap.png`` via ``log_figure``.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import time
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from fp8track.errors import ConfigError, check_int
 from fp8track.monitoring import naming
 from fp8track.monitoring.naming import sanitize_key
-from fp8track.monitoring.records import EventRecord, RunMeta, TensorStatsRow
+from fp8track.monitoring.records import EventRecord, RunMeta, TensorStatsRow, redact
 from fp8track.optional import require
 from fp8track.trackers.base import (
     EVENT_COLUMNS,
@@ -64,39 +65,108 @@ def flatten(prefix: str, value: Any) -> dict[str, str]:
     return out
 
 
-def heatmap_matrix(
-    rows: Iterable[TensorStatsRow], stat: str, variants: Sequence[str] = ("actual", "shadow")
-) -> tuple[list[str], list[int], np.ndarray]:
-    """Layer-by-step matrix of one statistic, over the rows of the recipe really used (``actual``)
-    and of BF16 layers judged in shadow mode (``shadow``); what-if variants are left out.
+class HeatmapSummary:
+    """A fixed-size layer-by-step summary of some statistics, for the heatmap.
 
-    Returns ``(labels, steps, m)`` where ``labels`` are ``"<layer>/<tensor>"`` in order of first
-    appearance, ``steps`` are sorted, and ``m[i, j]`` is the value of ``stat`` for ``labels[i]``
-    at ``steps[j]`` (NaN where not sampled; the last row wins if a cell repeats).
+    Memory stays bounded over any number of steps: at most ``max_columns`` columns per
+    ``"<layer>/<tensor>"`` label. Each column holds consecutive sampled steps (one at first); when
+    a step would open one column too many, neighbouring columns are merged pairwise, so each then
+    holds twice as many sampled steps. A cell keeps the value of its latest step (the last row
+    wins if a step repeats). Only the rows of the recipe really used (``actual``) and of BF16 layers
+    judged in shadow mode (``shadow``) are kept; what-if variants are left out.
+
+    Args:
+        stats: statistics to keep.
+        max_columns: the most columns kept (>= 2).
     """
-    import numpy as np
 
-    cells: dict[tuple[str, int], float] = {}
-    labels: dict[str, None] = {}
-    steps: set[int] = set()
-    for r in rows:
-        if r.variant not in variants or stat not in r.stats:
-            continue
-        label = f"{r.layer}/{r.tensor}"
-        labels.setdefault(label, None)
-        steps.add(int(r.step))
-        v = r.stats[stat]
-        cells[(label, int(r.step))] = float(v) if v is not None else math.nan
-    label_list, step_list = list(labels), sorted(steps)
-    m = np.full((len(label_list), len(step_list)), np.nan)
-    li = {lab: i for i, lab in enumerate(label_list)}
-    si = {s: j for j, s in enumerate(step_list)}
-    for (lab, s), v in cells.items():
-        m[li[lab], si[s]] = v
-    return label_list, step_list, m
+    VARIANTS = ("actual", "shadow")
+
+    def __init__(self, stats: Sequence[str], max_columns: int = 256) -> None:
+        from fp8track.errors import check_int
+
+        check_int("max_columns", max_columns, 2)
+        self.stats = tuple(stats)
+        self.max_columns = max_columns
+        self.starts: list[int] = []  # first step of each column, increasing
+        self.span = 1  # sampled steps per column
+        self._fill = 0  # sampled steps in the last column so far
+        self._last = -1  # largest step seen
+        self.labels: dict[str, None] = {}
+        self.cells: dict[tuple[str, str, int], tuple[int, float]] = {}  # (stat, label, start) -> (step, value)
+
+    def _column(self, step: int) -> int:
+        """The start of the column ``step`` belongs to (opening or merging columns as needed)."""
+        if step > self._last:
+            self._last = step
+            if self.starts and self._fill < self.span:
+                self._fill += 1
+                return self.starts[-1]
+            self.starts.append(step)
+            self._fill = 1
+        elif step < self.starts[0]:  # older than anything shown (a replay): a column in front
+            self.starts.insert(0, step)
+        if len(self.starts) > self.max_columns:
+            self._merge()
+        return self.starts[bisect.bisect_right(self.starts, step) - 1]
+
+    def _merge(self) -> None:
+        paired = len(self.starts) % 2 == 0
+        new = {old: self.starts[i - i % 2] for i, old in enumerate(self.starts)}
+        merged: dict[tuple[str, str, int], tuple[int, float]] = {}
+        for (stat, label, start), (step, v) in self.cells.items():
+            key = (stat, label, new[start])
+            if key not in merged or step >= merged[key][0]:  # the later step of a pair wins
+                merged[key] = (step, v)
+        self.cells = merged
+        self._fill = self._fill + self.span if paired else self._fill
+        self.starts = self.starts[::2]
+        self.span *= 2
+
+    def add(self, rows: Iterable[TensorStatsRow]) -> None:
+        for r in rows:
+            if r.variant not in self.VARIANTS:
+                continue
+            step = int(r.step)
+            start = self._column(step)
+            label = f"{r.layer}/{r.tensor}"
+            for stat in self.stats:
+                if stat not in r.stats:
+                    continue
+                self.labels.setdefault(label, None)
+                v = r.stats[stat]
+                key = (stat, label, start)
+                if key not in self.cells or step >= self.cells[key][0]:
+                    self.cells[key] = (step, float(v) if v is not None else math.nan)
+
+    def matrix(self, stat: str) -> tuple[list[str], list[int], np.ndarray]:
+        """``(labels, steps, m)``: the labels with a value of ``stat`` in order of first
+        appearance, the first step of each column, and ``m[i, j]`` (NaN where nothing was sampled)."""
+        import numpy as np
+
+        used = {label for (st, label, _s) in self.cells if st == stat}
+        labels = [lab for lab in self.labels if lab in used]
+        row = {lab: i for i, lab in enumerate(labels)}
+        col = {s: j for j, s in enumerate(self.starts)}
+        m = np.full((len(labels), len(self.starts)), np.nan)
+        for (st, label, start), (_step, v) in self.cells.items():
+            if st == stat:
+                m[row[label], col[start]] = v
+        return labels, list(self.starts), m
 
 
-def heatmap_figure(rows: Sequence[TensorStatsRow], stats: Sequence[str] = ("underflow_pct", "mse")) -> Figure | None:
+def heatmap_matrix(
+    rows: Iterable[TensorStatsRow], stat: str, max_columns: int = 256
+) -> tuple[list[str], list[int], np.ndarray]:
+    """Layer-by-step matrix of one statistic over ``rows`` (see :class:`HeatmapSummary`)."""
+    summary = HeatmapSummary((stat,), max_columns)
+    summary.add(rows)
+    return summary.matrix(stat)
+
+
+def heatmap_figure(
+    rows: Sequence[TensorStatsRow] | HeatmapSummary, stats: Sequence[str] = ("underflow_pct", "mse")
+) -> Figure | None:
     """One heatmap panel per statistic (rows: layer/tensor, columns: steps); ``mse`` is shown as
     log10 because it spans decades. ``None`` when no row has any of ``stats``.
 
@@ -105,7 +175,11 @@ def heatmap_figure(rows: Sequence[TensorStatsRow], stats: Sequence[str] = ("unde
     import numpy as np
     from matplotlib.figure import Figure
 
-    panels = [(s, *heatmap_matrix(rows, s)) for s in stats]
+    summary = rows
+    if not isinstance(summary, HeatmapSummary):
+        summary = HeatmapSummary(stats)
+        summary.add(rows)
+    panels = [(s, *summary.matrix(s)) for s in stats]
     panels = [p for p in panels if p[1]]
     if not panels:
         return None
@@ -141,10 +215,16 @@ class MLflowTracker(QueuedTracker):
         artifact_location: artifact root of the experiment if this tracker creates it (by
             default MLflow uses ``./mlruns`` under the current directory for a SQLite store).
         table_every_n_steps: write buffered table rows every n logged steps (0 = only at finish).
+        max_buffered_rows: table rows buffered at most; reaching it writes the tables early, so
+            memory stays bounded whatever ``table_every_n_steps`` says.
         heatmap: log ``fp8_heatmap.png`` (underflow and MSE by layer over steps) at finish.
         heatmap_stats: the statistics shown in the heatmap.
+        heatmap_columns: step columns of the heatmap (a fixed-size summary, see :class:`HeatmapSummary`).
         name: tracker name (missed-step file name).
-        background, max_queue, finish_timeout_s: see :class:`~fp8track.trackers.base.QueuedTracker`.
+        retry_for_s: how long one step is retried while the server is unreachable (default 15
+            minutes; the training thread never waits for it).
+        background, max_queue, finish_timeout_s, retry_initial_s, retry_max_s: see
+            :class:`~fp8track.trackers.base.QueuedTracker`.
 
     Raises:
         ConfigError: bad ``table_every_n_steps``, or a ``file:`` tracking URI (MLflow >= 3.13
@@ -161,14 +241,23 @@ class MLflowTracker(QueuedTracker):
         run_name: str | None = None,
         artifact_location: str | None = None,
         table_every_n_steps: int = 0,
+        max_buffered_rows: int = 100_000,
         heatmap: bool = True,
         heatmap_stats: Sequence[str] = ("underflow_pct", "mse"),
+        heatmap_columns: int = 256,
         name: str = "mlflow",
         background: bool = True,
         max_queue: int = 1000,
         finish_timeout_s: float = 600.0,
+        retry_for_s: float = 900.0,
+        retry_initial_s: float = 0.5,
+        retry_max_s: float = 30.0,
     ) -> None:
-        super().__init__(background=background, max_queue=max_queue, finish_timeout_s=finish_timeout_s)
+        super().__init__(
+            background=background, max_queue=max_queue, finish_timeout_s=finish_timeout_s,
+            retry_for_s=retry_for_s, retry_initial_s=retry_initial_s, retry_max_s=retry_max_s,
+        )  # fmt: skip
+        check_int("max_buffered_rows", max_buffered_rows, 1)
         check_int("table_every_n_steps (0 = at finish only)", table_every_n_steps, 0)
         if client is None and tracking_uri is not None and str(tracking_uri).startswith("file:"):
             raise ConfigError(
@@ -187,12 +276,36 @@ class MLflowTracker(QueuedTracker):
         self.table_every_n_steps = table_every_n_steps
         self.heatmap = heatmap
         self.heatmap_stats = tuple(heatmap_stats)
+        self.max_buffered_rows = max_buffered_rows
         self._keys: dict[str, str] = {}  # raw name -> sanitised key (names repeat every step)
-        self._rows: list[TensorStatsRow] = []  # every tensor row, for the heatmap
+        self._heatmap = HeatmapSummary(self.heatmap_stats, heatmap_columns)
         self._unwritten_rows: list[TensorStatsRow] = []
+        self._ts: tuple[int, int] = (-1, 0)  # (step, ms timestamp): a retried step reuses its timestamp
+        self._buffered_step: int | None = None  # last step whose rows/events were buffered
+        self._logged_steps: frozenset[int] = frozenset()  # an existing run's steps (set by start)
         self._events: dict[str, list[list[Any]]] = {}
         self._steps_since_tables = 0
         self.worst_event: EventRecord | None = None
+
+    def _transient(self, exc: BaseException) -> bool:
+        """A request that did not reach the server or that the server could not serve now (MLflow's
+        "API request ... failed", HTTP 429/502/503/504, a locked SQLite store): a retry may cure
+        it. Anything else (a bad value, no such run, a server error) fails at once."""
+        if super()._transient(exc) or isinstance(exc, OSError):
+            return True
+        try:
+            from mlflow.exceptions import MlflowException
+        except ImportError:
+            return False
+        if not isinstance(exc, MlflowException):
+            return False
+        message = str(exc)
+        return (
+            message.startswith("API request to")
+            or "database is locked" in message
+            or exc.error_code in ("TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED")
+            or exc.get_http_status_code() in (429, 502, 503, 504)
+        )
 
     # -- run metadata -----------------------------------------------------------------------
     def _ensure_run(self) -> str:
@@ -210,6 +323,8 @@ class MLflowTracker(QueuedTracker):
         from mlflow.entities import Param, RunTag
 
         run_id = self._ensure_run()
+        if not self.own_run:
+            self._logged_steps = self._steps_in_run(run_id)
         m = asdict(meta)
         recipe = m["recipe"] or {}
         params = flatten("fp8.recipe", recipe) if recipe else {}
@@ -222,11 +337,21 @@ class MLflowTracker(QueuedTracker):
             "fp8track.run_id": str(m["run_id"]),
         }
         tags.update(flatten("fp8track.version", m["versions"]))
-        p = [Param(sanitize_key(k), v[:MAX_PARAM_VALUE_LEN]) for k, v in params.items()]
-        t = [RunTag(sanitize_key(k), v[:MAX_TAG_VALUE_LEN]) for k, v in tags.items()]
+        p = [Param(sanitize_key(k), redact(v)[:MAX_PARAM_VALUE_LEN]) for k, v in params.items()]
+        t = [RunTag(sanitize_key(k), redact(v)[:MAX_TAG_VALUE_LEN]) for k, v in tags.items()]
         for i in range(0, max(len(p), len(t)), MAX_PARAMS_TAGS_PER_BATCH):
             chunk = slice(i, i + MAX_PARAMS_TAGS_PER_BATCH)
             self.client.log_batch(run_id, params=p[chunk], tags=t[chunk], synchronous=True)
+
+    def _steps_in_run(self, run_id: str) -> frozenset[int]:
+        """Steps of an existing run's ``loss`` (else first ``fp8/`` metric) history. A run resumed
+        after a crash holds the points the process that died had sent; a replay may find points
+        that did arrive. Either way those steps' scalars are not sent again."""
+        keys = sorted(self.client.get_run(run_id).data.metrics)
+        key = "loss" if "loss" in keys else next((k for k in keys if k.startswith(f"{naming.PREFIX}/")), None)
+        if key is None:
+            return frozenset()
+        return frozenset(int(m.step) for m in self.client.get_metric_history(run_id, key))
 
     # -- per step (worker thread) -------------------------------------------------------------
     def _key(self, name: str) -> str:
@@ -239,13 +364,22 @@ class MLflowTracker(QueuedTracker):
         from mlflow.entities import Metric
 
         run_id = self._ensure_run()
-        ts = int(time.time() * 1000)
         step = batch.step
+        if self._ts[0] != step:
+            self._ts = (step, int(time.time() * 1000))
+        # A retry re-sends identical (key, value, timestamp, step) points, which MLflow's stores
+        # keep once (its SQL store skips rows that already exist), so a retry adds no duplicate.
+        ts = self._ts[1]
         metrics = [Metric(self._key(k), v, ts, step) for k, v in scalar_metrics(batch.metrics).items()]
+        if step in self._logged_steps:
+            metrics = []  # already in the run (a resumed or replayed step): one point per step
         for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
             self.client.log_batch(run_id, metrics=metrics[i : i + MAX_METRICS_PER_BATCH], synchronous=True)
+        if self._buffered_step == step:
+            return  # a retry of a step whose rows and events are already buffered
+        self._buffered_step = step
         if batch.tensor_rows:
-            self._rows.extend(batch.tensor_rows)
+            self._heatmap.add(batch.tensor_rows)
             self._unwritten_rows.extend(batch.tensor_rows)
         new_worst = None
         for ev in batch.events:
@@ -256,11 +390,18 @@ class MLflowTracker(QueuedTracker):
                 self.worst_event is None or event_severity(ev) > event_severity(self.worst_event)
             ):
                 self.worst_event = new_worst = ev
-        if new_worst is not None:
-            self._tag_worst(new_worst)
         self._steps_since_tables += 1
-        if self.table_every_n_steps and self._steps_since_tables >= self.table_every_n_steps:
-            self._write_tables()
+        try:
+            if new_worst is not None:
+                self._tag_worst(new_worst)
+            due = self.table_every_n_steps and self._steps_since_tables >= self.table_every_n_steps
+            if due or len(self._unwritten_rows) >= self.max_buffered_rows:
+                self._write_tables()
+        except Exception as exc:
+            # The step's scalars arrived; its rows and events stay buffered and go out with the next
+            # table write (a failure of the final one, in finish, is recorded per step). Re-sending
+            # the step would duplicate them, so this is a notice, not a failure.
+            self._notice(f"table write at step {step} failed ({type(exc).__name__}: {str(exc)[:300]}); rows stay buffered")
 
     def _tag_worst(self, ev: EventRecord) -> None:
         d = ev.data
@@ -274,7 +415,7 @@ class MLflowTracker(QueuedTracker):
         from mlflow.entities import RunTag
 
         self.client.log_batch(
-            self._ensure_run(), tags=[RunTag(k, v[:MAX_TAG_VALUE_LEN]) for k, v in tags.items()], synchronous=True
+            self._ensure_run(), tags=[RunTag(k, redact(v)[:MAX_TAG_VALUE_LEN]) for k, v in tags.items()], synchronous=True
         )
 
     def _write_tables(self) -> None:
@@ -307,8 +448,8 @@ class MLflowTracker(QueuedTracker):
             for step in sorted(steps):
                 self._record_failure(step, TablesNotWritten(exc))
             raise
-        if self.heatmap and self._rows:
-            fig = heatmap_figure(self._rows, self.heatmap_stats)
+        if self.heatmap and self._heatmap.labels:
+            fig = heatmap_figure(self._heatmap, self.heatmap_stats)
             if fig is not None:
                 self.client.log_figure(run_id, fig, HEATMAP_FILE)
         if self.own_run:

@@ -23,7 +23,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from fp8track.monitoring.records import RunMeta, RunReader
+from fp8track.errors import ConfigError
+from fp8track.monitoring.records import RunMeta, RunReader, redact
 from fp8track.trackers.base import QueuedTracker, StepBatch, Tracker, missed_path, read_missed
 
 
@@ -63,7 +64,8 @@ def replay(run_dir: str | os.PathLike[str], tracker: Tracker, only_missed: bool 
 
     Calls ``tracker.start(meta)``, ``tracker.log`` for each step in order, then
     ``tracker.finish()``. A step whose only loss was its table rows (``what == "tables"``) is
-    sent without its scalars. Failures do not raise: they stay (or are added) in the tracker's missed
+    sent without its scalars, one that lost only its scalars (``"scalars"``) without its rows
+    and events. Failures do not raise: they stay (or are added) in the tracker's missed
     file. Entries for a failed ``start``/``finish`` are cleared when this replay's own start and
     finish succeed.
 
@@ -91,7 +93,7 @@ def replay(run_dir: str | os.PathLike[str], tracker: Tracker, only_missed: bool 
     failed: dict[int | None, str] = {}
 
     def fail(step: int | None, exc: BaseException) -> None:
-        failed.setdefault(step, f"{type(exc).__name__}: {exc}"[:2000])
+        failed.setdefault(step, redact(f"{type(exc).__name__}: {exc}")[:2000])
 
     try:
         tracker.start(run_meta(run_dir))
@@ -104,6 +106,8 @@ def replay(run_dir: str | os.PathLike[str], tracker: Tracker, only_missed: bool 
             continue  # listed as missed but absent from the records: nothing to send
         if only_missed and parts.get(s) == {"tables"}:
             batch = dataclasses.replace(batch, metrics={})  # its scalars did arrive
+        elif only_missed and parts.get(s) == {"scalars"}:
+            batch = dataclasses.replace(batch, tensor_rows=(), events=())  # its rows did arrive
         try:
             try:
                 tracker.log(batch)
@@ -154,7 +158,7 @@ def _cmd_sync(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     RunReader(run_dir)  # fails early with a clear message if this is not a run directory
     if not args.mlflow_uri and not args.wandb_dir:
-        raise SystemExit("fp8track sync: give --mlflow-uri (with --mlflow-run-id) and/or --wandb-dir")
+        raise ConfigError("nothing to sync to: give --mlflow-uri (with --mlflow-run-id) and/or --wandb-dir")
     report: dict[str, Any] = {}
     meta = run_meta(run_dir)
     if args.mlflow_uri:

@@ -13,20 +13,22 @@ throttled per title. The run config holds the recipe and the BF16 fallback set.
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from fp8track.errors import ConfigError, check_int, invalid_choice
 from fp8track.monitoring import naming
-from fp8track.monitoring.records import EventRecord, RunMeta, TensorStatsRow
+from fp8track.monitoring.records import EventRecord, RunMeta, TensorStatsRow, redact
 from fp8track.optional import require
 from fp8track.trackers.base import (
     EVENT_COLUMNS,
     EVENT_TABLES,
     TENSOR_KEY_COLUMNS,
     QueuedTracker,
+    ScalarsNotWritten,
     StepBatch,
     TablesNotWritten,
     event_row,
@@ -46,8 +48,16 @@ MAX_ALERT_TITLE = 63  # W&B: "must be less than 64 characters long"
 class WandbTracker(QueuedTracker):
     """Logs step batches to a ``wandb`` run.
 
+    A failure never stops training and never sends a table row twice: rows and events join the
+    incremental tables once per step, and when ``run.log`` fails they stay pending and go out with
+    a later step, while the step's scalars are recorded as missed (``what="scalars"``) for
+    ``fp8track sync``. A run that cannot be opened (``wandb.init`` fails) leaves every step missed
+    in full, replayable the same way.
+
     Args:
-        run: a live ``wandb.Run`` (e.g. ``WandbLogger.experiment``). Use :meth:`create` to open one.
+        run: a live ``wandb.Run`` (e.g. ``WandbLogger.experiment``), or a zero-argument callable
+            that opens one on first use (then a failing ``wandb.init`` is a tracker failure, not
+            a training failure). Use :meth:`create` to open one.
         step_metric: the metric carrying the trainer step; ``fp8/*`` plots against it.
         summaries: comma-separated W&B summary ops for ``fp8/*`` (``min``, ``max``, ``mean``,
             ``last``, ``first``, ``none``).
@@ -65,7 +75,7 @@ class WandbTracker(QueuedTracker):
 
     def __init__(
         self,
-        run: wandb.Run,
+        run: wandb.Run | Callable[[], wandb.Run],
         *,
         step_metric: str = DEFAULT_STEP_METRIC,
         summaries: str = "min,max",
@@ -86,7 +96,10 @@ class WandbTracker(QueuedTracker):
             raise ConfigError(f"alert_wait_s must be >= 0 seconds, got {alert_wait_s!r}")
         if not step_metric:
             raise ConfigError("step_metric must be a non-empty metric name")
-        self.run = run
+        self._open_run = run if callable(run) and not hasattr(run, "log") else None
+        self._wandb_run: wandb.Run | None = None if self._open_run is not None else run
+        self._meta: RunMeta | None = None
+        self._meta_applied = False
         self.name = name
         self.step_metric = step_metric
         self.summaries = summaries
@@ -97,6 +110,7 @@ class WandbTracker(QueuedTracker):
         self._stat_columns: list[str] | None = None
         self._pending: set[str] = set()  # tables with rows not yet logged
         self._pending_steps: set[int] = set()  # steps whose rows are in those tables
+        self._added_step: int | None = None  # last step whose rows/events joined the tables
         self._steps_since_table = 0
         self._last_step = 0
         self._last_alert: dict[str, float] = {}  # title -> time.monotonic() of the last alert sent
@@ -112,24 +126,47 @@ class WandbTracker(QueuedTracker):
         mode: str = "online",
         run_id: str | None = None,
         tracker_name: str = "wandb",
+        lazy: bool = False,
         **kwargs: Any,
     ) -> WandbTracker:
         """Open a run owned by the tracker: ``wandb.init(project, name, dir, mode,
         reinit="create_new")``, resuming ``run_id`` when given (``resume="must"``). ``mode`` is
-        passed to ``wandb.init`` only; the environment is not touched. ``kwargs`` go to the
-        tracker's constructor."""
+        passed to ``wandb.init`` only; the environment is not touched. ``lazy`` opens the run on
+        first use instead, so a failing ``wandb.init`` cannot stop training (its steps are
+        recorded as missed). ``kwargs`` go to the tracker's constructor."""
         wandb = require("wandb", "the W&B tracker")
         valid_modes = ("online", "offline", "disabled", "shared")
         if mode not in valid_modes:
             raise invalid_choice("W&B mode", mode, valid_modes)
         resume = {"id": run_id, "resume": "must"} if run_id else {}
-        run = wandb.init(project=project, name=name, dir=dir, mode=mode, reinit="create_new", **resume)
-        return cls(run, own_run=True, name=tracker_name, **kwargs)
+
+        def open_run() -> wandb.Run:
+            return wandb.init(project=project, name=name, dir=dir, mode=mode, reinit="create_new", **resume)
+
+        return cls(open_run if lazy else open_run(), own_run=True, name=tracker_name, **kwargs)
+
+    @property
+    def run(self) -> wandb.Run:
+        """The W&B run (opened here on first access when the tracker was given a callable)."""
+        if self._wandb_run is None and self._open_run is not None:
+            self._wandb_run = self._open_run()
+        return self._wandb_run
+
+    def _ensure_run(self) -> wandb.Run:
+        run = self.run
+        if self._meta is not None and not self._meta_applied:
+            self._apply_meta(run, self._meta)
+            self._meta_applied = True
+        return run
 
     # -- run metadata -----------------------------------------------------------------------
     def start(self, meta: RunMeta) -> None:
         """Put the recipe, BF16/FP8 layer sets and versions in ``run.config["fp8track"]`` and
-        define the step axis and ``fp8/*`` summaries."""
+        define the step axis and ``fp8/*`` summaries (again on first use if this fails)."""
+        self._meta, self._meta_applied = meta, False
+        self._ensure_run()
+
+    def _apply_meta(self, run: wandb.Run, meta: RunMeta) -> None:
         m = asdict(meta)
         config = {
             "run_id": m["run_id"],
@@ -139,9 +176,11 @@ class WandbTracker(QueuedTracker):
             "versions": m["versions"],
             "config": m["config"],
         }
-        self.run.config.update({"fp8track": config}, allow_val_change=True)
-        self.run.define_metric(self.step_metric)
-        self.run.define_metric(f"{naming.PREFIX}/*", step_metric=self.step_metric, summary=self.summaries)
+        # Through JSON and back so that no credential in any nested value reaches the run's config.
+        config = json.loads(redact(json.dumps(config, default=str)))
+        run.config.update({"fp8track": config}, allow_val_change=True)
+        run.define_metric(self.step_metric)
+        run.define_metric(f"{naming.PREFIX}/*", step_metric=self.step_metric, summary=self.summaries)
 
     # -- per step (worker thread) -------------------------------------------------------------
     def _table(self, key: str, columns: Sequence[str]) -> Any:
@@ -182,26 +221,35 @@ class WandbTracker(QueuedTracker):
             level = str(d.get("level", "WARN")).upper()
             if level not in ALERT_LEVELS:
                 level = "WARN"
-            self.run.alert(title=title, text=str(d.get("text", title)), level=level, wait_duration=self.alert_wait_s)
+            self._ensure_run().alert(title=title, text=str(d.get("text", title)), level=level, wait_duration=self.alert_wait_s)
             self._last_alert[title] = now
             self.alerts_sent += 1
 
     def _deliver(self, batch: StepBatch) -> None:
+        run = self._ensure_run()  # before touching the tables: a run that cannot open misses the whole step
+        if self._added_step != batch.step:  # a retried step must not add its rows twice
+            self._added_step = batch.step
+            if batch.tensor_rows:
+                self._add_tensor_rows(batch.tensor_rows)
+            if batch.events:
+                self._add_events(batch.events)
+            if batch.tensor_rows or any(ev.kind in EVENT_TABLES for ev in batch.events):
+                self._pending_steps.add(batch.step)
+            self._steps_since_table += 1
         data: dict[str, Any] = scalar_metrics(batch.metrics)
         data[self.step_metric] = batch.step
-        if batch.tensor_rows:
-            self._add_tensor_rows(batch.tensor_rows)
-        if batch.events:
-            self._add_events(batch.events)
-        self._steps_since_table += 1
-        if self._pending and self._steps_since_table >= self.table_every_n_steps:
+        due = bool(self._pending) and self._steps_since_table >= self.table_every_n_steps
+        if due:
             data.update({k: self._tables[k] for k in self._pending})
+        try:
+            run.log(data)
+        except Exception as exc:
+            # The rows stay pending and go out with a later step: only the scalars are missed.
+            raise ScalarsNotWritten(exc) from exc
+        if due:
             self._pending.clear()
             self._pending_steps.clear()
             self._steps_since_table = 0
-        elif batch.tensor_rows or any(ev.kind in EVENT_TABLES for ev in batch.events):
-            self._pending_steps.add(batch.step)
-        self.run.log(data)
         self._last_step = batch.step
         if batch.events:
             self._alert(batch.events)
@@ -210,13 +258,13 @@ class WandbTracker(QueuedTracker):
         if self._pending:
             data: dict[str, Any] = {k: self._tables[k] for k in self._pending}
             data[self.step_metric] = self._last_step
-            self._pending.clear()
             try:
-                self.run.log(data)
+                self._ensure_run().log(data)
             except Exception as exc:
                 for step in sorted(self._pending_steps):
                     self._record_failure(step, TablesNotWritten(exc))
                 raise
+            self._pending.clear()
         if self.own_run:
             self.run.finish()
 

@@ -84,15 +84,20 @@ def test_unsafe_yaml_tag_is_refused(tmp_path: Path) -> None:
         load_sweep(_write(tmp_path, text))
 
 
-def test_spec_that_does_not_fit_the_model_is_refused_before_training(tmp_path: Path) -> None:
-    """The CLI refuses ``first:3`` on the two-block example GPT before any run directory exists."""
+def test_spec_that_does_not_fit_the_model_is_refused_before_training(tmp_path: Path, capsys) -> None:
+    """The CLI refuses ``first:3`` on the two-block example GPT before any run directory exists:
+    one line on stderr, exit status 2."""
+    import re
+
     from fp8track.cli import main
 
     cfg = _base()
     cfg["parameters"]["bf16_layers"]["values"] = ["none", "first:3"]
     out = tmp_path / "out"
-    with pytest.raises(ConfigError, match=r"'first:3' does not fit the model: .*asks for 3 blocks but the model has 2"):
-        main(["sweep", str(_write(tmp_path, cfg)), "--trials", "1", "--out", str(out), "--no-progress"])
+    rc = main(["sweep", str(_write(tmp_path, cfg)), "--trials", "1", "--out", str(out), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert re.search(r"'first:3' does not fit the model: .*asks for 3 blocks but the model has 2", err), err
     assert not (out / "runs").exists() and not (out / "cache").exists()
 
 

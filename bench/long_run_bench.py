@@ -1,0 +1,116 @@
+"""Long-run resource bench: synthetic optimizer steps through the real monitor and real trackers.
+
+A two-layer model is trained for real on the sampled steps (forward, backward, hooks, statistics)
+and the other steps only report a loss, as a week-long run with ``every_n_steps`` would. The
+trackers are MLflow (SQLite store, heatmap on) and W&B (offline). Prints one JSON object: RSS
+(resident set size, MiB) at each checkpoint, the run directory's size and bytes per logged step,
+and what the trackers missed.
+
+    python bench/long_run_bench.py [--steps 1000000] [--every-n-steps 100] [--no-wandb]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+
+def rss_mib() -> float:
+    """Resident set size of this process in MiB (Linux /proc)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def long_run(
+    out: Path, steps: int, every_n_steps: int = 100, checkpoints: tuple[int, ...] = (), use_wandb: bool = True
+) -> dict[str, Any]:
+    """Run ``steps`` optimizer steps; measure RSS and run-directory size at each checkpoint step."""
+    import torch
+
+    from fp8track.frontend import Monitor
+    from fp8track.monitoring.monitor import MonitorConfig
+    from fp8track.trackers.base import read_missed
+    from fp8track.trackers.mlflow import MLflowTracker
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    trackers: list[Any] = [
+        MLflowTracker(
+            tracking_uri=f"sqlite:///{out}/mlflow.db", experiment_name="long-run",
+            artifact_location=(out / "artifacts").as_uri(), table_every_n_steps=1000,
+        )
+    ]  # fmt: skip
+    if use_wandb:
+        from fp8track.trackers.wandb import WandbTracker
+
+        trackers.append(WandbTracker.create(project="long-run", dir=str(out), mode="offline", table_every_n_steps=1000))
+    config = MonitorConfig(every_n_steps=every_n_steps)
+    monitor = Monitor(model, config, log_dir=out / "runs", trackers=trackers).attach()
+    x = torch.randn(8, 16)
+    points: list[dict[str, float]] = []
+    marks = set(checkpoints) | {steps}
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(steps):
+            if config.samples(step):
+                loss = model(x).square().mean()
+                loss.backward()
+                opt.step()
+                monitor.step(loss=loss)
+                opt.zero_grad()
+            else:
+                monitor.step(loss=1.0 + 1e-3 * (step % 13))
+            if step + 1 in marks:
+                gc.collect()
+                logged = (step + 1 + every_n_steps - 1) // every_n_steps
+                size = dir_bytes(monitor.run_dir)
+                points.append({
+                    "step": step + 1, "rss_mib": round(rss_mib(), 1), "run_dir_bytes": size,
+                    "bytes_per_logged_step": round(size / logged, 1), "bytes_per_step": round(size / (step + 1), 2),
+                    "seconds": round(time.perf_counter() - t0, 1),
+                })  # fmt: skip
+        monitor.close()
+    return {
+        "steps": steps,
+        "every_n_steps": every_n_steps,
+        "layers": 2,
+        "trackers": [t.name for t in trackers],
+        "points": points,
+        "missed": {t.name: len(read_missed(monitor.run_dir, t.name)) for t in trackers},
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=1_000_000)
+    ap.add_argument("--every-n-steps", type=int, default=100)
+    ap.add_argument("--no-wandb", action="store_true")
+    args = ap.parse_args()
+    os.environ.setdefault("WANDB_SILENT", "true")
+    checkpoints = tuple(s for s in (10_000, 100_000, 250_000, 500_000, 750_000) if s < args.steps)
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chdir(tmp)  # MLflow and W&B defaults write to the working directory
+        result = long_run(Path(tmp), args.steps, args.every_n_steps, checkpoints, use_wandb=not args.no_wandb)
+    first, last = result["points"][0], result["points"][-1]
+    result["rss_growth_mib_first_to_last"] = round(last["rss_mib"] - first["rss_mib"], 1)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
