@@ -41,7 +41,7 @@ def long_run(
     import torch
 
     from fp8track.frontend import Monitor
-    from fp8track.monitoring.monitor import MonitorConfig
+    from fp8track import MonitorConfig
     from fp8track.trackers.base import read_missed
     from fp8track.trackers.mlflow import MLflowTracker
 

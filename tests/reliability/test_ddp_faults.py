@@ -45,4 +45,4 @@ def test_other_rank_stops_with_a_clear_error_within_the_timeout(tmp_path, mode):
     assert error["waited_s"] < 5.0 + 30.0  # the configured bound (plus slack for a loaded machine)
     # Rank 0 alone wrote, and what it wrote covers the finished steps.
     (meta,) = list(tmp_path.rglob("meta.json"))
-    assert sorted(RunReader(meta.parent).series("loss")) == [0, 1, 2]
+    assert sorted(RunReader(meta.parent).series("fp8/loss")) == [0, 1, 2]

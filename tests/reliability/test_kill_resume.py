@@ -56,8 +56,8 @@ def test_sigkill_and_resume_logs_every_step_once_and_detectors_continue(tmp_path
     assert _run_dir(out) == run_dir  # the resumed run appends to the same run directory
 
     got, want = RunReader(run_dir), RunReader(_run_dir(ref))
-    loss, ref_loss = got.series("loss"), want.series("loss")
-    steps = Counter(r.step for r in got.metrics() if "loss" in r.metrics)
+    loss, ref_loss = got.series("fp8/loss"), want.series("fp8/loss")
+    steps = Counter(r.step for r in got.metrics() if "fp8/loss" in r.metrics)
     assert sorted(steps) == list(range(20)) and set(steps.values()) == {1}  # every step once
     assert loss == pytest.approx(ref_loss, rel=1e-5)  # the same values as without the kill
     rows = Counter((r.step, r.layer, r.tensor) for r in got.tensor_stats())
@@ -80,10 +80,10 @@ def test_sigkill_and_resume_logs_every_step_once_and_detectors_continue(tmp_path
         client = mlflow.MlflowClient(f"sqlite:///{root}/mlflow.db")
         return Counter(m.step for m in client.get_metric_history((root / "mlflow_run_id.txt").read_text(), key))
 
-    for key in ("loss", "fp8/worst/mse"):
+    for key in ("fp8/loss", "fp8/worst/mse"):
         counts = history(out, key)
         assert counts == history(ref, key) and set(counts.values()) == {1}, (key, counts)
-    assert sorted(history(out, "loss")) == [*range(0, 20, 2), 19]
+    assert sorted(history(out, "fp8/loss")) == [*range(0, 20, 2), 19]
 
 
 def _approx_equal(a, b) -> bool:

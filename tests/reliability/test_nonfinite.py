@@ -12,7 +12,7 @@ import torch
 
 from fp8track.analysis.spikes import SpikeDetector
 from fp8track.frontend import Monitor
-from fp8track.monitoring.monitor import MonitorConfig
+from fp8track import MonitorConfig
 from fp8track.monitoring.records import RunReader
 
 
@@ -103,4 +103,4 @@ def test_one_nan_loss_is_an_event_and_does_not_poison_the_spike_window(tmp_path)
     nonfinite = [e for e in events if e.kind == "nonfinite"]
     assert [e.data["start_step"] for e in nonfinite if e.data.get("status") == "open"] == [60]
     assert [e for e in events if e.kind == "spike"] == []  # no spike before or after the NaN step
-    assert all(math.isfinite(v) for v in RunReader(monitor.run_dir).series("loss").values())
+    assert all(math.isfinite(v) for v in RunReader(monitor.run_dir).series("fp8/loss").values())

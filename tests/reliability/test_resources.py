@@ -17,7 +17,7 @@ import torch
 
 from fp8track.errors import ConfigError
 from fp8track.frontend import Monitor
-from fp8track.monitoring.monitor import MonitorConfig
+from fp8track import MonitorConfig
 from fp8track.monitoring.records import RunMeta, RunReader
 from fp8track.monitoring.records import TensorStatsRow as Row
 
@@ -81,7 +81,7 @@ def test_full_disk_mid_run_is_one_warning_and_training_goes_on(tmp_path):
     disk = [w for w in caught if "cannot write" in str(w.message)]
     assert len(disk) == 1 and "No space left on device" in str(disk[0].message)
     assert monitor._writer.lines_lost == 5 * 3  # 5 steps x (activation, weight, gradient)
-    assert sorted(RunReader(run_dir).series("loss")) == [0, 1, 2, 3, 4]  # the other files kept everything
+    assert sorted(RunReader(run_dir).series("fp8/loss")) == [0, 1, 2, 3, 4]  # the other files kept everything
 
 
 def test_unwritable_log_dir_is_refused_before_step_0(tmp_path):

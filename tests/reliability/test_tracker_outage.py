@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from fp8track.frontend import Monitor
-from fp8track.monitoring.monitor import MonitorConfig
+from fp8track import MonitorConfig
 from fp8track.monitoring.records import RunMeta, RunReader
 from fp8track.trackers.base import read_missed
 from fp8track.trackers.replay import replay
@@ -84,9 +84,9 @@ def test_mlflow_server_killed_and_restarted_heals_without_sync(tmp_path, monkeyp
         run_dir = monitor.run_dir
         assert read_missed(run_dir, "mlflow") == []  # nothing left for `fp8track sync`
 
-        local = [r for r in RunReader(run_dir).metrics() if "loss" in r.metrics]
+        local = [r for r in RunReader(run_dir).metrics() if "fp8/loss" in r.metrics]
         client = mlflow.MlflowClient(server.uri)
-        for key in ("loss", "fp8/worst/mse", "fp8/0/activation/underflow_pct"):
+        for key in ("fp8/loss", "fp8/worst/mse", "fp8/0/activation/underflow_pct"):
             history = client.get_metric_history(tracker.run_id, key)
             steps = Counter(m.step for m in history)
             expected = [r.step for r in local if key in r.metrics]
@@ -133,8 +133,8 @@ def test_wandb_init_failure_leaves_training_running_and_steps_replayable(tmp_pat
     again = WandbTracker.create(project="p", dir=str(tmp_path / "second"), mode="offline", background=False)
     assert replay(monitor.run_dir, again) == 6
     assert read_missed(monitor.run_dir, "wandb") == []
-    got = Counter(h["trainer/global_step"] for h in history(inspect(_wandb_run_dir(tmp_path / "second"))) if "loss" in h)
-    local = RunReader(monitor.run_dir).series("loss")
+    got = Counter(h["trainer/global_step"] for h in history(inspect(_wandb_run_dir(tmp_path / "second"))) if "fp8/loss" in h)
+    local = RunReader(monitor.run_dir).series("fp8/loss")
     assert sorted(local) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
     # every logging step once: a flush carries the unsampled steps' losses in the records; a
     # step batch holds the last of them
@@ -154,7 +154,7 @@ def test_wandb_log_failure_never_duplicates_table_rows(tmp_path, monkeypatch):
     fail_at = {4, 6}
 
     def flaky_log(data, *a, **k):
-        if data.get("trainer/global_step") in fail_at and "loss" in data:
+        if data.get("trainer/global_step") in fail_at and "fp8/loss" in data:
             raise ConnectionResetError("wandb service went away")
         return real_log(data, *a, **k)
 
@@ -174,5 +174,5 @@ def test_wandb_log_failure_never_duplicates_table_rows(tmp_path, monkeypatch):
     rows = Counter((r[0], r[1], r[2]) for r in table_rows(run_dir, naming.TABLE_TENSOR_STATS))
     local = Counter((r.step, r.layer, r.tensor) for r in RunReader(monitor.run_dir).tensor_stats())
     assert rows == local and set(rows.values()) == {1}  # every row once, including those of steps 4 and 6
-    logged = sorted(h["trainer/global_step"] for h in history(inspect(run_dir)) if "loss" in h)
+    logged = sorted(h["trainer/global_step"] for h in history(inspect(run_dir)) if "fp8/loss" in h)
     assert logged == [0, 2, 8, 9]  # 4 and 6 are the missed scalars; 9 is the last loss, sent by close
