@@ -40,8 +40,8 @@ def long_run(
     """Run ``steps`` optimizer steps; measure RSS and run-directory size at each checkpoint step."""
     import torch
 
-    from fp8track.frontend import Monitor
     from fp8track import MonitorConfig
+    from fp8track.frontend import Monitor
     from fp8track.trackers.base import read_missed
     from fp8track.trackers.mlflow import MLflowTracker
 

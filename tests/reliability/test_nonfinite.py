@@ -10,9 +10,9 @@ import warnings
 import pytest
 import torch
 
+from fp8track import MonitorConfig
 from fp8track.analysis.spikes import SpikeDetector
 from fp8track.frontend import Monitor
-from fp8track import MonitorConfig
 from fp8track.monitoring.records import RunReader
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from fp8track import MonitorConfig
 from fp8track.errors import ConfigError
 from fp8track.frontend import Monitor
-from fp8track import MonitorConfig
 from fp8track.monitoring.records import RunMeta, RunReader
 from fp8track.monitoring.records import TensorStatsRow as Row
 

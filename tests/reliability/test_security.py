@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import fp8track
-from fp8track.frontend import Monitor
 from fp8track import MonitorConfig
+from fp8track.frontend import Monitor
 from fp8track.monitoring.records import EventRecord, RunMeta, redact
 
 PACKAGE = Path(fp8track.__file__).parent

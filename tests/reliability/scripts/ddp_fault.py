@@ -12,9 +12,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from fp8track import MonitorConfig
 from fp8track.errors import RankFailure
 from fp8track.frontend import Monitor
-from fp8track import MonitorConfig
 
 out, rank, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=2)
