@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import time
 import warnings
 from collections.abc import Iterator
@@ -71,11 +72,19 @@ def quiet_libraries() -> Iterator[None]:
         saved = {name: logging.getLogger(name).level for name in QUIET_LOGGERS}
         for name in QUIET_LOGGERS:
             logging.getLogger(name).setLevel(logging.ERROR)
+        # W&B prints its banners and setting warnings itself (not through logging); WANDB_SILENT is
+        # its documented switch. Set for the demo's duration only and restored after.
+        wandb_silent = os.environ.get("WANDB_SILENT")
+        os.environ["WANDB_SILENT"] = "true"
         try:
             yield
         finally:
             for name, level in saved.items():
                 logging.getLogger(name).setLevel(level)
+            if wandb_silent is None:
+                os.environ.pop("WANDB_SILENT", None)
+            else:
+                os.environ["WANDB_SILENT"] = wandb_silent
 
 
 class OutlierPlant:
@@ -146,8 +155,11 @@ def run_one(
 
         # mode="offline" goes to wandb.init for this run only (offline=True would set WANDB_MODE
         # for the whole process); reinit="create_new" gives every training run its own W&B run.
-        loggers.append(WandbLogger(project="fp8track-demo", name=name, save_dir=str(out), mode="offline",
-                                   reinit="create_new", settings=wandb.Settings(silent=True)))
+        # The run is opened here and handed to the logger: WandbLogger's own wandb.init passes
+        # anonymous=None, which W&B 0.31 answers with a deprecation line on the console.
+        run = wandb.init(project="fp8track-demo", name=name, dir=str(out), mode="offline", reinit="create_new",
+                         settings=wandb.Settings(silent=True))
+        loggers.append(WandbLogger(experiment=run, save_dir=str(out)))
     monitor = FP8Monitor(every_n_steps=every_n_steps, log_dir=out / "runs", baseline=baseline, config={"run_name": name})
     trainer = pl.Trainer(
         accelerator="cpu",

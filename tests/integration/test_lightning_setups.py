@@ -179,7 +179,8 @@ def test_manual_optimisation(tmp_path):
     [run_dir] = _run_dirs(tmp_path)
     reader = _check_run(run_dir, model, range(5), [0, 2, 4])
     grad_norms = reader.series("fp8/grad_norm")
-    assert sorted(grad_norms) == [0, 1, 2, 3, 4] and all(g > 0 for g in grad_norms.values())
+    # the gradient norm is computed on sampled steps only (unsampled steps cost nothing)
+    assert sorted(grad_norms) == [0, 2, 4] and all(g > 0 for g in grad_norms.values())
     _check_user_metrics(trainer, model)
     assert _column(_csv_rows(trainer), "fp8/loss") == pytest.approx({s: model.raw[s] for s in (0, 2, 4)})
 

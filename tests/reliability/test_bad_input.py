@@ -86,9 +86,13 @@ def _fallback(spec):
 CASES: tuple[Case, ...] = (
     # -- the Lightning callback / MonitorConfig --------------------------------------------------
     Case("FP8Monitor(every_n_steps=0)", ("every_n_steps", ">= 1", "0"), _monitor(every_n_steps=0)),
-    Case("FP8Monitor(tensors=('activations',))", ("'activations'", "'activation'", "'gradient'"), _monitor(tensors=("activations",))),
-    Case("FP8Monitor(scalar_stats=('underflow%',))", ("'underflow%'", "'underflow_pct'"), _monitor(scalar_stats=("underflow%",))),
-    Case("FP8Monitor(whatif=('mxfp4',))", ("'mxfp4'", "'mxfp8'"), _monitor(whatif=("mxfp4",))),
+    Case("FP8Monitor(config={'tensors': ['activations']})", ("'activations'", "'activation'", "'gradient'"),
+         _monitor(config={"tensors": ["activations"]})),
+    Case("FP8Monitor(config={'scalar_stats': ['underflow%']})", ("'underflow%'", "'underflow_pct'"),
+         _monitor(config={"scalar_stats": ["underflow%"]})),
+    Case("FP8Monitor(config={'whatif': ['mxfp4']})", ("'mxfp4'", "'mxfp8'"), _monitor(config={"whatif": ["mxfp4"]})),
+    Case("FP8Monitor(config={'spikes': {'z_treshold': 8}})", ("z_treshold", "z_threshold"),
+         _monitor(config={"spikes": {"z_treshold": 8}})),
     Case("FP8Monitor(trackers='tensorboard')", ("'tensorboard'", "'wandb'", "'mlflow'"), _monitor(trackers="tensorboard")),
     Case("FP8Monitor(on_spike='halt')", ("'halt'", "'stop'", "'checkpoint'"), _monitor(on_spike="halt")),
     Case("FP8Monitor(layers='re:fc9') on a model without fc9", ("fc9",), lambda tmp: _monitor_on(tmp, layers="re:fc9")),

@@ -485,6 +485,9 @@ def test_failed_compilation_warns_once_and_falls_back():
     x = torch.randn(5000)
     old = stats._POLICY.kernel
     stats.set_compile("compiled")
+    # Dynamo caches compiled frames per code object: after earlier tests filled that cache (up to its
+    # recompile limit it then runs eager silently), the broken backend would never be asked.
+    torch._dynamo.reset()
     stats._POLICY.kernel = torch.compile(stats._compiled_partial, backend=broken_backend)
     try:
         with pytest.warns(UserWarning, match="using eager"):
@@ -495,6 +498,7 @@ def test_failed_compilation_warns_once_and_falls_back():
         stats.set_compile("eager")
         assert torch.equal(got, partial_stats(x, "e4m3"))
     finally:
+        torch._dynamo.reset()
         stats._POLICY.kernel = old
         stats.set_compile("auto")
 
