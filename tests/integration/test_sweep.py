@@ -118,10 +118,17 @@ def test_two_workers_share_one_sqlite_study(tmp_path: Path) -> None:
         assert p.returncode == 0, se[-3000:]
     ran = [json.loads(so[so.index("{\n"):so.rindex("}") + 1])["trials_run_here"] for so, _ in outputs]
     finished = [n for n, s in _trials(out / "optuna.db") if s in ("COMPLETE", "PRUNED")]
+    failed = [n for n, s in _trials(out / "optuna.db") if s == "FAIL"]
     assert len(finished) == 3
-    # no trial ran twice, and the workers' counts add up to the finished trials
-    assert sorted(ran[0] + ran[1]) == sorted(finished)
     _client, _parent, df = _children(f"sqlite:///{out / 'mlflow.db'}", "shared")
+    errors = {t: e for t, e in zip(df["tags.fp8track.trial"], df.get("tags.fp8track.error", [None] * len(df)), strict=True)
+              if isinstance(e, str)}
+    # no trial ran twice (on one worker or on both), and the workers' trials add up to the
+    # finished ones plus any that failed (then retried under a new number, with its error tagged)
+    both = ran[0] + ran[1]
+    assert len(both) == len(set(both))
+    assert sorted(both) == sorted(finished + failed), errors
+    assert len(failed) <= 1 and all(str(n) in errors for n in failed), errors
     done = df[df["tags.fp8track.state"].isin(["COMPLETE", "PRUNED"])]
     assert sorted(int(t) for t in done["tags.fp8track.trial"]) == sorted(finished)
     assert done["params.bf16_layers"].is_unique  # a grid point never runs twice
