@@ -40,20 +40,12 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fail(message: str) -> int:
-    print(f"fp8track: error: {message}", file=sys.stderr)
-    return 2
-
-
 def _cmd_diagnose(args: argparse.Namespace) -> int:
-    from fp8track.errors import ConfigError
     from fp8track.report.console import print_diagnosis
     from fp8track.report.run import diagnose_runs
 
-    try:
-        res = diagnose_runs(args.fp8_run, args.baseline, args.out, tracking_uri=args.tracking_uri)
-    except ConfigError as err:
-        return _fail(str(err))
+    # Unusable input raises ConfigError: main() prints it as one line and exits 2.
+    res = diagnose_runs(args.fp8_run, args.baseline, args.out, tracking_uri=args.tracking_uri)
     print_diagnosis(res.diagnosis, res.html_path)
     print(f"diagnosis.json: {res.json_path}")
     for where in res.logged:
@@ -66,12 +58,8 @@ def _cmd_check_inference(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from fp8track.demo import check_example_checkpoint
-    from fp8track.errors import ConfigError
 
-    try:
-        res = check_example_checkpoint(args.checkpoint, batches=args.batches)
-    except ConfigError as err:
-        return _fail(str(err))
+    res = check_example_checkpoint(args.checkpoint, batches=args.batches)  # bad input: ConfigError -> main()
     console = Console()
     table = Table(title=f"inference chain: {res.metric_name} per variant (same {args.batches} batches)")
     table.add_column("variant")
