@@ -16,7 +16,7 @@ from fp8track import Monitor, MonitorConfig
 from fp8track.errors import ConfigError
 from fp8track.execution.apply import apply_fp8
 from fp8track.execution.backends import te as te_backend
-from fp8track.execution.layers import is_gemm_layer as is_linear_like
+from fp8track.execution.layers import is_gemm_layer
 from fp8track.execution.recipes import Recipe
 from fp8track.monitoring.capture import plan_for
 from fp8track.monitoring.records import RunReader
@@ -102,7 +102,7 @@ def test_te_gemm_modules_are_recognised_through_their_mro():
         pass
 
     assert te_backend.te_gemm_class(MegatronTELinear(16, 8)) == "Linear"
-    assert is_linear_like(MegatronTELinear(16, 8)) and is_linear_like(fake_te.LayerNormMLP(16, 32))
+    assert is_gemm_layer(MegatronTELinear(16, 8)) and is_gemm_layer(fake_te.LayerNormMLP(16, 32))
     assert te_backend.te_gemm_suffixes(fake_te.LayerNormMLP(16, 32)) == [".fc1", ".fc2"]
     assert te_backend.te_gemm_suffixes(fake_te.GroupedLinear(3)) == [".gemm_0", ".gemm_1", ".gemm_2"]
     assert te_backend.te_gemm_class(nn.Linear(2, 2)) is None
