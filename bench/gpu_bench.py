@@ -135,8 +135,9 @@ def _fwd_bwd(model: Any, report: Any, b: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def _count_syncs(device: torch.device, counter: list[int]):
-    """Count host synchronisations in the block (CUDA's sync debug mode as warnings)."""
+def _count_syncs(device: torch.device, counter: list[int], sites: list[str] | None = None):
+    """Count host synchronisations in the block (CUDA's sync debug mode as warnings); ``sites``
+    collects the Python line that triggered each one."""
     if device.type != "cuda":
         yield
         return
@@ -147,7 +148,11 @@ def _count_syncs(device: torch.device, counter: list[int]):
             yield
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    counter[0] += sum("synchroniz" in str(w.message) for w in caught)
+    # CUDA's message: "called a synchronizing CUDA operation"; not the one-off "prototype feature" notice.
+    hits = [w for w in caught if "synchroniz" in str(w.message) and "prototype" not in str(w.message)]
+    counter[0] += len(hits)
+    if sites is not None:
+        sites.extend(f"{os.path.relpath(w.filename)}:{w.lineno}" for w in hits)
 
 
 def sync_counts(model: Any, opt: Any, batches: list[torch.Tensor], report: Any, device: torch.device) -> dict[str, Any]:
@@ -156,22 +161,32 @@ def sync_counts(model: Any, opt: Any, batches: list[torch.Tensor], report: Any, 
         return {"checked": False, "reason": "needs CUDA's sync debug mode"}
     mon = Monitor(model, MonitorConfig(every_n_steps=2), log_dir=tempfile.mkdtemp()).attach()
     out: dict[str, Any] = {"checked": True}
+    first, first_sites = [0], []
+    for i in range(2):  # warm-up (sampled, unsampled): the first sampled step builds the capture plan
+        with _count_syncs(device, first, first_sites):
+            loss = _fwd_bwd(model, report, batches[i])
+            opt.step()
+            mon.step(loss=loss)
+        opt.zero_grad(set_to_none=True)
+    out["warmup_syncs"], out["warmup_sync_sites"] = first[0], sorted(set(first_sites))
+    sites: list[str] = []
     phases = (("sampled", True), ("unsampled", False))
     for i, (name, monitored) in enumerate([*phases, ("unmonitored", None)]):
         if monitored is None:
             mon.detach()
         fb, st = [0], [0]
         b = batches[i % len(batches)]
-        with _count_syncs(device, fb):
+        with _count_syncs(device, fb, sites):
             loss = _fwd_bwd(model, report, b)
         opt.step()
-        with _count_syncs(device, st):
+        with _count_syncs(device, st, sites if monitored is False else None):
             if monitored is not None:
                 mon.step(loss=loss)
         opt.zero_grad(set_to_none=True)
         out[f"{name}_forward_backward"] = fb[0]
         out[f"{name}_monitor_step"] = st[0]
     mon.close()
+    out["sync_sites"] = sorted(set(sites))
     out["hooks_add_no_sync"] = out["sampled_forward_backward"] == out["unmonitored_forward_backward"] == out[
         "unsampled_forward_backward"
     ]
@@ -186,10 +201,12 @@ def monitor_overhead(device: torch.device, p: dict[str, Any]) -> dict[str, Any]:
     tmp = tempfile.mkdtemp()
     monitors = {k: Monitor(model, MonitorConfig(every_n_steps=n), log_dir=tmp) if n else None for k, n in p["every"].items()}
     times: dict[str, list[float]] = {k: [] for k in monitors}
+    sampled: dict[str, list[float]] = {k: [] for k in monitors}
 
-    def steps(mon: Monitor | None, n: int, sink: list[float]) -> None:
+    def steps(mon: Monitor | None, n: int, sink: list[float], sampled_sink: list[float] | None = None) -> None:
         for i in range(n):
             b = batches[i % len(batches)]
+            hit = mon is not None and mon.sampling
 
             def one(b: torch.Tensor = b) -> None:
                 loss = _fwd_bwd(model, report, b)
@@ -199,6 +216,8 @@ def monitor_overhead(device: torch.device, p: dict[str, Any]) -> dict[str, Any]:
                 opt.zero_grad(set_to_none=True)
 
             sink.append(clock(one))
+            if hit and sampled_sink is not None:
+                sampled_sink.append(sink[-1])
 
     for mon in monitors.values():  # warm-up: every path once, kernels compiled
         if mon is not None:
@@ -206,11 +225,13 @@ def monitor_overhead(device: torch.device, p: dict[str, Any]) -> dict[str, Any]:
         steps(mon, 3, [])
         if mon is not None:
             mon.detach()
-    for _ in range(p["rounds"]):
-        for k, mon in monitors.items():
+    names = list(monitors)
+    for r in range(p["rounds"]):  # the order rotates each round: no configuration always runs first
+        for k in names[r % len(names):] + names[: r % len(names)]:
+            mon = monitors[k]
             if mon is not None:
                 mon.attach()
-            steps(mon, p["steps_per_round"], times[k])
+            steps(mon, p["steps_per_round"], times[k], sampled[k])
             if mon is not None:
                 mon.detach()
     for mon in monitors.values():
@@ -227,6 +248,9 @@ def monitor_overhead(device: torch.device, p: dict[str, Any]) -> dict[str, Any]:
             "median_ratio": round(statistics.median(ts) / base_median, 4),
             "steps": len(ts),
         }
+        if sampled[k]:  # a sampled step after a gap (every 10, 100) against one in a row (every 1)
+            out[k]["sampled_step_median_ms"] = round(statistics.median(sampled[k]), 3)
+            out[k]["sampled_steps"] = len(sampled[k])
     out["sync"] = sync_counts(model, opt, batches, report, device)
     return out
 

@@ -44,11 +44,14 @@ def scale_from_amax(
     float32.
     """
     amax_value = amax_value.to(torch.float32)
-    # A tensor numerator: ``python_float / tensor`` runs as reciprocal-then-multiply, which rounds
-    # twice and can miss the correctly rounded quotient TE and torchao compute by one ulp.
-    # Multiplying by a power of two is exact, so ``* 2**-margin`` equals ``/ 2**margin``.
+    # TE (nvcc, IEEE division) and torchao compute the correctly rounded float32 quotient. The
+    # division runs in float64 and is then rounded to float32: float64 carries more than 2*24+2 bits,
+    # so that double rounding gives the same float32, and it does so on every backend (Triton's
+    # float32 division on CUDA is approximate, off by an ulp; ``python_float / tensor`` runs as
+    # reciprocal-then-multiply). Multiplying by a power of two is exact: ``* 2**-margin``.
     numerator = fmt_max if isinstance(fmt_max, torch.Tensor) else torch.full_like(amax_value, fmt_max)
-    scale = torch.div(numerator, amax_value) * margin_factor
+    quotient = torch.div(numerator.to(torch.float64), amax_value.to(torch.float64)).to(torch.float32)
+    scale = quotient * margin_factor
     usable = (amax_value > 0) & torch.isfinite(amax_value)
     scale = torch.where(usable, scale, previous)
     return torch.where(torch.isinf(scale), FLOAT32_MAX, scale)

@@ -483,12 +483,12 @@ def test_failed_compilation_warns_once_and_falls_back():
         raise RuntimeError("no C++ compiler here")
 
     x = torch.randn(5000)
-    old = stats._POLICY.kernel
+    old = dict(stats._POLICY.kernels)
     stats.set_compile("compiled")
     # Dynamo caches compiled frames per code object: after earlier tests filled that cache (up to its
     # recompile limit it then runs eager silently), the broken backend would never be asked.
     torch._dynamo.reset()
-    stats._POLICY.kernel = torch.compile(stats._compiled_partial, backend=broken_backend)
+    stats._POLICY.kernels["cpu"] = torch.compile(stats._compiled_partial, backend=broken_backend)
     try:
         with pytest.warns(UserWarning, match="using eager"):
             got = partial_stats(x, "e4m3")
@@ -499,7 +499,7 @@ def test_failed_compilation_warns_once_and_falls_back():
         assert torch.equal(got, partial_stats(x, "e4m3"))
     finally:
         torch._dynamo.reset()
-        stats._POLICY.kernel = old
+        stats._POLICY.kernels = old
         stats.set_compile("auto")
 
 
@@ -517,3 +517,10 @@ def test_merging_into_an_accumulator_equals_merge_partials(mode):
     assert torch.allclose(merged, want, rtol=1e-12, atol=0)
     empty = partial_stats(torch.zeros(0), "e4m3", into=acc)
     assert torch.equal(empty, acc)
+
+
+def test_inductor_options_this_torch_does_not_know_are_dropped(monkeypatch):
+    """One unknown key makes torch.compile refuse the whole kernel (torch 2.11 lacks
+    ``realize_cpu_opcount_threshold``): such keys are left out, known ones kept."""
+    monkeypatch.setattr(stats, "_INDUCTOR_OPTIONS", {"realize_reads_threshold": 7, "no_such_option_in_any_torch": 1})
+    assert stats._inductor_options() == {"realize_reads_threshold": 7}
