@@ -6,7 +6,12 @@ trackers are MLflow (SQLite store, heatmap on) and W&B (offline). Prints one JSO
 (resident set size, MiB) at each checkpoint, the run directory's size and bytes per logged step,
 and what the trackers missed.
 
-    python bench/long_run_bench.py [--steps 1000000] [--every-n-steps 100] [--no-wandb]
+    python bench/long_run_bench.py [--steps 1000000] [--every-n-steps 100] [--no-wandb] [--no-mlflow]
+        [--tracemalloc N]
+
+``--no-wandb`` / ``--no-mlflow`` switch a tracker off (both off: the monitor and its run directory
+alone), to attribute growth. ``--tracemalloc N`` traces allocations (slow) and prints the N
+tracebacks whose live size grew most between the first and the last checkpoint.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import os
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +41,16 @@ def dir_bytes(path: Path) -> int:
 
 
 def long_run(
-    out: Path, steps: int, every_n_steps: int = 100, checkpoints: tuple[int, ...] = (), use_wandb: bool = True
+    out: Path,
+    steps: int,
+    every_n_steps: int = 100,
+    checkpoints: tuple[int, ...] = (),
+    use_wandb: bool = True,
+    use_mlflow: bool = True,
+    on_checkpoint: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
-    """Run ``steps`` optimizer steps; measure RSS and run-directory size at each checkpoint step."""
+    """Run ``steps`` optimizer steps; measure RSS and run-directory size at each checkpoint step
+    (after which ``on_checkpoint(step)`` is called, e.g. to take a tracemalloc snapshot)."""
     import torch
 
     from fp8track import MonitorConfig
@@ -48,12 +61,12 @@ def long_run(
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    trackers: list[Any] = [
-        MLflowTracker(
+    trackers: list[Any] = []
+    if use_mlflow:
+        trackers.append(MLflowTracker(
             tracking_uri=f"sqlite:///{out}/mlflow.db", experiment_name="long-run",
             artifact_location=(out / "artifacts").as_uri(), table_every_n_steps=1000,
-        )
-    ]  # fmt: skip
+        ))  # fmt: skip
     if use_wandb:
         from fp8track.trackers.wandb import WandbTracker
 
@@ -84,6 +97,8 @@ def long_run(
                     "bytes_per_logged_step": round(size / logged, 1), "bytes_per_step": round(size / (step + 1), 2),
                     "seconds": round(time.perf_counter() - t0, 1),
                 })  # fmt: skip
+                if on_checkpoint is not None:
+                    on_checkpoint(step + 1)
         monitor.close()
     return {
         "steps": steps,
@@ -101,14 +116,36 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1_000_000)
     ap.add_argument("--every-n-steps", type=int, default=100)
     ap.add_argument("--no-wandb", action="store_true")
+    ap.add_argument("--no-mlflow", action="store_true")
+    ap.add_argument("--checkpoints", default="10000,100000,250000,500000,750000", help="comma-separated steps")
+    ap.add_argument("--tracemalloc", type=int, default=0, metavar="N", help="print the N most grown tracebacks")
     args = ap.parse_args()
     os.environ.setdefault("WANDB_SILENT", "true")
-    checkpoints = tuple(s for s in (10_000, 100_000, 250_000, 500_000, 750_000) if s < args.steps)
+    checkpoints = tuple(s for s in map(int, args.checkpoints.split(",")) if s < args.steps)
+    snapshots: dict[int, Any] = {}
+    on_checkpoint = None
+    if args.tracemalloc:
+        import tracemalloc
+
+        tracemalloc.start(12)
+        on_checkpoint = lambda step: snapshots.__setitem__(step, tracemalloc.take_snapshot())  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:
         os.chdir(tmp)  # MLflow and W&B defaults write to the working directory
-        result = long_run(Path(tmp), args.steps, args.every_n_steps, checkpoints, use_wandb=not args.no_wandb)
+        result = long_run(
+            Path(tmp), args.steps, args.every_n_steps, checkpoints,
+            use_wandb=not args.no_wandb, use_mlflow=not args.no_mlflow, on_checkpoint=on_checkpoint,
+        )  # fmt: skip
     first, last = result["points"][0], result["points"][-1]
     result["rss_growth_mib_first_to_last"] = round(last["rss_mib"] - first["rss_mib"], 1)
+    span = (last["step"] - first["step"]) / 1000
+    result["rss_mib_per_1000_steps"] = round(result["rss_growth_mib_first_to_last"] / span, 4) if span else None
+    if snapshots:
+        a, b = snapshots[min(snapshots)], snapshots[max(snapshots)]
+        top = b.compare_to(a, "traceback")[: args.tracemalloc]
+        result["tracemalloc_growth"] = [
+            {"kib": round(d.size_diff / 1024, 1), "count": d.count_diff, "traceback": d.traceback.format()[-8:]}
+            for d in top
+        ]  # fmt: skip
     print(json.dumps(result, indent=2))
 
 

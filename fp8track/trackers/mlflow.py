@@ -3,9 +3,11 @@
 Per step, one ``log_batch`` (chunks of at most 1000 metrics, MLflow's per-request limit) is made
 from a background worker, so the training thread only enqueues. Names are sanitised to the
 characters MLflow accepts by :func:`fp8track.monitoring.naming.sanitize_key`. Per-layer rows and
-events are buffered and written with ``log_table`` once at the end (or every
-``table_every_n_steps``: ``log_table`` appends by downloading and rewriting the file, so it must
-not run every step). The recipe goes to params and tags
+events go to a spool file on local disk as they arrive (:class:`TableSpool`) and are written as
+the table artifacts MLflow's ``log_table`` writes, once at the end (or every
+``table_every_n_steps``; each write uploads the whole table, so not every step). Memory holds no
+table row: ``log_table`` itself appends by downloading the table and rewriting it in pandas,
+which would hold the whole table in memory on every write. The recipe goes to params and tags
 (``fp8.recipe``...), the most severe event to tags ``fp8.worst_event.*``, and a per-layer heatmap
 of underflow and MSE over steps to ``fp8_heatmap.png`` via ``log_figure``.
 
@@ -17,9 +19,13 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import shutil
+import tempfile
 import time
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fp8track.errors import ConfigError, check_int
@@ -155,6 +161,104 @@ class HeatmapSummary:
         return labels, list(self.starts), m
 
 
+MLFLOW_LOGGED_ARTIFACTS = "mlflow.loggedArtifacts"  # mlflow/utils/mlflow_tags.py: lists a run's tables
+
+
+class TableSpool:
+    """One table artifact whose rows wait in a JSON-lines file on local disk, not in memory.
+
+    MLflow's ``MlflowClient.log_table`` appends to an existing table by downloading it, reading it
+    into pandas, concatenating the new rows and rewriting it (mlflow 3.x
+    ``mlflow/tracking/client.py``), so every write holds the whole table in memory and a long
+    run's peak memory grows with the table. Here :meth:`add` appends rows to ``<dir>/<name>.rows``
+    and :meth:`export` streams them, one row in memory at a time, into the file ``log_table``
+    would write: pandas' ``orient="split"`` JSON, ``{"columns": [...], "data": [[...], ...]}``
+    (non-finite numbers as ``null``, as pandas writes them), read back by ``pandas.read_json(...,
+    orient="split")`` and ``MlflowClient.load_table``.
+
+    Columns are fixed by the first rows; a column first seen later is appended at the end and
+    the earlier rows read ``null`` there (what pandas' concat gives).
+
+    Args:
+        directory: where the spool file lives (created if needed).
+        name: the table's artifact file name, e.g. ``fp8_tensor_stats.json``.
+        columns: the columns, if known before the first row.
+    """
+
+    def __init__(self, directory: str | Path, name: str, columns: Sequence[str] = ()) -> None:
+        self.name = name
+        self.path = Path(directory) / f"{name}.rows"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.columns = list(columns)
+        self.rows = 0  # rows in the spool
+        self.written = 0  # rows in the spool when the last export was logged
+
+    @property
+    def unwritten(self) -> int:
+        """Rows added since the last logged export."""
+        return self.rows - self.written
+
+    def add_columns(self, names: Iterable[str]) -> None:
+        """Append the names not yet in :attr:`columns`."""
+        self.columns.extend(n for n in dict.fromkeys(names) if n not in self.columns)
+
+    def add(self, rows: Iterable[Sequence[Any]]) -> None:
+        """Append rows (values in :attr:`columns` order; a shorter row reads ``null`` at the end)."""
+        lines = [json.dumps([_json_value(v) for v in row]) + "\n" for row in rows]
+        with self.path.open("a", encoding="utf-8") as f:
+            f.writelines(lines)
+        self.rows += len(lines)
+
+    def prepend(self, table: Mapping[str, Any]) -> None:
+        """Put the rows of an existing table (``{"columns", "data"}``, e.g. the artifact of the run
+        being resumed) before the spooled rows, matched to :attr:`columns` by name."""
+        self.add_columns(table.get("columns", []))
+        index = [self.columns.index(c) for c in table.get("columns", [])]
+        tmp = self.path.with_suffix(".tmp")
+        with tmp.open("w", encoding="utf-8") as out:
+            n = 0
+            for values in table.get("data", []):
+                row: list[Any] = [None] * len(self.columns)
+                for i, v in zip(index, values, strict=False):
+                    row[i] = _json_value(v)
+                out.write(json.dumps(row) + "\n")
+                n += 1
+            if self.path.exists():
+                with self.path.open(encoding="utf-8") as src:
+                    shutil.copyfileobj(src, out)
+        tmp.replace(self.path)
+        self.rows += n
+        self.written += n
+
+    def iter_rows(self, start: int = 0) -> Iterable[list[Any]]:
+        """The spooled rows from row ``start`` on, padded to :attr:`columns`."""
+        if not self.path.exists():
+            return
+        width = len(self.columns)
+        with self.path.open(encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                if i >= start:
+                    row = json.loads(line)
+                    yield row + [None] * (width - len(row))
+
+    def export(self, directory: str | Path) -> Path:
+        """Write ``<directory>/<name>`` (the whole table, split JSON) and return its path."""
+        out_path = Path(directory) / self.name
+        with out_path.open("w", encoding="utf-8") as out:
+            out.write('{"columns":' + json.dumps(self.columns) + ',"data":[')
+            for i, row in enumerate(self.iter_rows()):
+                out.write(("," if i else "") + json.dumps(row))
+            out.write("]}")
+        return out_path
+
+
+def _json_value(v: Any) -> Any:
+    """``v`` as pandas' ``to_json`` writes it: non-finite floats become ``null``."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
 def heatmap_matrix(
     rows: Iterable[TensorStatsRow], stat: str, max_columns: int = 256
 ) -> tuple[list[str], list[int], np.ndarray]:
@@ -214,9 +318,11 @@ class MLflowTracker(QueuedTracker):
         experiment_name, run_name: for a run this tracker creates.
         artifact_location: artifact root of the experiment if this tracker creates it (by
             default MLflow uses ``./mlruns`` under the current directory for a SQLite store).
-        table_every_n_steps: write buffered table rows every n logged steps (0 = only at finish).
-        max_buffered_rows: table rows buffered at most; reaching it writes the tables early, so
-            memory stays bounded whatever ``table_every_n_steps`` says.
+        table_every_n_steps: write the tables every n logged steps (0 = only at finish).
+        max_buffered_rows: tensor rows not yet written at most; reaching it writes the tables
+            early (rows wait on local disk, see :class:`TableSpool`, not in memory).
+        spool_dir: where rows wait for the next table write (a new temporary directory, removed
+            by :meth:`finish`, when None).
         heatmap: log ``fp8_heatmap.png`` (underflow and MSE by layer over steps) at finish.
         heatmap_stats: the statistics shown in the heatmap.
         heatmap_columns: step columns of the heatmap (a fixed-size summary, see :class:`HeatmapSummary`).
@@ -245,6 +351,7 @@ class MLflowTracker(QueuedTracker):
         heatmap: bool = True,
         heatmap_stats: Sequence[str] = ("underflow_pct", "mse"),
         heatmap_columns: int = 256,
+        spool_dir: str | Path | None = None,
         name: str = "mlflow",
         background: bool = True,
         max_queue: int = 1000,
@@ -279,11 +386,19 @@ class MLflowTracker(QueuedTracker):
         self.max_buffered_rows = max_buffered_rows
         self._keys: dict[str, str] = {}  # raw name -> sanitised key (names repeat every step)
         self._heatmap = HeatmapSummary(self.heatmap_stats, heatmap_columns)
-        self._unwritten_rows: list[TensorStatsRow] = []
+        self._own_spool_dir = spool_dir is None
+        self._spool_dir = Path(tempfile.mkdtemp(prefix="fp8track-mlflow-") if spool_dir is None else spool_dir)
+        if self._own_spool_dir:  # removed by finish, else when the tracker is collected or at exit
+            weakref.finalize(self, shutil.rmtree, self._spool_dir, True)
+        self._stats_table = TableSpool(self._spool_dir, f"{naming.TABLE_TENSOR_STATS}.json")
+        self._event_tables = {key: TableSpool(self._spool_dir, f"{key}.json", EVENT_COLUMNS) for key in EVENT_TABLES.values()}
+        # Tables an existing run may already hold (rows logged before a resume or by a replay),
+        # read once before the first write; a run this tracker creates has none.
+        self._unseeded = set() if self.own_run else {t.name for t in self._tables()}
+        self._stat_columns: list[str] = []
         self._ts: tuple[int, int] = (-1, 0)  # (step, ms timestamp): a retried step reuses its timestamp
         self._buffered_step: int | None = None  # last step whose rows/events were buffered
         self._logged_steps: frozenset[int] = frozenset()  # an existing run's steps (set by start)
-        self._events: dict[str, list[list[Any]]] = {}
         self._steps_since_tables = 0
         self.worst_event: EventRecord | None = None
 
@@ -380,12 +495,12 @@ class MLflowTracker(QueuedTracker):
         self._buffered_step = step
         if batch.tensor_rows:
             self._heatmap.add(batch.tensor_rows)
-            self._unwritten_rows.extend(batch.tensor_rows)
+            self._spool_tensor_rows(batch.tensor_rows)
         new_worst = None
         for ev in batch.events:
             key = EVENT_TABLES.get(ev.kind)
             if key is not None:
-                self._events.setdefault(key, []).append(event_row(ev))
+                self._event_tables[key].add([event_row(ev)])
             if event_severity(ev) > -math.inf and (
                 self.worst_event is None or event_severity(ev) > event_severity(self.worst_event)
             ):
@@ -395,7 +510,7 @@ class MLflowTracker(QueuedTracker):
             if new_worst is not None:
                 self._tag_worst(new_worst)
             due = self.table_every_n_steps and self._steps_since_tables >= self.table_every_n_steps
-            if due or len(self._unwritten_rows) >= self.max_buffered_rows:
+            if due or self._stats_table.unwritten >= self.max_buffered_rows:
                 self._write_tables()
         except Exception as exc:
             # The step's scalars arrived; its rows and events stay buffered and go out with the next
@@ -418,25 +533,52 @@ class MLflowTracker(QueuedTracker):
             self._ensure_run(), tags=[RunTag(k, redact(v)[:MAX_TAG_VALUE_LEN]) for k, v in tags.items()], synchronous=True
         )
 
-    def _write_tables(self) -> None:
-        import pandas as pd
+    def _spool_tensor_rows(self, rows: Sequence[TensorStatsRow]) -> None:
+        table = self._stats_table
+        if not table.columns:
+            table.add_columns(TENSOR_KEY_COLUMNS)
+        new = [c for c in tensor_stat_columns(rows) if c not in self._stat_columns]
+        if new:
+            self._stat_columns += new
+            table.add_columns(new)
+        cols = self._stat_columns
+        table.add([r.step, r.layer, r.tensor, r.variant, *(r.stats.get(c) for c in cols)] for r in rows)
 
+    def _tables(self) -> list[TableSpool]:
+        return [self._stats_table, *self._event_tables.values()]
+
+    def _write_tables(self) -> None:
+        """Log every table with rows not yet written, each as the whole table (MLflow keeps one
+        file per table); rows of an existing run's tables (a resumed run) come first."""
         run_id = self._ensure_run()
         self._steps_since_tables = 0
-        if self._unwritten_rows:
-            rows = self._unwritten_rows
-            cols = tensor_stat_columns(rows)
-            df = pd.DataFrame(
-                [[r.step, r.layer, r.tensor, r.variant, *(r.stats.get(c) for c in cols)] for r in rows],
-                columns=[*TENSOR_KEY_COLUMNS, *cols],
-            )
-            self.client.log_table(run_id, data=df, artifact_file=f"{naming.TABLE_TENSOR_STATS}.json")
-            self._unwritten_rows = []
-        for key, event_rows in list(self._events.items()):
-            if event_rows:
-                df = pd.DataFrame(event_rows, columns=list(EVENT_COLUMNS))
-                self.client.log_table(run_id, data=df, artifact_file=f"{key}.json")
-                self._events[key] = []
+        if self._unseeded:
+            existing = {a.path for a in self.client.list_artifacts(run_id)}
+            for table in self._tables():
+                if table.name not in self._unseeded:
+                    continue
+                if table.name in existing:
+                    with tempfile.TemporaryDirectory() as tmp:
+                        local = self.client.download_artifacts(run_id, table.name, tmp)
+                        table.prepend(json.loads(Path(local).read_text()))
+                self._unseeded.discard(table.name)
+        for table in self._tables():
+            if not table.unwritten:
+                continue
+            out = self._spool_dir / "upload"
+            out.mkdir(exist_ok=True)
+            self.client.log_artifact(run_id, str(table.export(out)))
+            table.written = table.rows
+            self._tag_table(run_id, table.name)
+
+    def _tag_table(self, run_id: str, name: str) -> None:
+        """List ``name`` in the run's ``mlflow.loggedArtifacts`` tag as a table, as
+        ``log_table`` does (the experiment page offers it for comparison across runs)."""
+        tags = self.client.get_run(run_id).data.tags
+        listed = json.loads(tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]"))
+        entry = {"path": name, "type": "table"}
+        if entry not in listed:
+            self.client.set_tag(run_id, MLFLOW_LOGGED_ARTIFACTS, json.dumps([*listed, entry]))
 
     def _close(self) -> None:
         run_id = self._ensure_run()
@@ -444,10 +586,13 @@ class MLflowTracker(QueuedTracker):
             self._write_tables()
         except Exception as exc:
             # The rows are lost with this process unless replayed: name their steps.
-            steps = {r.step for r in self._unwritten_rows} | {row[0] for rows in self._events.values() for row in rows}
+            steps = {row[0] for table in self._tables() for row in table.iter_rows(table.written)}
             for step in sorted(steps):
                 self._record_failure(step, TablesNotWritten(exc))
             raise
+        finally:
+            if self._own_spool_dir:
+                shutil.rmtree(self._spool_dir, ignore_errors=True)
         if self.heatmap and self._heatmap.labels:
             fig = heatmap_figure(self._heatmap, self.heatmap_stats)
             if fig is not None:

@@ -5,7 +5,9 @@ the same convention as Lightning's ``WandbLogger``; W&B's own ``step=`` must onl
 replayed or out-of-order steps would be dropped). ``define_metric`` makes every ``fp8/*`` metric
 plot against that step with ``min`` and ``max`` summaries. Per-layer rows go to an
 ``INCREMENTAL`` ``wandb.Table`` (each log uploads only the new rows); events go to one
-incremental table per kind. Events whose data has ``"alert": True`` raise ``run.alert``,
+incremental table per kind. Once a table is logged its rows are in W&B's files and are dropped
+from the ``Table`` object, which wandb would otherwise keep for the whole run (memory then
+holds at most ``table_every_n_steps`` steps of rows, whatever the run's length). Events whose data has ``"alert": True`` raise ``run.alert``,
 throttled per title. The run config holds the recipe and the BF16 fallback set.
 
 ``wandb`` is imported only when a tracker is built; this module never sets ``WANDB_MODE``.
@@ -247,6 +249,8 @@ class WandbTracker(QueuedTracker):
             # The rows stay pending and go out with a later step: only the scalars are missed.
             raise ScalarsNotWritten(exc) from exc
         if due:
+            for key in self._pending:
+                drop_logged_rows(self._tables[key])
             self._pending.clear()
             self._pending_steps.clear()
             self._steps_since_table = 0
@@ -264,9 +268,30 @@ class WandbTracker(QueuedTracker):
                 for step in sorted(self._pending_steps):
                     self._record_failure(step, TablesNotWritten(exc))
                 raise
+            for key in self._pending:
+                drop_logged_rows(self._tables[key])
             self._pending.clear()
         if self.own_run:
             self.run.finish()
+
+
+def drop_logged_rows(table: wandb.Table) -> int:
+    """Remove the rows an ``INCREMENTAL`` table has already logged from its ``data``; returns how
+    many. Call it right after the ``run.log`` that logged the table.
+
+    wandb keeps every row ever added in ``Table.data`` and logs ``data[_last_logged_idx + 1:]``
+    (wandb 0.31: ``wandb/sdk/data_types/table.py`` ``Table._to_table_json``; the index is set to
+    ``len(data) - 1`` after each log in ``wandb/sdk/data_types/utils.py`` ``val_to_json``), so an
+    incremental table grows by every row of the run. A logged row is already written to the
+    increment's file, so dropping it and resetting the index loses nothing. With a wandb whose
+    ``Table`` lacks that index (another layout) the rows are kept, as wandb itself does.
+    """
+    logged = getattr(table, "_last_logged_idx", None)
+    if getattr(table, "log_mode", None) != "INCREMENTAL" or not isinstance(logged, int) or logged < 0:
+        return 0
+    del table.data[: logged + 1]
+    table._last_logged_idx = -1
+    return logged + 1
 
 
 def _num(v: Any) -> float | None:

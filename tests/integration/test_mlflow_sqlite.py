@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -107,21 +109,25 @@ def test_tables_written_in_chunks_not_every_step(store, tmp_path):
     run_id = client.create_run(exp).info.run_id
     tracker = MLflowTracker(client=client, run_id=run_id, table_every_n_steps=3, heatmap=False)
     calls = []
-    original = client.log_table
+    original = client.log_artifact
 
-    def counting_log_table(*a, **k):  # counts real calls; the real method still runs
-        calls.append(k.get("artifact_file"))
-        return original(*a, **k)
+    def counting_log_artifact(run, local_path, *a, **k):  # counts real calls; the real method still runs
+        calls.append((Path(local_path).name, len(json.loads(Path(local_path).read_text())["data"])))
+        return original(run, local_path, *a, **k)
 
-    client.log_table = counting_log_table
+    client.log_artifact = counting_log_artifact
     fan = TrackerFanout([tracker], tmp_path / "run")
     for s in range(7):
         fan.log(StepBatch(step=s, tensor_rows=_batch(s).tensor_rows))
     fan.finish()
-    # steps 0-2, 3-5 and the rest at finish: three writes, every row once
-    assert calls == [f"{naming.TABLE_TENSOR_STATS}.json"] * 3
-    table = load_table(client, run_id, f"{naming.TABLE_TENSOR_STATS}.json")
+    # steps 0-2, 3-5 and the rest at finish: three writes of the whole table so far, every row once
+    name = f"{naming.TABLE_TENSOR_STATS}.json"
+    assert calls == [(name, 3 * 3), (name, 6 * 3), (name, 7 * 3)]
+    table = load_table(client, run_id, name)
     assert sorted(table.step.tolist()) == sorted(s for s in range(7) for _ in LAYERS)
+    assert table.columns.tolist() == ["step", "layer", "tensor", "variant", "underflow_pct", "mse"]
+    # listed as a table, as log_table lists it
+    assert {"path": name, "type": "table"} in json.loads(client.get_run(run_id).data.tags["mlflow.loggedArtifacts"])
 
 
 def test_batches_over_1000_metrics_and_name_sanitising(store, tmp_path):

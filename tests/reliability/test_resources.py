@@ -90,3 +90,30 @@ def test_unwritable_log_dir_is_refused_before_step_0(tmp_path):
     monitor = Monitor(torch.nn.Sequential(torch.nn.Linear(4, 4)), log_dir=blocker / "runs")
     with pytest.raises(ConfigError, match="cannot write the run directory .* pass a writable log_dir"):
         monitor.attach()
+
+
+def test_wandb_incremental_table_keeps_only_rows_not_yet_logged(tmp_path, monkeypatch):
+    """wandb keeps every row of an INCREMENTAL table in ``Table.data``; the adapter drops the rows
+    once logged, so the table holds at most ``table_every_n_steps`` steps of rows, and the
+    increment files on disk still hold every row exactly once."""
+    pytest.importorskip("wandb")
+    import json
+
+    from fp8track.monitoring import naming
+    from fp8track.trackers.base import StepBatch
+    from fp8track.trackers.wandb import WandbTracker
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tracker = WandbTracker.create(project="bounded", dir=str(tmp_path), mode="offline", table_every_n_steps=3, background=False)
+    sizes = []
+    for step in range(20):
+        rows = [Row(step, layer, "weight", {"mse": float(step), "underflow_pct": 1.0}) for layer in ("fc1", "fc2")]
+        tracker.log(StepBatch(step=step, metrics={"loss": 1.0}, tensor_rows=rows, events=[]))
+        sizes.append(len(tracker._tables[naming.TABLE_TENSOR_STATS].data))
+    # 2 rows a step, logged (and dropped) on every 3rd step: 2, 4, 0, 2, 4, 0, ...
+    assert sizes == [2 * ((s % 3 + 1) % 3) for s in range(20)], sizes
+    tracker.finish()  # logs the last 2 steps' rows
+    assert len(tracker._tables[naming.TABLE_TENSOR_STATS].data) == 0
+    files = sorted((Path(tracker.run.dir) / "media" / "table").glob(f"{naming.TABLE_TENSOR_STATS}_*.table.json"))
+    rows = [tuple(r[:2]) for f in files for r in json.loads(f.read_text())["data"]]
+    assert len(files) == 7 and sorted(rows) == sorted((s, lay) for s in range(20) for lay in ("fc1", "fc2"))
