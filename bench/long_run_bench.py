@@ -47,10 +47,12 @@ def long_run(
     checkpoints: tuple[int, ...] = (),
     use_wandb: bool = True,
     use_mlflow: bool = True,
+    table_every_n_steps: int = 1000,
     on_checkpoint: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Run ``steps`` optimizer steps; measure RSS and run-directory size at each checkpoint step
-    (after which ``on_checkpoint(step)`` is called, e.g. to take a tracemalloc snapshot)."""
+    (after which ``on_checkpoint(step)`` is called, e.g. to take a tracemalloc snapshot). Both
+    trackers write their tables every ``table_every_n_steps`` logged steps."""
     import torch
 
     from fp8track import MonitorConfig
@@ -65,12 +67,12 @@ def long_run(
     if use_mlflow:
         trackers.append(MLflowTracker(
             tracking_uri=f"sqlite:///{out}/mlflow.db", experiment_name="long-run",
-            artifact_location=(out / "artifacts").as_uri(), table_every_n_steps=1000,
+            artifact_location=(out / "artifacts").as_uri(), table_every_n_steps=table_every_n_steps,
         ))  # fmt: skip
     if use_wandb:
         from fp8track.trackers.wandb import WandbTracker
 
-        trackers.append(WandbTracker.create(project="long-run", dir=str(out), mode="offline", table_every_n_steps=1000))
+        trackers.append(WandbTracker.create(project="long-run", dir=str(out), mode="offline", table_every_n_steps=table_every_n_steps))
     config = MonitorConfig(every_n_steps=every_n_steps)
     monitor = Monitor(model, config, log_dir=out / "runs", trackers=trackers).attach()
     x = torch.randn(8, 16)
@@ -117,6 +119,7 @@ def main() -> None:
     ap.add_argument("--every-n-steps", type=int, default=100)
     ap.add_argument("--no-wandb", action="store_true")
     ap.add_argument("--no-mlflow", action="store_true")
+    ap.add_argument("--table-every-n-steps", type=int, default=1000, help="logged steps between table writes")
     ap.add_argument("--checkpoints", default="10000,100000,250000,500000,750000", help="comma-separated steps")
     ap.add_argument("--tracemalloc", type=int, default=0, metavar="N", help="print the N most grown tracebacks")
     args = ap.parse_args()
@@ -133,7 +136,8 @@ def main() -> None:
         os.chdir(tmp)  # MLflow and W&B defaults write to the working directory
         result = long_run(
             Path(tmp), args.steps, args.every_n_steps, checkpoints,
-            use_wandb=not args.no_wandb, use_mlflow=not args.no_mlflow, on_checkpoint=on_checkpoint,
+            use_wandb=not args.no_wandb, use_mlflow=not args.no_mlflow,
+            table_every_n_steps=args.table_every_n_steps, on_checkpoint=on_checkpoint,
         )  # fmt: skip
     first, last = result["points"][0], result["points"][-1]
     result["rss_growth_mib_first_to_last"] = round(last["rss_mib"] - first["rss_mib"], 1)

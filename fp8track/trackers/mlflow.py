@@ -192,6 +192,9 @@ class TableSpool:
         self.columns = list(columns)
         self.rows = 0  # rows in the spool
         self.written = 0  # rows in the spool when the last export was logged
+        # (first row, width): rows from `first` on were added with `width` columns. Columns only
+        # grow, so this holds one entry per widening; full-width rows are exported as stored.
+        self._widths: list[tuple[int, int]] = []
 
     @property
     def unwritten(self) -> int:
@@ -207,6 +210,8 @@ class TableSpool:
         lines = [json.dumps([_json_value(v) for v in row]) + "\n" for row in rows]
         with self.path.open("a", encoding="utf-8") as f:
             f.writelines(lines)
+        if not self._widths or self._widths[-1][1] != len(self.columns):
+            self._widths.append((self.rows, len(self.columns)))
         self.rows += len(lines)
 
     def prepend(self, table: Mapping[str, Any]) -> None:
@@ -227,27 +232,39 @@ class TableSpool:
                 with self.path.open(encoding="utf-8") as src:
                     shutil.copyfileobj(src, out)
         tmp.replace(self.path)
+        self._widths = [(0, 0), *((first + n, w) for first, w in self._widths)]  # prepended rows: parsed on export
         self.rows += n
         self.written += n
 
-    def iter_rows(self, start: int = 0) -> Iterable[list[Any]]:
-        """The spooled rows from row ``start`` on, padded to :attr:`columns`."""
+    def _lines(self, start: int = 0) -> Iterable[tuple[str, bool]]:
+        """``(line, full_width)`` of the spooled rows from row ``start`` on."""
         if not self.path.exists():
             return
-        width = len(self.columns)
+        width, bounds = len(self.columns), [first for first, _ in self._widths[1:]]
         with self.path.open(encoding="utf-8") as f:
             for i, line in enumerate(f):
                 if i >= start:
-                    row = json.loads(line)
-                    yield row + [None] * (width - len(row))
+                    segment = bisect.bisect_right(bounds, i)
+                    yield line.rstrip("\n"), bool(self._widths) and self._widths[segment][1] == width
+
+    def iter_rows(self, start: int = 0) -> Iterable[list[Any]]:
+        """The spooled rows from row ``start`` on, padded to :attr:`columns`."""
+        width = len(self.columns)
+        for line, _ in self._lines(start):
+            row = json.loads(line)
+            yield row + [None] * (width - len(row))
 
     def export(self, directory: str | Path) -> Path:
         """Write ``<directory>/<name>`` (the whole table, split JSON) and return its path."""
+        width = len(self.columns)
         out_path = Path(directory) / self.name
         with out_path.open("w", encoding="utf-8") as out:
             out.write('{"columns":' + json.dumps(self.columns) + ',"data":[')
-            for i, row in enumerate(self.iter_rows()):
-                out.write(("," if i else "") + json.dumps(row))
+            for i, (line, full) in enumerate(self._lines()):
+                if not full:  # added before a column was: pad it
+                    row = json.loads(line)
+                    line = json.dumps(row + [None] * (width - len(row)))
+                out.write("," + line if i else line)
             out.write("]}")
         return out_path
 

@@ -130,6 +130,29 @@ def test_tables_written_in_chunks_not_every_step(store, tmp_path):
     assert {"path": name, "type": "table"} in json.loads(client.get_run(run_id).data.tags["mlflow.loggedArtifacts"])
 
 
+def test_a_second_tracker_on_the_same_run_appends_to_its_tables(store, tmp_path):
+    """As ``log_table`` appends to an existing table file, a tracker logging into a run that
+    already holds tables (a resumed run, a replay) keeps their rows and adds its own, once each."""
+    uri, client, exp = store
+    run_id = client.create_run(exp).info.run_id
+    first = MLflowTracker(client=client, run_id=run_id, heatmap=False, background=False)
+    for s in range(3):
+        first.log(_batch(s))
+    first.finish()
+    second = MLflowTracker(client=client, run_id=run_id, heatmap=False, background=False)
+    for s in range(3, 7):
+        second.log(_batch(s))
+    second.finish()
+    table = load_table(client, run_id, f"{naming.TABLE_TENSOR_STATS}.json")
+    assert table.step.tolist() == [s for s in range(7) for _ in LAYERS]
+    assert table.mse.tolist() == pytest.approx([10.0 ** -(i + 1) for _ in range(7) for i in range(3)])
+    spikes = load_table(client, run_id, f"{naming.TABLE_SPIKE_EVENTS}.json")
+    assert spikes.step.tolist() == [2, 4, 6]
+    listed = json.loads(client.get_run(run_id).data.tags["mlflow.loggedArtifacts"])
+    assert sorted(e["path"] for e in listed) == sorted({f"{naming.TABLE_TENSOR_STATS}.json", f"{naming.TABLE_SPIKE_EVENTS}.json"})
+    assert not first._spool_dir.exists() and not second._spool_dir.exists()  # spools removed at finish
+
+
 def test_batches_over_1000_metrics_and_name_sanitising(store, tmp_path):
     uri, client, exp = store
     experiment_name = client.get_experiment(exp).name

@@ -117,3 +117,48 @@ def test_wandb_incremental_table_keeps_only_rows_not_yet_logged(tmp_path, monkey
     files = sorted((Path(tracker.run.dir) / "media" / "table").glob(f"{naming.TABLE_TENSOR_STATS}_*.table.json"))
     rows = [tuple(r[:2]) for f in files for r in json.loads(f.read_text())["data"]]
     assert len(files) == 7 and sorted(rows) == sorted((s, lay) for s in range(20) for lay in ("fc1", "fc2"))
+
+
+def test_mlflow_table_spool_holds_no_row_in_memory_and_writes_what_log_table_writes(tmp_path):
+    """The MLflow adapter's tables wait on disk: adding 20,000 rows leaves the spool's memory as
+    it was, and the export reads back exactly like the file ``log_table`` writes (pandas split
+    JSON), non-finite values as null, a late column null in earlier rows."""
+    import math
+    import tracemalloc
+
+    pd = pytest.importorskip("pandas")
+    from fp8track.trackers.mlflow import TableSpool
+
+    spool = TableSpool(tmp_path / "spool", "t.json", ["step", "layer", "mse"])
+    rows = [[s, f"l{s % 3}", s / 7] for s in range(20_000)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(0, len(rows), 6):
+            spool.add(rows[i : i + 6])
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert spool.rows == 20_000 and spool.unwritten == 20_000
+    assert held < 16 * 1024, held  # the 20,000 rows themselves are megabytes
+
+    spool.add([[20_000, "l0", math.nan], [20_001, "l1", math.inf]])
+    spool.add_columns(["mse", "underflow_pct"])  # a statistic first seen now: the last column
+    spool.add([[20_002, "l2", 1.5, 25.0]])
+    got = pd.read_json(spool.export(tmp_path), orient="split")
+    reference = tmp_path / "reference.json"  # what MlflowClient.log_table writes for the same rows
+    expected = pd.DataFrame(
+        [*rows, [20_000, "l0", None], [20_001, "l1", None], [20_002, "l2", 1.5, 25.0]],
+        columns=["step", "layer", "mse", "underflow_pct"],
+    )
+    expected.to_json(reference, orient="split", index=False)
+    pd.testing.assert_frame_equal(got, pd.read_json(reference, orient="split"))
+    assert got.shape == (20_003, 4) and got.underflow_pct.isna().sum() == 20_002
+
+    # An existing table (a resumed run's artifact) goes first, its columns matched by name.
+    resumed = TableSpool(tmp_path / "spool2", "t.json", ["step", "layer", "mse"])
+    resumed.add([[5, "l0", 0.5]])
+    resumed.prepend({"columns": ["layer", "step", "extra"], "data": [["l9", 1, "x"], ["l8", 2, "y"]]})
+    assert resumed.columns == ["step", "layer", "mse", "extra"]
+    assert list(resumed.iter_rows()) == [[1, "l9", None, "x"], [2, "l8", None, "y"], [5, "l0", 0.5, None]]
+    assert (resumed.rows, resumed.written, resumed.unwritten) == (3, 2, 1)
