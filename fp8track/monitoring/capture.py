@@ -210,9 +210,11 @@ class LayerCapture:
         sharding: ShardSpec | None = None,
         *,
         hooks: bool = True,
+        collective_timeout_s: float | None = None,
     ) -> None:
         self.module = module
         self.sharding = sharding
+        self.collective_timeout_s = collective_timeout_s
         self._plan: LayerPlan | None = plan if isinstance(plan, LayerPlan) else None
         self._resolve = None if isinstance(plan, LayerPlan) else plan
         self.tensors = tuple(tensors)
@@ -302,7 +304,7 @@ class LayerCapture:
 
     def _add(self, tensor: str, x: torch.Tensor, actual: torch.Tensor | None = None) -> None:
         x = x.detach()
-        share = share_of(x, tensor, self.sharding)
+        share = share_of(x, tensor, self.sharding, self.collective_timeout_s)
         partials = self.partials
         for variant, scaling in self._observation_list():
             key = (tensor, variant)
