@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,22 +19,12 @@ from fp8track.trackers.replay import main as sync_main  # noqa: E402
 from fp8track.trackers.replay import missed_steps  # noqa: E402
 from fp8track.trackers.wandb import WandbTracker  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "reliability"))
+from wandb_records import history, inspect  # noqa: E402
+
 pytestmark = pytest.mark.slow
 
 STEP = "trainer/global_step"
-
-
-def inspect(run_dir: str | Path) -> list[dict]:
-    """Every record of an offline run, via W&B's own reader (``wandb leet inspect --json``)."""
-    exe = Path(sys.executable).with_name("wandb")
-    out = subprocess.run(
-        [str(exe), "leet", "inspect", str(run_dir), "--json"], check=True, capture_output=True, text=True, timeout=120
-    )
-    return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
-
-
-def history(records):
-    return [r["history"]["item"] for r in records if r["type"] == "history"]
 
 
 def table_rows(run_dir: Path, key: str) -> list[list]:
@@ -141,51 +130,4 @@ def test_lightning_wandb_logger_and_sync_of_missed_steps(tmp_path):
     assert [h[STEP] for h in replayed] == [0, 1, 2, 3, 4, 5]  # a new run gets every step
     assert [h["fp8/fc1/gradient/underflow_pct"] for h in replayed] == [0, 1, 2, 3, 4, 5]
     assert missed_steps(run_dir, "wandb") == []
-
-
-def test_resumed_run_keeps_the_wandb_step_axis_increasing(tmp_path):
-    """Kill after step 12 with the last checkpoint at step 10, resume: the resumed W&B run starts
-    after the last step the dead process recorded, so the two runs' steps, read in order, only
-    increase and hold every logging step once; the run directory still holds every step once."""
-    import torch
-
-    from fp8track import Monitor, MonitorConfig
-    from fp8track.monitoring.records import RunReader
-
-    def train(mon, model, steps):
-        for step in steps:
-            torch.manual_seed(step)
-            loss = model(torch.randn(4, 8)).square().mean()
-            loss.backward()
-            mon.step(loss=loss)
-            model.zero_grad()
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-    cfg = MonitorConfig(every_n_steps=2)
-    dead = WandbTracker.create(mode="offline", dir=str(tmp_path / "a"), project="resume")
-    mon = Monitor(model, cfg, log_dir=tmp_path / "runs", trackers=[dead]).attach()
-    train(mon, model, range(10))
-    checkpoint = mon.state_dict()
-    train(mon, model, range(10, 13))
-    dead.flush(60)  # the tracker had sent everything so far, then the process died (no close)
-    dead.run.finish()
-
-    resumed = WandbTracker.create(mode="offline", dir=str(tmp_path / "b"), project="resume")
-    mon2 = Monitor(model, cfg, log_dir=tmp_path / "runs", trackers=[resumed])
-    mon2.load_state_dict(checkpoint)
-    mon2.attach()
-    train(mon2, model, range(10, 20))
-    mon2.close()
-
-    (a,) = (tmp_path / "a" / "wandb").glob("offline-run-*")
-    (b,) = (tmp_path / "b" / "wandb").glob("offline-run-*")
-    steps_a = [h[STEP] for h in history(inspect(a)) if "fp8/loss" in h]
-    steps_b = [h[STEP] for h in history(inspect(b)) if "fp8/loss" in h]
-    assert steps_a == [0, 2, 4, 6, 8, 10, 12]
-    assert steps_b == [14, 16, 18, 19]  # 19: the last step's loss, sent by close
-    both = steps_a + steps_b
-    assert both == sorted(set(both))  # strictly increasing across the kill
-    reader = RunReader(mon2.run_dir)
-    assert sorted(reader.series("fp8/loss")) == list(range(20))  # the local record keeps every step once
 
