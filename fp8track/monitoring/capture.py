@@ -31,7 +31,13 @@ from fp8track.execution.layers import GEMM_LAYER_KINDS, gemm_layers, gemm_weight
 from fp8track.monitoring.sharding import ShardSpec, Share, observed_weight, share_of
 from fp8track.numerics.formats import TENSOR_KINDS, get_format_pair
 from fp8track.numerics.scaling import BLOCK_SCALINGS, amax, block_layout, current_scale
-from fp8track.numerics.stats import block_partial_stats, empty_partial, merge_partials, partial_stats
+from fp8track.numerics.stats import (
+    block_partial_stats,
+    empty_partial,
+    identity_partial,
+    merge_partials,
+    partial_stats,
+)
 
 # How a tensor is scaled, per recipe family. "per_tensor" covers delayed, current and
 # fp8_input_bf16_gemm (one scale per tensor); block recipes carry their own per-block scales.
@@ -210,9 +216,11 @@ class LayerCapture:
         sharding: ShardSpec | None = None,
         *,
         hooks: bool = True,
+        collective_timeout_s: float | None = None,
     ) -> None:
         self.module = module
         self.sharding = sharding
+        self.collective_timeout_s = collective_timeout_s
         self._plan: LayerPlan | None = plan if isinstance(plan, LayerPlan) else None
         self._resolve = None if isinstance(plan, LayerPlan) else plan
         self.tensors = tuple(tensors)
@@ -280,7 +288,8 @@ class LayerCapture:
 
     def take(self, device: torch.device) -> list[torch.Tensor]:
         """The step's partials in :meth:`keys` order (empty partials where nothing was seen); resets."""
-        out = [self.partials.get(k, empty_partial(device)).to(device) for k in self.keys()]
+        empty = identity_partial(device)  # shared and read only: the flush stacks (copies) these
+        out = [empty if (p := self.partials.get(k)) is None else p.to(device) for k in self.keys()]
         self.partials.clear()
         return out
 
@@ -302,7 +311,7 @@ class LayerCapture:
 
     def _add(self, tensor: str, x: torch.Tensor, actual: torch.Tensor | None = None) -> None:
         x = x.detach()
-        share = share_of(x, tensor, self.sharding)
+        share = share_of(x, tensor, self.sharding, self.collective_timeout_s)
         partials = self.partials
         for variant, scaling in self._observation_list():
             key = (tensor, variant)

@@ -136,7 +136,7 @@ class StepSink(Protocol):
     """Where the writer rank sends each logging step after the run directory has it (the tracker
     fan-out of :mod:`fp8track.trackers`); built by a factory that receives the run directory."""
 
-    def start(self, meta: RunMeta) -> None: ...
+    def start(self, meta: RunMeta, recorded_before_resume: int | None = None) -> None: ...
 
     def log(self, batch: StepBatch) -> None: ...
 
@@ -223,7 +223,9 @@ class Monitor:
                 continue
             # Plans resolve at the first observation: backends build their state (TE's fp8_meta) lazily.
             plan = plans.get(fqn) or (lambda f=fqn, m=module: plan_for(f, m, cfg.shadow_format))
-            self.captures[fqn] = LayerCapture(module, plan, cfg.tensors, cfg.whatif, sharding)
+            self.captures[fqn] = LayerCapture(
+                module, plan, cfg.tensors, cfg.whatif, sharding, collective_timeout_s=cfg.collective_timeout_s
+            )
         if te_unseen:
             warnings.warn(
                 f"fp8track: {len(te_unseen)} TE layers ({', '.join(te_unseen[:4])}...) quantise tensors no module hook "
@@ -268,7 +270,7 @@ class Monitor:
             self._writer = RunWriter.create(self.log_dir, self.meta, self._resume_step)
             if self._sink_factory is not None:
                 self._fanout = self._sink_factory(self._writer.run_dir)
-                self._fanout.start(self.meta)
+                self._fanout.start(self.meta, self._writer.recorded_before_resume)
         self._attached = True
         if self._te is not None:
             self._te.start(self.global_step)

@@ -183,6 +183,9 @@ class RunWriter:
         self.meta = meta
         self.lines_lost = 0
         self.lines_dropped_on_resume = 0
+        # The last step the process that died had recorded (None: not resumed, or nothing after
+        # the checkpoint). Trackers are fed after the local record, so none of them can have a later step.
+        self.recorded_before_resume: int | None = None
         self._warned = False
         meta_path = self.run_dir / META_FILE
         try:
@@ -191,7 +194,10 @@ class RunWriter:
                 meta_path.write_text(redact(json.dumps(asdict(meta), indent=2, default=str)))
             if resume_step is not None:
                 for name in (METRICS_FILE, TENSOR_STATS_FILE, EVENTS_FILE):
-                    self.lines_dropped_on_resume += _truncate_from_step(self.run_dir / name, resume_step)
+                    dropped, last = _truncate_from_step(self.run_dir / name, resume_step)
+                    self.lines_dropped_on_resume += dropped
+                    if last is not None:
+                        self.recorded_before_resume = max(last, self.recorded_before_resume or last)
             self._files = {
                 name: open(self.run_dir / name, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
                 for name in (METRICS_FILE, TENSOR_STATS_FILE, EVENTS_FILE)
@@ -258,13 +264,13 @@ class RunWriter:
                 pass  # already reported by the failed write
 
 
-def _truncate_from_step(path: Path, step: int) -> int:
+def _truncate_from_step(path: Path, step: int) -> tuple[int, int | None]:
     """Remove the lines of ``path`` whose ``step`` is >= ``step`` (and a torn last line); atomic.
-    Returns the number of lines removed."""
+    Returns the number of lines removed and the largest step among them (None: none had one)."""
     if not path.exists():
-        return 0
+        return 0, None
     keep: list[bytes] = []
-    dropped = 0
+    dropped, last = 0, None
     with open(path, "rb") as f:
         for raw in f:
             try:
@@ -275,11 +281,13 @@ def _truncate_from_step(path: Path, step: int) -> int:
                 keep.append(raw)
             else:
                 dropped += 1
+                if isinstance(s, int):
+                    last = s if last is None else max(last, s)
     if dropped:
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_bytes(b"".join(keep))
         os.replace(tmp, path)
-    return dropped
+    return dropped, last
 
 
 def _check_record(record: Any) -> None:

@@ -93,12 +93,15 @@ class Share:
         piece: this rank's index among the ``pieces`` copies of ``local``.
         pieces: number of ranks holding the same ``local`` (1 = none besides this one).
         amax_groups: process groups over which the tensor's shards share one scale.
+        timeout_s: the longest :meth:`amax` waits for each of those all-reduces (None: the process
+            group's own timeout); a peer that died or hangs raises :class:`fp8track.errors.RankFailure`.
     """
 
     local: torch.Tensor
     piece: int = 0
     pieces: int = 1
     amax_groups: tuple[Any, ...] = ()
+    timeout_s: float | None = None
     _amax: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -121,8 +124,13 @@ class Share:
             if self.amax_groups:
                 import torch.distributed as dist
 
+                from fp8track.numerics.stats import wait_collectives
+
+                # One group after the other (a mesh's groups overlap); each wait bounded like the
+                # statistics all-reduce, so a dead peer raises RankFailure instead of hanging a hook.
                 for g in self.amax_groups:
-                    dist.all_reduce(a, op=dist.ReduceOp.MAX, group=g)
+                    work = dist.all_reduce(a, op=dist.ReduceOp.MAX, group=g, async_op=True)
+                    wait_collectives([work], self.timeout_s, "the tensor-parallel amax all-reduce")
             self._amax = a
         return self._amax
 
@@ -134,8 +142,9 @@ class Share:
         return current_scale(self.amax(), fmt, margin)
 
 
-def share_of(x: torch.Tensor, kind: str, spec: ShardSpec | None) -> Share:
-    """Decide this rank's share of the observed ``x`` of tensor kind ``kind`` (see module docstring)."""
+def share_of(x: torch.Tensor, kind: str, spec: ShardSpec | None, timeout_s: float | None = None) -> Share:
+    """Decide this rank's share of the observed ``x`` of tensor kind ``kind`` (see module docstring);
+    ``timeout_s`` bounds the amax all-reduce of a tensor sharded under one scale."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -166,7 +175,7 @@ def share_of(x: torch.Tensor, kind: str, spec: ShardSpec | None) -> Share:
             if kind == "weight" or not data:
                 copies.append((root.size(i), root.get_local_rank(i)))
     piece, pieces = _linear_index(copies)
-    return Share(_local(x), piece, pieces, tuple(groups))
+    return Share(_local(x), piece, pieces, tuple(groups), timeout_s)
 
 
 def _linear_index(copies: Sequence[tuple[int, int]]) -> tuple[int, int]:

@@ -50,7 +50,10 @@ def scale_from_amax(
     # float32 division on CUDA is approximate, off by an ulp; ``python_float / tensor`` runs as
     # reciprocal-then-multiply). Multiplying by a power of two is exact: ``* 2**-margin``.
     numerator = fmt_max if isinstance(fmt_max, torch.Tensor) else torch.full_like(amax_value, fmt_max)
-    quotient = torch.div(numerator.to(torch.float64), amax_value.to(torch.float64)).to(torch.float32)
+    if amax_value.device.type == "mps":  # MPS has no float64: divide in float32 there
+        quotient = torch.div(numerator, amax_value)
+    else:
+        quotient = torch.div(numerator.to(torch.float64), amax_value.to(torch.float64)).to(torch.float32)
     scale = quotient * margin_factor
     usable = (amax_value > 0) & torch.isfinite(amax_value)
     scale = torch.where(usable, scale, previous)

@@ -365,8 +365,9 @@ def _remove_padding(partial: torch.Tensor, pad: int) -> torch.Tensor:
     return partial - fix
 
 
-def _identity(device: torch.device) -> torch.Tensor:
-    """A cached :func:`empty_partial` (read only: the kernel merges into it and returns a new tensor)."""
+def identity_partial(device: torch.device) -> torch.Tensor:
+    """A cached :func:`empty_partial` on ``device``: read only (the kernel merges into it and returns a
+    new tensor; stacking copies it)."""
     key = str(device)
     hit = _IDENTITY_CACHE.get(key)
     if hit is None:
@@ -432,7 +433,7 @@ def partial_stats(
         try:
             if main.shape[0] >= 2:
                 torch._dynamo.mark_dynamic(main, 0)
-            acc = _identity(x.device) if into is None else into
+            acc = identity_partial(x.device) if into is None else into
             out = _POLICY.get_kernel(x.device.type)(main, tail, acc, s.reshape(()), use_current, fconst)
             return _remove_padding(out, pad + tail_pad) if pad + tail_pad else out
         except Exception as exc:  # compiler missing or broken: warn once, stay eager

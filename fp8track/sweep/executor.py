@@ -53,6 +53,7 @@ from fp8track.sweep.summary import (
     row_from_run,
     summary_table,
 )
+from fp8track.trackers.mlflow import RetryingClient
 from fp8track.trial import JsonCache, file_lock
 
 PARENT_ATTR = "mlflow_parent_run_id"
@@ -213,7 +214,9 @@ class _Sweep:
         # Creating the stores (SQLite tables) and the study/parent is one critical section for the
         # workers of this machine; workers on other machines wait for the parent id instead.
         with file_lock(options.out / ".sweep-init.lock"):
-            self.client = MlflowClient(options.mlflow_uri)
+            # Several workers write one store; SQLite lets a writer wait 5 s, then "database is
+            # locked": such calls are retried (a loaded machine can hold the lock longer).
+            self.client = RetryingClient(MlflowClient(options.mlflow_uri))
             self.experiment_id = self._experiment()
             with _experimental_ok():
                 storage = optuna.storages.RDBStorage(
@@ -384,11 +387,13 @@ class _Sweep:
             retry_of = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(frozen)
         self.ran.append(trial.number)
         t0 = time.perf_counter()
-        control = self.control(cfg)
+        # The child run first: whatever fails from here on (the control included) is tagged on it.
         rid = self._create_child(trial.number, params, retry_of)
         trial.set_user_attr("mlflow_run_id", rid)
-        loggers = self._wandb_logger(trial.number, params) if self.options.wandb else []
+        loggers: list[Any] = []
         try:
+            control = self.control(cfg)
+            loggers = self._wandb_logger(trial.number, params) if self.options.wandb else []
             ranking = None
             from fp8track.execution.fallback import FallbackSpec
 

@@ -122,6 +122,9 @@ class Tracker(ABC):
     """
 
     name: str = "tracker"
+    # True where a step sent twice would break the step axis (W&B's history, a Lightning logger): a
+    # resumed run then skips the steps the process that died had recorded (see TrackerFanout.start).
+    monotonic_steps: bool = False
 
     def start(self, meta: RunMeta) -> None:  # noqa: B027 (optional hook)
         """Record what the run is (recipe, BF16 layers, versions) as config/params/tags."""
@@ -379,6 +382,7 @@ class TrackerFanout:
         self._warned: set[str] = set()
         self.failures: dict[str, int] = {t.name: 0 for t in trackers}
         self.notices: dict[str, int] = {t.name: 0 for t in trackers}
+        self._skip_through: int | None = None
 
     def _fail(self, tracker: Tracker, step: int | None, what: str, exc: BaseException) -> None:
         self.failures[tracker.name] = self.failures.get(tracker.name, 0) + 1
@@ -423,7 +427,12 @@ class TrackerFanout:
         for step, exc in failures:
             self._fail(tracker, step, what, exc)
 
-    def start(self, meta: RunMeta) -> None:
+    def start(self, meta: RunMeta, recorded_before_resume: int | None = None) -> None:
+        """Start every tracker. ``recorded_before_resume``: the run resumes from a checkpoint and
+        the process that died had recorded steps up to this one; trackers with ``monotonic_steps``
+        get no step up to it again (they may hold it already; MLflow instead checks its run's history),
+        so their step axis only increases. The steps' records stay complete in the run directory."""
+        self._skip_through = recorded_before_resume
         for t in self.trackers:
             try:
                 t.start(meta)
@@ -431,7 +440,10 @@ class TrackerFanout:
                 self._fail(t, None, "start", exc)
 
     def log(self, batch: StepBatch) -> None:
+        replayed = self._skip_through is not None and batch.step <= self._skip_through
         for t in self.trackers:
+            if replayed and t.monotonic_steps:
+                continue
             try:
                 t.log(batch)
             except Exception as exc:

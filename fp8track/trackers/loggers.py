@@ -51,6 +51,8 @@ class LoggerTracker(QueuedTracker):
         name: tracker name (missed-step file ``sync/<name>.missed.jsonl``).
     """
 
+    monotonic_steps = True  # WandbLogger's history; CSV and TensorBoard would hold a step twice
+
     def __init__(self, logger: Any, name: str | None = None) -> None:
         super().__init__(background=False)
         self.logger = logger

@@ -323,6 +323,55 @@ def heatmap_figure(
     return fig
 
 
+def transient_mlflow_error(exc: BaseException) -> bool:
+    """A request that did not reach the server or that the server could not serve now (connection
+    and time-out errors, MLflow's "API request ... failed", HTTP 429/502/503/504, a SQLite store
+    locked by another process's write): a retry may cure it. Anything else (a bad value, no such
+    run, a server error) is not transient."""
+    if isinstance(exc, (ConnectionError, TimeoutError, OSError)) or "database is locked" in str(exc):
+        return True
+    try:
+        from mlflow.exceptions import MlflowException
+    except ImportError:
+        return False
+    if not isinstance(exc, MlflowException):
+        return False
+    return (
+        str(exc).startswith("API request to")
+        or exc.error_code in ("TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED")
+        or exc.get_http_status_code() in (429, 502, 503, 504)
+    )
+
+
+class RetryingClient:
+    """An ``MlflowClient`` whose calls are retried on :func:`transient_mlflow_error` with
+    exponential back-off (``initial_s`` doubling up to 2 s) for up to ``for_s`` seconds, then the
+    error is raised. For callers outside a tracker's queue (the sweep executor), where several
+    processes write one SQLite store. A failed write is rolled back by the store, so a retry
+    cannot write twice."""
+
+    def __init__(self, client: Any, for_s: float = 120.0, initial_s: float = 0.05) -> None:
+        self._client, self._for_s, self._initial_s = client, for_s, initial_s
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            delay, deadline = self._initial_s, time.monotonic() + self._for_s
+            while True:
+                try:
+                    return attr(*args, **kwargs)
+                except Exception as exc:
+                    if not transient_mlflow_error(exc) or time.monotonic() + delay > deadline:
+                        raise
+                    time.sleep(delay)
+                    delay = min(2 * delay, 2.0)
+
+        return call
+
+
 class MLflowTracker(QueuedTracker):
     """Logs step batches to one MLflow run.
 
@@ -420,24 +469,7 @@ class MLflowTracker(QueuedTracker):
         self.worst_event: EventRecord | None = None
 
     def _transient(self, exc: BaseException) -> bool:
-        """A request that did not reach the server or that the server could not serve now (MLflow's
-        "API request ... failed", HTTP 429/502/503/504, a locked SQLite store): a retry may cure
-        it. Anything else (a bad value, no such run, a server error) fails at once."""
-        if super()._transient(exc) or isinstance(exc, OSError):
-            return True
-        try:
-            from mlflow.exceptions import MlflowException
-        except ImportError:
-            return False
-        if not isinstance(exc, MlflowException):
-            return False
-        message = str(exc)
-        return (
-            message.startswith("API request to")
-            or "database is locked" in message
-            or exc.error_code in ("TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED")
-            or exc.get_http_status_code() in (429, 502, 503, 504)
-        )
+        return super()._transient(exc) or transient_mlflow_error(exc)
 
     # -- run metadata -----------------------------------------------------------------------
     def _ensure_run(self) -> str:

@@ -75,6 +75,8 @@ class WandbTracker(QueuedTracker):
         ConfigError: bad ``summaries``, ``table_every_n_steps`` or ``alert_wait_s``.
     """
 
+    monotonic_steps = True  # the step metric of W&B's history must only increase
+
     def __init__(
         self,
         run: wandb.Run | Callable[[], wandb.Run],

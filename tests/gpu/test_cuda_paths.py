@@ -1,15 +1,14 @@
 """fp8track's CUDA paths without Transformer Engine: the compiled statistics kernel, torchao's real
 FP8 GEMMs, the monitor and the Lightning callback on a GPU.
 
-`make test-gpu`; skipped without CUDA. ``FP8TRACK_GPU_TESTS_ON_CPU=1`` runs the same code on CPU
-tensors (a dry run of the code paths, as the GPU machine is lent only for minutes); there torchao
-emulates its FP8 GEMM, so the comparison with the emulated backend is looser.
+On a GPU (`make test-gpu`, `bash bench/gpu_session.sh`) everything runs on CUDA. Without one the
+same tests run on CPU tensors as part of the ordinary suite: a dry run of the code paths (torchao
+then emulates its FP8 GEMM, so the comparison with the emulated backend is tighter there).
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -21,11 +20,7 @@ from fp8track.execution.backends import fp8_format_for
 from fp8track.monitoring.records import RunReader
 from fp8track.numerics import stats
 
-ON_CPU = os.environ.get("FP8TRACK_GPU_TESTS_ON_CPU") == "1"
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (torch.cuda.is_available() or ON_CPU), reason="needs CUDA"),
-]
+pytestmark = [pytest.mark.gpu]
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 

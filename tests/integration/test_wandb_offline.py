@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,22 +19,12 @@ from fp8track.trackers.replay import main as sync_main  # noqa: E402
 from fp8track.trackers.replay import missed_steps  # noqa: E402
 from fp8track.trackers.wandb import WandbTracker  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "reliability"))
+from wandb_records import history, inspect  # noqa: E402
+
 pytestmark = pytest.mark.slow
 
 STEP = "trainer/global_step"
-
-
-def inspect(run_dir: str | Path) -> list[dict]:
-    """Every record of an offline run, via W&B's own reader (``wandb leet inspect --json``)."""
-    exe = Path(sys.executable).with_name("wandb")
-    out = subprocess.run(
-        [str(exe), "leet", "inspect", str(run_dir), "--json"], check=True, capture_output=True, text=True, timeout=120
-    )
-    return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
-
-
-def history(records):
-    return [r["history"]["item"] for r in records if r["type"] == "history"]
 
 
 def table_rows(run_dir: Path, key: str) -> list[list]:
@@ -141,3 +130,4 @@ def test_lightning_wandb_logger_and_sync_of_missed_steps(tmp_path):
     assert [h[STEP] for h in replayed] == [0, 1, 2, 3, 4, 5]  # a new run gets every step
     assert [h["fp8/fc1/gradient/underflow_pct"] for h in replayed] == [0, 1, 2, 3, 4, 5]
     assert missed_steps(run_dir, "wandb") == []
+

@@ -1,7 +1,8 @@
 """Guarantee 2: a Lightning training process SIGKILLed mid-run and resumed from its last
 checkpoint records every logging step exactly once, locally and in MLflow, and its detectors
 continue as if nothing had happened (compared with the same run never interrupted). A
-half-written last JSONL line left by the kill is tolerated and reported."""
+half-written last JSONL line left by the kill is tolerated and reported. W&B's step axis only
+increases across the kill and resume."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 from fp8track.monitoring.records import METRICS_FILE, RunReader
 
 SCRIPT = Path(__file__).parent / "scripts" / "resume_train.py"
+sys.path.insert(0, str(Path(__file__).parent))
 pytestmark = pytest.mark.slow
 
 
@@ -94,3 +96,53 @@ def _approx_equal(a, b) -> bool:
     if isinstance(a, float) and isinstance(b, float):
         return a == pytest.approx(b, rel=1e-5, nan_ok=True)
     return a == b
+
+
+def test_resumed_run_keeps_the_wandb_step_axis_increasing(tmp_path):
+    """Kill after step 12 with the last checkpoint at step 10, resume: the resumed W&B run starts
+    after the last step the dead process recorded, so the two runs' steps, read in order, only
+    increase and hold every logging step once; the run directory still holds every step once."""
+    pytest.importorskip("wandb")
+    import torch
+    from wandb_records import history, inspect
+
+    from fp8track import Monitor, MonitorConfig
+    from fp8track.trackers.wandb import WandbTracker
+
+    def train(mon, model, steps):
+        for step in steps:
+            torch.manual_seed(step)
+            loss = model(torch.randn(4, 8)).square().mean()
+            loss.backward()
+            mon.step(loss=loss)
+            model.zero_grad()
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    cfg = MonitorConfig(every_n_steps=2)
+    dead = WandbTracker.create(mode="offline", dir=str(tmp_path / "a"), project="resume")
+    mon = Monitor(model, cfg, log_dir=tmp_path / "runs", trackers=[dead]).attach()
+    train(mon, model, range(10))
+    checkpoint = mon.state_dict()
+    train(mon, model, range(10, 13))
+    dead.flush(60)  # the tracker had sent everything so far, then the process died (no close)
+    dead.run.finish()
+
+    resumed = WandbTracker.create(mode="offline", dir=str(tmp_path / "b"), project="resume")
+    mon2 = Monitor(model, cfg, log_dir=tmp_path / "runs", trackers=[resumed])
+    mon2.load_state_dict(checkpoint)
+    mon2.attach()
+    train(mon2, model, range(10, 20))
+    mon2.close()
+
+    (a,) = (tmp_path / "a" / "wandb").glob("offline-run-*")
+    (b,) = (tmp_path / "b" / "wandb").glob("offline-run-*")
+    steps_a = [h["trainer/global_step"] for h in history(inspect(a)) if "fp8/loss" in h]
+    steps_b = [h["trainer/global_step"] for h in history(inspect(b)) if "fp8/loss" in h]
+    assert steps_a == [0, 2, 4, 6, 8, 10, 12]
+    assert steps_b == [14, 16, 18, 19]  # 19: the last step's loss, sent by close
+    both = steps_a + steps_b
+    assert both == sorted(set(both))  # strictly increasing across the kill
+    reader = RunReader(mon2.run_dir)
+    assert sorted(reader.series("fp8/loss")) == list(range(20))  # the local record keeps every step once
+

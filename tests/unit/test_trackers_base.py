@@ -255,3 +255,31 @@ def test_lost_tables_replay_rows_without_scalars(tmp_path):
     rec = Recorder(name="t")
     assert replay(tmp_path, rec) == 2
     assert [(b.step, dict(b.metrics), len(b.tensor_rows)) for b in rec.got] == [(0, {}, 1), (1, {}, 1)]
+
+
+def test_resumed_run_skips_recorded_steps_only_for_step_ordered_trackers(tmp_path):
+    ordered = Recorder("ordered", background=False)
+    ordered.monotonic_steps = True
+    plain = Recorder("plain", background=False)
+    fan = TrackerFanout([ordered, plain], tmp_path)
+    fan.start(RunMeta(), recorded_before_resume=12)
+    for s in range(10, 15):
+        fan.log(StepBatch(step=s, metrics={"loss": float(s)}))
+    fan.finish()
+    assert [b.step for b in ordered.got] == [13, 14]  # W&B-like: the dead process had sent <= 12
+    assert [b.step for b in plain.got] == [10, 11, 12, 13, 14]  # MLflow-like: it checks its own history
+    assert read_missed(tmp_path, "ordered") == []  # skipped is not missed: sync must not resend them
+
+
+def test_resumed_writer_knows_the_last_step_the_dead_process_recorded(tmp_path):
+    meta = RunMeta()
+    w = RunWriter.create(tmp_path, meta)
+    for s in range(14):
+        w.write_metrics(MetricsRecord(step=s, metrics={"loss": 1.0}))
+    w.close()
+    assert RunWriter.create(tmp_path, meta).recorded_before_resume is None  # not resumed
+    resumed = RunWriter.create(tmp_path, meta, resume_step=10)
+    assert resumed.recorded_before_resume == 13 and resumed.lines_dropped_on_resume == 4
+    resumed.close()
+    again = RunWriter.create(tmp_path, meta, resume_step=10)  # nothing after the checkpoint any more
+    assert again.recorded_before_resume is None

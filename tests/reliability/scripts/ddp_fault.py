@@ -1,6 +1,8 @@
 """One rank of a 2-process gloo run with fp8track's monitor; rank 1 fails at step 3.
 
-Usage: python ddp_fault.py OUT_DIR RANK MODE   (MODE: raise | die | hang)
+Usage: python ddp_fault.py OUT_DIR RANK MODE   (MODE: raise | die | hang | tp_hang)
+``tp_hang``: the linear is tensor parallel (column-wise over both ranks, one global scale), so the
+first fp8track collective rank 0 meets is the weight's amax all-reduce inside the forward hook.
 Rank 0 writes OUT_DIR/rank0.json: the steps it finished and the error that ended it.
 """
 
@@ -20,6 +22,12 @@ out, rank, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=2)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+if mode == "tp_hang":
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    parallelize_module(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), {"0": ColwiseParallel()})
 monitor = Monitor(model, MonitorConfig(every_n_steps=1, collective_timeout_s=5.0), log_dir=f"{out}/runs").attach()
 done, error, t0 = [], None, time.monotonic()
 try:
@@ -30,9 +38,12 @@ try:
             if mode == "die":
                 os._exit(9)
             time.sleep(120)  # hang: alive, never joins the collective
+        if mode == "tp_hang":
+            t0 = time.monotonic()
         loss = model(torch.randn(4, 8)).square().mean()
         loss.backward()
-        t0 = time.monotonic()
+        if mode != "tp_hang":
+            t0 = time.monotonic()
         monitor.step(loss=loss)
         model.zero_grad()
         done.append(step)
