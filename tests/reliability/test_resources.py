@@ -46,10 +46,11 @@ def test_memory_flat_and_run_directory_linear_over_a_long_run(tmp_path, monkeypa
     assert [p["step"] for p in result["points"]] == [5_000, 10_000, 20_000]
     assert result["missed"] == {"mlflow": 0, "wandb": 0}
     # Flat memory. Before, W&B kept every table row in the incremental Table and MLflow's
-    # log_table re-read the whole table into pandas on every write: 24.2 MiB from 10k to 30k
-    # steps in this setting (12 KiB per logged step, so ~18 MiB over these 1,500 logged steps);
-    # now 5.1 MiB over 2,000 (allocator and SQLite page cache). Half the old growth is the bound.
-    assert p20["rss_mib"] - p5["rss_mib"] < 9, result
+    # log_table re-read the whole table into pandas on every write: +18.4 MiB from 5k to 20k
+    # steps in this setting (12 KiB per logged step). Now +7.7 MiB on a loaded machine, bounded
+    # warm-up (SQLite page cache, the heatmap summary filling up, the tracker queues; flat after
+    # 500k steps in the 1M-step bench). The bound sits between the two, 1.5x from each.
+    assert p20["rss_mib"] - p5["rss_mib"] < 12, result
     # Linear run directory: the same bytes per logged step at every point (within 2 %).
     per_step = [p["bytes_per_logged_step"] for p in result["points"]]
     assert max(per_step) / min(per_step) < 1.02, per_step
