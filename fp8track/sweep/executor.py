@@ -434,18 +434,21 @@ class _Sweep:
         return result.final_gap
 
     def _create_child(self, number: int, params: Mapping[str, Any], retry_of: int | None) -> str:
-        from mlflow.entities import Param
+        from mlflow.entities import Param, RunTag
 
-        tags = {"mlflow.parentRunId": self.parent_run_id, "fp8track.sweep": self.spec.name,
-                "fp8track.trial": str(number), "fp8track.role": "trial", "fp8track.state": "RUNNING",
-                "fp8track.worker": self.worker}
+        tags = {"fp8track.sweep": self.spec.name, "fp8track.trial": str(number), "fp8track.role": "trial",
+                "fp8track.state": "RUNNING", "fp8track.worker": self.worker}
         if retry_of is not None:
             tags["fp8track.retry_of"] = str(retry_of)
         name = f"trial-{number:03d} {params['recipe']} {params['bf16_layers']}"
-        run = self.client.create_run(self.experiment_id, run_name=name[:250], tags=tags)
-        self.client.log_batch(run.info.run_id, params=[Param(k, _param_text(v)) for k, v in params.items()],
-                              synchronous=True)
-        return run.info.run_id
+        run = self.client.create_run(self.experiment_id, run_name=name[:250],
+                                     tags={"mlflow.parentRunId": self.parent_run_id})
+        # Parameters first, then the tags that make it a trial: a run tagged as a trial always has its
+        # parameters, even when the process dies in between.
+        rid = run.info.run_id
+        self.client.log_batch(rid, params=[Param(k, _param_text(v)) for k, v in params.items()], synchronous=True)
+        self.client.log_batch(rid, tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)
+        return rid
 
     def _log_result(self, rid: str, result: Any, ranking: list[str] | None) -> None:
         from mlflow.entities import Metric, Param
