@@ -4,8 +4,16 @@ import pytest
 @pytest.fixture(autouse=True)
 def _run_in_tmp_path(tmp_path, monkeypatch):
     """Every test runs in its own directory, so library defaults that write to the working
-    directory (MLflow's ./mlruns artifact root, wandb/, lightning_logs/) stay out of the checkout."""
+    directory (MLflow's ./mlruns artifact root, wandb/, lightning_logs/) stay out of the checkout.
+    The environment is restored afterwards: ``mlflow.set_tracking_uri`` (called by Lightning's
+    MLFlowLogger) exports ``MLFLOW_TRACKING_URI``, which a later test's subprocess would inherit."""
+    import os
+
     monkeypatch.chdir(tmp_path)
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def _install_chromium() -> str | None:
