@@ -347,11 +347,13 @@ class RetryingClient:
     """An ``MlflowClient`` whose calls are retried on :func:`transient_mlflow_error` with
     exponential back-off (``initial_s`` doubling up to 2 s) for up to ``for_s`` seconds, then the
     error is raised. For callers outside a tracker's queue (the sweep executor), where several
-    processes write one SQLite store. A failed write is rolled back by the store, so a retry
+    processes write one SQLite store (MLflow waits 20 s for SQLite's lock, ``PRAGMA busy_timeout``,
+    then raises "database is locked"). A failed write is rolled back by the store, so a retry
     cannot write twice."""
 
     def __init__(self, client: Any, for_s: float = 120.0, initial_s: float = 0.05) -> None:
         self._client, self._for_s, self._initial_s = client, for_s, initial_s
+        self.retries = 0  # calls repeated after a transient error, over the client's life
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._client, name)
@@ -368,6 +370,7 @@ class RetryingClient:
                         raise
                     time.sleep(delay)
                     delay = min(2 * delay, 2.0)
+                    self.retries += 1
 
         return call
 

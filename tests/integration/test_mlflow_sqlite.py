@@ -200,3 +200,39 @@ def test_failed_steps_are_replayed_into_the_same_run(store, tmp_path):
     assert client.get_run(real_run).data.tags["fp8.worst_event.step"] == "2"
     table = load_table(client, real_run, f"{naming.TABLE_TENSOR_STATS}.json")
     assert len(table) == 4 * len(LAYERS)
+
+
+
+@pytest.mark.slow
+def test_retrying_client_outlasts_a_write_lock_held_past_mlflows_busy_timeout(tmp_path):
+    """What several sweep workers do to one store: another connection holds SQLite's write lock
+    for 21 s, past the 20 s MLflow waits (``PRAGMA busy_timeout``) before raising "database is
+    locked"; the RetryingClient retries and the write lands once the lock is gone."""
+    import sqlite3
+    import threading
+    import time
+
+    from fp8track.trackers.mlflow import RetryingClient
+
+    db = tmp_path / "m.db"
+    client = RetryingClient(MlflowClient(f"sqlite:///{db}"), for_s=60)
+    run_id = client.create_run(client.create_experiment("locked")).info.run_id
+    locked = threading.Event()
+
+    def hold(seconds):
+        holder = sqlite3.connect(db, timeout=10, isolation_level=None)
+        holder.execute("BEGIN EXCLUSIVE")
+        locked.set()
+        time.sleep(seconds)
+        holder.execute("COMMIT")
+        holder.close()
+
+    t = threading.Thread(target=hold, args=(21.0,))
+    t.start()
+    locked.wait(10)
+    started = time.monotonic()
+    client.set_tag(run_id, "attempt", "retried")
+    waited = time.monotonic() - started
+    t.join()
+    assert client.retries >= 1 and waited >= 20.0  # MLflow gave up once; the retry waited the lock out
+    assert MlflowClient(f"sqlite:///{db}").get_run(run_id).data.tags["attempt"] == "retried"
