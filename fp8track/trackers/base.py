@@ -17,7 +17,7 @@ import threading
 import time
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +111,37 @@ def tensor_stat_columns(rows: Sequence[TensorStatsRow]) -> list[str]:
             seen.setdefault(k, None)
     known = [s for s in STAT_NAMES if s in seen]
     return known + [k for k in seen if k not in STAT_NAMES]
+
+
+def call_with_backoff(
+    call: Callable[[], Any],
+    *,
+    transient: Callable[[BaseException], bool],
+    for_s: float,
+    initial_s: float,
+    max_s: float,
+    wait: Callable[[float], Any] = time.sleep,
+    stopped: Callable[[], bool] | None = None,
+    on_retry: Callable[[BaseException], None] | None = None,
+) -> Any:
+    """``call()``, called again after an exception that ``transient`` accepts: the waits start at
+    ``initial_s`` seconds and double up to ``max_s``, for up to ``for_s`` seconds from the first
+    failure (0: no retry). Then, or for any other exception, or once ``stopped()``, the exception
+    is raised. ``wait(seconds)`` sleeps (an ``Event.wait`` lets a stop cut it short);
+    ``on_retry(exc)`` runs before each wait."""
+    delay, deadline = initial_s, None
+    while True:
+        try:
+            return call()
+        except Exception as exc:
+            now = time.monotonic()
+            deadline = now + for_s if deadline is None else deadline
+            if not for_s or now >= deadline or (stopped is not None and stopped()) or not transient(exc):
+                raise
+            if on_retry is not None:
+                on_retry(exc)
+            wait(min(delay, max(deadline - now, 0.0)))
+            delay = min(2 * delay, max_s)
 
 
 class Tracker(ABC):
@@ -233,27 +264,22 @@ class QueuedTracker(Tracker):
         return isinstance(exc, (ConnectionError, TimeoutError))
 
     def _deliver_with_retry(self, batch: StepBatch) -> None:
-        delay, deadline = self.retry_initial_s, None
-        while True:
-            try:
-                self._deliver(batch)
-                self._in_outage = False
-                return
-            except Exception as exc:
-                now = time.monotonic()
-                deadline = now + self.retry_for_s if deadline is None else deadline
-                if not self.retry_for_s or now >= deadline or self._stop.is_set() or not self._transient(exc):
-                    raise
-                if not self._in_outage:
-                    self._in_outage = True
-                    self._notice(
-                        f"step {batch.step} not delivered ({type(exc).__name__}: {str(exc)[:300]}); retrying "
-                        f"with back-off from {self.retry_initial_s:g} s to {self.retry_max_s:g} s for up to "
-                        f"{self.retry_for_s:g} s per step, later steps wait in the queue"
-                    )
-                self.retries += 1
-                self._stop.wait(min(delay, max(deadline - now, 0.0)))
-                delay = min(2 * delay, self.retry_max_s)
+        def on_retry(exc: BaseException) -> None:
+            if not self._in_outage:
+                self._in_outage = True
+                self._notice(
+                    f"step {batch.step} not delivered ({type(exc).__name__}: {str(exc)[:300]}); retrying "
+                    f"with back-off from {self.retry_initial_s:g} s to {self.retry_max_s:g} s for up to "
+                    f"{self.retry_for_s:g} s per step, later steps wait in the queue"
+                )
+            self.retries += 1
+
+        call_with_backoff(
+            lambda: self._deliver(batch), transient=self._transient, for_s=self.retry_for_s,
+            initial_s=self.retry_initial_s, max_s=self.retry_max_s, wait=self._stop.wait,
+            stopped=self._stop.is_set, on_retry=on_retry,
+        )  # fmt: skip
+        self._in_outage = False
 
     def _run(self) -> None:
         while True:

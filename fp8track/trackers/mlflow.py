@@ -40,6 +40,7 @@ from fp8track.trackers.base import (
     QueuedTracker,
     StepBatch,
     TablesNotWritten,
+    call_with_backoff,
     event_row,
     event_severity,
     scalar_metrics,
@@ -345,15 +346,18 @@ def transient_mlflow_error(exc: BaseException) -> bool:
 
 class RetryingClient:
     """An ``MlflowClient`` whose calls are retried on :func:`transient_mlflow_error` with
-    exponential back-off (``initial_s`` doubling up to 2 s) for up to ``for_s`` seconds, then the
-    error is raised. For callers outside a tracker's queue (the sweep executor), where several
-    processes write one SQLite store (MLflow waits 20 s for SQLite's lock, ``PRAGMA busy_timeout``,
-    then raises "database is locked"). A failed write is rolled back by the store, so a retry
-    cannot write twice."""
+    exponential back-off (``initial_s`` doubling up to 2 s) for up to ``for_s`` seconds
+    (:func:`fp8track.trackers.base.call_with_backoff`), then the error is raised. For callers
+    outside a tracker's queue (the sweep executor), where several processes write one SQLite store
+    (MLflow waits 20 s for SQLite's lock, ``PRAGMA busy_timeout``, then raises "database is
+    locked"). A failed write is rolled back by the store, so a retry cannot write twice."""
 
     def __init__(self, client: Any, for_s: float = 120.0, initial_s: float = 0.05) -> None:
         self._client, self._for_s, self._initial_s = client, for_s, initial_s
         self.retries = 0  # calls repeated after a transient error, over the client's life
+
+    def _count(self, exc: BaseException) -> None:
+        self.retries += 1
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._client, name)
@@ -361,16 +365,10 @@ class RetryingClient:
             return attr
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            delay, deadline = self._initial_s, time.monotonic() + self._for_s
-            while True:
-                try:
-                    return attr(*args, **kwargs)
-                except Exception as exc:
-                    if not transient_mlflow_error(exc) or time.monotonic() + delay > deadline:
-                        raise
-                    time.sleep(delay)
-                    delay = min(2 * delay, 2.0)
-                    self.retries += 1
+            return call_with_backoff(
+                lambda: attr(*args, **kwargs), transient=transient_mlflow_error, for_s=self._for_s,
+                initial_s=self._initial_s, max_s=2.0, on_retry=self._count,
+            )  # fmt: skip
 
         return call
 
@@ -472,7 +470,7 @@ class MLflowTracker(QueuedTracker):
         self.worst_event: EventRecord | None = None
 
     def _transient(self, exc: BaseException) -> bool:
-        return super()._transient(exc) or transient_mlflow_error(exc)
+        return transient_mlflow_error(exc)  # covers the base's connection and time-out errors
 
     # -- run metadata -----------------------------------------------------------------------
     def _ensure_run(self) -> str:
