@@ -193,11 +193,10 @@ class RunWriter:
             if not meta_path.exists():
                 meta_path.write_text(redact(json.dumps(asdict(meta), indent=2, default=str)))
             if resume_step is not None:
-                for name in (METRICS_FILE, TENSOR_STATS_FILE, EVENTS_FILE):
-                    dropped, last = _truncate_from_step(self.run_dir / name, resume_step)
-                    self.lines_dropped_on_resume += dropped
-                    if last is not None:
-                        self.recorded_before_resume = max(last, self.recorded_before_resume or last)
+                names = (METRICS_FILE, TENSOR_STATS_FILE, EVENTS_FILE)
+                truncated = [_truncate_from_step(self.run_dir / n, resume_step) for n in names]
+                self.lines_dropped_on_resume = sum(dropped for dropped, _ in truncated)
+                self.recorded_before_resume = max((last for _, last in truncated if last is not None), default=None)
             self._files = {
                 name: open(self.run_dir / name, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
                 for name in (METRICS_FILE, TENSOR_STATS_FILE, EVENTS_FILE)
