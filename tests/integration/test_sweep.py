@@ -147,7 +147,9 @@ def _child_started(db: Path, trial: int) -> bool:
 
 @pytest.mark.slow
 def test_resume_after_sigkill_finishes_without_repeating_trials(tmp_path: Path) -> None:
-    path = _sweep_file(tmp_path, "resume", ["none", "last:1"], steps=20)
+    # Trials long enough (300 steps) that the kill lands inside trial 1 on an idle machine too:
+    # with 20 steps a trial could finish between two polls and the kill found nothing running.
+    path = _sweep_file(tmp_path, "resume", ["none", "last:1"], steps=300)
     out = tmp_path / "out"
     out.mkdir()
     storage = f"sqlite:///{out / 'optuna.db'}"
@@ -156,7 +158,7 @@ def test_resume_after_sigkill_finishes_without_repeating_trials(tmp_path: Path) 
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and not _child_started(out / "mlflow.db", 1):
         assert first.poll() is None, first.communicate()[1][-3000:]
-        time.sleep(0.5)
+        time.sleep(0.1)
     os.kill(first.pid, signal.SIGKILL)
     first.wait()
     killed = [n for n, s in _trials(out / "optuna.db") if s == "RUNNING"]
