@@ -358,6 +358,7 @@ def run(device: torch.device, dry_run: bool = False) -> dict[str, Any]:
             out[name] = fn()
         except Exception as exc:  # report every section; the exit code says something failed
             errors[name] = repr(exc)
+    out["kernel_row_lengths"] = sorted(c for d, c in stats._POLICY.kernels if d == device.type)
     if errors:
         out["errors"] = errors
     if device.type != "cuda":

@@ -1,45 +1,52 @@
-"""Which inductor settings make the statistics kernel fast on a GPU (one short run on a lent GPU).
+"""Does the statistics kernel's speed on a GPU depend on the size it was first compiled for?
 
-For each variant (inductor options, row length of the kernel's ``[R, C]`` view) it compiles
-``partial_stats`` afresh and prints, as JSON: median ms against one ``x.abs().amax()`` pass on
-4096x4096 and 16384x16384 bf16 (CUDA events), the number of GPU kernels one call
-launches (torch.profiler), and the largest relative difference of every statistic from the CPU
-reference on a wide-range tensor (``scale_drift_log2`` must be exactly 0: the scale is TE's
-correctly rounded ``max / amax``).
+The kernel is compiled with a dynamic number of rows. Inductor chooses how to split a reduction
+over a dynamic length from the size it first sees, and keeps that choice (also on disk, in its FX
+graph cache). So a process that first observes a small tensor (a test, a small layer) could get a
+kernel that is slow on large ones. The fix under test (``stats.MAX_ROWS``): bound the rows, so
+every reduction over rows is short and the per-row work is parallel at every size.
 
-Without CUDA it prints ``{"skipped": "no CUDA"}`` and exits 0.
+Each variant runs in a fresh process with an empty inductor cache: it compiles on the ``first``
+tensors, then times ``partial_stats`` against one ``x.abs().amax()`` pass on 4096x4096 and
+16384x16384 bf16 (CUDA events, medians), counts GPU kernels per call (torch.profiler) and
+compares every statistic with the CPU eager reference on a wide-range tensor.
 
-Measured on one H200 (torch 2.11, torchao 0.18; two runs, the second in reverse order, gave the same):
-thresholds 0.24 / 2.1 ms (5.5x / 5.0x the amax pass of 0.044 / 0.43 ms); default 0.91 / 12.8 ms
-(21x / 30x); no persistent reductions 0.25-0.27 / 2.1 ms; default with rows of 8192 0.25-0.41 /
-1.3-1.4 ms (3.1-3.4x on the large tensor). Nine GPU kernels per call in every variant;
-scale_drift_log2 exactly 0 and every statistic within 1.2e-7 of the CPU reference in all.
+Variants: rows of 1024 (``MAX_ROWS`` without ``cuda``, the kernel before the fix) or bounded rows
+(the default), each compiled first on a 64x1024 tensor or on the 4096x4096 one.
 
-Usage: python bench/gpu_kernel_probe.py
+Without CUDA it prints ``{"skipped": "no CUDA"}`` and exits 0; ``--dry-run`` runs the same code
+on small CPU tensors (rows bounded at 16 there), for the code paths, not the numbers.
+
+Usage: python bench/gpu_kernel_probe.py [--dry-run]
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
 import torch
 
-from fp8track.numerics import stats
-
-VARIANTS: dict[str, tuple[dict[str, Any], int]] = {
-    "thresholds": (dict(stats._INDUCTOR_OPTIONS), 1024),
-    "default": ({}, 1024),
-    "no_persistent_reductions": ({"triton.persistent_reductions": False}, 1024),
-    "default_rows_8192": ({}, 8192),
+VARIANTS = {
+    "rows_1024_small_first": (False, "small"),
+    "rows_1024_big_first": (False, "big"),
+    "bounded_rows_small_first": (True, "small"),
+    "bounded_rows_big_first": (True, "big"),
 }
+SHAPES = {"4096x4096": (4096, 4096), "16384x16384": (16384, 16384)}
+DRY_SHAPES = {"4096x4096": (64, 2048), "16384x16384": (128, 4096)}  # --dry-run: CPU, small
 
 
-def _time(fn, reps: int) -> float:
+def _time(fn, reps: int = 10) -> float:
+    if not torch.cuda.is_available():
+        return 1e3 * statistics.median(_perf(fn) for _ in range(reps))
     out = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -51,8 +58,18 @@ def _time(fn, reps: int) -> float:
     return statistics.median(out)
 
 
-def _kernels_per_call(x: torch.Tensor) -> int:
+def _perf(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _kernels_per_call(x: torch.Tensor) -> int | None:
+    if x.device.type != "cuda":
+        return None
     from torch.profiler import ProfilerActivity, profile
+
+    from fp8track.numerics import stats
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         stats.partial_stats(x, "e4m3")
@@ -60,60 +77,78 @@ def _kernels_per_call(x: torch.Tensor) -> int:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
-def _max_rel_diff(x: torch.Tensor) -> dict[str, float]:
-    ref = stats.quant_stats(x, "e4m3")
-    got = stats.quant_stats(x.cuda(), "e4m3")
-    worst = max(
+def one_variant(bounded: bool, first: str, dry_run: bool = False) -> dict[str, Any]:
+    """Run in a fresh process: compile on ``first``, then time both shapes."""
+    from fp8track.numerics import stats
+
+    device = "cpu" if dry_run else "cuda"
+    if dry_run:
+        stats.MAX_ROWS["cpu"] = 16
+    if not bounded:
+        stats.MAX_ROWS.pop(device, None)
+    g = torch.Generator().manual_seed(0)
+    wide = (torch.randn(512, 384, generator=g) * torch.logspace(-6, 4, 384)).to(torch.bfloat16)
+    stats.set_compile("eager")
+    ref = stats.quant_stats(wide, "e4m3")
+    shapes = DRY_SHAPES if dry_run else SHAPES
+    xs = {k: torch.randn(shape, device=device).to(torch.bfloat16) for k, shape in shapes.items()}
+    stats.set_compile("compiled")
+    small = torch.randn(4 if dry_run else 64, 1024, device=device).to(torch.bfloat16)
+    firsts = [small] if first == "small" else [xs["4096x4096"]]
+    row: dict[str, Any] = {}
+    t = time.perf_counter()
+    for x in firsts + list(xs.values()):
+        stats.partial_stats(x, "e4m3")
+    if device == "cuda":
+        torch.cuda.synchronize()
+    row["compile_s"] = round(time.perf_counter() - t, 1)
+    for k, x in xs.items():
+        amax_ms = _time(lambda x=x: x.abs().amax())
+        ms = _time(lambda x=x: stats.partial_stats(x, "e4m3"))
+        row[k] = {"ms": round(ms, 4), "amax_pass_ms": round(amax_ms, 4), "ratio": round(ms / amax_ms, 2)}
+    row["row_lengths"] = sorted(c for _, c in stats._POLICY.kernels)
+    row["kernels_per_call_4096"] = _kernels_per_call(xs["4096x4096"])
+    got = stats.quant_stats(wide.to(device), "e4m3")
+    row["max_rel_diff"] = max(
         (abs(got[k] - r) / abs(r) for k, r in ref.items() if r and math.isfinite(r) and k != "scale_drift_log2"),
         default=0.0,
     )
-    return {"max_rel_diff": worst, "scale_drift_log2": got["scale_drift_log2"]}
+    row["scale_drift_log2"] = got["scale_drift_log2"]
+    row["fell_back_to_eager"] = stats._POLICY.failed
+    return row
 
 
-def probe() -> dict[str, Any]:
-    g = torch.Generator().manual_seed(0)
-    wide = (torch.randn(512, 384, generator=g) * torch.logspace(-6, 4, 384)).to(torch.bfloat16)
-    shapes = [(4096, 4096), (16384, 16384)]
-    xs = {f"{r}x{c}": torch.randn(r, c, device="cuda").to(torch.bfloat16) for r, c in shapes}
-    out: dict[str, Any] = {"torch": torch.__version__, "device": torch.cuda.get_device_name()}
-    out["amax_pass_ms"] = {k: round(_time(lambda x=x: x.abs().amax(), 10), 4) for k, x in xs.items()}
-    stats.set_compile("compiled")
-    chunk, options0 = stats._CHUNK, stats._INDUCTOR_OPTIONS
-    for name, (options, rows) in VARIANTS.items():
-        torch._dynamo.reset()
-        stats._POLICY.kernels.clear()
-        stats._POLICY.failed = False
-        stats._INDUCTOR_OPTIONS = options
-        stats._CHUNK = rows
-        row: dict[str, Any] = {}
-        try:
-            t = time.perf_counter()
-            for x in xs.values():
-                stats.partial_stats(x, "e4m3")
-            torch.cuda.synchronize()
-            row["compile_s"] = round(time.perf_counter() - t, 1)
-            for k, x in xs.items():
-                ms = _time(lambda x=x: stats.partial_stats(x, "e4m3"), 10)
-                row[k] = {"ms": round(ms, 4), "ratio": round(ms / out["amax_pass_ms"][k], 2)}
-            row["kernels_per_call"] = _kernels_per_call(xs["4096x4096"])
-            row.update(_max_rel_diff(wide))
-            row["fell_back_to_eager"] = stats._POLICY.failed
-        except Exception as exc:  # report every variant
-            row["error"] = repr(exc)[:500]
-        finally:
-            stats._CHUNK, stats._INDUCTOR_OPTIONS = chunk, options0
-        out[name] = row
-        print(json.dumps({name: row}), file=sys.stderr, flush=True)
+def probe(limit_s: float = 60.0, dry_run: bool = False) -> dict[str, Any]:
+    device = "cpu" if dry_run else torch.cuda.get_device_name()
+    out: dict[str, Any] = {"torch": torch.__version__, "device": device, "dry_run": dry_run}
+    for name in VARIANTS:
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+            try:
+                proc = subprocess.run(
+                    [sys.executable, __file__, "--variant", name] + (["--dry-run"] if dry_run else []),
+                    env=env, capture_output=True, text=True, timeout=limit_s,
+                )
+                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+                out[name] = json.loads(lines[-1]) if lines else {"error": proc.stderr[-500:]}
+            except subprocess.TimeoutExpired:
+                out[name] = {"error": f"over {limit_s} s"}
+        print(json.dumps({name: out[name]}), file=sys.stderr, flush=True)
     return out
 
 
-def main() -> int:
-    if not torch.cuda.is_available():
+def main(argv: list[str]) -> int:
+    dry_run = "--dry-run" in argv
+    argv = [a for a in argv if a != "--dry-run"]
+    if not dry_run and not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA"}))
         return 0
-    print(json.dumps(probe(), indent=2))
+    if len(argv) == 2 and argv[0] == "--variant":
+        print(json.dumps(one_variant(*VARIANTS[argv[1]], dry_run=dry_run)))
+        return 0
+    print(json.dumps(probe(limit_s=300.0 if dry_run else 60.0, dry_run=dry_run), indent=2))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

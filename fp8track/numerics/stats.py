@@ -94,8 +94,12 @@ def empty_partial(device: torch.device | str | None = None) -> torch.Tensor:
 #
 # Products are formed in float32 on values normalised by p = 2**-floor(log2(amax)) (exact: a power of
 # two), so squares cannot overflow float32 even for |x| near 3e38; the sums are rescaled by 1/p**2 in
-# float64 at the end. Compiled: rows of _CHUNK elements summed in float32 (counts exact, products to
-# ~C ulp), rows summed in float64. Eager: each row summed directly in float64.
+# float64 at the end. Compiled: rows of C elements (:func:`row_length`) summed in float32 (counts
+# exact, products to ~C ulp), rows summed in float64. Eager: each row summed directly in float64.
+#
+# Every reduction is written per row first (``dim=1``), then over rows: the graph fixes the two
+# stages itself. Left a single reduction over a dynamic length, inductor chooses how to split it
+# from the size it first compiled for, and reuses that choice for every later size.
 
 _CHUNK = 1024
 _ROW_FIELDS = SUM_FIELDS[1:]  # numel is known on the host
@@ -214,8 +218,8 @@ def _tensor_partial_body(
     """
     parts = [main] if tail is None else [main, tail]
     absvals = [_finite_abs(t) for t in parts]
-    amax_v = torch.stack([a.amax() for a in absvals]).amax()
-    amin_v = torch.stack([torch.where(a > 0, a, math.inf).amin() for a in absvals]).amin()
+    amax_v = torch.cat([a.amax(dim=1) for a in absvals]).amax()
+    amin_v = torch.cat([torch.where(a > 0, a, math.inf).amin(dim=1) for a in absvals]).amin()
     s = torch.where(use_current, scale_from_amax(amax_v, fconst[_F_MAX], fconst[_F_MARGIN]), scale)
     p = _pow2_normaliser(amax_v)
     acc = torch.float32 if fp8_dtype is None else torch.float64
@@ -279,12 +283,39 @@ def _inductor_options() -> dict[str, Any]:
     return {k: v for k, v in _INDUCTOR_OPTIONS.items() if hasattr(config, k.split(".")[0])}
 
 
+MAX_ROWS: dict[str, int] = {"cuda": 4096}
+"""Most rows of the compiled kernel's ``[R, C]`` view, per device type (absent: rows stay
+:data:`_CHUNK` long). On a GPU a row is one thread block's reduction: bounding R by lengthening rows
+keeps the over-rows stage small and the per-row stage parallel at every tensor size, whatever size
+the kernel was first compiled for."""
+
+
+def row_length(numel: int, device_type: str) -> int:
+    """Row length C of the compiled kernel for ``numel`` elements on ``device_type``: :data:`_CHUNK`,
+    doubled until ``numel / C`` rows fit :data:`MAX_ROWS` (a power of two, so a model meets few)."""
+    max_rows = MAX_ROWS.get(device_type)
+    c = _CHUNK
+    if max_rows is not None:
+        while c * max_rows < numel:
+            c *= 2
+    return c
+
+
+def _own_code(fn: Any) -> Any:
+    """``fn`` with a code object of its own. Dynamo caches compiled graphs, and counts recompiles
+    against its limit, per code object; a kernel per row length gets its own cache and budget."""
+    import types
+
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 class _CompilePolicy:
-    """Holds the compile mode and the lazily built compiled kernels (one per device type and process)."""
+    """Holds the compile mode and the lazily built compiled kernels (one per device type and row
+    length, per process)."""
 
     def __init__(self) -> None:
         self.mode: str = "auto"
-        self.kernels: dict[str, Any] = {}
+        self.kernels: dict[tuple[str, int], Any] = {}
         self.failed = False
 
     def wants(self, x: torch.Tensor) -> bool:
@@ -292,10 +323,11 @@ class _CompilePolicy:
             return False
         return self.mode == "compiled" or x.numel() >= COMPILE_MIN_NUMEL
 
-    def get_kernel(self, device_type: str) -> Any:
-        kernel = self.kernels.get(device_type)
+    def get_kernel(self, device_type: str, row_len: int) -> Any:
+        key = (device_type, row_len)
+        kernel = self.kernels.get(key)
         if kernel is None:
-            kernel = self.kernels[device_type] = torch.compile(_compiled_partial, options=_inductor_options())
+            kernel = self.kernels[key] = torch.compile(_own_code(_compiled_partial), options=_inductor_options())
         return kernel
 
 
@@ -331,22 +363,22 @@ def get_compile() -> str:
     return _POLICY.mode
 
 
-def _split_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-    """``x`` flattened as ``main [R, _CHUNK]`` (R >= 1, a view) and a zero-padded ``tail [1, _CHUNK]``
-    (``None`` when the length is a multiple of ``_CHUNK``, as most layer shapes are: that graph
+def _split_rows(x: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """``x`` flattened as ``main [R, c]`` (R >= 1, a view) and a zero-padded ``tail [1, c]``
+    (``None`` when the length is a multiple of ``c``, as most layer shapes are: that graph
     skips the tail's reductions and buffers, which dominate the call cost of small tensors)."""
     flat = x.reshape(-1)
     n = flat.numel()
-    r = n // _CHUNK
-    tail_n = n - r * _CHUNK
+    r = n // c
+    tail_n = n - r * c
     if tail_n == 0 and r >= 1:
-        return flat.view(r, _CHUNK), None, 0
-    tail = flat.new_zeros((1, _CHUNK))
-    tail[0, :tail_n] = flat[r * _CHUNK :]
-    pad = _CHUNK - tail_n
+        return flat.view(r, c), None, 0
+    tail = flat.new_zeros((1, c))
+    tail[0, :tail_n] = flat[r * c :]
+    pad = c - tail_n
     if r == 0:
-        return tail, flat.new_zeros((1, _CHUNK)), pad + _CHUNK
-    return flat[: r * _CHUNK].view(r, _CHUNK), tail, pad
+        return tail, flat.new_zeros((1, c)), pad + c
+    return flat[: r * c].view(r, c), tail, pad
 
 
 def _assemble(body: torch.Tensor, numel: int, pad: int) -> torch.Tensor:
@@ -429,12 +461,13 @@ def partial_stats(
     if s is None:
         s = fconst[_F_MARGIN]  # a 0-d placeholder of the right dtype/device, ignored under current scaling
     if s.numel() == 1 and _POLICY.wants(x):
-        main, tail, tail_pad = _split_rows(x)
+        c = row_length(n, x.device.type)
+        main, tail, tail_pad = _split_rows(x, c)
         try:
             if main.shape[0] >= 2:
                 torch._dynamo.mark_dynamic(main, 0)
             acc = identity_partial(x.device) if into is None else into
-            out = _POLICY.get_kernel(x.device.type)(main, tail, acc, s.reshape(()), use_current, fconst)
+            out = _POLICY.get_kernel(x.device.type, c)(main, tail, acc, s.reshape(()), use_current, fconst)
             return _remove_padding(out, pad + tail_pad) if pad + tail_pad else out
         except Exception as exc:  # compiler missing or broken: warn once, stay eager
             _POLICY.failed = True

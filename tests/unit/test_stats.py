@@ -452,6 +452,40 @@ def test_compiled_and_eager_agree(tmp_path):
         stats.set_compile("auto")
 
 
+def test_row_length_bounds_the_rows_and_stays_a_power_of_two(monkeypatch):
+    monkeypatch.setitem(stats.MAX_ROWS, "cpu", 8)
+    for n in (1, 1024, 8 * 1024, 8 * 1024 + 1, 100_000, 4096 * 4096, 16384 * 16384):
+        c = stats.row_length(n, "cpu")
+        assert c >= 1024 and c & (c - 1) == 0  # a power of two, at least the default row
+        assert -(-n // c) <= 8  # rows bounded
+        assert c == 1024 or -(-n // (c // 2)) > 8  # and no longer than that needs
+    assert stats.row_length(16384 * 16384, "cuda") == 65536  # 4096 rows on a GPU
+    monkeypatch.delitem(stats.MAX_ROWS, "cpu")
+    assert stats.row_length(16384 * 16384, "cpu") == 1024  # unbounded: rows stay 1024 long
+
+
+def test_longer_rows_agree_with_eager_and_get_a_kernel_each(monkeypatch):
+    """The GPU's row-length rule, run on CPU: several row lengths, each its own compiled kernel, with
+    and without a padded tail, all equal to the eager path (counts exactly, sums to rounding)."""
+    monkeypatch.setitem(stats.MAX_ROWS, "cpu", 4)
+    monkeypatch.setattr(stats._POLICY, "kernels", {})
+    gen = torch.Generator().manual_seed(11)
+    sizes = (3000, 4 * 1024, 4 * 2048, 4 * 4096 + 5, 20_000)  # row lengths 1024, 1024, 2048, 8192, 8192
+    try:
+        for n in sizes:
+            x = (torch.randn(n, generator=gen) * torch.logspace(-3, 3, n)).to(torch.bfloat16)
+            stats.set_compile("eager")
+            e = partial_stats(x, "e4m3")
+            stats.set_compile("compiled")
+            c = partial_stats(x, "e4m3")
+            assert torch.equal(c[:5], e[:5]), n
+            assert torch.allclose(c[5:9], e[5:9], rtol=1e-6, atol=0), n
+            assert torch.equal(c[9:], e[9:]), n
+    finally:
+        stats.set_compile("auto")
+    assert sorted(stats._POLICY.kernels) == [("cpu", 1024), ("cpu", 2048), ("cpu", 8192)]
+
+
 def test_compiled_inside_autograd_hooks_matches_eager():
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 64)
@@ -488,7 +522,9 @@ def test_failed_compilation_warns_once_and_falls_back():
     # Dynamo caches compiled frames per code object: after earlier tests filled that cache (up to its
     # recompile limit it then runs eager silently), the broken backend would never be asked.
     torch._dynamo.reset()
-    stats._POLICY.kernels["cpu"] = torch.compile(stats._compiled_partial, backend=broken_backend)
+    stats._POLICY.kernels[("cpu", stats.row_length(x.numel(), "cpu"))] = torch.compile(
+        stats._compiled_partial, backend=broken_backend
+    )
     try:
         with pytest.warns(UserWarning, match="using eager"):
             got = partial_stats(x, "e4m3")
