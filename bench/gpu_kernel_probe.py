@@ -11,13 +11,13 @@ tensors, then times ``partial_stats`` against one ``x.abs().amax()`` pass on 409
 16384x16384 bf16 (CUDA events, medians), counts GPU kernels per call (torch.profiler) and
 compares every statistic with the CPU eager reference on a wide-range tensor.
 
-Variants: rows of 1024 (``MAX_ROWS`` without ``cuda``, the kernel before the fix) or bounded rows
-(the default), each compiled first on a 64x1024 tensor or on the 4096x4096 one.
+Variants: rows of 1024 (``MAX_ROWS`` without ``cuda``, the kernel before the fix) or at most 4096
+or 1024 rows, each compiled first on a 64x1024 tensor or on the 4096x4096 one.
 
 Without CUDA it prints ``{"skipped": "no CUDA"}`` and exits 0; ``--dry-run`` runs the same code
 on small CPU tensors (rows bounded at 16 there), for the code paths, not the numbers.
 
-Usage: python bench/gpu_kernel_probe.py [--dry-run]
+Usage: python bench/gpu_kernel_probe.py [--only NAME,NAME] [--dry-run]
 """
 
 from __future__ import annotations
@@ -34,11 +34,13 @@ from typing import Any
 
 import torch
 
-VARIANTS = {
-    "rows_1024_small_first": (False, "small"),
-    "rows_1024_big_first": (False, "big"),
-    "bounded_rows_small_first": (True, "small"),
-    "bounded_rows_big_first": (True, "big"),
+VARIANTS: dict[str, tuple[int | None, str]] = {  # (most rows, None = unbounded; first tensor)
+    "rows_1024_small_first": (None, "small"),
+    "rows_1024_big_first": (None, "big"),
+    "max_rows_4096_small_first": (4096, "small"),
+    "max_rows_4096_big_first": (4096, "big"),
+    "max_rows_1024_small_first": (1024, "small"),
+    "max_rows_1024_big_first": (1024, "big"),
 }
 SHAPES = {"4096x4096": (4096, 4096), "16384x16384": (16384, 16384)}
 DRY_SHAPES = {"4096x4096": (64, 2048), "16384x16384": (128, 4096)}  # --dry-run: CPU, small
@@ -77,15 +79,15 @@ def _kernels_per_call(x: torch.Tensor) -> int | None:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
-def one_variant(bounded: bool, first: str, dry_run: bool = False) -> dict[str, Any]:
+def one_variant(max_rows: int | None, first: str, dry_run: bool = False) -> dict[str, Any]:
     """Run in a fresh process: compile on ``first``, then time both shapes."""
     from fp8track.numerics import stats
 
     device = "cpu" if dry_run else "cuda"
-    if dry_run:
-        stats.MAX_ROWS["cpu"] = 16
-    if not bounded:
+    if max_rows is None:
         stats.MAX_ROWS.pop(device, None)
+    else:
+        stats.MAX_ROWS[device] = max(1, max_rows // 256) if dry_run else max_rows
     g = torch.Generator().manual_seed(0)
     wide = (torch.randn(512, 384, generator=g) * torch.logspace(-6, 4, 384)).to(torch.bfloat16)
     stats.set_compile("eager")
@@ -118,10 +120,10 @@ def one_variant(bounded: bool, first: str, dry_run: bool = False) -> dict[str, A
     return row
 
 
-def probe(limit_s: float = 60.0, dry_run: bool = False) -> dict[str, Any]:
+def probe(names: list[str], limit_s: float = 60.0, dry_run: bool = False) -> dict[str, Any]:
     device = "cpu" if dry_run else torch.cuda.get_device_name()
     out: dict[str, Any] = {"torch": torch.__version__, "device": device, "dry_run": dry_run}
-    for name in VARIANTS:
+    for name in names:
         with tempfile.TemporaryDirectory() as cache:
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
             try:
@@ -140,13 +142,16 @@ def probe(limit_s: float = 60.0, dry_run: bool = False) -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     dry_run = "--dry-run" in argv
     argv = [a for a in argv if a != "--dry-run"]
+    names = list(VARIANTS)
+    if len(argv) == 2 and argv[0] == "--only":
+        names, argv = argv[1].split(","), []
     if not dry_run and not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA"}))
         return 0
     if len(argv) == 2 and argv[0] == "--variant":
         print(json.dumps(one_variant(*VARIANTS[argv[1]], dry_run=dry_run)))
         return 0
-    print(json.dumps(probe(limit_s=300.0 if dry_run else 60.0, dry_run=dry_run), indent=2))
+    print(json.dumps(probe(names, limit_s=300.0 if dry_run else 60.0, dry_run=dry_run), indent=2))
     return 0
 
 
