@@ -34,8 +34,16 @@ import torch
 
 from fp8track import Monitor, MonitorConfig
 from fp8track.examples.gpt import GPT, GPTConfig
+from fp8track.numerics import stats
 
-CONFIGS = {"none": None, "every_1000": 1000, "every_10": 10, "every_1": 1}
+CONFIGS = {  # name: (every_n_steps or None for no monitor, statistics compile mode)
+    "none": (None, "auto"),
+    "every_1000": (1000, "auto"),
+    "every_10": (10, "auto"),
+    "every_1": (1, "auto"),
+    "every_10_aot": (10, "aot"),
+    "every_1_aot": (1, "aot"),
+}
 
 
 MODELS = {
@@ -77,24 +85,31 @@ def step_times(recipe: str, model_name: str, rounds: int, per_round: int) -> dic
     model, opt, batches = build(recipe, model_name)
     tmp = tempfile.mkdtemp()
     monitors = {
-        name: Monitor(model, MonitorConfig(every_n_steps=n), log_dir=tmp) if n else None for name, n in CONFIGS.items()
+        name: Monitor(model, MonitorConfig(every_n_steps=n), log_dir=tmp) if n else None for name, (n, _) in CONFIGS.items()
     }
     times: dict[str, list[float]] = {name: [] for name in CONFIGS}
     sampled: dict[str, list[bool]] = {name: [] for name in CONFIGS}
-    # Warm-up: every code path once (compilation of the statistics kernels included).
-    for mon in monitors.values():
+
+    def run(name: str, n: int, sink: list[float], hits: list[bool] | None = None) -> None:
+        mon = monitors[name]
+        stats.set_compile(CONFIGS[name][1])
         if mon is not None:
-            mon.attach()
-        train_steps(model, opt, batches, 5, mon, [])
+            mon.attach()  # each monitor keeps its own step count: 2 sampled steps per round of 20
+        train_steps(model, opt, batches, n, mon, sink, hits)
         if mon is not None:
             mon.detach()
+
+    # Warm-up: every code path once (compilation of the statistics kernels included; the
+    # ahead-of-time packages are waited for, then loaded).
+    for name in monitors:
+        run(name, 5, [])
+    built = stats.wait_for_aot_kernels()
+    for name in monitors:
+        run(name, 2, [])
     for _ in range(rounds):
-        for name, mon in monitors.items():
-            if mon is not None:
-                mon.attach()  # each monitor keeps its own step count: 2 sampled steps per round of 20
-            train_steps(model, opt, batches, per_round, mon, times[name], sampled[name])
-            if mon is not None:
-                mon.detach()
+        for name in monitors:
+            run(name, per_round, times[name], sampled[name])
+    stats.set_compile("auto")
     for mon in monitors.values():
         if mon is not None:
             mon.close()
@@ -112,6 +127,7 @@ def step_times(recipe: str, model_name: str, rounds: int, per_round: int) -> dic
         if hits:
             out[name]["sampled_step_ms"] = 1e3 * statistics.median(hits)
             out[name]["sampled_steps"] = len(hits)
+    out["aot_kernels_loaded"] = built
     return out
 
 
@@ -130,7 +146,7 @@ def _allocated_bytes() -> int:
     return int(info.uordblks + info.hblkhd)
 
 
-def _memory_child(recipe: str, model_name: str, every: int, steps: int) -> None:
+def _memory_child(recipe: str, model_name: str, every: int, steps: int, mode: str = "auto") -> None:
     # CPU has no max_memory_allocated; glibc's mallinfo2 gives the bytes allocated now. Sample it
     # where a training step peaks (after the last layer's forward: every activation is alive, and
     # after backward: every gradient is alive) and keep the maximum.
@@ -138,6 +154,7 @@ def _memory_child(recipe: str, model_name: str, every: int, steps: int) -> None:
         import torch._inductor.compile_fx  # noqa: F401
 
         every = 0
+    stats.set_compile(mode)  # "aot": the packages built by step_times load from the disk cache
     model, opt, batches = build(recipe, model_name)
     peak = [0]
 
@@ -160,9 +177,9 @@ def _memory_child(recipe: str, model_name: str, every: int, steps: int) -> None:
 
 def peak_memory(recipe: str, model_name: str, steps: int) -> dict:
     out = {}
-    for name, every in {"none_inductor_loaded": -1, **CONFIGS}.items():
+    for name, (every, mode) in {"none_inductor_loaded": (-1, "auto"), **CONFIGS}.items():
         proc = subprocess.run(
-            [sys.executable, __file__, "--memory-child", recipe, model_name, str(every or 0), str(steps)],
+            [sys.executable, __file__, "--memory-child", recipe, model_name, str(every or 0), str(steps), mode],
             capture_output=True,
             text=True,
             check=True,
@@ -180,11 +197,11 @@ def main() -> None:
     parser.add_argument("--steps-per-round", type=int, default=20)
     parser.add_argument("--models", default="small/bf16,small/delayed,wide/bf16")
     parser.add_argument("--no-memory", action="store_true", help="step times only")
-    parser.add_argument("--memory-child", nargs=4)
+    parser.add_argument("--memory-child", nargs=5)
     args = parser.parse_args()
     if args.memory_child:
-        recipe, model_name, every, steps = args.memory_child
-        _memory_child(recipe, model_name, int(every), int(steps))
+        recipe, model_name, every, steps, mode = args.memory_child
+        _memory_child(recipe, model_name, int(every), int(steps), mode)
         return
     result = {
         "torch": torch.__version__,

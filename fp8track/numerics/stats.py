@@ -317,6 +317,8 @@ class _CompilePolicy:
         self.mode: str = "auto"
         self.kernels: dict[tuple[str, int], Any] = {}
         self.failed = False
+        self.aot: Any = None  # fp8track.numerics.aot_kernels.AotKernels, made on first use of "aot"
+        self.aot_runners: dict[tuple[torch.device, torch.dtype, int, bool], Any] = {}
 
     def wants(self, x: torch.Tensor) -> bool:
         if self.failed or self.mode == "eager" or x.dtype not in _COMPILE_DTYPES:
@@ -330,9 +332,34 @@ class _CompilePolicy:
             kernel = self.kernels[key] = torch.compile(_own_code(_compiled_partial), options=_inductor_options())
         return kernel
 
+    def run(self, main: torch.Tensor, tail: torch.Tensor | None, *args: torch.Tensor) -> torch.Tensor:
+        """:func:`_compiled_partial` on ``main`` (+ ``tail``): through the ahead-of-time package in
+        ``"aot"`` mode once it is built, else through ``torch.compile`` (R dynamic)."""
+        device, c, rows = main.device, main.shape[1], main.shape[0]
+        if self.mode == "aot" and rows >= 2:
+            runner = self.aot_runners.get((device, main.dtype, c, tail is None))
+            if runner is None:
+                runner = self._aot_runner(device, main.dtype, c, tail is None)
+            if runner is not None:
+                return runner(main, tail, *args)
+        if rows >= 2:
+            torch._dynamo.mark_dynamic(main, 0)
+        return self.get_kernel(device.type, c)(main, tail, *args)
+
+    def _aot_runner(self, device: torch.device, dtype: torch.dtype, c: int, no_tail: bool) -> Any:
+        from fp8track.numerics import aot_kernels
+
+        if self.aot is None:
+            self.aot = aot_kernels.AotKernels()
+        spec = aot_kernels.KernelSpec(device.type, str(dtype).removeprefix("torch."), c, not no_tail)
+        runner = self.aot.get(spec, device.index)
+        if runner is not None:
+            self.aot_runners[(device, dtype, c, no_tail)] = runner
+        return runner
+
 
 _POLICY = _CompilePolicy()
-COMPILE_MODES = ("auto", "compiled", "eager")
+COMPILE_MODES = ("auto", "aot", "compiled", "eager")
 
 
 def set_compile(mode: bool | str) -> None:
@@ -340,8 +367,11 @@ def set_compile(mode: bool | str) -> None:
 
     Args:
         mode: ``"auto"`` (default: ``torch.compile`` for tensors of at least :data:`COMPILE_MIN_NUMEL`
-            elements, eager below, where call overhead dominates), ``"compiled"``/``True`` (always
-            compile), ``"eager"``/``False`` (never compile).
+            elements, eager below, where call overhead dominates), ``"aot"`` (as ``"auto"``, but
+            each kernel variant is also compiled ahead of time by AOTInductor in a background
+            process and used once built: a fraction of the per-call host cost; see
+            :mod:`fp8track.numerics.aot_kernels`), ``"compiled"``/``True`` (always compile),
+            ``"eager"``/``False`` (never compile).
 
     The compiled kernel is built on first use (a few seconds; the first compile in a process also
     pays inductor's start-up). If compilation fails (e.g. no C++ compiler) a warning is issued
@@ -356,6 +386,17 @@ def set_compile(mode: bool | str) -> None:
         raise invalid_choice("compile mode", mode, COMPILE_MODES)
     _POLICY.mode = str(mode)
     _POLICY.failed = False
+
+
+def wait_for_aot_kernels(timeout_s: float = 600.0) -> dict[str, bool]:
+    """Block until every ahead-of-time kernel build started so far (``"aot"`` mode) has finished.
+
+    Training never needs this (it uses ``torch.compile`` until a package is ready); benchmarks and
+    tests do, to measure or check the packaged kernels. Returns ``{variant: loaded}``.
+    """
+    if _POLICY.aot is None:
+        return {}
+    return {str(spec): ok for spec, ok in _POLICY.aot.wait_all(timeout_s).items()}
 
 
 def get_compile() -> str:
@@ -461,13 +502,10 @@ def partial_stats(
     if s is None:
         s = fconst[_F_MARGIN]  # a 0-d placeholder of the right dtype/device, ignored under current scaling
     if s.numel() == 1 and _POLICY.wants(x):
-        c = row_length(n, x.device.type)
-        main, tail, tail_pad = _split_rows(x, c)
+        main, tail, tail_pad = _split_rows(x, row_length(n, x.device.type))
         try:
-            if main.shape[0] >= 2:
-                torch._dynamo.mark_dynamic(main, 0)
             acc = identity_partial(x.device) if into is None else into
-            out = _POLICY.get_kernel(x.device.type, c)(main, tail, acc, s.reshape(()), use_current, fconst)
+            out = _POLICY.run(main, tail, acc, s.reshape(()), use_current, fconst)
             return _remove_padding(out, pad + tail_pad) if pad + tail_pad else out
         except Exception as exc:  # compiler missing or broken: warn once, stay eager
             _POLICY.failed = True

@@ -175,7 +175,7 @@ def test_unknown_format_lists_valid_names():
 
 
 def test_set_compile_rejects_unknown_mode():
-    with pytest.raises(ConfigError, match="'turbo'.*'auto', 'compiled', 'eager'"):
+    with pytest.raises(ConfigError, match="'turbo'.*'auto', 'aot', 'compiled', 'eager'"):
         stats.set_compile("turbo")
 
 
