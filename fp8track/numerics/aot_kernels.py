@@ -124,7 +124,10 @@ class _GraphWithTail(torch.nn.Module):
 def build(spec: KernelSpec, path: Path | None = None) -> Path:
     """Export and AOT-compile ``spec`` into ``path`` (default :func:`package_path`), synchronously.
 
-    Written to a temporary name and renamed, so a reader never sees half a package.
+    The package is published (renamed from a temporary name, so a reader never sees half of one)
+    only after this process has loaded it and checked one call against the eager graph: on one
+    H200 with torch 2.11 a CUDA package built fine and then crashed the process that loaded it, so
+    loading is proven here, in the build process, before a training process ever tries.
     """
     from fp8track.numerics import stats
 
@@ -137,8 +140,26 @@ def build(spec: KernelSpec, path: Path | None = None) -> Path:
     program = torch.export.export(graph, tuple(inputs), dynamic_shapes=dynamic)
     tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
     torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=stats._inductor_options())
+    try:
+        _check_package(spec, tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     return path
+
+
+def _check_package(spec: KernelSpec, path: Path) -> None:
+    """Load ``path`` and compare one call (7 rows of fresh data) with the graph run eagerly."""
+    from fp8track.numerics import stats
+
+    main, tail, into, scale, flag, fconst = _example_inputs(spec)
+    main = (torch.randn(7, spec.row_length, device=main.device) * 50).to(main.dtype)
+    device_index = main.device.index if main.device.type == "cuda" else None
+    got = _Runner(path, spec.tail, device_index)(main, tail, into, scale, flag, fconst).cpu()
+    want = stats._compiled_partial(main, tail, into, scale, flag, fconst).cpu()
+    if not (torch.equal(got[:5], want[:5]) and torch.allclose(got, want, rtol=1e-5, atol=0)):
+        raise RuntimeError(f"the package's result {got.tolist()} differs from the eager graph's {want.tolist()}")
 
 
 class _Runner:
@@ -158,7 +179,9 @@ class _Runner:
 class AotKernels:
     """The AOT kernels of one process: loaded runners, background builds in flight, failures."""
 
-    def __init__(self) -> None:
+    def __init__(self, python: str | None = None) -> None:
+        """``python``: the interpreter that runs the builds (default: this one)."""
+        self.python = python or sys.executable
         self.runners: dict[tuple[KernelSpec, int | None], _Runner] = {}
         self.paths: dict[KernelSpec, Path] = {}
         self.building: dict[KernelSpec, subprocess.Popen | None] = {}
@@ -189,6 +212,7 @@ class AotKernels:
             return None
         log = _log_path(path)
         err = log.read_text(errors="replace")[-600:].strip() if log.exists() else ""
+        path.with_name(path.name + ".lock").unlink(missing_ok=True)  # ours: a dead builder cannot remove it
         self._fail(spec, f"the background build exited with code {proc.returncode}: {err}")
         return None
 
@@ -222,7 +246,7 @@ class AotKernels:
         except OSError as exc:
             self._fail(spec, f"cannot write to the cache folder {path.parent}: {exc}")
             return None
-        cmd = [sys.executable, "-m", "fp8track.numerics.aot_kernels", json.dumps(asdict(spec)), str(path)]
+        cmd = [self.python, "-m", "fp8track.numerics.aot_kernels", json.dumps(asdict(spec)), str(path)]
         with open(_log_path(path), "wb") as log:  # a file, not a pipe: nobody reads a pipe while it builds
             return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
 

@@ -30,6 +30,7 @@ numel               element count, non-finite elements included
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -309,12 +310,25 @@ def _own_code(fn: Any) -> Any:
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
+COMPILE_MODES = ("auto", "aot", "compiled", "eager")
+KERNEL_ENV = "FP8TRACK_STATS_KERNEL"
+"""Environment variable naming the initial compile mode (e.g. ``aot`` for a run started from the
+CLI or a Lightning script); :func:`set_compile` overrides it."""
+
+
+def _mode_from_env() -> str:
+    mode = os.environ.get(KERNEL_ENV, "auto")
+    if mode not in COMPILE_MODES:
+        raise invalid_choice(f"${KERNEL_ENV}", mode, COMPILE_MODES)
+    return mode
+
+
 class _CompilePolicy:
     """Holds the compile mode and the lazily built compiled kernels (one per device type and row
     length, per process)."""
 
     def __init__(self) -> None:
-        self.mode: str = "auto"
+        self.mode: str = _mode_from_env()
         self.kernels: dict[tuple[str, int], Any] = {}
         self.failed = False
         self.aot: Any = None  # fp8track.numerics.aot_kernels.AotKernels, made on first use of "aot"
@@ -359,7 +373,6 @@ class _CompilePolicy:
 
 
 _POLICY = _CompilePolicy()
-COMPILE_MODES = ("auto", "aot", "compiled", "eager")
 
 
 def set_compile(mode: bool | str) -> None:

@@ -113,3 +113,30 @@ def test_kernel_spec_rejects_bad_values(kwargs, match):
     base = {"device_type": "cpu", "dtype": "bfloat16", "row_length": 1024, "tail": False}
     with pytest.raises(ConfigError, match=match):
         KernelSpec(**{**base, **kwargs})
+
+
+def test_the_environment_chooses_the_initial_mode(monkeypatch):
+    monkeypatch.setenv(stats.KERNEL_ENV, "aot")
+    assert stats._CompilePolicy().mode == "aot"
+    monkeypatch.setenv(stats.KERNEL_ENV, "fast")
+    with pytest.raises(ConfigError, match=r"\$FP8TRACK_STATS_KERNEL 'fast'.*'auto', 'aot', 'compiled', 'eager'"):
+        stats._CompilePolicy()
+
+
+def test_a_builder_that_crashes_leaves_the_statistics_on_torch_compile(aot_mode, tmp_path, monkeypatch):
+    """A build process that dies (on the H200 with torch 2.11, loading a CUDA package segfaulted; the
+    builder loads it first, so the crash happens there): one warning, no package, results unchanged."""
+    crasher = tmp_path / "crash.sh"
+    crasher.write_text("#!/bin/sh\nkill -SEGV $$\n")
+    crasher.chmod(0o755)
+    stats._POLICY.aot = AotKernels(python=str(crasher))
+    x = torch.randn(4096).to(torch.bfloat16)
+    first = partial_stats(x, "e4m3")
+    with pytest.warns(UserWarning, match="exited with code -11"):
+        assert stats.wait_for_aot_kernels(60) == {str(KernelSpec("cpu", "bfloat16", 1024, False)): False}
+    assert not list(aot_mode.glob("*.pt2")) and not list(aot_mode.glob("*.lock"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = partial_stats(x, "e4m3")
+    stats.set_compile("auto")
+    assert torch.equal(first, partial_stats(x, "e4m3")) and torch.equal(again, first)
