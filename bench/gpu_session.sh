@@ -14,7 +14,7 @@ else
 fi
 export PYTHONUNBUFFERED=1
 nvidia-smi -L; python3 -c 'import torch, torchao; print("torch", torch.__version__, "torchao", torchao.__version__)'
-time timeout ${PROBE_LIMIT:-210} python3 bench/gpu_kernel_probe.py > "$OUT/gpu_kernel_probe.json" 2> "$OUT/gpu_kernel_probe.err"
+time timeout ${PROBE_LIMIT:-210} python3 bench/gpu_kernel_probe.py --only ${PROBE_VARIANTS:-rows_1024_small_first,max_rows_4096_small_first,max_rows_4096_big_first} > "$OUT/gpu_kernel_probe.json" 2> "$OUT/gpu_kernel_probe.err"
 echo "probe rc=$?"; cat "$OUT/gpu_kernel_probe.json"
 time timeout ${TEST_LIMIT:-170} python3 -m pytest -q -p no:cacheprovider -m gpu -rs --timeout 180 \
   tests/gpu tests/integration/test_nvdlfw_bridge.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -40

@@ -147,7 +147,7 @@ def round_to_fp8_grid(v: torch.Tensor, fconst: torch.Tensor) -> torch.Tensor:
 def _fmt_consts(fmt: FP8Format, margin: int, device: torch.device) -> torch.Tensor:
     """The format's float32 constants on ``device`` (cached): max, ``2**-margin``, and the splitting
     factor, subnormal rounding constant and smallest normal of :func:`round_to_fp8_grid`."""
-    key = (fmt.name, margin, str(device))
+    key = (fmt.name, margin, device)
     hit = _CONST_CACHE.get(key)
     if hit is None:
         values = [
@@ -161,7 +161,7 @@ def _fmt_consts(fmt: FP8Format, margin: int, device: torch.device) -> torch.Tens
     return hit
 
 
-_CONST_CACHE: dict[tuple[str, int, str], torch.Tensor] = {}
+_CONST_CACHE: dict[tuple[str, int, torch.device], torch.Tensor] = {}
 
 
 def _finite_abs(x: torch.Tensor) -> torch.Tensor:
@@ -454,17 +454,18 @@ def _remove_padding(partial: torch.Tensor, pad: int) -> torch.Tensor:
 def identity_partial(device: torch.device) -> torch.Tensor:
     """A cached :func:`empty_partial` on ``device``: read only (the kernel merges into it and returns a
     new tensor; stacking copies it)."""
-    key = str(device)
-    hit = _IDENTITY_CACHE.get(key)
+    hit = _IDENTITY_CACHE.get(device)
     if hit is None:
-        hit = _IDENTITY_CACHE[key] = empty_partial(device)
+        hit = _IDENTITY_CACHE[device] = empty_partial(device)
     return hit
 
 
-_IDENTITY_CACHE: dict[str, torch.Tensor] = {}
+_IDENTITY_CACHE: dict[torch.device, torch.Tensor] = {}
 
 
 def _as_scale(scale: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    if isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 and scale.device == device:
+        return scale  # the common case (a backend's scale tensor), without as_tensor's dispatch
     return torch.as_tensor(scale, dtype=torch.float32, device=device)
 
 
@@ -513,12 +514,12 @@ def partial_stats(
     fconst = _fmt_consts(fmt, margin, x.device)
     use_current = _flag(s is None, x.device)
     if s is None:
-        s = fconst[_F_MARGIN]  # a 0-d placeholder of the right dtype/device, ignored under current scaling
+        s = _ignored_scale(x.device)  # a 0-d float32 placeholder, ignored under current scaling
     if s.numel() == 1 and _POLICY.wants(x):
         main, tail, tail_pad = _split_rows(x, row_length(n, x.device.type))
         try:
             acc = identity_partial(x.device) if into is None else into
-            out = _POLICY.run(main, tail, acc, s.reshape(()), use_current, fconst)
+            out = _POLICY.run(main, tail, acc, s if s.dim() == 0 else s.reshape(()), use_current, fconst)
             return _remove_padding(out, pad + tail_pad) if pad + tail_pad else out
         except Exception as exc:  # compiler missing or broken: warn once, stay eager
             _POLICY.failed = True
@@ -540,14 +541,25 @@ def partial_stats(
 def _flag(value: bool, device: torch.device) -> torch.Tensor:
     """A cached 0-d bool tensor on ``device`` (built once: a host-to-device copy per call would be
     a copy per observed tensor on a GPU)."""
-    key = (value, str(device))
+    key = (value, device)
     hit = _BOOL_CACHE.get(key)
     if hit is None:
         hit = _BOOL_CACHE[key] = torch.tensor(value, device=device)
     return hit
 
 
-_BOOL_CACHE: dict[tuple[bool, str], torch.Tensor] = {}
+_BOOL_CACHE: dict[tuple[bool, torch.device], torch.Tensor] = {}
+
+
+def _ignored_scale(device: torch.device) -> torch.Tensor:
+    """A cached 0-d float32 tensor on ``device``: the scale argument under current scaling."""
+    hit = _IGNORED_SCALE_CACHE.get(device)
+    if hit is None:
+        hit = _IGNORED_SCALE_CACHE[device] = torch.ones((), dtype=torch.float32, device=device)
+    return hit
+
+
+_IGNORED_SCALE_CACHE: dict[torch.device, torch.Tensor] = {}
 
 
 def merge_partials(partials: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
