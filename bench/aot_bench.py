@@ -70,11 +70,11 @@ def run(device: str, sizes: list[int], reps: int) -> dict:
         for r in range(4):  # interleaved rounds
             for mode in (("auto", "aot") if r % 2 == 0 else ("aot", "auto")):
                 stats.set_compile(mode)
-                host[mode].append(_host_ms(lambda: stats.partial_stats(x, "e4m3"), reps))
+                host[mode].append(_host_ms(lambda x=x: stats.partial_stats(x, "e4m3"), reps))
         for mode in ("auto", "aot"):
             stats.set_compile(mode)
             row[f"{mode}_host_ms"] = round(statistics.median(host[mode]), 4)
-            dev = _device_ms(lambda: stats.partial_stats(x, "e4m3"), reps)
+            dev = _device_ms(lambda x=x: stats.partial_stats(x, "e4m3"), reps)
             if dev is not None:
                 row[f"{mode}_device_ms"] = round(dev, 4)
         row["host_ratio_jit_over_aot"] = round(row["auto_host_ms"] / row["aot_host_ms"], 2)

@@ -13,7 +13,7 @@ and torch version: too slow to do inline. :class:`AotKernels` therefore starts t
 subprocess (``python -m fp8track.numerics.aot_kernels SPEC``) on first use, the caller keeps using
 the ``torch.compile`` kernel meanwhile, and the package is loaded once the file appears. Packages
 are cached on disk (``$FP8TRACK_CACHE_DIR``, default ``~/.cache/fp8track``), keyed by the torch
-version, the kernel's source (a hash of :mod:`fp8track.numerics.stats`), the inductor options and
+version, the kernel's source (a hash of :mod:`fp8track.numerics.stats_kernel`), the inductor options and
 the device (on CUDA, its compute capability), so a later run loads them at once.
 
 A build that fails (no C++ compiler, a torch without AOTInductor) warns once and leaves that
@@ -31,11 +31,12 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from fp8track.errors import ConfigError
+from fp8track.numerics import stats_kernel
+from fp8track.numerics.formats import get_format
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOCK_STALE_S = 900.0
@@ -75,14 +76,12 @@ def cache_dir() -> Path:
 
 
 def _fingerprint(spec: KernelSpec) -> str:
-    from fp8track.numerics import stats
-
     device = spec.device_type
     if device == "cuda" and torch.cuda.is_available():
         device += "-sm{}{}".format(*torch.cuda.get_device_capability())
-    source = Path(stats.__file__).read_bytes()
+    source = Path(stats_kernel.__file__).read_bytes()
     parts = [torch.__version__, device, json.dumps(asdict(spec), sort_keys=True),
-             json.dumps(stats._inductor_options(), sort_keys=True), hashlib.sha256(source).hexdigest()]
+             json.dumps(stats_kernel._inductor_options(), sort_keys=True), hashlib.sha256(source).hexdigest()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
@@ -93,32 +92,26 @@ def package_path(spec: KernelSpec) -> Path:
 
 
 def _example_inputs(spec: KernelSpec) -> list[torch.Tensor | None]:
-    from fp8track.numerics import stats
-
     dev = torch.device(spec.device_type)
-    fconst = stats._fmt_consts(stats.get_format("e4m3"), 0, dev)
+    fconst = stats_kernel._fmt_consts(get_format("e4m3"), 0, dev)
     main = torch.randn(4, spec.row_length, device=dev).to(_DTYPES[spec.dtype])
     tail = torch.zeros(1, spec.row_length, device=dev, dtype=main.dtype) if spec.tail else None
     flag = torch.tensor(True, device=dev)
-    return [main, tail, stats.empty_partial(dev), fconst[stats._F_MARGIN].reshape(()), flag, fconst]
+    return [main, tail, stats_kernel.empty_partial(dev), fconst[stats_kernel._F_MARGIN].reshape(()), flag, fconst]
 
 
 class _Graph(torch.nn.Module):
     """The kernel's graph without the tail row (export takes tensors only, not ``None``)."""
 
     def forward(self, main, into, scale, use_current, fconst):  # noqa: ANN001, ANN201
-        from fp8track.numerics import stats
-
-        return stats._compiled_partial(main, None, into, scale, use_current, fconst)
+        return stats_kernel._compiled_partial(main, None, into, scale, use_current, fconst)
 
 
 class _GraphWithTail(torch.nn.Module):
     """The kernel's graph with the zero-padded tail row."""
 
     def forward(self, main, tail, into, scale, use_current, fconst):  # noqa: ANN001, ANN201
-        from fp8track.numerics import stats
-
-        return stats._compiled_partial(main, tail, into, scale, use_current, fconst)
+        return stats_kernel._compiled_partial(main, tail, into, scale, use_current, fconst)
 
 
 def build(spec: KernelSpec, path: Path | None = None) -> Path:
@@ -129,8 +122,6 @@ def build(spec: KernelSpec, path: Path | None = None) -> Path:
     H200 with torch 2.11 a CUDA package built fine and then crashed the process that loaded it, so
     loading is proven here, in the build process, before a training process ever tries.
     """
-    from fp8track.numerics import stats
-
     path = path or package_path(spec)
     path.parent.mkdir(parents=True, exist_ok=True)  # fails at once, before compiling, if it cannot
     inputs = [t for t in _example_inputs(spec) if t is not None]
@@ -139,7 +130,7 @@ def build(spec: KernelSpec, path: Path | None = None) -> Path:
     graph = _GraphWithTail() if spec.tail else _Graph()
     program = torch.export.export(graph, tuple(inputs), dynamic_shapes=dynamic)
     tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
-    torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=stats._inductor_options())
+    torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=stats_kernel._inductor_options())
     try:
         _check_package(spec, tmp)
     except BaseException:
@@ -151,13 +142,11 @@ def build(spec: KernelSpec, path: Path | None = None) -> Path:
 
 def _check_package(spec: KernelSpec, path: Path) -> None:
     """Load ``path`` and compare one call (7 rows of fresh data) with the graph run eagerly."""
-    from fp8track.numerics import stats
-
     main, tail, into, scale, flag, fconst = _example_inputs(spec)
     main = (torch.randn(7, spec.row_length, device=main.device) * 50).to(main.dtype)
     device_index = main.device.index if main.device.type == "cuda" else None
     got = _Runner(path, spec.tail, device_index)(main, tail, into, scale, flag, fconst).cpu()
-    want = stats._compiled_partial(main, tail, into, scale, flag, fconst).cpu()
+    want = stats_kernel._compiled_partial(main, tail, into, scale, flag, fconst).cpu()
     if not (torch.equal(got[:5], want[:5]) and torch.allclose(got, want, rtol=1e-5, atol=0)):
         raise RuntimeError(f"the package's result {got.tolist()} differs from the eager graph's {want.tolist()}")
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fp8track.errors import ConfigError
-from fp8track.numerics import aot_kernels, stats
+from fp8track.numerics import aot_kernels, stats, stats_kernel
 from fp8track.numerics.aot_kernels import AotKernels, KernelSpec
 from fp8track.numerics.stats import partial_stats
 
@@ -47,6 +47,10 @@ def test_packages_build_in_the_background_then_replace_the_jit_kernel(aot_mode):
 
     first = run_all()  # starts both builds; these results come from torch.compile
     assert len(stats._POLICY.aot.building) == 2 and not stats._POLICY.aot_runners
+    # Another process (a DDP rank on the same machine) finds the build lock and waits for the package.
+    other = AotKernels()
+    spec = KernelSpec("cpu", "bfloat16", 1024, False)
+    assert other.get(spec) is None and other.building == {spec: None}
     stats.set_compile("auto")
     jit = run_all()
     for got, want in zip(first, jit, strict=True):
@@ -62,7 +66,8 @@ def test_packages_build_in_the_background_then_replace_the_jit_kernel(aot_mode):
     assert not list(aot_mode.glob("*.lock")) and not list(aot_mode.glob("*.tmp.pt2"))
     # A new process finds the packages on disk and loads them without building.
     fresh = AotKernels()
-    assert fresh.get(KernelSpec("cpu", "bfloat16", 1024, False)) is not None and not fresh.building
+    assert fresh.get(spec) is not None and not fresh.building
+    assert other.get(spec) is not None  # the waiting rank loads the package the first one built
 
 
 def test_an_unwritable_cache_warns_once_and_stays_on_torch_compile(aot_mode, tmp_path, monkeypatch):
@@ -97,7 +102,7 @@ def test_package_names_change_with_the_kernel_source_and_the_variant(monkeypatch
     assert a.parent == tmp_path / "aot_kernels"
     assert a != aot_kernels.package_path(KernelSpec("cpu", "bfloat16", 1024, True))
     assert a != aot_kernels.package_path(KernelSpec("cpu", "float32", 1024, False))
-    monkeypatch.setattr(stats, "_INDUCTOR_OPTIONS", {"realize_reads_threshold": 3})
+    monkeypatch.setattr(stats_kernel, "_INDUCTOR_OPTIONS", {"realize_reads_threshold": 3})
     assert a != aot_kernels.package_path(KernelSpec("cpu", "bfloat16", 1024, False))  # other options, other key
 
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fp8track.errors import ConfigError
-from fp8track.numerics import stats
+from fp8track.numerics import stats, stats_kernel
 from fp8track.numerics.stats import (
     PARTIAL_SIZE,
     STAT_NAMES,
@@ -558,5 +558,5 @@ def test_merging_into_an_accumulator_equals_merge_partials(mode):
 def test_inductor_options_this_torch_does_not_know_are_dropped(monkeypatch):
     """One unknown key makes torch.compile refuse the whole kernel (torch 2.11 lacks
     ``realize_cpu_opcount_threshold``): such keys are left out, known ones kept."""
-    monkeypatch.setattr(stats, "_INDUCTOR_OPTIONS", {"realize_reads_threshold": 7, "no_such_option_in_any_torch": 1})
-    assert stats._inductor_options() == {"realize_reads_threshold": 7}
+    monkeypatch.setattr(stats_kernel, "_INDUCTOR_OPTIONS", {"realize_reads_threshold": 7, "no_such_option_in_any_torch": 1})
+    assert stats_kernel._inductor_options() == {"realize_reads_threshold": 7}
