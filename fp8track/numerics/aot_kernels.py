@@ -16,8 +16,9 @@ are cached on disk (``$FP8TRACK_CACHE_DIR``, default ``~/.cache/fp8track``), key
 version, the kernel's source (a hash of :mod:`fp8track.numerics.stats_kernel`), the inductor options and
 the device (on CUDA, its compute capability), so a later run loads them at once.
 
-A build that fails (no C++ compiler, a torch without AOTInductor) warns once and leaves that
-kernel on ``torch.compile``; nothing else changes.
+A build that fails (no C++ compiler, a torch without AOTInductor, a package that crashes or
+computes something else when loaded: the build process loads and checks it before publishing it)
+warns once and leaves that kernel on ``torch.compile``; nothing else changes.
 """
 
 from __future__ import annotations
