@@ -1,8 +1,9 @@
 """Training overhead of the monitor on the example GPT (CPU): step time and peak memory.
 
-Prints JSON. Configurations are measured side by side, interleaved in rounds so machine noise
-hits all of them alike: no monitor, sampling every 1000 steps (only unsampled steps are timed: the
-cost of a step the monitor skips), every 10 steps, every step. Two models: the BF16 control
+Prints JSON. Configurations are measured side by side, interleaved in rounds (in an order that
+rotates each round) so machine noise hits all of them alike: no monitor, sampling every 1000
+steps (the cost of a step the monitor skips), every 10 steps, every step, and the last two with
+the ahead-of-time kernels. Two models: the BF16 control
 (shadow statistics on plain linears: the cheapest step, so the hardest ratio) and emulated FP8
 with delayed scaling; ``--models`` adds the wider one.
 
@@ -106,8 +107,9 @@ def step_times(recipe: str, model_name: str, rounds: int, per_round: int) -> dic
     built = stats.wait_for_aot_kernels()
     for name in monitors:
         run(name, 2, [])
-    for _ in range(rounds):
-        for name in monitors:
+    names = list(monitors)
+    for r in range(rounds):  # the order rotates each round: no configuration always runs first
+        for name in names[r % len(names):] + names[: r % len(names)]:
             run(name, per_round, times[name], sampled[name])
     stats.set_compile("auto")
     for mon in monitors.values():
