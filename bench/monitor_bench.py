@@ -134,6 +134,33 @@ def step_times(recipe: str, model_name: str, rounds: int, per_round: int) -> dic
     return out
 
 
+def steps_after_a_sampled_step(recipe: str, model_name: str, cycles: int = 30) -> dict:
+    """Median step time at each position of a 10-step cycle (position 0 sampled), against no monitor.
+
+    Cycles of 10 monitored steps (``every_n_steps=10``) alternate with 10 unmonitored ones; shows
+    whether the steps right after a sampled one cost more than the rest of the cycle.
+    """
+    model, opt, batches = build(recipe, model_name)
+    mon = Monitor(model, MonitorConfig(every_n_steps=10), log_dir=tempfile.mkdtemp())
+    base: list[float] = []
+    at: dict[int, list[float]] = {k: [] for k in range(10)}
+    mon.attach()
+    train_steps(model, opt, batches, 20, mon, [])  # warm-up, kernels compiled
+    mon.detach()
+    for _ in range(cycles):
+        mon.attach()
+        for _ in range(10):
+            k = mon.global_step % 10
+            train_steps(model, opt, batches, 1, mon, at[k])
+        mon.detach()
+        train_steps(model, opt, batches, 10, None, base)
+    out = {"none_ms": 1e3 * statistics.median(base)}
+    out.update({f"position_{k}_ms": 1e3 * statistics.median(v) for k, v in at.items()})
+    cycle = sorted(t for v in at.values() for t in v)
+    out["cycle_median_ratio"] = statistics.median(cycle) / statistics.median(base)
+    return out
+
+
 class _MallInfo2(ctypes.Structure):
     _fields_ = [
         (n, ctypes.c_size_t)
@@ -200,6 +227,7 @@ def main() -> None:
     parser.add_argument("--steps-per-round", type=int, default=20)
     parser.add_argument("--models", default="small/bf16,small/delayed,wide/bf16")
     parser.add_argument("--no-memory", action="store_true", help="step times only")
+    parser.add_argument("--positions", action="store_true", help="also: step time at each position after a sampled step")
     parser.add_argument("--memory-child", nargs=5)
     args = parser.parse_args()
     if args.memory_child:
@@ -218,6 +246,8 @@ def main() -> None:
             "step_time": step_times(recipe, model_name, args.rounds, args.steps_per_round),
             "peak_memory": None if args.no_memory else peak_memory(recipe, model_name, 30),
         }
+        if args.positions:
+            result[key]["steps_after_a_sampled_step"] = steps_after_a_sampled_step(recipe, model_name)
     result["load_average_1min_at_end"] = round(os.getloadavg()[0], 2)
     print(json.dumps(result, indent=2))
 
