@@ -462,7 +462,6 @@ class MLflowTracker(QueuedTracker):
         # Tables an existing run may already hold (rows logged before a resume or by a replay),
         # read once before the first write; a run this tracker creates has none.
         self._unseeded = set() if self.own_run else {t.name for t in self._tables()}
-        self._stat_columns: list[str] = []
         self._ts: tuple[int, int] = (-1, 0)  # (step, ms timestamp): a retried step reuses its timestamp
         self._buffered_step: int | None = None  # last step whose rows/events were buffered
         self._logged_steps: frozenset[int] = frozenset()  # an existing run's steps (set by start)
@@ -585,13 +584,9 @@ class MLflowTracker(QueuedTracker):
 
     def _spool_tensor_rows(self, rows: Sequence[TensorStatsRow]) -> None:
         table = self._stats_table
-        if not table.columns:
-            table.add_columns(TENSOR_KEY_COLUMNS)
-        new = [c for c in tensor_stat_columns(rows) if c not in self._stat_columns]
-        if new:
-            self._stat_columns += new
-            table.add_columns(new)
-        cols = self._stat_columns
+        table.add_columns([*TENSOR_KEY_COLUMNS, *tensor_stat_columns(rows)])
+        # The table's own columns (a resumed run's table may have brought some): every row has them all.
+        cols = table.columns[len(TENSOR_KEY_COLUMNS) :]
         table.add([r.step, r.layer, r.tensor, r.variant, *(r.stats.get(c) for c in cols)] for r in rows)
 
     def _tables(self) -> list[TableSpool]:

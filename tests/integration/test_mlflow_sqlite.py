@@ -153,6 +153,30 @@ def test_a_second_tracker_on_the_same_run_appends_to_its_tables(store, tmp_path)
     assert not first._spool_dir.exists() and not second._spool_dir.exists()  # spools removed at finish
 
 
+def test_columns_of_a_resumed_table_and_new_statistics_keep_their_values(store):
+    """The run's existing table has a column this tracker never sees ("old_only"); a statistic the
+    tracker meets only later ("sqnr_db") gets a column of its own, after it: each value stays
+    under its own name."""
+    uri, client, exp = store
+    run_id = client.create_run(exp).info.run_id
+
+    def batch(step: int, stats: dict[str, float]) -> StepBatch:
+        return StepBatch(step=step, metrics={}, tensor_rows=[TensorStatsRow(step, "head", "activation", stats)], events=[])
+
+    first = MLflowTracker(client=client, run_id=run_id, heatmap=False, background=False)
+    first.log(batch(0, {"mse": 1.0, "old_only": 7.0}))
+    first.finish()
+    second = MLflowTracker(client=client, run_id=run_id, heatmap=False, background=False, table_every_n_steps=1)
+    second.log(batch(1, {"mse": 2.0}))  # the first write: the run's rows are put first
+    second.log(batch(2, {"mse": 3.0, "sqnr_db": 40.0}))
+    second.finish()
+    table = load_table(client, run_id, f"{naming.TABLE_TENSOR_STATS}.json")
+    assert table.step.tolist() == [0, 1, 2]
+    assert table.mse.tolist() == [1.0, 2.0, 3.0]
+    assert table.old_only.fillna(-1).tolist() == [7.0, -1, -1]
+    assert table.sqnr_db.fillna(-1).tolist() == [-1, -1, 40.0]
+
+
 def test_batches_over_1000_metrics_and_name_sanitising(store, tmp_path):
     uri, client, exp = store
     experiment_name = client.get_experiment(exp).name
