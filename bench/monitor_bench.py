@@ -130,7 +130,7 @@ def step_times(recipe: str, model_name: str, rounds: int, per_round: int) -> dic
             out[name]["sampled_step_ms"] = 1e3 * statistics.median(hits)
             out[name]["sampled_steps"] = len(hits)
     out["aot_kernels_loaded"] = built  # builds waited for (empty when the disk cache had them)
-    out["aot_runners_used"] = sorted(f"{d}:{str(t).removeprefix('torch.')}:c{c}:{'notail' if nt else 'tail'}" for d, t, c, nt in stats._POLICY.aot_runners)
+    out["aot_runners_used"] = sorted(f"{d}:{str(t).removeprefix('torch.')}:c{c}:{'notail' if nt else 'tail'}" for (d, t, c, nt), r in stats._POLICY.aot_runners.items() if r is not None)
     return out
 
 

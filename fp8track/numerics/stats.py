@@ -29,6 +29,7 @@ numel               element count, non-finite elements included
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -142,6 +143,7 @@ class _CompilePolicy:
         self.kernels: dict[tuple[str, int], Any] = {}
         self.failed = False
         self.aot: Any = None  # fp8track.numerics.aot_kernels.AotKernels, made on first use of "aot"
+        # (device, dtype, row length, no tail) -> loaded runner, or None once its build failed
         self.aot_runners: dict[tuple[torch.device, torch.dtype, int, bool], Any] = {}
 
     def wants(self, x: torch.Tensor) -> bool:
@@ -161,24 +163,26 @@ class _CompilePolicy:
         ``"aot"`` mode once it is built, else through ``torch.compile`` (R dynamic)."""
         device, c, rows = main.device, main.shape[1], main.shape[0]
         if self.mode == "aot" and rows >= 2:
-            runner = self.aot_runners.get((device, main.dtype, c, tail is None))
-            if runner is None:
-                runner = self._aot_runner(device, main.dtype, c, tail is None)
+            key = (device, main.dtype, c, tail is None)
+            runner = self.aot_runners[key] if key in self.aot_runners else self._aot_runner(key)
             if runner is not None:
                 return runner(main, tail, *args)
         if rows >= 2:
             torch._dynamo.mark_dynamic(main, 0)
         return self.get_kernel(device.type, c)(main, tail, *args)
 
-    def _aot_runner(self, device: torch.device, dtype: torch.dtype, c: int, no_tail: bool) -> Any:
+    def _aot_runner(self, key: tuple[torch.device, torch.dtype, int, bool]) -> Any:
+        """Ask :class:`AotKernels` for the runner of ``key``; remember the answer once it is settled
+        (loaded, or failed: ``None``), so later calls skip the spec and the build poll."""
         from fp8track.numerics import aot_kernels
 
         if self.aot is None:
             self.aot = aot_kernels.AotKernels()
+        device, dtype, c, no_tail = key
         spec = aot_kernels.KernelSpec(device.type, str(dtype).removeprefix("torch."), c, not no_tail)
         runner = self.aot.get(spec, device.index)
-        if runner is not None:
-            self.aot_runners[(device, dtype, c, no_tail)] = runner
+        if runner is not None or spec in self.aot.failed:
+            self.aot_runners[key] = runner
         return runner
 
 
@@ -223,7 +227,7 @@ def wait_for_aot_kernels(timeout_s: float = 600.0) -> dict[str, bool]:
 
 
 def get_compile() -> str:
-    """The current compile mode (``"auto"``, ``"compiled"`` or ``"eager"``)."""
+    """The current compile mode (one of :data:`COMPILE_MODES`)."""
     return _POLICY.mode
 
 
@@ -261,16 +265,11 @@ def _remove_padding(partial: torch.Tensor, pad: int) -> torch.Tensor:
     return partial - fix
 
 
+@functools.cache
 def identity_partial(device: torch.device) -> torch.Tensor:
     """A cached :func:`empty_partial` on ``device``: read only (the kernel merges into it and returns a
     new tensor; stacking copies it)."""
-    hit = _IDENTITY_CACHE.get(device)
-    if hit is None:
-        hit = _IDENTITY_CACHE[device] = empty_partial(device)
-    return hit
-
-
-_IDENTITY_CACHE: dict[torch.device, torch.Tensor] = {}
+    return empty_partial(device)
 
 
 def _as_scale(scale: torch.Tensor | float, device: torch.device) -> torch.Tensor:
@@ -348,28 +347,17 @@ def partial_stats(
     return out if into is None else _merge_two(into, out)
 
 
+@functools.cache
 def _flag(value: bool, device: torch.device) -> torch.Tensor:
     """A cached 0-d bool tensor on ``device`` (built once: a host-to-device copy per call would be
     a copy per observed tensor on a GPU)."""
-    key = (value, device)
-    hit = _BOOL_CACHE.get(key)
-    if hit is None:
-        hit = _BOOL_CACHE[key] = torch.tensor(value, device=device)
-    return hit
+    return torch.tensor(value, device=device)
 
 
-_BOOL_CACHE: dict[tuple[bool, torch.device], torch.Tensor] = {}
-
-
+@functools.cache
 def _ignored_scale(device: torch.device) -> torch.Tensor:
     """A cached 0-d float32 tensor on ``device``: the scale argument under current scaling."""
-    hit = _IGNORED_SCALE_CACHE.get(device)
-    if hit is None:
-        hit = _IGNORED_SCALE_CACHE[device] = torch.ones((), dtype=torch.float32, device=device)
-    return hit
-
-
-_IGNORED_SCALE_CACHE: dict[torch.device, torch.Tensor] = {}
+    return torch.ones((), dtype=torch.float32, device=device)
 
 
 def merge_partials(partials: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
