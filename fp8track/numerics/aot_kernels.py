@@ -202,7 +202,7 @@ class AotKernels:
             return None
         log = _log_path(path)
         err = log.read_text(errors="replace")[-600:].strip() if log.exists() else ""
-        path.with_name(path.name + ".lock").unlink(missing_ok=True)  # ours: a dead builder cannot remove it
+        _lock_path(path).unlink(missing_ok=True)  # ours: a dead builder cannot remove it
         self._fail(spec, f"the background build exited with code {proc.returncode}: {err}")
         return None
 
@@ -225,10 +225,10 @@ class AotKernels:
         }
 
     def _start(self, spec: KernelSpec, path: Path) -> subprocess.Popen | None:
-        lock = path.with_name(path.name + ".lock")
+        lock = _lock_path(path)
         try:
             lock.parent.mkdir(parents=True, exist_ok=True)
-            if lock.exists() and time.time() - lock.stat().st_mtime > LOCK_STALE_S:
+            if _lock_age(path) > LOCK_STALE_S:
                 lock.unlink(missing_ok=True)
             os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
@@ -246,7 +246,7 @@ class AotKernels:
         except Exception as exc:  # a corrupt or foreign package: stay on torch.compile
             self._fail(spec, f"loading {path} failed: {exc!r}")
             return None
-        path.with_name(path.name + ".lock").unlink(missing_ok=True)
+        _lock_path(path).unlink(missing_ok=True)
         return runner
 
     def _fail(self, spec: KernelSpec, why: str) -> None:
@@ -258,9 +258,14 @@ def _log_path(path: Path) -> Path:
     return path.with_name(path.name + ".log")
 
 
+def _lock_path(path: Path) -> Path:
+    return path.with_name(path.name + ".lock")
+
+
 def _lock_age(path: Path) -> float:
+    """Seconds since the build lock of ``path`` was taken (inf when there is none)."""
     try:
-        return time.time() - path.with_name(path.name + ".lock").stat().st_mtime
+        return time.time() - _lock_path(path).stat().st_mtime
     except OSError:
         return float("inf")
 
@@ -272,7 +277,7 @@ def main(argv: list[str]) -> int:
     try:
         build(spec, path)
     finally:
-        path.with_name(path.name + ".lock").unlink(missing_ok=True)
+        _lock_path(path).unlink(missing_ok=True)
     return 0
 
 
