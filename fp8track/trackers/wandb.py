@@ -7,8 +7,8 @@ plot against that step with ``min`` and ``max`` summaries. Per-layer rows go to 
 ``INCREMENTAL`` ``wandb.Table`` (each log uploads only the new rows); events go to one
 incremental table per kind. Once a table is logged its rows are in W&B's files and are dropped
 from the ``Table`` object, which wandb would otherwise keep for the whole run (memory then
-holds at most ``table_every_n_steps`` steps of rows, whatever the run's length). Events whose data has ``"alert": True`` raise ``run.alert``,
-throttled per title. The run config holds the recipe and the BF16 fallback set.
+holds at most ``table_every_n_steps`` steps of rows, whatever the run's length). Events whose
+data has ``"alert": True`` raise ``run.alert``, throttled per title. The run config holds the recipe and the BF16 fallback set.
 
 ``wandb`` is imported only when a tracker is built; this module never sets ``WANDB_MODE``.
 """
@@ -251,14 +251,18 @@ class WandbTracker(QueuedTracker):
             # The rows stay pending and go out with a later step: only the scalars are missed.
             raise ScalarsNotWritten(exc) from exc
         if due:
-            for key in self._pending:
-                drop_logged_rows(self._tables[key])
-            self._pending.clear()
-            self._pending_steps.clear()
-            self._steps_since_table = 0
+            self._tables_logged()
         self._last_step = batch.step
         if batch.events:
             self._alert(batch.events)
+
+    def _tables_logged(self) -> None:
+        """After the ``run.log`` that carried the pending tables: their rows are in W&B's files."""
+        for key in self._pending:
+            drop_logged_rows(self._tables[key])
+        self._pending.clear()
+        self._pending_steps.clear()
+        self._steps_since_table = 0
 
     def _close(self) -> None:
         if self._pending:
@@ -270,9 +274,7 @@ class WandbTracker(QueuedTracker):
                 for step in sorted(self._pending_steps):
                     self._record_failure(step, TablesNotWritten(exc))
                 raise
-            for key in self._pending:
-                drop_logged_rows(self._tables[key])
-            self._pending.clear()
+            self._tables_logged()
         if self.own_run:
             self.run.finish()
 
