@@ -47,10 +47,8 @@ from fp8track.numerics.scaling import (
     drift_log2,
     scale_from_amax,
 )
-from fp8track.numerics.stats_kernel import (  # noqa: F401  (re-exported: the partial layout)
+from fp8track.numerics.stats_kernel import (  # noqa: F401  (MAX_FIELDS, SUM_FIELDS, OVERFLOW_RTOL: the partial layout, re-exported)
     _CHUNK,
-    _F_MARGIN,
-    _F_MAX,
     _IDX,
     MAX_FIELDS,
     NUM_SUM,
@@ -64,7 +62,6 @@ from fp8track.numerics.stats_kernel import (  # noqa: F401  (re-exported: the pa
     _merge_two,
     _tensor_partial_body,
     empty_partial,
-    round_to_fp8_grid,
 )
 
 STAT_NAMES: tuple[str, ...] = (

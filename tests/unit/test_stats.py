@@ -414,14 +414,14 @@ def _all_patterns(dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_emulated_rounding_is_bit_exact_on_every_bf16_and_fp16_value(fmt):
     f = stats.get_format(fmt)
-    fconst = stats._fmt_consts(f, 0, torch.device("cpu"))
-    compiled = torch.compile(stats.round_to_fp8_grid)
+    fconst = stats_kernel._fmt_consts(f, 0, torch.device("cpu"))
+    compiled = torch.compile(stats_kernel.round_to_fp8_grid)
     for dtype in (torch.bfloat16, torch.float16):
         v = _all_patterns(dtype)
         for s in (1.0, 448.0 / 3.0, 2.0**-10, 1e5, 0.37):
             vs = (v * s).clamp(-f.max, f.max)
             want = vs.to(f.dtype).float()
-            for fn in (stats.round_to_fp8_grid, compiled):
+            for fn in (stats_kernel.round_to_fp8_grid, compiled):
                 got = fn(vs, fconst)
                 assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (fmt, dtype, s)
 
@@ -523,7 +523,7 @@ def test_failed_compilation_warns_once_and_falls_back():
     # recompile limit it then runs eager silently), the broken backend would never be asked.
     torch._dynamo.reset()
     stats._POLICY.kernels[("cpu", stats.row_length(x.numel(), "cpu"))] = torch.compile(
-        stats._compiled_partial, backend=broken_backend
+        stats_kernel._compiled_partial, backend=broken_backend
     )
     try:
         with pytest.warns(UserWarning, match="using eager"):
