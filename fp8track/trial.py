@@ -55,7 +55,7 @@ class TrialSettings:
 
     @property
     def spec(self) -> str:
-        """The fallback spec as written (``"none"``, ``"first_last"`` -> ``"first:1,last:1"``)."""
+        """The fallback spec as written (``"none"``, ``"first_last"`` -> ``"first:1,last:1,head"``)."""
         return str(self.bf16_layers)
 
 

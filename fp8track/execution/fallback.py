@@ -7,10 +7,15 @@ must be given in the sequence form):
 ``none``           every linear runs in FP8
 ``first``          ``first:1``
 ``last``           ``last:1``
-``first_last``     ``first:1`` and ``last:1`` (Megatron-LM ``--first-last-layers-bf16``);
-                   ``first_last:N`` keeps N at each end
-``first:N``        the first N repeated blocks (Megatron ``--num-layers-at-start-in-bf16``)
-``last:N``         the last N repeated blocks (``--num-layers-at-end-in-bf16``)
+``first_last``     ``first:1``, ``last:1`` and ``head``: Megatron-LM's
+                   ``--first-last-layers-bf16`` as Megatron runs it (its output layer is
+                   never an FP8 module); ``first_last:N`` keeps N blocks at each end
+``first:N``        the first N repeated blocks of every stack (Megatron
+                   ``--num-layers-at-start-in-bf16``)
+``last:N``         the last N repeated blocks of every stack (``--num-layers-at-end-in-bf16``)
+``head``           the output head: the linears after the last repeated block (``lm_head``,
+                   a classifier with its pooler, CLIP's projections), plus Hugging Face's
+                   ``get_output_embeddings()``; without repeated blocks, the last linear
 ``re:PATTERN``     every linear whose qualified name matches ``re.search(PATTERN, name)``
 ``auto:K``         the K riskiest layers of a ranking the monitor produces (riskiest first)
 any other term     a module's qualified name: a linear, or a module whose linears all stay
@@ -20,18 +25,23 @@ How ``first``/``last`` count. *Repeated blocks* are the children of ``nn.ModuleL
 ``nn.Sequential`` containers whose children all share one type and hold at least one linear.
 Among those child types, the one with the most instances is the block type (ties go to the type
 met first in ``named_modules`` order; lists of bare linears count only when nothing else
-repeats, so per-head projections inside a block never outnumber the blocks); the blocks are all children of such containers with that
-type, in ``named_modules`` order. For nested stages (a ModuleList of stages, each holding a
-ModuleList of blocks) this counts the inner blocks across stages. Every linear inside a chosen
-block stays in BF16. A model without repeated blocks counts single linear layers instead, in
-execution order when ``example_inputs`` are given to :func:`resolve_fallback` (one forward
-under ``no_grad`` records it) and in registration order otherwise (equal for ``nn.Sequential``).
+repeats, so per-head projections inside a block never outnumber the blocks). Other block types
+with at least two instances, neither inside nor around those blocks, are further towers (BART's
+decoder layers beside its encoder layers).
 
-Layers outside the blocks (embeddings' neighbours, ``lm_head``) are never counted by
-``first``/``last``: name them, or use ``re:``, as Megatron-LM also leaves them to the user.
+*Stacks*: the blocks are grouped by their container's name with list indices read as ``*``, so
+the two towers of an encoder-decoder or two-tower model (T5's ``encoder.block`` and
+``decoder.block``, CLIP's ``text_model.encoder.layers`` and ``vision_model.encoder.layers``) are
+two stacks, while nested stages (``stages.0.blocks``, ``stages.1.blocks``) are one stack counted
+across stages. ``first:N``/``last:N`` take N blocks at each end of every stack; a stack with
+fewer than N blocks is an error naming it. Every linear inside a chosen block stays in BF16. A
+model without repeated blocks counts single linear layers instead, in execution order when
+``example_inputs`` are given to :func:`resolve_fallback` (one forward under ``no_grad`` records
+it) and in registration order otherwise (equal for ``nn.Sequential``).
 
-A term that matches no layer, or names a missing module, raises :class:`ConfigError` naming the
-candidates.
+:meth:`FallbackSpec.explain` says in words what the spec kept and why (the ``ApplyReport``
+carries it). A term that matches no layer, or names a missing module, raises
+:class:`ConfigError` naming the candidates.
 """
 
 from __future__ import annotations
@@ -39,6 +49,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import re
 
 import torch
 from torch import nn
@@ -52,7 +64,9 @@ from fp8track.execution.layers import (
     preview_names,
 )
 
-_KEYWORDS = ("none", "first", "last", "first_last", "first:N", "last:N", "first_last:N", "re:PATTERN", "auto:K")
+_KEYWORDS = ("none", "first", "last", "first_last", "first:N", "last:N", "first_last:N", "head", "re:PATTERN", "auto:K")
+
+HEAD_REASON = "head (output layer; Megatron-LM never runs its output layer in FP8)"
 
 
 def linear_names(model: nn.Module) -> list[str]:
@@ -61,10 +75,15 @@ def linear_names(model: nn.Module) -> list[str]:
     return [name for name, _ in gemm_layers(model) if name]
 
 
-def repeated_blocks(model: nn.Module) -> list[str]:
-    """Qualified names of the model's repeated blocks (see the module docstring), in order."""
+def block_stacks(model: nn.Module) -> list[tuple[str, list[str]]]:
+    """``(stack, blocks)`` of the model's repeated blocks grouped by stack (see the module
+    docstring), stacks in order of their first block, blocks in ``named_modules`` order.
+
+    ``stack`` is the container's qualified name with list indices as ``*`` (``stages.*.blocks``).
+    """
     by_type: dict[type, list[str]] = {}
     first: dict[type, nn.Module] = {}  # one instance per type, for the GEMM-layer predicate
+    container_of: dict[str, str] = {}
     for cname, container in model.named_modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)):
             continue
@@ -79,6 +98,7 @@ def repeated_blocks(model: nn.Module) -> list[str]:
             continue
         prefix = f"{cname}." if cname else ""
         by_type.setdefault(ctype, []).extend(prefix + n for n, _ in children)
+        container_of.update({prefix + n: cname for n, _ in children})
         first.setdefault(ctype, children[0][1])
     # Lists of bare linears (e.g. per-head projections inside a block) only count as blocks when
     # nothing else repeats, so they cannot outnumber the transformer blocks that hold them.
@@ -87,7 +107,45 @@ def repeated_blocks(model: nn.Module) -> list[str]:
     if not pool:
         return []
     best = max(pool.values(), key=len)  # max() keeps the first of equal lengths
-    return best if len(best) >= 2 else []
+    if len(best) < 2:
+        return []
+    blocks = list(best)
+    for names in pool.values():  # further towers: other block types beside (not around) these
+        if names is best or len(names) < 2:
+            continue
+        if not any(_nested(a, b) or _nested(b, a) for a in names for b in blocks):
+            blocks += names
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    stacks: dict[str, list[str]] = {}
+    for b in sorted(blocks, key=order.__getitem__):
+        stacks.setdefault(re.sub(r"(?<![^.])\d+(?![^.])", "*", container_of[b]), []).append(b)
+    return list(stacks.items())
+
+
+def _nested(inner: str, outer: str) -> bool:
+    return outer == "" or inner == outer or inner.startswith(outer + ".")
+
+
+def repeated_blocks(model: nn.Module) -> list[str]:
+    """Qualified names of the model's repeated blocks, every stack's, in ``named_modules`` order."""
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    return sorted((b for _, blocks in block_stacks(model) for b in blocks), key=order.__getitem__)
+
+
+def output_head(model: nn.Module, order: Sequence[str], blocks: Sequence[str]) -> list[str]:
+    """The output head: linears of ``order`` (every linear, in execution or registration order)
+    that come after the last linear inside ``blocks``, plus Hugging Face's
+    ``get_output_embeddings()`` when it is a linear; without blocks, the last linear."""
+    inside = [i for i, n in enumerate(order) if any(_nested(n, b) for b in blocks)]
+    start = inside[-1] + 1 if inside else len(order) - 1
+    head = [n for n in order[start:] if not any(_nested(n, b) for b in blocks)]
+    try:
+        out = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    except (NotImplementedError, AttributeError):
+        out = None
+    if isinstance(out, nn.Module):
+        head += [n for n in order if model.get_submodule(n) is out and n not in head]
+    return head
 
 
 def execution_order(model: nn.Module, example_inputs: Any) -> list[str]:
@@ -147,7 +205,7 @@ class FallbackSpec:
                 t = f"{t}:1"
             if t == "first_last" or t.startswith("first_last:"):
                 n = t.split(":", 1)[1] if ":" in t else "1"
-                terms += [f"first:{n}", f"last:{n}"]
+                terms += [f"first:{n}", f"last:{n}", "head"]
                 continue
             terms.append(t)
         if "none" in raw and terms:
@@ -158,15 +216,17 @@ class FallbackSpec:
     def from_megatron(
         cls, first_last_layers_bf16: bool, num_layers_at_start_in_bf16: int = 1, num_layers_at_end_in_bf16: int = 1
     ) -> FallbackSpec:
-        """The spec matching Megatron-LM's ``--first-last-layers-bf16`` and its two counts."""
+        """The spec matching Megatron-LM's ``--first-last-layers-bf16`` and its two counts, as
+        Megatron runs it: the output layer (``output_layer``, a plain ``ColumnParallelLinear``,
+        never a Transformer Engine module) stays out of FP8 in every case, so ``head`` is always there."""
         if not first_last_layers_bf16:
-            return cls(())
+            return cls(("head",))
         terms = []
         if num_layers_at_start_in_bf16:
             terms.append(f"first:{num_layers_at_start_in_bf16}")
         if num_layers_at_end_in_bf16:
             terms.append(f"last:{num_layers_at_end_in_bf16}")
-        return cls(tuple(terms))
+        return cls((*terms, "head"))
 
     @property
     def needs_ranking(self) -> bool:
@@ -197,41 +257,76 @@ class FallbackSpec:
         Raises:
             ConfigError: a term matching nothing, a missing module, ``auto:K`` without ranking.
         """
+        return self._resolve(model, ranking, example_inputs)[0]
+
+    def explain(
+        self,
+        model: nn.Module,
+        ranking: Sequence[str] | Mapping[str, float] | None = None,
+        example_inputs: Any = None,
+    ) -> tuple[str, ...]:
+        """What the block and head terms kept and why, one sentence each (empty for other specs),
+        e.g. ``"first:1, last:1: stack model.encoder.layers (3 blocks) keeps model.encoder.layers.0,
+        model.encoder.layers.2"``. Same arguments as :meth:`resolve`."""
+        return self._resolve(model, ranking, example_inputs)[1]
+
+    def _resolve(
+        self, model: nn.Module, ranking: Sequence[str] | Mapping[str, float] | None, example_inputs: Any
+    ) -> tuple[dict[str, str], tuple[str, ...]]:
         linears = linear_names(model)
         if not linears:
             raise ConfigError("the model has no linear layers to run in FP8")
         chosen: dict[str, str] = {}
-        blocks: list[str] | None = None
+        notes: list[str] = []
+        stacks: list[tuple[str, list[str]]] | None = None
         singles: list[str] | None = None
+        block_terms = [t for t in self.terms if t.startswith(("first:", "last:"))]
 
         def take(names: Sequence[str], reason: str) -> None:
             for n in names:
                 chosen.setdefault(n, reason)
 
+        def order() -> list[str]:
+            nonlocal singles
+            if singles is None:
+                singles = execution_order(model, example_inputs) if example_inputs is not None else linears
+            return singles
+
         for term in self.terms:
             if term.startswith(("first:", "last:")):
                 side, n_text = term.split(":")
                 n = int(n_text)
-                if blocks is None:
-                    blocks = repeated_blocks(model)
-                if blocks:
-                    if n > len(blocks):
-                        raise ConfigError(
-                            f"bf16_layers term {term!r} asks for {n} blocks but the model has {len(blocks)}: "
-                            f"{preview_names(blocks)}"
-                        )
-                    picked = blocks[:n] if side == "first" else blocks[len(blocks) - n :]
-                    for b in picked:
-                        take(match_layers(model, b, linears), f"{term} (block {b})")
+                if stacks is None:
+                    stacks = block_stacks(model)
+                if stacks:
+                    for stack, blocks in stacks:
+                        if n > len(blocks):
+                            raise ConfigError(
+                                f"bf16_layers term {term!r} asks for {n} blocks but stack {stack!r} has {len(blocks)}: "
+                                f"{preview_names(blocks)}"
+                            )
+                        picked = blocks[:n] if side == "first" else blocks[len(blocks) - n :]
+                        for b in picked:
+                            take(match_layers(model, b, linears), f"{term} (block {b})")
                 else:
-                    if singles is None:
-                        singles = execution_order(model, example_inputs) if example_inputs is not None else linears
-                    if n > len(singles):
+                    if n > len(order()):
                         raise ConfigError(
-                            f"bf16_layers term {term!r} asks for {n} linears but the model has {len(singles)} "
-                            f"and no repeated blocks: {preview_names(singles)}"
+                            f"bf16_layers term {term!r} asks for {n} linears but the model has {len(order())} "
+                            f"and no repeated blocks: {preview_names(order())}"
                         )
-                    take(singles[:n] if side == "first" else singles[len(singles) - n :], term)
+                    take(order()[:n] if side == "first" else order()[len(order()) - n :], term)
+            elif term == "head":
+                if stacks is None:
+                    stacks = block_stacks(model)
+                head = output_head(model, order(), [b for _, blocks in stacks for b in blocks])
+                if not head:
+                    raise ConfigError(
+                        "bf16_layers term 'head': no linear comes after the model's last repeated block; "
+                        f"name the output layer instead; linear layers: {preview_names(linears)}"
+                    )
+                take(head, HEAD_REASON)
+                notes.append(f"head: {', '.join(head)} (the linears after the last block; Megatron-LM never "
+                             "runs its output layer in FP8)")
             elif term.startswith("auto:"):
                 k = int(term.split(":")[1])
                 for n, why in _from_ranking(ranking, k, linears, term).items():
@@ -239,7 +334,16 @@ class FallbackSpec:
             else:
                 hits = match_layers(model, term, linears, "bf16_layers term")
                 take(hits, term if term.startswith("re:") else f"named {term}")
-        return {n: chosen[n] for n in linears if n in chosen}
+        if block_terms:
+            label = ", ".join(block_terms)
+            kept = {b for n, why in chosen.items() if "(block " in why for b in [why.split("(block ", 1)[1][:-1]]}
+            if stacks:
+                notes[:0] = [f"{label}: stack {stack} ({len(blocks)} blocks) keeps {', '.join(b for b in blocks if b in kept)}"
+                             for stack, blocks in stacks]
+            else:
+                notes.insert(0, f"{label}: no repeated blocks, so single linears were counted "
+                                f"({'execution' if example_inputs is not None else 'registration'} order)")
+        return {n: chosen[n] for n in linears if n in chosen}, tuple(notes)
 
 
 def _from_ranking(
@@ -270,6 +374,8 @@ def _validate_term(term: str) -> None:
             raise ConfigError(f"bf16_layers term {term!r} needs a positive integer count; valid forms: {', '.join(_KEYWORDS)}")
     elif term.startswith("re:"):
         compile_selector(term, "bf16_layers")
+    elif term == "head":
+        return
     elif term in ("none", "first", "last", "first_last"):
         raise ConfigError(f"bf16_layers term {term!r} must go through FallbackSpec.parse")
 

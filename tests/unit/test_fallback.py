@@ -4,7 +4,7 @@ from torch import nn
 
 from fp8track.errors import ConfigError
 from fp8track.examples.gpt import GPT, GPTConfig
-from fp8track.execution.fallback import FallbackSpec, repeated_blocks, resolve_fallback
+from fp8track.execution.fallback import HEAD_REASON, FallbackSpec, block_stacks, repeated_blocks, resolve_fallback
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +50,13 @@ def test_first_last_on_gpt(gpt):
     assert list(resolve_fallback(gpt, "first")) == block_linears(0)
     assert list(resolve_fallback(gpt, "last:2")) == block_linears(1) + block_linears(2)
     got = resolve_fallback(gpt, "first_last")
-    assert list(got) == block_linears(0) + block_linears(2)
-    assert got["blocks.2.mlp.fc"] == "last:1 (block blocks.2)"
+    assert list(got) == block_linears(0) + block_linears(2) + ["lm_head"]  # Megatron: output layer never FP8
+    assert got["blocks.2.mlp.fc"] == "last:1 (block blocks.2)" and got["lm_head"] == HEAD_REASON
+    assert list(resolve_fallback(gpt, "head")) == ["lm_head"]
+    assert FallbackSpec.parse("first_last").explain(gpt) == (
+        "first:1, last:1: stack blocks (3 blocks) keeps blocks.0, blocks.2",
+        "head: lm_head (the linears after the last block; Megatron-LM never runs its output layer in FP8)",
+    )
 
 
 def test_regex_names_and_auto(gpt):
@@ -73,7 +78,8 @@ def test_nested_blocks_count_inner_blocks_across_stages():
     assert {n.rsplit(".", 2)[0] if ".heads." in n else n.rsplit(".", 1)[0] for n in last2} == {
         "stages.1.blocks.1", "stages.1.blocks.2"
     }
-    assert "stem" not in resolve_fallback(m, "first_last:5") and "head" not in resolve_fallback(m, "first_last:5")
+    assert "stem" not in resolve_fallback(m, "first:5,last:5") and "head" not in resolve_fallback(m, "first:5,last:5")
+    assert list(resolve_fallback(m, "head")) == ["head"]  # the linear after the last block
 
 
 def test_model_without_blocks_counts_single_linears():
@@ -93,7 +99,8 @@ def test_model_without_blocks_counts_single_linears():
     assert list(resolve_fallback(m, "first")) == ["a"]
     assert list(resolve_fallback(m, "first", example_inputs=torch.randn(2, 16))) == ["b"]
     seq = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
-    assert list(resolve_fallback(seq, "first_last")) == ["0", "4"]
+    assert list(resolve_fallback(seq, "first_last")) == ["0", "4"]  # head = the last linear, already kept
+    assert list(resolve_fallback(seq, "head")) == ["4"]
 
 
 @pytest.mark.parametrize(
@@ -102,7 +109,7 @@ def test_model_without_blocks_counts_single_linears():
         ("re:^nothing", "matches no linear layer; candidates: blocks.0.attn.qkv"),
         ("blocks.9", "missing module 'blocks.9'; linear layers: blocks.0.attn.qkv"),
         ("ln_f", "holds no linear layer"),
-        ("first:4", "asks for 4 blocks but the model has 3: blocks.0, blocks.1, blocks.2"),
+        ("first:4", "asks for 4 blocks but stack 'blocks' has 3: blocks.0, blocks.1, blocks.2"),
         ("auto:2", "needs a layer ranking"),
     ],
 )
@@ -121,10 +128,64 @@ def test_malformed_terms_fail_at_parse(spec):
 
 
 def test_megatron_equivalent_and_str():
-    assert FallbackSpec.from_megatron(True, 1, 2).terms == ("first:1", "last:2")
-    assert FallbackSpec.from_megatron(False).terms == ()
-    assert str(FallbackSpec.parse("first_last:2")) == "first:2,last:2"
+    assert FallbackSpec.from_megatron(True, 1, 2).terms == ("first:1", "last:2", "head")
+    assert FallbackSpec.from_megatron(False).terms == ("head",)
+    assert str(FallbackSpec.parse("first_last:2")) == "first:2,last:2,head"
     with pytest.raises(ConfigError, match="cannot be combined"):
         FallbackSpec.parse("none,first")
     with pytest.raises(ConfigError, match="ranking names layers the model lacks"):
         resolve_fallback(GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2)), "auto:1", ranking=["ghost"])
+
+
+# --- Hugging Face models built from small configs (no download) -----------------------------------
+
+tf = pytest.importorskip("transformers")
+
+
+def _blocks_kept(got, prefix):
+    """Indices of the blocks under ``prefix`` that hold a kept linear."""
+    return sorted({int(n[len(prefix):].split(".")[0]) for n in got if n.startswith(prefix)})
+
+
+def test_first_last_on_llama_keeps_lm_head():
+    m = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                           num_attention_heads=2, num_key_value_heads=2))
+    got = resolve_fallback(m, "first_last")
+    assert _blocks_kept(got, "model.layers.") == [0, 3] and got["lm_head"] == HEAD_REASON
+    assert len(got) == 2 * 7 + 1  # q, k, v, o, gate, up, down per block, plus lm_head
+    assert list(resolve_fallback(m, "first:1,last:1")) == [n for n in got if n != "lm_head"]
+
+
+def test_first_last_on_bert_classifier_keeps_pooler_and_classifier():
+    m = tf.BertForSequenceClassification(tf.BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                       num_hidden_layers=3, num_attention_heads=2, num_labels=3))
+    got = resolve_fallback(m, "first_last")
+    assert _blocks_kept(got, "bert.encoder.layer.") == [0, 2]
+    assert [n for n, why in got.items() if why == HEAD_REASON] == ["bert.pooler.dense", "classifier"]
+
+
+def test_first_last_on_bart_keeps_both_stacks_ends():
+    m = tf.BartForConditionalGeneration(tf.BartConfig(
+        vocab_size=64, d_model=32, encoder_layers=3, decoder_layers=3, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64))
+    assert [(s, len(b)) for s, b in block_stacks(m)] == [("model.encoder.layers", 3), ("model.decoder.layers", 3)]
+    got = resolve_fallback(m, "first_last")
+    # Before: both kept blocks came from the encoder and the whole decoder ran FP8.
+    assert _blocks_kept(got, "model.encoder.layers.") == [0, 2]
+    assert _blocks_kept(got, "model.decoder.layers.") == [0, 2]
+    assert got["lm_head"] == HEAD_REASON
+    assert len(got) == 2 * 6 + 2 * 10 + 1  # encoder block: q,k,v,out,fc1,fc2; decoder adds cross-attention
+
+
+def test_first_last_on_t5_counts_each_stack_and_refuses_a_short_one():
+    m = tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=64, d_model=32, d_kv=16, d_ff=64, num_layers=2,
+                                                  num_decoder_layers=4, num_heads=2))
+    assert [(s, len(b)) for s, b in block_stacks(m)] == [("encoder.block", 2), ("decoder.block", 4)]
+    got = resolve_fallback(m, "first_last")
+    assert _blocks_kept(got, "encoder.block.") == [0, 1] and _blocks_kept(got, "decoder.block.") == [0, 3]
+    assert got["lm_head"] == HEAD_REASON
+    notes = FallbackSpec.parse("first_last").explain(m)
+    assert notes[:2] == ("first:1, last:1: stack encoder.block (2 blocks) keeps encoder.block.0, encoder.block.1",
+                         "first:1, last:1: stack decoder.block (4 blocks) keeps decoder.block.0, decoder.block.3")
+    with pytest.raises(ConfigError, match="asks for 3 blocks but stack 'encoder.block' has 2"):
+        resolve_fallback(m, "last:3")

@@ -34,7 +34,7 @@ def test_command_line_wins_over_the_param_file(tmp_path: Path) -> None:
 def test_param_file_from_the_environment_on_ranks_without_wandb_config(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("WANDB_SWEEP_PARAM_PATH", str(_param_file(tmp_path, recipe="block", bf16_layers="first_last")))
     s = trial_settings([])
-    assert (s.recipe.name, s.spec) == ("block", "first:1,last:1")
+    assert (s.recipe.name, s.spec) == ("block", "first:1,last:1,head")
     assert read_param_file(_param_file(tmp_path, recipe="current")) == {"recipe": "current"}
 
 
