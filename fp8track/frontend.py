@@ -15,6 +15,7 @@ from fp8track.analysis.analyzers import DriftAnalyzer, LossAnalyzer
 from fp8track.analysis.baseline import Baseline
 from fp8track.analysis.ranking import rank_layers
 from fp8track.config import MonitorConfig
+from fp8track.execution.apply import ApplyReport
 from fp8track.monitoring import monitor as core
 from fp8track.monitoring.capture import LayerFilter, LayerPlan
 from fp8track.monitoring.naming import LOSS_METRIC, run_metric
@@ -86,7 +87,8 @@ class Monitor(core.Monitor):
     analyzers and the tracker fan-out wired in.
 
     Args (beyond the core's ``model``, ``layers``, ``plans``, ``log_dir``, ``meta``, ``is_writer``,
-    ``sharding``):
+    ``sharding``, ``apply_report``: the :class:`~fp8track.execution.apply.ApplyReport` that
+    :func:`fp8track.apply_fp8` returned):
         config: :class:`fp8track.MonitorConfig`, a mapping or a YAML path (capture settings and
             the detectors' thresholds).
         trackers: :class:`fp8track.trackers.Tracker` objects fed after the records are written.
@@ -109,6 +111,7 @@ class Monitor(core.Monitor):
         baseline: Baseline | None = None,
         is_writer: bool | None = None,
         sharding: ShardSpec | None = None,
+        apply_report: ApplyReport | None = None,
     ) -> None:
         cfg = MonitorConfig.load(config)
         super().__init__(
@@ -122,6 +125,7 @@ class Monitor(core.Monitor):
             analyzers=default_analyzers(baseline, cfg) if analyzers is None else analyzers,
             is_writer=is_writer,
             sharding=sharding,
+            apply_report=apply_report,
         )
 
     @property

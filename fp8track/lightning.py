@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import Callback
 from fp8track.analysis.spikes import SPIKE_ACTIONS
 from fp8track.config import MonitorConfig
 from fp8track.errors import ConfigError, invalid_choice
+from fp8track.execution.apply import ApplyReport
 from fp8track.frontend import Monitor, run_summary
 from fp8track.monitoring.capture import LayerFilter
 from fp8track.monitoring.monitor import StepAnalyzer, run_meta_for, total_grad_norm
@@ -53,6 +54,8 @@ class FP8Monitor(Callback):
         eval_metrics: validation/downstream metrics recorded after each validation as
             ``fp8/eval/<name>``: ``"auto"`` (what the module logged whose name starts with
             ``val``/``eval``/``test``/``downstream``) or a list of logged names.
+        apply_report: what :func:`fp8track.apply_fp8` returned (recipe and FP8/BF16 layers for
+            the run metadata); ``None``: the report of an ``apply_fp8`` call on the module, if any.
 
     Raises:
         ConfigError: at construction for bad values; in ``on_fit_start`` (after precision plugins
@@ -87,6 +90,7 @@ class FP8Monitor(Callback):
         *,
         analyzers: Sequence[StepAnalyzer] | None = None,
         eval_metrics: str | Sequence[str] = "auto",
+        apply_report: ApplyReport | None = None,
     ) -> None:
         cfg = MonitorConfig.load(config)
         changes: dict[str, Any] = {}
@@ -110,6 +114,7 @@ class FP8Monitor(Callback):
         self.baseline = str(baseline) if baseline is not None else None
         self.log_dir = log_dir
         self.analyzers = analyzers
+        self.apply_report = apply_report
         self.monitor: Monitor | None = None
         self._restored: Mapping[str, Any] | None = None
         self._step_at_batch_start = 0
@@ -164,7 +169,8 @@ class FP8Monitor(Callback):
 
                 baseline = load_baseline(self.baseline, mlflow_tracking_uri(trainer.loggers))
         meta = run_meta_for(
-            pl_module, self.config.run_name, {"monitor": self.config.to_dict(), "baseline": self.baseline}
+            pl_module, self.config.run_name, {"monitor": self.config.to_dict(), "baseline": self.baseline},
+            report=self.apply_report,
         )
         return Monitor(
             pl_module,
@@ -177,6 +183,7 @@ class FP8Monitor(Callback):
             baseline=baseline,
             is_writer=trainer.is_global_zero,
             sharding=_sharding_for(trainer),
+            apply_report=self.apply_report,
         )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -253,6 +260,7 @@ class FP8Monitor(Callback):
         setup = precision_setup(
             pl_module,
             trainer.optimizers,
+            report=self.monitor.apply_report,
             precision_plugin=type(trainer.precision_plugin).__name__,
             precision=str(trainer.precision),
             strategy=type(strategy).__name__,

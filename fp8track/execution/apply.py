@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
+import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -11,14 +12,11 @@ from typing import Any
 from torch import nn
 
 from fp8track.errors import ConfigError
-from fp8track.execution.backends import is_fp8_linear, resolve_backend
-from fp8track.execution.backends import te as te_backend
-from fp8track.execution.backends import torchao as torchao_backend
-from fp8track.execution.backends.emulated import EmulatedFP8Conv1D, EmulatedFP8Layer, EmulatedFP8Linear
+from fp8track.execution.attention import linearize_attention
+from fp8track.execution.backends import backend_of, get_backend
 from fp8track.execution.fallback import FallbackSpec, linear_names
-from fp8track.execution.layers import is_convertible, is_hf_conv1d, preview_names
+from fp8track.execution.layers import is_convertible, preview_names
 from fp8track.execution.recipes import Recipe
-
 
 @dataclass(frozen=True)
 class ApplyReport:
@@ -29,18 +27,24 @@ class ApplyReport:
         recipe: the recipe.
         fp8_layers: qualified names of the linears that run in FP8.
         bf16_layers: ``(name, reason)`` of every linear that stays in BF16.
+        unconverted: ``(module name, reason)`` of every module that runs GEMMs the backend could
+            not convert (subclasses of ``nn.Linear`` such as someone's own layer, an
+            ``nn.MultiheadAttention`` subclass); they run in high precision and
+            :func:`apply_fp8` warned about them.
+        notes: what the fallback spec's block and head terms kept and why
+            (:meth:`~fp8track.execution.fallback.FallbackSpec.explain`), and attention modules rebuilt.
     """
 
     backend: str
     recipe: Recipe
     fp8_layers: tuple[str, ...]
     bf16_layers: tuple[tuple[str, str], ...]
+    unconverted: tuple[tuple[str, str], ...] = ()
+    notes: tuple[str, ...] = ()
 
     def autocast(self) -> AbstractContextManager[Any]:
-        """Context for the forward pass: ``te.autocast`` on the TE backend, a no-op elsewhere."""
-        if self.backend == "te":
-            return te_backend.autocast(self.recipe)
-        return contextlib.nullcontext()
+        """Context for the forward pass the backend needs (``te.autocast`` on TE, a no-op elsewhere)."""
+        return get_backend(self.backend).autocast(self.recipe)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (for run metadata and trackers)."""
@@ -49,7 +53,26 @@ class ApplyReport:
             "recipe": self.recipe.to_dict(),
             "fp8_layers": list(self.fp8_layers),
             "bf16_layers": [list(p) for p in self.bf16_layers],
+            "unconverted": [list(p) for p in self.unconverted],
+            "notes": list(self.notes),
         }
+
+
+_REPORTS: weakref.WeakKeyDictionary[nn.Module, ApplyReport] = weakref.WeakKeyDictionary()
+
+
+def applied_report(model: nn.Module) -> ApplyReport | None:
+    """The report of :func:`apply_fp8` on ``model`` or one of its submodules, else ``None``.
+
+    For callers that were not handed the report (pass it explicitly where you can:
+    ``fp8track.Monitor(..., apply_report=report)``, ``FP8Monitor(apply_report=report)``). Reports
+    are remembered beside the model in a weak table: nothing is stored on the model itself.
+    """
+    for m in model.modules():
+        report = _REPORTS.get(m)
+        if report is not None:
+            return report
+    return None
 
 
 def apply_fp8(
@@ -62,68 +85,78 @@ def apply_fp8(
 ) -> ApplyReport:
     """Convert ``model``'s ``nn.Linear`` layers (and Hugging Face ``Conv1D``) in place to run under ``recipe``.
 
+    ``nn.MultiheadAttention`` modules are first rebuilt as
+    :class:`~fp8track.execution.attention.LinearMultiheadAttention` (the same function with its
+    four projections as ``nn.Linear`` modules), so every backend converts those projections and
+    the monitor sees them; they are named ``<attention>.q_proj`` / ``k_proj`` / ``v_proj`` /
+    ``out_proj`` in the report and in fallback specs.
+
     Args:
         model: the model (its linears still plain ``nn.Linear`` / ``Conv1D``).
         recipe: a :class:`Recipe`, a recipe string (``"delayed:hybrid:h16:max"``) or a mapping.
         bf16_layers: fallback spec (:mod:`fp8track.execution.fallback`): layers kept in BF16.
-        backend: ``"auto"`` (TE when CUDA and TE are usable, else emulated), ``"emulated"``,
-            ``"torchao"`` or ``"te"``.
+        backend: ``"auto"`` (TE when CUDA and TE are usable, else emulated) or a registered
+            backend's name (:func:`fp8track.execution.backends.registered`: ``"emulated"``,
+            ``"torchao"``, ``"te"``).
         ranking: layer ranking for ``auto:K`` terms (riskiest first, or name -> score).
         example_inputs: optional inputs to order single linears by execution (no repeated blocks).
 
     Returns:
-        An :class:`ApplyReport`. With the ``bf16`` recipe every linear is listed in
-        ``bf16_layers`` (reason ``"recipe bf16"`` unless the spec chose it); the emulated backend
-        still swaps them for :class:`EmulatedFP8Linear` so the control runs the same code.
-        Hugging Face ``Conv1D`` layers (GPT-2) become :class:`EmulatedFP8Conv1D` on the emulated
-        backend; torchao and TE convert only ``nn.Linear``.
+        An :class:`ApplyReport` (hand it to the monitor: ``fp8track.Monitor(..., apply_report=)``).
+        With the ``bf16`` recipe every linear is listed in ``bf16_layers`` (reason
+        ``"recipe bf16"`` unless the spec chose it); the emulated backend still swaps them for
+        :class:`EmulatedFP8Linear` so the control runs the same code. Hugging Face ``Conv1D``
+        layers (GPT-2) become :class:`EmulatedFP8Conv1D` on the emulated backend; torchao and TE
+        convert only ``nn.Linear``.
 
     Raises:
         ConfigError: bad recipe, spec, backend, a spec term matching nothing, a model that
             already holds FP8 layers, or ``Conv1D`` layers left in FP8 on the torchao/TE backend.
+            The model is left as it was.
     """
     recipe = Recipe.parse(recipe)
     spec = FallbackSpec.parse(bf16_layers)
-    name = resolve_backend(backend)
-    already = [n for n, m in model.named_modules() if is_fp8_linear(m) or isinstance(m, EmulatedFP8Layer)]
+    chosen = get_backend(backend)
+    already = [n for n, m in model.named_modules() if backend_of(m) is not None]
     if already:
-        raise ConfigError(f"the model already holds FP8 layers ({', '.join(already[:8])}); apply_fp8 once, to a fresh model")
-    keep = spec.resolve(model, ranking=ranking, example_inputs=example_inputs)
-    names = [n for n in linear_names(model) if is_convertible(model.get_submodule(n))]
-    conv1d = [n for n in names if is_hf_conv1d(model.get_submodule(n))]
-    linears = [n for n in names if n not in conv1d]
-
-    if name == "emulated":
-        fp8 = []
-        for n in names:
-            if n in keep:
-                continue
-            layer = model.get_submodule(n)
-            wrap = EmulatedFP8Conv1D.from_conv1d if n in conv1d else EmulatedFP8Linear.from_linear
-            model.set_submodule(n, wrap(layer, recipe))
-            if recipe.quantizes:
-                fp8.append(n)
-    else:
-        left = [n for n in conv1d if n not in keep]
-        if left and recipe.quantizes:
-            raise ConfigError(
-                f"backend {name!r} converts only nn.Linear, but these transformers Conv1D layers (GPT-2 style, "
-                f"weight stored [in, out]) would stay out of FP8: {preview_names(left)}. Use backend='emulated' "
-                "(it converts Conv1D), keep them in BF16 on purpose (bf16_layers=[...their names or a re: term]), "
-                "or load the model with nn.Linear layers"
-            )
-        if name == "torchao":
-            if not recipe.quantizes:
-                fp8 = []
-            else:
-                device = next((p.device.type for p in model.parameters()), "cpu")
-                fp8 = torchao_backend.convert(model, recipe, linears, keep, device_type=device)
-        else:
-            fp8, refused = te_backend.convert(model, recipe, linears, keep)
-            keep = {**keep, **refused}  # layers TE would refuse at the first FP8 forward stay BF16
-
+        raise ConfigError(
+            f"the model already holds FP8 layers or FP8-backend modules ({preview_names(already, 8)}); apply_fp8 once, to a fresh model"
+        )
+    rebuilt, refused_attention = linearize_attention(model)
+    try:
+        keep, notes = spec.resolve_with_notes(model, ranking=ranking, example_inputs=example_inputs)
+        gemms = linear_names(model)
+        names = [n for n in gemms if is_convertible(model.get_submodule(n))]
+        converted = chosen.convert(model, recipe, names, keep)
+    except BaseException:
+        for name, original in rebuilt:
+            model.set_submodule(name, original)
+        raise
+    keep = {**keep, **converted.refused}  # layers the backend would refuse at run time stay BF16
+    fp8 = list(converted.fp8)
+    unconverted = dict(refused_attention)
+    for n in gemms:
+        if n not in names and not any(n.startswith(a + ".") for a in refused_attention):
+            unconverted[n] = (f"{type(model.get_submodule(n)).__name__} is not exactly nn.Linear or transformers "
+                              "Conv1D (its own forward may differ), so no backend converts it")
+    if unconverted and recipe.quantizes:
+        warnings.warn(
+            f"fp8track.apply_fp8: {len(unconverted)} modules run their GEMMs outside FP8 and are not converted: "
+            + "; ".join(f"{n}: {why}" for n, why in list(unconverted.items())[:4])
+            + (" ..." if len(unconverted) > 4 else "") + " (listed in ApplyReport.unconverted)",
+            stacklevel=2,
+        )
+    if rebuilt:
+        notes = (*notes, "nn.MultiheadAttention rebuilt on q_proj/k_proj/v_proj/out_proj linears: "
+                 + ", ".join(n for n, _ in rebuilt))
     bf16 = [(n, keep.get(n, "recipe bf16")) for n in names if n not in fp8]
-    report = ApplyReport(backend=name, recipe=recipe, fp8_layers=tuple(fp8), bf16_layers=tuple(bf16))
-    # The monitor reads it to record the recipe and the FP8/BF16 layer sets with the run.
-    model.fp8track_report = report
+    report = ApplyReport(
+        backend=chosen.name,
+        recipe=recipe,
+        fp8_layers=tuple(fp8),
+        bf16_layers=tuple(bf16),
+        unconverted=tuple(unconverted.items()),
+        notes=tuple(notes),
+    )
+    _REPORTS[model] = report
     return report

@@ -257,7 +257,7 @@ class FallbackSpec:
         Raises:
             ConfigError: a term matching nothing, a missing module, ``auto:K`` without ranking.
         """
-        return self._resolve(model, ranking, example_inputs)[0]
+        return self.resolve_with_notes(model, ranking, example_inputs)[0]
 
     def explain(
         self,
@@ -268,11 +268,15 @@ class FallbackSpec:
         """What the block and head terms kept and why, one sentence each (empty for other specs),
         e.g. ``"first:1, last:1: stack model.encoder.layers (3 blocks) keeps model.encoder.layers.0,
         model.encoder.layers.2"``. Same arguments as :meth:`resolve`."""
-        return self._resolve(model, ranking, example_inputs)[1]
+        return self.resolve_with_notes(model, ranking, example_inputs)[1]
 
-    def _resolve(
-        self, model: nn.Module, ranking: Sequence[str] | Mapping[str, float] | None, example_inputs: Any
+    def resolve_with_notes(
+        self,
+        model: nn.Module,
+        ranking: Sequence[str] | Mapping[str, float] | None = None,
+        example_inputs: Any = None,
     ) -> tuple[dict[str, str], tuple[str, ...]]:
+        """:meth:`resolve` and :meth:`explain` from one resolution."""
         linears = linear_names(model)
         if not linears:
             raise ConfigError("the model has no linear layers to run in FP8")

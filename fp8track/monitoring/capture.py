@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from fp8track.errors import ConfigError, invalid_choice
+from fp8track.execution.backends import backend_of
 from fp8track.execution.backends import te as te_backend
 from fp8track.execution.layers import GEMM_LAYER_KINDS, gemm_layers, gemm_weight, match_layers, preview_names
 from fp8track.monitoring.sharding import ShardSpec, Share, observed_weight, share_of
@@ -226,7 +227,8 @@ class LayerCapture:
         self.tensors = tuple(tensors)
         self._whatif_asked = tuple(whatif)
         self.hooks = hooks
-        self.te = te_backend.te_gemm_class(module) is not None
+        backend = backend_of(module)
+        self.te = backend is not None and backend.debug_api  # TE: tuple outputs, FP8 primary weights
         self.active = False
         self._weight_done = False
         self._resting_weight: torch.Tensor | None = None
@@ -350,55 +352,32 @@ class LayerCapture:
 
 
 def plan_for(fqn: str, module: nn.Module, shadow_format: str = "hybrid") -> LayerPlan:
-    """The :class:`LayerPlan` for one layer, asking its backend how it quantises.
+    """The :class:`LayerPlan` for one layer, asking the backend that owns it
+    (:func:`fp8track.execution.backends.backend_of`) how it quantises.
 
-    * Emulated delayed scaling: activation and weight are judged with the scales the forward just
-      used (``fp8_scales()``, read in the forward hook); the gradient with the scale the
-      backward is about to use (the gradient scaler's current scale, read in the dY hook, which
-      fires before the layer's backward).
-    * Transformer Engine delayed scaling: the scales in ``fp8_meta`` (TE updates them when autocast
-      exits, after the hooks have run). TE's recipe is read from the module (``fp8_recipe`` set by
-      :func:`fp8track.apply_fp8`, else ``fp8_meta["recipe"]``, which TE creates in the first
-      forward: call this lazily). TE's current and block scaling have no margin and follow
-      ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES`` / ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES``.
+    * Delayed scaling: activation and weight are judged with the scales the forward just used, the
+      gradient with the scale the backward is about to use (the backend's ``scale_fns``: emulated
+      ``fp8_scales()`` and its gradient scaler; TE's ``fp8_meta``, which TE updates when autocast
+      exits, after the hooks have run). TE's recipe is its ``fp8_meta["recipe"]``, which TE
+      creates in the first forward: call this lazily.
     * Current scaling (emulated, torchao tensorwise, TE current): the same rule on the same tensor,
-      ``M / amax / 2**margin``, so the monitor's scale is the backend's. torchao's rowwise
-      variants are judged tensor-wise (a documented approximation).
+      ``M / amax / 2**margin``, so the monitor's scale is the backend's. TE's current and block
+      scaling have no margin and follow ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES`` /
+      ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES``; torchao's rowwise variants are judged tensor-wise
+      (a documented approximation).
     * Block recipes (MXFP8, 128 blocks): the monitor re-derives the block scales with the
       functions the emulated backend uses.
     * Anything not in FP8 (plain or fallback layers, the bf16 recipe): shadow mode.
     """
-    from fp8track.execution import backends
-
-    if not backends.is_fp8_linear(module) or getattr(module, "fp8", None) is False:
-        # (TE sets ``module.fp8`` in ``init_fp8_metadata``: False when it ran outside FP8 autocast.)
+    backend = backend_of(module)
+    if backend is None or not backend.is_fp8(module):
         return shadow_plan(fqn, shadow_format)
-    formats = {t: backends.fp8_format_for(module, t) for t in TENSOR_KINDS}
-    recipe = backends.recipe_of(module)
-    power_2_scales = None
-    if te_backend.is_te_fp8(module):
-        # TE's own rule: no margin for current/block scaling, env switches (te_backend.scale_rule).
-        scaling_name = te_backend.te_recipe_scaling(module) or "current"
-        margin, power_2_scales = te_backend.te_scale_rule(module, scaling_name)
-    else:
-        scaling_name = recipe.scaling if recipe is not None else "current"
-        margin = recipe.margin if recipe is not None else 0
-    if scaling_name in BLOCK_SCALINGS:
-        return LayerPlan(fqn, True, formats, scaling=scaling_name, margin=margin, power_2_scales=power_2_scales)
-    scale_fns: dict[str, ScaleFn] = {}
-    if scaling_name == "delayed":
-        scalers = getattr(module, "delayed_scalers", None) or {}
-
-        def used(kind: str) -> ScaleFn:
-            return lambda: (backends.used_scales(module) or {}).get(kind)
-
-        scale_fns["activation"] = used("activation")
-        scale_fns["weight"] = used("weight")
-        if "gradient" in scalers:
-            grad_scaler = scalers["gradient"]
-            scale_fns["gradient"] = lambda: grad_scaler.scale.clone()
-        else:
-            scale_fns["gradient"] = used("gradient")
+    formats = {t: backend.format_for(module, t) for t in TENSOR_KINDS}
+    rule = backend.scale_rule(module)
+    if rule.scaling in BLOCK_SCALINGS:
+        return LayerPlan(fqn, True, formats, scaling=rule.scaling, margin=rule.margin, power_2_scales=rule.power_2_scales)
+    scale_fns = backend.scale_fns(module) if rule.scaling == "delayed" else {}
     return LayerPlan(
-        fqn, True, formats, scaling="per_tensor", scale_fns=scale_fns, margin=margin, power_2_scales=power_2_scales
+        fqn, True, formats, scaling="per_tensor", scale_fns=scale_fns, margin=rule.margin,
+        power_2_scales=rule.power_2_scales,
     )

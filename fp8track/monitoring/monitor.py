@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from fp8track.errors import check_float, check_int, invalid_choice
-from fp8track.execution.backends.te import te_gemm_class
+from fp8track.execution.apply import ApplyReport, applied_report
+from fp8track.execution.backends import backend_of
 from fp8track.monitoring import te_capture
 from fp8track.monitoring.capture import (
     LayerCapture,
@@ -182,6 +183,9 @@ class Monitor:
         sharding: the device mesh of a sharded run and its data-parallel dimensions
             (:class:`fp8track.monitoring.sharding.ShardSpec`, docs/sharding.md); ``None`` works
             for DDP, FSDP2 and DTensor tensor parallelism on one root mesh.
+        apply_report: what :func:`fp8track.apply_fp8` returned for this model (its recipe and
+            FP8/BF16 layer sets go into the run metadata); ``None``: the report of an
+            ``apply_fp8`` call on the model, if any.
 
     Logged metrics (per sampled step):
         ``fp8/loss`` (the un-normalised training loss, every step); ``fp8/<layer>/<tensor>/<stat>`` for each stat in ``config.scalar_stats``
@@ -204,6 +208,7 @@ class Monitor:
         analyzers: Sequence[StepAnalyzer] = (),
         is_writer: bool | None = None,
         sharding: ShardSpec | None = None,
+        apply_report: ApplyReport | None = None,
     ) -> None:
         self.model = model
         self.config = cfg = config or CaptureConfig()
@@ -211,14 +216,16 @@ class Monitor:
         chosen = select_layers(model, layers)
         self.captures: dict[str, LayerCapture] = {}
         te_bound, te_unseen = [], []
-        te_live = any(te_gemm_class(m) for _, m in chosen) and te_capture.capture_live()
+        backends = {fqn: backend_of(m) for fqn, m in chosen}
+        te_live = any(b is not None and b.debug_api for b in backends.values()) and te_capture.capture_live()
         for fqn, module in chosen:
-            if te_gemm_class(module) is not None and te_live:
+            backend = backends[fqn]
+            if backend is not None and backend.debug_api and te_live:
                 caps = te_capture.gemm_captures(fqn, module, cfg.tensors, cfg.whatif, cfg.shadow_format)
                 self.captures.update(caps)
                 te_bound.append((fqn, module, caps))
                 continue
-            if te_gemm_class(module) not in (None, "Linear"):
+            if backend is not None and not backend.hooks_see_gemms(module):
                 te_unseen.append(fqn)  # ln_out, fc2's input, weight0..N: only TE's debug API sees them
                 continue
             # Plans resolve at the first observation: backends build their state (TE's fp8_meta) lazily.
@@ -237,7 +244,8 @@ class Monitor:
         self.last_events: list[EventRecord] = []
         self._warned: set[str] = set()
         self.is_writer = (_dist_rank() == 0) if is_writer is None else is_writer
-        self.meta = meta or run_meta_for(model)
+        self.apply_report = apply_report if apply_report is not None else applied_report(model)
+        self.meta = meta or run_meta_for(model, report=self.apply_report)
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self._sink_factory = sink
         self._writer: RunWriter | None = None
@@ -528,11 +536,16 @@ class Monitor:
             a.load_state_dict(s)
 
 
-def run_meta_for(model: nn.Module, name: str = "fp8track", config: Mapping[str, Any] | None = None) -> RunMeta:
-    """Run metadata for ``model``: its recipe and FP8/BF16 layer sets when :func:`fp8track.apply_fp8`
-    converted it or one of its submodules (the report it leaves there), plus ``config``."""
-    report = next((m.fp8track_report for m in model.modules() if hasattr(m, "fp8track_report")), None)
-    config = {"precision": precision_setup(model), **dict(config or {})}
+def run_meta_for(
+    model: nn.Module,
+    name: str = "fp8track",
+    config: Mapping[str, Any] | None = None,
+    report: ApplyReport | None = None,
+) -> RunMeta:
+    """Run metadata for ``model``: the recipe and FP8/BF16 layer sets of ``report`` (else of an
+    :func:`fp8track.apply_fp8` call on the model or a submodule, if any), plus ``config``."""
+    report = report if report is not None else applied_report(model)
+    config = {"precision": precision_setup(model, report=report), **dict(config or {})}
     if report is None:
         return RunMeta(name=name, config=config)
     return RunMeta(
@@ -563,7 +576,9 @@ def select_eval_metrics(logged: Mapping[str, Any], names: str | Sequence[str] = 
     return out
 
 
-def precision_setup(model: nn.Module, optimizers: Sequence[Any] = (), **extra: Any) -> dict[str, Any]:
+def precision_setup(
+    model: nn.Module, optimizers: Sequence[Any] = (), report: ApplyReport | None = None, **extra: Any
+) -> dict[str, Any]:
     """What the run enabled around precision, as read from the model and its optimizers, so a
     diagnosis can list what the FP8 run newly enabled relative to its control.
 
@@ -576,7 +591,7 @@ def precision_setup(model: nn.Module, optimizers: Sequence[Any] = (), **extra: A
     """
     fp8_dtypes = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
                   if hasattr(torch, n)}
-    report = next((m.fp8track_report for m in model.modules() if hasattr(m, "fp8track_report")), None)
+    report = report if report is not None else applied_report(model)
     fp8_weights = any(p.dtype in fp8_dtypes or "float8" in type(p.data).__name__.lower() for p in model.parameters())
     checkpointing = any("checkpointwrapper" in type(m).__name__.lower() or getattr(m, "is_gradient_checkpointing", False)
                         for m in model.modules())

@@ -14,7 +14,8 @@ from torch import nn
 
 from fp8track import Monitor, MonitorConfig
 from fp8track.errors import ConfigError
-from fp8track.execution.apply import apply_fp8
+from fp8track.execution.apply import applied_report, apply_fp8
+from fp8track.execution.backends import backend_of, get_backend
 from fp8track.execution.backends import te as te_backend
 from fp8track.execution.layers import is_gemm_layer
 from fp8track.execution.recipes import Recipe
@@ -70,9 +71,14 @@ def test_apply_fp8_te_keeps_ties_grads_names_and_reports_refused_shapes(te):
     assert {id(p) for p in model.parameters()} == params_before  # optimizers built before still work
     assert model.inp.bias.requires_grad is False and model.inp.weight.requires_grad is True
     assert model.out.weight.te_tag is True  # TE's parameter attributes carried onto the adopted one
-    assert [model.get_submodule(n).name for n in ("inp", "odd", "tied")] == ["inp", "odd", "tied"]
+    # Nothing is added to the modules or classes: TE's own default name, no flags, no recipe attribute.
+    assert [model.get_submodule(n).name for n in ("inp", "odd", "tied")] == [None, None, None]
+    assert not any(hasattr(m, a) for m in model.modules() for a in ("fp8_recipe", "fp8track_bf16", "fp8track_report"))
     bf16 = model.odd
-    assert type(bf16).__name__ == "TEBF16Linear" and bf16.fp8track_bf16
+    assert type(bf16).__name__ == "TEBF16Linear" and not hasattr(fake_te.Linear, "fp8track_bf16")
+    te_b = get_backend("te")
+    assert backend_of(bf16) is te_b and not te_b.is_fp8(bf16) and te_b.is_fp8(model.inp)
+    assert applied_report(model) is report
     assert type(bf16).__module__ == "fp8track.execution.backends.te"
     clone = pickle.loads(pickle.dumps(bf16))  # module-level class: picklable
     assert type(clone) is type(bf16) and torch.equal(clone.weight, bf16.weight)
@@ -125,7 +131,7 @@ def test_te_current_recipe_margin_warns_and_monitor_uses_te_rule(te, monkeypatch
         assert type(te_backend.to_te_recipe(Recipe("current", margin=1))).__name__ == "Float8CurrentScaling"
     monkeypatch.setenv("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES", "1")
     layer = fake_te.Linear(64, 32)
-    layer.fp8_recipe = Recipe("current", margin=1)
+    layer.fp8_meta["recipe"] = fake_te.Float8CurrentScaling()  # TE records the recipe in the first forward
     plan = plan_for("l", layer)
     assert (plan.margin, plan.power_2_scales) == (0, True)
     x = torch.full((4, 64), 3.0)

@@ -1,62 +1,75 @@
-"""Execution backends and the questions the monitor asks of any FP8 layer.
+"""Execution backends, found through one registry (:mod:`fp8track.execution.backends.base`).
 
-Backends: ``emulated`` (:mod:`fp8track.execution.backends.emulated`, any device, TE-faithful numerics),
-``torchao`` (:mod:`fp8track.execution.backends.torchao`), ``te`` (:mod:`fp8track.execution.backends.te`, GPU).
-``auto`` picks ``te`` when CUDA is present and Transformer Engine imports, else ``emulated``.
+Every module of this package except ``base`` is a backend: it defines a
+:class:`~fp8track.execution.backends.base.Backend` and registers it when imported, and this
+package imports them all, so adding a backend is adding one file here. Shipped: ``emulated``
+(:mod:`~fp8track.execution.backends.emulated`, any device, TE-faithful numerics), ``torchao``
+(:mod:`~fp8track.execution.backends.torchao`), ``te`` (:mod:`~fp8track.execution.backends.te`,
+GPU; TE itself is imported lazily). ``auto`` picks the available backend with the highest
+``auto_priority``: ``te`` when CUDA is present and Transformer Engine imports, else ``emulated``.
 
-The three functions below work on a module from any backend without importing torchao or TE.
+The functions below answer the monitor's questions about a module of any backend by asking the
+backend that owns it; none imports torchao or TE.
 """
 
 from __future__ import annotations
+
+import importlib
+import pkgutil
 
 import torch
 from torch import nn
 
 from fp8track.errors import invalid_choice
-from fp8track.execution.backends import te as _te
-from fp8track.execution.backends import torchao as _torchao
+from fp8track.execution.backends.base import Backend, Converted, ScaleRule, backend_of, get_backend, register, registered
 from fp8track.execution.backends.emulated import EmulatedFP8Conv1D, EmulatedFP8Layer, EmulatedFP8Linear
 from fp8track.execution.recipes import Recipe
 from fp8track.numerics.formats import TENSOR_KINDS
 
-BACKENDS = ("auto", "emulated", "torchao", "te")
+for _info in pkgutil.iter_modules(__path__):
+    if _info.name != "base":
+        importlib.import_module(f"{__name__}.{_info.name}")
+
+BACKENDS = ("auto", *registered())
 
 __all__ = [
     "BACKENDS",
+    "Backend",
+    "Converted",
     "EmulatedFP8Conv1D",
     "EmulatedFP8Layer",
     "EmulatedFP8Linear",
-    "resolve_backend",
-    "is_fp8_linear",
+    "ScaleRule",
+    "backend_of",
     "fp8_format_for",
-    "used_scales",
+    "get_backend",
+    "is_fp8_linear",
     "recipe_of",
+    "register",
+    "registered",
+    "resolve_backend",
+    "used_scales",
 ]
 
 
 def resolve_backend(name: str) -> str:
-    """``name`` itself, or for ``"auto"``: ``"te"`` if CUDA and TE are usable, else ``"emulated"``."""
-    if name not in BACKENDS:
-        raise invalid_choice("backend", name, BACKENDS)
-    if name == "auto":
-        return "te" if _te.available() else "emulated"
-    return name
+    """The name of the backend ``name`` selects (``"auto"`` resolved); unknown names are a ConfigError."""
+    return get_backend(name).name
 
 
 def is_fp8_linear(module: nn.Module) -> bool:
-    """True for a linear layer that quantises in FP8 under any backend.
+    """True for a GEMM layer that quantises in FP8 under any backend.
 
     The ``bf16`` control's emulated layers and BF16 fallback layers are False.
     """
-    if isinstance(module, EmulatedFP8Layer):
-        return module.fp8_recipe.quantizes
-    return _torchao.is_torchao_fp8(module) or _te.is_te_fp8(module)
+    b = backend_of(module)
+    return b is not None and b.is_fp8(module)
 
 
 def recipe_of(module: nn.Module) -> Recipe | None:
-    """The :class:`Recipe` a layer converted by :func:`fp8track.apply_fp8` runs (else ``None``)."""
-    recipe = getattr(module, "fp8_recipe", None)
-    return recipe if isinstance(recipe, Recipe) else None
+    """The :class:`Recipe` a layer declares (fp8track's emulated layers), else ``None``."""
+    b = backend_of(module)
+    return b.recipe_of(module) if b is not None else None
 
 
 def fp8_format_for(module: nn.Module, tensor: str) -> str:
@@ -70,14 +83,10 @@ def fp8_format_for(module: nn.Module, tensor: str) -> str:
     """
     if tensor not in TENSOR_KINDS:
         raise invalid_choice("tensor kind", tensor, TENSOR_KINDS)
-    if _torchao.is_torchao_fp8(module):
-        return _torchao.torchao_format(module, tensor)
-    if _te.is_te_fp8(module):
-        return _te.te_format(module, tensor)
-    recipe = recipe_of(module)
-    if recipe is None or not is_fp8_linear(module):
+    b = backend_of(module)
+    if b is None or not b.is_fp8(module):
         raise invalid_choice("FP8 linear", type(module).__name__, ["EmulatedFP8Linear", "EmulatedFP8Conv1D", "Float8Linear", "te.Linear"])
-    return recipe.formats.for_tensor(tensor).name
+    return b.format_for(module, tensor)
 
 
 def used_scales(module: nn.Module) -> dict[str, torch.Tensor] | None:
@@ -87,8 +96,5 @@ def used_scales(module: nn.Module) -> dict[str, torch.Tensor] | None:
     (``None`` for TE's other recipes, whose scales live only inside transient tensors). torchao:
     ``None`` (its scales are transient), so callers fall back to current scaling.
     """
-    if isinstance(module, EmulatedFP8Layer):
-        return module.fp8_scales() if module.fp8_recipe.quantizes else None
-    if _te.is_te_fp8(module):
-        return _te.te_delayed_scales(module)
-    return None
+    b = backend_of(module)
+    return b.used_scales(module) if b is not None and b.is_fp8(module) else None

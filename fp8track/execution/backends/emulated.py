@@ -43,13 +43,15 @@ The output dtype is the autocast dtype when autocast is on, else the input's dty
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8track.execution.layers import InOutWeightGemm
+from fp8track.execution.backends.base import Backend, Converted, ScaleFn, ScaleRule, register
+from fp8track.execution.layers import InOutWeightGemm, is_hf_conv1d
 from fp8track.execution.recipes import Recipe
 from fp8track.numerics.formats import FP8Format
 from fp8track.numerics.scaling import (
@@ -66,7 +68,7 @@ from fp8track.numerics.scaling import (
     unblockify,
 )
 
-__all__ = ["EmulatedFP8Conv1D", "EmulatedFP8Layer", "EmulatedFP8Linear", "block_fake_quantize"]
+__all__ = ["EmulatedBackend", "EmulatedFP8Conv1D", "EmulatedFP8Layer", "EmulatedFP8Linear", "block_fake_quantize"]
 
 def block_fake_quantize(x2d: torch.Tensor, layout: str, fmt: FP8Format) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-quantise then dequantise a 2-D tensor along its last dimension.
@@ -272,8 +274,7 @@ class EmulatedFP8Linear(EmulatedFP8Layer, nn.Linear):
 
     Example:
         >>> import torch
-        >>> from fp8track.execution.layers import InOutWeightGemm
-from fp8track.execution.recipes import Recipe
+        >>> from fp8track.execution.recipes import Recipe
         >>> layer = EmulatedFP8Linear.from_linear(torch.nn.Linear(32, 16), Recipe("current"))
         >>> y = layer(torch.randn(4, 32)); sorted(layer.fp8_scales())
         ['activation', 'weight']
@@ -301,10 +302,10 @@ from fp8track.execution.recipes import Recipe
         new.train(linear.training)
         return new
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's name: fc(input=x) works)
         if not self.fp8_recipe.quantizes:
-            return F.linear(x, self.weight, self.bias)
-        return self._fp8_gemm(x, self.weight, self.bias)
+            return F.linear(input, self.weight, self.bias)
+        return self._fp8_gemm(input, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.fp8_recipe}"
@@ -345,3 +346,54 @@ class EmulatedFP8Conv1D(EmulatedFP8Layer, InOutWeightGemm):
 
     def extra_repr(self) -> str:
         return f"nf={self.nf}, nx={self.nx}, recipe={self.fp8_recipe}"
+
+
+class EmulatedBackend(Backend):
+    """``backend="emulated"``: :class:`EmulatedFP8Linear` / :class:`EmulatedFP8Conv1D` on any device.
+
+    Layers of ``names`` outside ``keep_bf16`` are swapped; under the ``bf16`` recipe they run the
+    plain forward, so the control goes through the same module code. Fallback layers stay as they are.
+    """
+
+    name = "emulated"
+    auto_priority = 0
+
+    def owns(self, module: nn.Module) -> bool:
+        return isinstance(module, EmulatedFP8Layer)
+
+    def is_fp8(self, module: nn.Module) -> bool:
+        return isinstance(module, EmulatedFP8Layer) and module.fp8_recipe.quantizes
+
+    def recipe_of(self, module: nn.Module) -> Recipe | None:
+        return module.fp8_recipe if isinstance(module, EmulatedFP8Layer) else None
+
+    def used_scales(self, module: nn.Module) -> dict[str, torch.Tensor] | None:
+        return module.fp8_scales() if self.is_fp8(module) else None  # type: ignore[union-attr]
+
+    def scale_fns(self, module: nn.Module) -> dict[str, ScaleFn]:
+        fns = super().scale_fns(module)
+        scaler = module.delayed_scalers.get("gradient") if isinstance(module, EmulatedFP8Layer) else None
+        if scaler is not None:
+            # dY is observed before the layer's backward: the scale that backward is about to use.
+            fns["gradient"] = lambda: scaler.scale.clone()
+        return fns
+
+    def scale_rule(self, module: nn.Module) -> ScaleRule:
+        recipe = self.recipe_of(module)
+        assert recipe is not None
+        return ScaleRule(recipe.scaling, recipe.margin)
+
+    def convert(self, model: nn.Module, recipe: Recipe, names: Sequence[str], keep_bf16: Collection[str]) -> Converted:
+        fp8 = []
+        for n in names:
+            if n in keep_bf16:
+                continue
+            layer = model.get_submodule(n)
+            wrap = EmulatedFP8Conv1D.from_conv1d if is_hf_conv1d(layer) else EmulatedFP8Linear.from_linear
+            model.set_submodule(n, wrap(layer, recipe))
+            if recipe.quantizes:
+                fp8.append(n)
+        return Converted(tuple(fp8))
+
+
+register(EmulatedBackend())

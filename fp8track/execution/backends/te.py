@@ -9,12 +9,13 @@ Recipe mapping (``transformer_engine/common/recipe/__init__.py``): ``delayed`` -
 warning); ``mxfp8`` -> ``MXFP8BlockScaling(fp8_format)``; ``block`` -> ``Float8BlockScaling(fp8_format)``.
 ``fp8_input_bf16_gemm`` has no TE recipe (error). ``bf16`` converts layers but never enables FP8.
 
-Conversion (:func:`convert`) replaces ``nn.Linear`` with ``te.Linear(..., name=<qualified name>)``
-and moves the original ``Parameter`` objects into it, so tied weights stay tied, ``requires_grad``
+Conversion (:func:`convert`) replaces ``nn.Linear`` with ``te.Linear`` and moves the original ``Parameter`` objects into it, so tied weights stay tied, ``requires_grad``
 is kept and an optimizer built before conversion still holds the model's parameters. Layers TE
 would refuse at the first FP8 forward (:func:`fp8_shape_problem`) and fallback layers become
 :class:`TEBF16Linear` (a module-level, picklable ``te.Linear`` subclass running under
-``te.autocast(enabled=False)``). The FP8 layers need an outer autocast: ``ApplyReport.autocast()``
+``te.autocast(enabled=False)``, recognised by its class). Nothing is added to the modules: their
+recipe is TE's own ``fp8_meta["recipe"]``, and TE's debug API names them (fp8track's monitor
+names unnamed ones after their qualified names when it binds them). The FP8 layers need an outer autocast: ``ApplyReport.autocast()``
 or Lightning's ``TransformerEnginePrecision`` (:func:`lightning_precision`).
 
 Delayed-scaling scales are read from ``fp8_meta["scaling_fwd"|"scaling_bwd"].scale`` (indices
@@ -37,6 +38,8 @@ import torch
 from torch import nn
 
 from fp8track.errors import ConfigError
+from fp8track.execution.backends.base import Backend, Converted, ScaleRule, refuse_conv1d, register
+from fp8track.execution.layers import TE_GEMM_CLASSES, is_hf_conv1d
 from fp8track.execution.recipes import Recipe
 
 INSTALL_HINT = (
@@ -44,12 +47,6 @@ INSTALL_HINT = (
     "or an NGC PyTorch container"
 )
 _IMPORT_ERRORS = (ImportError, RuntimeError, OSError)
-
-TE_GEMM_CLASSES = ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear")
-"""TE modules that run GEMMs with quantised operands (``transformer_engine/pytorch/module/``).
-Subclasses (Megatron's ``TELinear``, ``TELayerNormColumnParallelLinear``, fp8track's
-:class:`TEBF16Linear`) are recognised through their MRO."""
-
 
 def import_te() -> tuple[Any, Any]:
     """``(transformer_engine.pytorch, transformer_engine.common.recipe)``; raises :class:`ConfigError`."""
@@ -174,8 +171,6 @@ def _make_bf16_linear_class() -> type:
     class TEBF16Linear(te.Linear):
         """A ``te.Linear`` kept out of FP8: its forward runs under ``te.autocast(enabled=False)``."""
 
-        fp8track_bf16 = True
-
         def forward(self, *args: Any, **kwargs: Any) -> Any:
             with te.autocast(enabled=False):
                 return super().forward(*args, **kwargs)
@@ -215,7 +210,7 @@ def _adopt(new: nn.Module, attr: str, old: nn.Parameter, adopted: dict[int, nn.P
     new.register_parameter(attr, param)
 
 
-def _te_linear_from(linear: nn.Linear, cls: type, name: str, adopted: dict[int, nn.Parameter]) -> nn.Module:
+def _te_linear_from(linear: nn.Linear, cls: type, adopted: dict[int, nn.Parameter]) -> nn.Module:
     w = linear.weight
     device = w.device if w.device.type == "cuda" else torch.device("cuda")
     new = cls(
@@ -224,7 +219,6 @@ def _te_linear_from(linear: nn.Linear, cls: type, name: str, adopted: dict[int, 
         bias=linear.bias is not None,
         params_dtype=w.dtype,
         device=device,
-        name=name,
     )
     _adopt(new, "weight", w, adopted)
     if linear.bias is not None:
@@ -236,7 +230,7 @@ def _te_linear_from(linear: nn.Linear, cls: type, name: str, adopted: dict[int, 
 def convert(
     model: nn.Module, recipe: Recipe, names: Sequence[str], keep_bf16: Collection[str]
 ) -> tuple[list[str], dict[str, str]]:
-    """Replace the ``nn.Linear`` layers ``names`` with TE modules named after their qualified names.
+    """Replace the ``nn.Linear`` layers ``names`` with TE modules (``te.Linear`` or :class:`TEBF16Linear`).
 
     Returns ``(fp8_names, refused)``: the layers that run FP8, and ``{name: reason}`` for layers
     kept in BF16 because TE would refuse their shape (:func:`fp8_shape_problem`).
@@ -255,9 +249,8 @@ def convert(
             if problem is not None:
                 refused[name] = problem
                 bf16 = True
-        new = _te_linear_from(linear, bf16_cls if bf16 else te.Linear, name, adopted)
+        new = _te_linear_from(linear, bf16_cls if bf16 else te.Linear, adopted)
         if not bf16:
-            new.fp8_recipe = recipe
             fp8.append(name)
         model.set_submodule(name, new)
     return fp8, refused
@@ -319,9 +312,15 @@ def is_te_module(module: nn.Module) -> bool:
     return any(c.__module__.startswith("transformer_engine") for c in type(module).__mro__)
 
 
+def is_bf16_fallback(module: nn.Module) -> bool:
+    """One of fp8track's :class:`TEBF16Linear` fallbacks (by class, so TE is not imported)."""
+    return any(c.__name__ == "TEBF16Linear" and c.__module__ == __name__ for c in type(module).__mro__)
+
+
 def is_te_fp8(module: nn.Module) -> bool:
-    """A TE GEMM module that runs FP8 (not one of fp8track's BF16 fallbacks)."""
-    return te_gemm_class(module) is not None and not getattr(module, "fp8track_bf16", False)
+    """A TE GEMM module that runs FP8: not one of fp8track's BF16 fallbacks, and not one TE ran
+    outside FP8 autocast (TE sets ``module.fp8`` in ``init_fp8_metadata``)."""
+    return te_gemm_class(module) is not None and not is_bf16_fallback(module) and getattr(module, "fp8", None) is not False
 
 
 def is_quantized_tensor(t: Any) -> bool:
@@ -336,9 +335,6 @@ def te_recipe_scaling(module: nn.Module) -> str | None:
     ``fp8_meta`` exists from construction but holds the recipe only after the first FP8 forward
     (``module/base.py::init_fp8_metadata``).
     """
-    recipe = getattr(module, "fp8_recipe", None)
-    if isinstance(recipe, Recipe):
-        return recipe.scaling
     meta = getattr(module, "fp8_meta", None)
     te_rec = meta.get("recipe") if isinstance(meta, dict) else None
     if te_rec is None:
@@ -354,9 +350,6 @@ def te_recipe_scaling(module: nn.Module) -> str | None:
 
 def te_scale_rule(module: nn.Module, scaling: str) -> tuple[int, bool | None]:
     """``(margin, power_2_scales)`` of the module's TE recipe (see :func:`scale_rule`)."""
-    recipe = getattr(module, "fp8_recipe", None)
-    if isinstance(recipe, Recipe):
-        return scale_rule(recipe)
     meta = getattr(module, "fp8_meta", None)
     te_rec = meta.get("recipe") if isinstance(meta, dict) else None
     margin = int(getattr(te_rec, "margin", 0)) if scaling == "delayed" else 0
@@ -365,9 +358,6 @@ def te_scale_rule(module: nn.Module, scaling: str) -> tuple[int, bool | None]:
 
 def te_format(module: nn.Module, tensor: str) -> str:
     """Element format TE uses for ``tensor`` in ``module`` (from its recipe; TE's default is HYBRID)."""
-    recipe = getattr(module, "fp8_recipe", None)
-    if isinstance(recipe, Recipe):
-        return recipe.formats.for_tensor(tensor).name
     meta = getattr(module, "fp8_meta", None)
     meta_recipe = meta.get("recipe") if isinstance(meta, dict) else None
     fmt_name = str(getattr(getattr(meta_recipe, "fp8_format", None), "name", "HYBRID"))
@@ -390,3 +380,52 @@ def te_delayed_scales(module: nn.Module) -> dict[str, torch.Tensor] | None:
         out["gradient"] = bwd.scale[0].detach().clone()
     return out
 
+
+
+class TEBackend(Backend):
+    """``backend="te"``: Transformer Engine modules, converted by :func:`convert` or built by the user."""
+
+    name = "te"
+    auto_priority = 10
+    debug_api = True
+
+    def available(self) -> bool:
+        return available()
+
+    def owns(self, module: nn.Module) -> bool:
+        return te_gemm_class(module) is not None
+
+    def is_fp8(self, module: nn.Module) -> bool:
+        return is_te_fp8(module)
+
+    def format_for(self, module: nn.Module, tensor: str) -> str:
+        return te_format(module, tensor)
+
+    def scale_rule(self, module: nn.Module) -> ScaleRule:
+        # TE's own rule: no margin for current/block scaling, env switches (scale_rule above).
+        scaling = te_recipe_scaling(module) or "current"
+        margin, power_2 = te_scale_rule(module, scaling)
+        return ScaleRule(scaling, margin, power_2)
+
+    def used_scales(self, module: nn.Module) -> dict[str, torch.Tensor] | None:
+        return te_delayed_scales(module)
+
+    def convert(self, model: nn.Module, recipe: Recipe, names: Sequence[str], keep_bf16: Collection[str]) -> Converted:
+        refuse_conv1d(self.name, model, names, keep_bf16, recipe)
+        linears = [n for n in names if not is_hf_conv1d(model.get_submodule(n))]
+        fp8, refused = convert(model, recipe, linears, keep_bf16)
+        return Converted(tuple(fp8), refused)
+
+    def autocast(self, recipe: Recipe) -> AbstractContextManager[Any]:
+        return autocast(recipe)
+
+    def gemm_suffixes(self, module: nn.Module) -> list[str]:
+        return te_gemm_suffixes(module)
+
+    def hooks_see_gemms(self, module: nn.Module) -> bool:
+        # LayerNormLinear's ln_out, LayerNormMLP's fc2 input, GroupedLinear's weights: only TE's
+        # debug API sees what those modules quantise.
+        return te_gemm_class(module) == "Linear"
+
+
+register(TEBackend())

@@ -23,13 +23,15 @@ On CPU (or any device without an FP8 GEMM) ``emulate=True`` is set with ``datacl
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from fp8track.errors import ConfigError
+from fp8track.execution.backends.base import Backend, Converted, ScaleRule, refuse_conv1d, register
+from fp8track.execution.layers import is_hf_conv1d
 from fp8track.execution.recipes import Recipe
 from fp8track.numerics.scaling import BLOCK_SCALINGS
 
@@ -89,8 +91,6 @@ def convert(
         return ok
 
     float8.convert_to_float8_training(model, module_filter_fn=keep_fp8, config=cfg)
-    for name in converted:
-        model.get_submodule(name).fp8_recipe = recipe
     return converted
 
 
@@ -108,3 +108,31 @@ def torchao_format(module: nn.Module, tensor: str) -> str:
         "gradient": cfg.cast_config_grad_output,
     }[tensor]
     return "e5m2" if "e5m2" in str(cast.target_dtype) else "e4m3"
+
+
+class TorchaoBackend(Backend):
+    """``backend="torchao"``: ``Float8Linear`` (dynamic scaling only; see the module table)."""
+
+    name = "torchao"
+
+    def owns(self, module: nn.Module) -> bool:
+        return is_torchao_fp8(module)
+
+    def format_for(self, module: nn.Module, tensor: str) -> str:
+        return torchao_format(module, tensor)
+
+    def scale_rule(self, module: nn.Module) -> ScaleRule:
+        # torchao scales dynamically with no margin; rowwise variants are judged tensor-wise by the
+        # monitor (a documented approximation).
+        return ScaleRule("current", 0)
+
+    def convert(self, model: nn.Module, recipe: Recipe, names: Sequence[str], keep_bf16: Collection[str]) -> Converted:
+        refuse_conv1d(self.name, model, names, keep_bf16, recipe)
+        if not recipe.quantizes:
+            return Converted(())
+        linears = [n for n in names if not is_hf_conv1d(model.get_submodule(n))]
+        device = next((p.device.type for p in model.parameters()), "cpu")
+        return Converted(tuple(convert(model, recipe, linears, keep_bf16, device_type=device)))
+
+
+register(TorchaoBackend())
