@@ -15,7 +15,8 @@ must be given in the sequence form):
 ``last:N``         the last N repeated blocks of every stack (``--num-layers-at-end-in-bf16``)
 ``head``           the output head: the linears after the last repeated block (``lm_head``,
                    a classifier with its pooler, CLIP's projections), plus Hugging Face's
-                   ``get_output_embeddings()``; without repeated blocks, the last linear
+                   ``get_output_embeddings()``; without repeated blocks, the last linear;
+                   nothing (said in the notes, not an error) for a bare stack of blocks
 ``re:PATTERN``     every linear whose qualified name matches ``re.search(PATTERN, name)``
 ``auto:K``         the K riskiest layers of a ranking the monitor produces (riskiest first)
 any other term     a module's qualified name: a linear, or a module whose linears all stay
@@ -323,14 +324,12 @@ class FallbackSpec:
                 if stacks is None:
                     stacks = block_stacks(model)
                 head = output_head(model, order(), [b for _, blocks in stacks for b in blocks])
-                if not head:
-                    raise ConfigError(
-                        "bf16_layers term 'head': no linear comes after the model's last repeated block; "
-                        f"name the output layer instead; linear layers: {preview_names(linears)}"
-                    )
                 take(head, HEAD_REASON)
-                notes.append(f"head: {', '.join(head)} (the linears after the last block; Megatron-LM never "
-                             "runs its output layer in FP8)")
+                notes.append(
+                    f"head: {', '.join(head)} (the linears after the last block; Megatron-LM never runs its output "
+                    "layer in FP8)" if head else
+                    "head: none (no linear comes after the last repeated block; name the output layer if it has one)"
+                )
             elif term.startswith("auto:"):
                 k = int(term.split(":")[1])
                 for n, why in _from_ranking(ranking, k, linears, term).items():

@@ -76,8 +76,28 @@ def gemm_weight(module: nn.Module, weight: object = None) -> torch.Tensor | None
 
 
 def gemm_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(qualified name, module)`` of every GEMM layer in registration order (the root is named ``""``)."""
-    return [(name, m) for name, m in model.named_modules() if is_gemm_layer(m)]
+    """``(qualified name, module)`` of every GEMM layer in registration order (the root is named ``""``).
+
+    The ``out_proj`` Linear of an ``nn.MultiheadAttention`` is left out: the attention calls
+    ``F.linear`` on its weight, so the module never runs (see :func:`hidden_gemms`).
+    """
+    hidden = {f"{n}.{c}" if n else c for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)
+              for c, _ in m.named_children()}
+    return [(name, m) for name, m in model.named_modules() if is_gemm_layer(m) and name not in hidden]
+
+
+def hidden_gemms(model: nn.Module) -> dict[str, str]:
+    """``{module name: reason}`` of modules whose GEMMs no module hook sees and no backend swaps:
+    ``nn.MultiheadAttention`` (subclasses included), whose in- and out-projections run through
+    ``F.multi_head_attention_forward`` on raw weights. ``fp8track.apply_fp8`` rebuilds exact
+    ``nn.MultiheadAttention`` on linears (:mod:`fp8track.execution.attention`)."""
+    return {
+        n: "nn.MultiheadAttention runs its q/k/v and out projections through F.multi_head_attention_forward "
+        "(no module hook sees them); fp8track.apply_fp8 or fp8track.execution.attention.linearize_attention(model) "
+        "rebuilds it on nn.Linear projections"
+        for n, m in model.named_modules()
+        if isinstance(m, nn.MultiheadAttention)
+    }
 
 
 def preview_names(names: Sequence[str], limit: int = 24) -> str:

@@ -19,6 +19,7 @@ what FP8 would do to them).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -28,7 +29,14 @@ from torch import nn
 from fp8track.errors import ConfigError, invalid_choice
 from fp8track.execution.backends import backend_of
 from fp8track.execution.backends import te as te_backend
-from fp8track.execution.layers import GEMM_LAYER_KINDS, gemm_layers, gemm_weight, match_layers, preview_names
+from fp8track.execution.layers import (
+    GEMM_LAYER_KINDS,
+    gemm_layers,
+    gemm_weight,
+    hidden_gemms,
+    match_layers,
+    preview_names,
+)
 from fp8track.monitoring.sharding import ShardSpec, Share, observed_weight, share_of
 from fp8track.numerics.formats import TENSOR_KINDS, get_format_pair
 from fp8track.numerics.scaling import BLOCK_SCALINGS, amax, block_layout, current_scale
@@ -153,6 +161,13 @@ def select_layers(
             candidates).
     """
     candidates = gemm_layers(model)
+    hidden = hidden_gemms(model)
+    if hidden:
+        warnings.warn(
+            f"fp8track: {len(hidden)} attention modules ({preview_names(list(hidden), 4)}) are not monitored: "
+            + next(iter(hidden.values())),
+            stacklevel=3,
+        )
     if not candidates:
         raise ConfigError(f"{type(model).__name__} has no linear layer to monitor ({'; '.join(GEMM_LAYER_KINDS)})")
     names = [fqn for fqn, _ in candidates]
