@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
                      tracking_uri=f"sqlite:///{(out / 'mlflow.db').resolve()}",
                      artifact_location=(out / "mlartifacts").resolve().as_uri()),
     ]
-    monitor = fp8track.FP8Monitor(every_n_steps=args.every_n_steps, baseline=args.baseline)
+    monitor = fp8track.FP8Monitor(every_n_steps=args.every_n_steps, baseline=args.baseline, apply_report=report)
     trainer = L.Trainer(
         max_steps=args.steps, accelerator="cpu", devices=1, precision="bf16-mixed", logger=loggers,
         callbacks=[monitor], default_root_dir=str(out), log_every_n_steps=args.every_n_steps,

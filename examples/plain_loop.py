@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"recipe={report.recipe} fp8 layers={len(report.fp8_layers)}")
 
     config = fp8track.MonitorConfig.load(args.config).replace(every_n_steps=args.every_n_steps)
-    monitor = fp8track.Monitor(model, config, log_dir=args.log_dir).attach()
+    monitor = fp8track.Monitor(model, config, log_dir=args.log_dir, apply_report=report).attach()
     data = CharDataModule(block_size=64, batch_size=16, seed=args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95))
     batches = iter(data.train_dataloader())
