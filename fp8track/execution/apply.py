@@ -18,6 +18,7 @@ from fp8track.execution.fallback import FallbackSpec, linear_names
 from fp8track.execution.layers import is_convertible, preview_names
 from fp8track.execution.recipes import Recipe
 
+
 @dataclass(frozen=True)
 class ApplyReport:
     """What :func:`apply_fp8` did.

@@ -47,11 +47,10 @@ carries it). A term that matches no layer, or names a missing module, raises
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import re
 
 import torch
 from torch import nn

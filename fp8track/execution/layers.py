@@ -11,7 +11,7 @@ Hugging Face ``transformers`` is imported here.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -49,9 +49,20 @@ def is_te_gemm(module: nn.Module) -> bool:
     return _has_base(module, "transformer_engine", TE_GEMM_CLASSES)
 
 
+_BACKEND_GEMMS: dict[str, Callable[[nn.Module], bool]] = {}
+
+
+def add_gemm_kind(name: str, owns: Callable[[nn.Module], bool]) -> None:
+    """Count the modules ``owns`` recognises as GEMM layers too (each registered execution backend's)."""
+    _BACKEND_GEMMS[name] = owns
+
+
 def is_gemm_layer(module: nn.Module) -> bool:
-    """THE linear-layer predicate: any module of :data:`GEMM_LAYER_KINDS`, FP8 or not."""
-    return isinstance(module, (nn.Linear, InOutWeightGemm)) or is_hf_conv1d(module) or is_te_gemm(module)
+    """THE linear-layer predicate: any module of :data:`GEMM_LAYER_KINDS` or of a registered
+    backend (:func:`add_gemm_kind`), FP8 or not."""
+    if isinstance(module, (nn.Linear, InOutWeightGemm)) or is_hf_conv1d(module) or is_te_gemm(module):
+        return True
+    return any(owns(module) for owns in _BACKEND_GEMMS.values())
 
 
 def is_convertible(module: nn.Module) -> bool:

@@ -50,11 +50,10 @@ def test_linear_mha_computes_nn_multihead_attention(batch_first, bias, add_bias_
     L, S, B, kd = 5, 7, 3, kdim or E
 
     def shape(n, d):
-        return (B, n, d) if batch_first else (n, B, d) if batched else (n, d)
-
-    if not batched:
-        def shape(n, d):  # noqa: F811
+        if not batched:
             return (n, d)
+        return (B, n, d) if batch_first else (n, B, d)
+
     q, k = torch.randn(shape(L, E)), torch.randn(shape(S, kd))
     v = k + 0.1
     attn_mask = {None: None, "2d": torch.randn(L, S), "3d": torch.randn(B * H, L, S)}[mask]

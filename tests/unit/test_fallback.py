@@ -4,7 +4,13 @@ from torch import nn
 
 from fp8track.errors import ConfigError
 from fp8track.examples.gpt import GPT, GPTConfig
-from fp8track.execution.fallback import HEAD_REASON, FallbackSpec, block_stacks, repeated_blocks, resolve_fallback
+from fp8track.execution.fallback import (
+    HEAD_REASON,
+    FallbackSpec,
+    block_stacks,
+    repeated_blocks,
+    resolve_fallback,
+)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,15 @@ import torch
 from torch import nn
 
 from fp8track.errors import invalid_choice
-from fp8track.execution.backends.base import Backend, Converted, ScaleRule, backend_of, get_backend, register, registered
+from fp8track.execution.backends.base import (
+    Backend,
+    Converted,
+    ScaleRule,
+    backend_of,
+    get_backend,
+    register,
+    registered,
+)
 from fp8track.execution.backends.emulated import EmulatedFP8Conv1D, EmulatedFP8Layer, EmulatedFP8Linear
 from fp8track.execution.recipes import Recipe
 from fp8track.numerics.formats import TENSOR_KINDS

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from fp8track.errors import ConfigError, invalid_choice
-from fp8track.execution.layers import is_hf_conv1d, preview_names
+from fp8track.execution.layers import add_gemm_kind, is_hf_conv1d, preview_names
 from fp8track.execution.recipes import Recipe
 
 ScaleFn = Callable[[], "torch.Tensor | None"]
@@ -155,6 +155,7 @@ def register(backend: Backend) -> Backend:
     if not backend.name or backend.name == "auto":
         raise ConfigError(f"a backend needs a name other than 'auto', got {backend.name!r}")
     _REGISTRY[backend.name] = backend
+    add_gemm_kind(backend.name, backend.owns)  # the monitor and the fallback spec see its modules
     return backend
 
 
