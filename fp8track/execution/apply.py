@@ -121,7 +121,8 @@ def apply_fp8(
     already = [n for n, m in model.named_modules() if backend_of(m) is not None]
     if already:
         raise ConfigError(
-            f"the model already holds FP8 layers or FP8-backend modules ({preview_names(already, 8)}); apply_fp8 once, to a fresh model"
+            f"the model already holds FP8 layers or FP8-backend modules ({preview_names(already, 8)}); "
+            "apply_fp8 once, to a fresh model"
         )
     rebuilt, refused_attention = linearize_attention(model)
     try:

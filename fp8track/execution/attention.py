@@ -98,24 +98,47 @@ class LinearMultiheadAttention(nn.Module):
         """``nn.MultiheadAttention.forward``'s signature and result."""
         is_batched = query.dim() == 3
         key_padding_mask = F._canonical_mask(
-            mask=key_padding_mask, mask_name="key_padding_mask", other_type=F._none_or_dtype(attn_mask),
-            other_name="attn_mask", target_type=query.dtype,
+            mask=key_padding_mask,
+            mask_name="key_padding_mask",
+            other_type=F._none_or_dtype(attn_mask),
+            other_name="attn_mask",
+            target_type=query.dtype,
         )
         attn_mask = F._canonical_mask(
-            mask=attn_mask, mask_name="attn_mask", other_type=None, other_name="", target_type=query.dtype,
+            mask=attn_mask,
+            mask_name="attn_mask",
+            other_type=None,
+            other_name="",
+            target_type=query.dtype,
             check_other=False,
         )
         if self.batch_first and is_batched:
             query, key, value = (x.transpose(1, 0) for x in (query, key, value))
-        out, weights = self._attend(query, key, value, key_padding_mask, need_weights, attn_mask,
-                                    average_attn_weights, is_causal, is_batched)
+        out, weights = self._attend(
+            query,
+            key,
+            value,
+            key_padding_mask,
+            need_weights,
+            attn_mask,
+            average_attn_weights,
+            is_causal,
+            is_batched,
+        )
         if self.batch_first and is_batched:
             return out.transpose(1, 0), weights
         return out, weights
 
     def _attend(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_padding_mask: torch.Tensor | None,
-        need_weights: bool, attn_mask: torch.Tensor | None, average_attn_weights: bool, is_causal: bool,
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+        need_weights: bool,
+        attn_mask: torch.Tensor | None,
+        average_attn_weights: bool,
+        is_causal: bool,
         is_batched: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # Mirrors torch.nn.functional.multi_head_attention_forward (torch 2.x) after its checks, with
@@ -136,7 +159,9 @@ class LinearMultiheadAttention(nn.Module):
         src_len = key.shape[0]
         if attn_mask is not None and attn_mask.dim() == 2:
             if attn_mask.shape != (tgt_len, src_len):
-                raise RuntimeError(f"The shape of the 2D attn_mask is {attn_mask.shape}, but should be {(tgt_len, src_len)}.")
+                raise RuntimeError(
+                    f"The shape of the 2D attn_mask is {attn_mask.shape}, but should be {(tgt_len, src_len)}."
+                )
             attn_mask = attn_mask.unsqueeze(0)
         if self.bias_k is not None and self.bias_v is not None:
             k = torch.cat([k, self.bias_k.repeat(1, bsz, 1)])
@@ -153,7 +178,11 @@ class LinearMultiheadAttention(nn.Module):
             key_padding_mask = F.pad(key_padding_mask, (0, 1)) if key_padding_mask is not None else None
         src_len = k.size(1)
         if key_padding_mask is not None:
-            kpm = key_padding_mask.view(bsz, 1, 1, src_len).expand(-1, heads, -1, -1).reshape(bsz * heads, 1, src_len)
+            kpm = (
+                key_padding_mask.view(bsz, 1, 1, src_len)
+                .expand(-1, heads, -1, -1)
+                .reshape(bsz * heads, 1, src_len)
+            )
             attn_mask = kpm if attn_mask is None else attn_mask + kpm
         dropout_p = self.dropout if self.training else 0.0
         if need_weights:
@@ -176,8 +205,11 @@ class LinearMultiheadAttention(nn.Module):
                 return out.squeeze(1), weights.squeeze(0)
             return out, weights
         if attn_mask is not None:
-            attn_mask = attn_mask.unsqueeze(0) if attn_mask.size(0) == 1 and attn_mask.dim() == 3 else (
-                attn_mask.view(bsz, heads, -1, src_len))
+            attn_mask = (
+                attn_mask.unsqueeze(0)
+                if attn_mask.size(0) == 1 and attn_mask.dim() == 3
+                else (attn_mask.view(bsz, heads, -1, src_len))
+            )
         q = q.view(bsz, heads, tgt_len, head_dim)
         k = k.view(bsz, heads, src_len, head_dim)
         v = v.view(bsz, heads, src_len, head_dim)
@@ -226,8 +258,10 @@ def linearize_attention(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], 
         if not name:
             refused[name] = "the model itself is an nn.MultiheadAttention: wrap it in a module to convert it"
         elif type(mha) is not nn.MultiheadAttention:
-            refused[name] = (f"{type(mha).__name__} subclasses nn.MultiheadAttention (its forward may differ); its "
-                             "projections run through F.multi_head_attention_forward, which no backend converts")
+            refused[name] = (
+                f"{type(mha).__name__} subclasses nn.MultiheadAttention (its forward may differ); its "
+                "projections run through F.multi_head_attention_forward, which no backend converts"
+            )
         else:
             model.set_submodule(name, LinearMultiheadAttention.from_mha(mha))
             replaced.append((name, mha))

@@ -34,15 +34,36 @@ def _eager_stats():
 
 @pytest.mark.parametrize(
     "batch_first, bias, add_bias_kv, add_zero_attn, kdim, need_weights, mask, padding, batched",
-    [c for c in itertools.product([False, True], [True, False], [False, True], [False, True], [None, 12],
-                                  [True, False], [None, "2d", "3d"], [False, True], [True, False])
-     if c[-1] or c[6] != "3d"][::13],  # 50 of the 288 combinations, every value of each argument among them
+    [
+        c
+        for c in itertools.product(
+            [False, True],
+            [True, False],
+            [False, True],
+            [False, True],
+            [None, 12],
+            [True, False],
+            [None, "2d", "3d"],
+            [False, True],
+            [True, False],
+        )
+        if c[-1] or c[6] != "3d"
+    ][::13],  # 50 of the 288 combinations, every value of each argument among them
 )
-def test_linear_mha_computes_nn_multihead_attention(batch_first, bias, add_bias_kv, add_zero_attn, kdim, need_weights,
-                                                    mask, padding, batched):
+def test_linear_mha_computes_nn_multihead_attention(
+    batch_first, bias, add_bias_kv, add_zero_attn, kdim, need_weights, mask, padding, batched
+):
     torch.manual_seed(0)
-    mha = nn.MultiheadAttention(E, H, bias=bias, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn, kdim=kdim,
-                                vdim=kdim, batch_first=batch_first)
+    mha = nn.MultiheadAttention(
+        E,
+        H,
+        bias=bias,
+        add_bias_kv=add_bias_kv,
+        add_zero_attn=add_zero_attn,
+        kdim=kdim,
+        vdim=kdim,
+        batch_first=batch_first,
+    )
     if add_bias_kv:
         nn.init.normal_(mha.bias_k)
         nn.init.normal_(mha.bias_v)
@@ -75,7 +96,9 @@ def test_parameters_state_dict_and_causal_mask():
     mha = nn.MultiheadAttention(E, H, batch_first=True)
     ours = LinearMultiheadAttention.from_mha(mha)
     assert ours.out_proj.weight is mha.out_proj.weight and ours.out_proj.bias is mha.out_proj.bias
-    torch.testing.assert_close(torch.cat([ours.q_proj.weight, ours.k_proj.weight, ours.v_proj.weight]), mha.in_proj_weight)
+    torch.testing.assert_close(
+        torch.cat([ours.q_proj.weight, ours.k_proj.weight, ours.v_proj.weight]), mha.in_proj_weight
+    )
     x = torch.randn(2, 6, E)
     causal = nn.Transformer.generate_square_subsequent_mask(6)
     kw = {"attn_mask": causal, "is_causal": True, "need_weights": False}
@@ -118,11 +141,22 @@ def test_transformer_encoder_layers_monitored_are_the_layers_that_ran_a_gemm(tmp
     torch.manual_seed(0)
     model = Encoder(layers=2)
     report = apply_fp8(model, "current", backend="emulated")
-    projections = [f"encoder.layers.{i}.{p}" for i in range(2)
-                   for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj",
-                             "linear1", "linear2")]
+    projections = [
+        f"encoder.layers.{i}.{p}"
+        for i in range(2)
+        for p in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.out_proj",
+            "linear1",
+            "linear2",
+        )
+    ]
     assert sorted(report.fp8_layers) == sorted([*projections, "head"]) and report.unconverted == ()
-    ran: dict[str, int] = {}  # independent record: which converted linears actually ran, with their input size
+    ran: dict[
+        str, int
+    ] = {}  # independent record: which converted linears actually ran, with their input size
     for name, m in model.named_modules():
         if isinstance(m, EmulatedFP8Linear):
             m.register_forward_pre_hook(lambda _m, args, n=name: ran.__setitem__(n, args[0].numel()))
@@ -132,7 +166,11 @@ def test_transformer_encoder_layers_monitored_are_the_layers_that_ran_a_gemm(tmp
     loss.backward()
     mon.step(loss=loss)
     mon.close()
-    rows = {(r.layer, r.tensor): r.stats["numel"] for r in RunReader(mon.run_dir).tensor_stats() if r.variant == "actual"}
+    rows = {
+        (r.layer, r.tensor): r.stats["numel"]
+        for r in RunReader(mon.run_dir).tensor_stats()
+        if r.variant == "actual"
+    }
     assert {layer for layer, _ in rows} == set(ran) == set(report.fp8_layers)
     tokens = B * S
     for i in range(2):
@@ -141,11 +179,21 @@ def test_transformer_encoder_layers_monitored_are_the_layers_that_ran_a_gemm(tmp
             assert rows[(p + "self_attn." + proj, "activation")] == tokens * E
             assert rows[(p + "self_attn." + proj, "weight")] == E * E
             assert rows[(p + "self_attn." + proj, "gradient")] == tokens * E
-        assert (rows[(p + "linear1", "activation")], rows[(p + "linear1", "weight")], rows[(p + "linear1", "gradient")]) == (
-            tokens * E, FF * E, tokens * FF)
-        assert (rows[(p + "linear2", "activation")], rows[(p + "linear2", "weight")], rows[(p + "linear2", "gradient")]) == (
-            tokens * FF, E * FF, tokens * E)
-    assert (rows[("head", "activation")], rows[("head", "weight")], rows[("head", "gradient")]) == (tokens * E, 4 * E, tokens * 4)
+        assert (
+            rows[(p + "linear1", "activation")],
+            rows[(p + "linear1", "weight")],
+            rows[(p + "linear1", "gradient")],
+        ) == (tokens * E, FF * E, tokens * FF)
+        assert (
+            rows[(p + "linear2", "activation")],
+            rows[(p + "linear2", "weight")],
+            rows[(p + "linear2", "gradient")],
+        ) == (tokens * FF, E * FF, tokens * E)
+    assert (rows[("head", "activation")], rows[("head", "weight")], rows[("head", "gradient")]) == (
+        tokens * E,
+        4 * E,
+        tokens * 4,
+    )
     assert all(ran[n] == rows[(n, "activation")] for n in ran)
 
 
@@ -180,7 +228,9 @@ def test_what_no_backend_converts_is_reported_and_warned():
 
 def test_monitor_warns_about_attention_it_cannot_see(tmp_path):
     model = Encoder(layers=1)  # not converted: nn.MultiheadAttention as built
-    with pytest.warns(UserWarning, match="1 attention modules .*encoder.layers.0.self_attn.* are not monitored"):
+    with pytest.warns(
+        UserWarning, match="1 attention modules .*encoder.layers.0.self_attn.* are not monitored"
+    ):
         mon = fp8track.Monitor(model, fp8track.MonitorConfig(every_n_steps=1), log_dir=tmp_path)
     assert "encoder.layers.0.self_attn.out_proj" not in mon.captures  # its hook would never fire
     assert set(mon.captures) == {"encoder.layers.0.linear1", "encoder.layers.0.linear2", "head"}

@@ -10,6 +10,7 @@ from torch import nn
 
 import fp8track
 from fp8track.errors import ConfigError
+from fp8track.execution import layers
 from fp8track.execution.apply import apply_fp8
 from fp8track.execution.backends import (
     backend_of,
@@ -21,7 +22,6 @@ from fp8track.execution.backends import (
 )
 from fp8track.execution.backends import base as backend_base
 from fp8track.execution.backends.base import Backend, Converted, ScaleRule, register
-from fp8track.execution import layers
 from fp8track.execution.recipes import Recipe
 from fp8track.monitoring.capture import plan_for, tensor_partial
 from fp8track.monitoring.records import RunReader
@@ -80,7 +80,9 @@ def test_shipped_backends_are_registered_and_own_their_modules():
         get_backend("tpu")
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
     apply_fp8(model, "current", bf16_layers="last", backend="emulated")
-    assert backend_of(model[0]) is get_backend("emulated") and backend_of(model[1]) is None  # fallback stays nn.Linear
+    assert (
+        backend_of(model[0]) is get_backend("emulated") and backend_of(model[1]) is None
+    )  # fallback stays nn.Linear
     assert is_fp8_linear(model[0]) and not is_fp8_linear(model[1])
 
 
@@ -97,8 +99,12 @@ def test_a_new_backend_is_used_everywhere_through_the_registry(toy, tmp_path):
     x = torch.full((4, 32), 0.5)
     # The backend's own scale (64), not a derived one: amax 0.5 would give 57344 / 0.5 / 2 = 57344.
     assert finalize(tensor_partial(x, plan, "activation"), "e5m2")["scale"] == 64.0
-    mon = fp8track.Monitor(model, fp8track.MonitorConfig(every_n_steps=1, tensors=("activation",)), log_dir=tmp_path,
-                           apply_report=report).attach()
+    mon = fp8track.Monitor(
+        model,
+        fp8track.MonitorConfig(every_n_steps=1, tensors=("activation",)),
+        log_dir=tmp_path,
+        apply_report=report,
+    ).attach()
     model(torch.randn(4, 32)).sum().backward()
     mon.step()
     mon.close()

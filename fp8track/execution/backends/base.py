@@ -113,7 +113,9 @@ class Backend:
 
         return {k: used(k) for k in ("activation", "weight", "gradient")}
 
-    def convert(self, model: nn.Module, recipe: Recipe, names: Sequence[str], keep_bf16: Collection[str]) -> Converted:
+    def convert(
+        self, model: nn.Module, recipe: Recipe, names: Sequence[str], keep_bf16: Collection[str]
+    ) -> Converted:
         """Convert layers ``names`` of ``model`` (exact ``nn.Linear`` or Hugging Face ``Conv1D``)
         in place; those in ``keep_bf16`` stay out of FP8."""
         raise NotImplementedError
@@ -134,16 +136,18 @@ class Backend:
         return f"<fp8track backend {self.name!r}>"
 
 
-def refuse_conv1d(backend: str, model: nn.Module, names: Sequence[str], keep_bf16: Collection[str], recipe: Recipe) -> None:
+def refuse_conv1d(
+    backend: str, model: nn.Module, names: Sequence[str], keep_bf16: Collection[str], recipe: Recipe
+) -> None:
     """Raise when Hugging Face ``Conv1D`` layers would stay out of FP8 on a backend that converts
     only ``nn.Linear`` (silently leaving them BF16 would misreport the run)."""
     left = [n for n in names if n not in keep_bf16 and is_hf_conv1d(model.get_submodule(n))]
     if left and recipe.quantizes:
         raise ConfigError(
-            f"backend {backend!r} converts only nn.Linear, but these transformers Conv1D layers (GPT-2 style, "
-            f"weight stored [in, out]) would stay out of FP8: {preview_names(left)}. Use backend='emulated' "
-            "(it converts Conv1D), keep them in BF16 on purpose (bf16_layers=[...their names or a re: term]), "
-            "or load the model with nn.Linear layers"
+            f"backend {backend!r} converts only nn.Linear, but these transformers Conv1D layers "
+            f"(GPT-2 style, weight stored [in, out]) would stay out of FP8: {preview_names(left)}. "
+            "Use backend='emulated' (it converts Conv1D), keep them in BF16 on purpose "
+            "(bf16_layers=[...their names or a re: term]), or load the model with nn.Linear layers"
         )
 
 
