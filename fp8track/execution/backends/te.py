@@ -9,14 +9,15 @@ Recipe mapping (``transformer_engine/common/recipe/__init__.py``): ``delayed`` -
 warning); ``mxfp8`` -> ``MXFP8BlockScaling(fp8_format)``; ``block`` -> ``Float8BlockScaling(fp8_format)``.
 ``fp8_input_bf16_gemm`` has no TE recipe (error). ``bf16`` converts layers but never enables FP8.
 
-Conversion (:func:`convert`) replaces ``nn.Linear`` with ``te.Linear`` and moves the original ``Parameter`` objects into it, so tied weights stay tied, ``requires_grad``
-is kept and an optimizer built before conversion still holds the model's parameters. Layers TE
-would refuse at the first FP8 forward (:func:`fp8_shape_problem`) and fallback layers become
-:class:`TEBF16Linear` (a module-level, picklable ``te.Linear`` subclass running under
-``te.autocast(enabled=False)``, recognised by its class). Nothing is added to the modules: their
-recipe is TE's own ``fp8_meta["recipe"]``, and TE's debug API names them (fp8track's monitor
-names unnamed ones after their qualified names when it binds them). The FP8 layers need an outer autocast: ``ApplyReport.autocast()``
-or Lightning's ``TransformerEnginePrecision`` (:func:`lightning_precision`).
+Conversion (:func:`convert`) replaces ``nn.Linear`` with ``te.Linear`` and moves the original
+``Parameter`` objects into it, so tied weights stay tied, ``requires_grad`` is kept and an
+optimizer built before conversion still holds the model's parameters. Layers TE would refuse at
+the first FP8 forward (:func:`fp8_shape_problem`) and fallback layers become :class:`TEBF16Linear`
+(a module-level, picklable ``te.Linear`` subclass running under ``te.autocast(enabled=False)``,
+recognised by its class). Nothing is added to the modules: their recipe is TE's own
+``fp8_meta["recipe"]``, and TE's debug API names them (fp8track's monitor names unnamed ones after
+their qualified names when it binds them). The FP8 layers need an outer autocast:
+``ApplyReport.autocast()`` or Lightning's ``TransformerEnginePrecision`` (:func:`lightning_precision`).
 
 Delayed-scaling scales are read from ``fp8_meta["scaling_fwd"|"scaling_bwd"].scale`` (indices
 fwd: 0 input, 1 weight; bwd: 0 grad_output, ``transformer_engine/common/common.h``). TE updates
