@@ -385,7 +385,8 @@ def plan_for(fqn: str, module: nn.Module, shadow_format: str = "hybrid") -> Laye
     * Anything not in FP8 (plain or fallback layers, the bf16 recipe): shadow mode.
     """
     backend = backend_of(module)
-    if backend is None or not backend.is_fp8(module):
+    if backend is None or not backend.is_fp8(module) or getattr(module, "fp8", None) is False:
+        # (TE sets ``module.fp8`` in ``init_fp8_metadata``: False when it ran outside FP8 autocast.)
         return shadow_plan(fqn, shadow_format)
     formats = {t: backend.format_for(module, t) for t in TENSOR_KINDS}
     rule = backend.scale_rule(module)

@@ -319,9 +319,8 @@ def is_bf16_fallback(module: nn.Module) -> bool:
 
 
 def is_te_fp8(module: nn.Module) -> bool:
-    """A TE GEMM module that runs FP8: not one of fp8track's BF16 fallbacks, and not one TE ran
-    outside FP8 autocast (TE sets ``module.fp8`` in ``init_fp8_metadata``)."""
-    return te_gemm_class(module) is not None and not is_bf16_fallback(module) and getattr(module, "fp8", None) is not False
+    """A TE GEMM module that runs FP8 (not one of fp8track's BF16 fallbacks)."""
+    return te_gemm_class(module) is not None and not is_bf16_fallback(module)
 
 
 def is_quantized_tensor(t: Any) -> bool:
