@@ -26,7 +26,9 @@ How ``first``/``last`` count. *Repeated blocks* are the children of ``nn.ModuleL
 ``nn.Sequential`` containers whose children all share one type and hold at least one linear.
 Among those child types, the one with the most instances is the block type (ties go to the type
 met first in ``named_modules`` order; lists of bare linears count only when nothing else
-repeats, so per-head projections inside a block never outnumber the blocks). Other block types
+repeats, so per-head projections inside a block never outnumber the blocks; a type without
+normalisation layers inside a type with them, such as the expert MLPs of a mixture-of-experts
+layer, yields to the enclosing layer). Other block types
 with at least two instances, neither inside nor around those blocks, are further towers (BART's
 decoder layers beside its encoder layers).
 
@@ -106,7 +108,16 @@ def block_stacks(model: nn.Module) -> list[tuple[str, list[str]]]:
     pool = composite or by_type
     if not pool:
         return []
-    best = max(pool.values(), key=len)  # max() keeps the first of equal lengths
+    best_type = max(pool, key=lambda t: len(pool[t]))  # max() keeps the first of equal lengths
+    # Mixture-of-experts: lists of expert MLPs inside every layer outnumber the layers. A block type
+    # holding normalisation layers that encloses the chosen type, which holds none, is the layer.
+    if not _has_norm(first[best_type]):
+        for t, names in pool.items():
+            if t is not best_type and len(names) >= 2 and _has_norm(first[t]):
+                if any(_nested(b, n) for b in pool[best_type] for n in names):
+                    best_type = t
+                    break
+    best = pool[best_type]
     if len(best) < 2:
         return []
     blocks = list(best)
@@ -120,6 +131,10 @@ def block_stacks(model: nn.Module) -> list[tuple[str, list[str]]]:
     for b in sorted(blocks, key=order.__getitem__):
         stacks.setdefault(re.sub(r"(?<![^.])\d+(?![^.])", "*", container_of[b]), []).append(b)
     return list(stacks.items())
+
+
+def _has_norm(module: nn.Module) -> bool:
+    return any("norm" in type(m).__name__.lower() for m in module.modules())
 
 
 def _nested(inner: str, outer: str) -> bool:

@@ -88,6 +88,31 @@ def test_nested_blocks_count_inner_blocks_across_stages():
     assert list(resolve_fallback(m, "head")) == ["head"]  # the linear after the last block
 
 
+class Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+
+class MoELayer(nn.Module):
+    def __init__(self, n_experts=4):
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.attn = nn.Linear(16, 16)
+        self.gate = nn.Linear(16, n_experts)
+        self.experts = nn.ModuleList(Expert() for _ in range(n_experts))
+
+
+def test_mixture_of_experts_counts_layers_not_experts():
+    m = nn.Module()
+    m.layers = nn.ModuleList(MoELayer() for _ in range(3))  # 12 experts outnumber the 3 layers
+    m.lm_head = nn.Linear(16, 64)
+    assert repeated_blocks(m) == ["layers.0", "layers.1", "layers.2"]
+    got = resolve_fallback(m, "first_last")
+    assert {n.split(".")[1] for n in got if n.startswith("layers.")} == {"0", "2"}
+    assert len(got) == 2 * (2 + 4 * 2) + 1 and got["lm_head"] == HEAD_REASON
+
+
 def test_model_without_blocks_counts_single_linears():
     # Registration order differs from execution order here: b runs first.
     class Swapped(nn.Module):
