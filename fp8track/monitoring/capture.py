@@ -15,6 +15,18 @@ tensor is kept. The scale a tensor is judged with comes from the layer's :class:
 the backend's own scale where it exposes one (delayed scaling), else the recipe's rule applied to
 the tensor itself (current or block scaling), or current scaling for BF16 layers (shadow mode:
 what FP8 would do to them).
+
+Compiled models (``torch.compile``): the forward hook stays registered while the capture is
+attached and reads one flag, ``active``; dynamo guards on it, so a compiled model keeps two
+graphs (unsampled: no trace of the hook; sampled: a graph break into the capture, which runs
+eagerly and calls the statistics kernel's own compiled code) and switches between them without
+recompiling. Dynamo does not guard on hooks themselves: attach before the compiled model's first
+forward (a graph traced without the hook never calls it; ``torch.compiler.reset()`` retraces).
+
+Activation checkpointing: a forward that runs inside backward is a recompute
+(:mod:`fp8track.execution.checkpointing`); each layer skips as many recomputes as it observed
+forwards this step, so non-reentrant checkpointing counts the original forward and reentrant
+checkpointing (whose first forward runs without grad) the recompute: each GEMM once per step.
 """
 
 from __future__ import annotations
@@ -268,7 +280,10 @@ class LayerCapture:
         self._sync_hooks()
 
     def detach(self) -> None:
+        # Dynamo does not guard on a module's hooks (``skip_nnmodule_hook_guards``): a graph traced
+        # with the hook keeps calling it after removal, and must then find it inactive.
         self._attached = False
+        self.active = False
         self._sync_hooks()
 
     def begin_step(self, sampled: bool) -> None:

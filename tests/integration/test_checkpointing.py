@@ -146,3 +146,33 @@ def test_hf_gradient_checkpointing_on_llama(tmp_path, use_reentrant):
     assert rows[(0, "model.layers.0.self_attn.q_proj", "activation", "actual")]["numel"] == 2 * 16 * 32
     for key, stats in rows.items():
         assert ck_rows[key] == pytest.approx(stats, rel=1e-6, abs=1e-12), key
+
+
+@pytest.mark.slow
+def test_compiled_model_with_checkpointing(tmp_path):
+    # Unsampled steps run the checkpointed region inside the compiled graph; sampled steps break
+    # out of it at the hooks and recompute eagerly, where the recompute is recognised.
+    def run(compiled: bool):
+        torch.manual_seed(0)
+        net = Net(use_reentrant=False if compiled else None)
+        apply_fp8(net, "current", backend="emulated")
+        model = torch.compile(net, backend="aot_eager") if compiled else net
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        mon = Monitor(model, {"every_n_steps": 2}, log_dir=tmp_path / f"compiled-{compiled}").attach()
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(5):
+            loss = model(torch.randn(16, 32, generator=g)).pow(2).mean()
+            loss.backward()
+            mon.step(loss=loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        mon.close()
+        rows = {(s, layer.replace("_orig_mod.", ""), t, v): st["numel"] for (s, layer, t, v), st in _rows(mon.run_dir).items()}
+        return losses, rows
+
+    losses, rows = run(False)
+    ck_losses, ck_rows = run(True)
+    assert ck_rows == rows and len(rows) == 3 * 7 * 3  # steps 0, 2, 4; 7 layers; 3 tensors
+    assert ck_losses == pytest.approx(losses, rel=1e-5)
