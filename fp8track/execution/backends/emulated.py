@@ -18,7 +18,9 @@ Scales (all from :mod:`fp8track.numerics.scaling`):
   forward quantises with the current scale, records the amax, recomputes the scale from the
   history (``max`` or ``most_recent``, margin) and rolls the history, as TE does when the
   outermost autocast exits; the gradient scaler updates in backward. In eval mode (or under
-  ``no_grad``) the scales are used but not updated. The histories travel in ``state_dict``
+  ``no_grad``) the scales are used but not updated. An activation-checkpointing recompute
+  replays the scales of the forward it repeats and updates nothing, as TE does
+  (:mod:`fp8track.execution.checkpointing`). The histories travel in ``state_dict``
   (``_extra_state``, like TE).
 * ``current`` / ``fp8_input_bf16_gemm``: ``FP8_MAX / amax(x) / 2**margin`` per tensor.
 
