@@ -15,6 +15,18 @@ tensor is kept. The scale a tensor is judged with comes from the layer's :class:
 the backend's own scale where it exposes one (delayed scaling), else the recipe's rule applied to
 the tensor itself (current or block scaling), or current scaling for BF16 layers (shadow mode:
 what FP8 would do to them).
+
+Compiled models (``torch.compile``): the forward hook stays registered while the capture is
+attached and reads one flag, ``active``; dynamo guards on it, so a compiled model keeps two
+graphs (unsampled: no trace of the hook; sampled: a graph break into the capture, which runs
+eagerly and calls the statistics kernel's own compiled code) and switches between them without
+recompiling. Dynamo does not guard on hooks themselves: attach before the compiled model's first
+forward (a graph traced without the hook never calls it; ``torch.compiler.reset()`` retraces).
+
+Activation checkpointing: a forward that runs inside backward is a recompute
+(:mod:`fp8track.execution.checkpointing`); each layer skips as many recomputes as it observed
+forwards this step, so non-reentrant checkpointing counts the original forward and reentrant
+checkpointing (whose first forward runs without grad) the recompute: each GEMM once per step.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ from torch import nn
 from fp8track.errors import ConfigError, invalid_choice
 from fp8track.execution.backends import backend_of
 from fp8track.execution.backends import te as te_backend
+from fp8track.execution.checkpointing import in_backward
 from fp8track.execution.layers import (
     GEMM_LAYER_KINDS,
     gemm_layers,
@@ -246,11 +259,13 @@ class LayerCapture:
         self.te = backend is not None and backend.debug_api  # TE: tuple outputs, FP8 primary weights
         self.active = False
         self._weight_done = False
+        self._forwards = 0  # training forwards observed this step (outside backward)
+        self._recomputes = 0  # forwards run inside backward this step and taken as their recompute
         self._resting_weight: torch.Tensor | None = None
         self.partials: dict[tuple[str, str], torch.Tensor] = {}
         self._observations: list[tuple[str, str | None]] | None = None  # after the plan resolves
-        # Attached = wanted; the hook itself is registered only while a sampled step runs, so an
-        # unsampled step does no Python work in this layer at all.
+        # The forward hook stays registered while attached, sampled step or not: a compiled model
+        # guards on a module's hooks, so adding one per sampled step would recompile.
         self._attached = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
@@ -282,18 +297,21 @@ class LayerCapture:
         self._sync_hooks()
 
     def detach(self) -> None:
+        # Dynamo does not guard on a module's hooks (``skip_nnmodule_hook_guards``): a graph traced
+        # with the hook keeps calling it after removal, and must then find it inactive.
         self._attached = False
+        self.active = False
         self._sync_hooks()
 
     def begin_step(self, sampled: bool) -> None:
         self.active = sampled
         self._weight_done = False
+        self._forwards = self._recomputes = 0
         # Between steps FSDP2 holds the high-precision shard; the forward may see an FP8 all-gather.
         self._resting_weight = getattr(self.module, "weight", None) if sampled else None
-        self._sync_hooks()
 
     def _sync_hooks(self) -> None:
-        want = self.hooks and self._attached and self.active
+        want = self.hooks and self._attached
         if want and not self._handles:
             # First in line: under tensor parallelism the output is still a DTensor (its gradient then
             # tells its placement) before parallelize_module's own hook turns it into a local tensor.
@@ -339,9 +357,18 @@ class LayerCapture:
             partials[key] = tensor_partial(share.local, self.plan, tensor, scaling, share, into=partials.get(key))
 
     def _forward_hook(self, module: nn.Module, args: tuple, output: object) -> None:
-        # Training forwards only: evaluation passes (no grad) between steps must not leak into the
-        # sampled step's statistics.
-        if not self.active or not torch.is_grad_enabled():
+        # Under torch.compile dynamo traces this test and nothing else: it guards on ``self.active``
+        # (a constant to it), so a compiled model holds one graph for unsampled steps, with no trace
+        # of the hook, and one that breaks into :meth:`_capture` here, and switches between them
+        # without recompiling. Evaluation passes (no grad) between steps are not observed.
+        if self.active and torch.is_grad_enabled():
+            self._capture(module, args, output)
+
+    @torch.compiler.disable
+    def _capture(self, module: nn.Module, args: tuple, output: object) -> None:
+        """The forward's observations, run outside any compiled graph (the statistics kernel is
+        compiled on its own); a recompute of an already observed forward is skipped."""
+        if self._is_recompute():
             return
         with torch.no_grad():
             self._observe_forward(module, args)
@@ -349,6 +376,23 @@ class LayerCapture:
             output = output[0]  # TE's return_bias=True gives (out, bias) (TransformerLayer's proj)
         if "gradient" in self.tensors and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(self._gradient_hook)
+
+    def _is_recompute(self) -> bool:
+        """Whether this forward recomputes one already observed this step (activation checkpointing).
+
+        A forward that runs inside a backward pass is a recompute. Non-reentrant checkpointing
+        (``use_reentrant=False``, Hugging Face's default) first ran the region with grad enabled,
+        so that forward was observed: skip the recompute, as many times as forwards were observed.
+        Reentrant checkpointing ran it under ``no_grad`` (not observed): its recompute, the only
+        forward that builds a graph (and whose dY reaches the hook), is the one observed.
+        """
+        if not in_backward():
+            self._forwards += 1
+            return False
+        if self._recomputes < self._forwards:
+            self._recomputes += 1
+            return True
+        return False
 
     def _observe_forward(self, module: nn.Module, args: tuple) -> None:
         if "activation" in self.tensors and args and isinstance(args[0], torch.Tensor):

@@ -18,7 +18,9 @@ Scales (all from :mod:`fp8track.numerics.scaling`):
   forward quantises with the current scale, records the amax, recomputes the scale from the
   history (``max`` or ``most_recent``, margin) and rolls the history, as TE does when the
   outermost autocast exits; the gradient scaler updates in backward. In eval mode (or under
-  ``no_grad``) the scales are used but not updated. The histories travel in ``state_dict``
+  ``no_grad``) the scales are used but not updated. An activation-checkpointing recompute
+  replays the scales of the forward it repeats and updates nothing, as TE does
+  (:mod:`fp8track.execution.checkpointing`). The histories travel in ``state_dict``
   (``_extra_state``, like TE).
 * ``current`` / ``fp8_input_bf16_gemm``: ``FP8_MAX / amax(x) / 2**margin`` per tensor.
 
@@ -43,6 +45,7 @@ The output dtype is the autocast dtype when autocast is on, else the input's dty
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -51,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8track.execution.backends.base import Backend, Converted, ScaleFn, ScaleRule, register
+from fp8track.execution.checkpointing import in_backward
 from fp8track.execution.layers import InOutWeightGemm, is_hf_conv1d
 from fp8track.execution.recipes import Recipe
 from fp8track.numerics.formats import FP8Format
@@ -122,6 +126,17 @@ def _bf16_mm(a_deq: torch.Tensor, b_t_deq: torch.Tensor, out_dtype: torch.dtype)
     return (a_deq.to(torch.bfloat16) @ b_t_deq.to(torch.bfloat16).t()).to(out_dtype)
 
 
+class _ForwardScales:
+    """The delayed-scaling scales one training forward quantised with, kept while its autograd
+    graph lives (its Function context holds it), for a recompute to replay."""
+
+    __slots__ = ("__weakref__", "replayed", "scales")
+
+    def __init__(self) -> None:
+        self.scales: dict[str, torch.Tensor] = {}
+        self.replayed = False
+
+
 class _Quantizers:
     """Per-tensor scale choice for one layer: delayed scalers or current scaling."""
 
@@ -135,13 +150,52 @@ class _Quantizers:
                 k: DelayedScaler(f, recipe.amax_history_len, recipe.amax_compute_algo, recipe.margin)
                 for k, f in self.fmt.items()
             }
+        # Delayed scaling: training forwards whose backward has not run yet, oldest first (weak:
+        # a graph dropped without a backward takes its entry with it).
+        self._waiting: list[weakref.ref[_ForwardScales]] = []
 
-    def quantize(self, kind: str, x: torch.Tensor, update: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(fp8 tensor, scale used)`` for one tensor of kind ``kind``."""
+    def begin_forward(self, update: bool) -> tuple[_ForwardScales | None, bool]:
+        """``(record, replay)`` for a forward of this layer under delayed scaling.
+
+        A training forward inside a backward pass while an earlier forward is still waiting for
+        its backward is that forward's activation-checkpointing recompute: it replays the oldest
+        such forward's scales (first in, first out, as TE's ``fp8_tensors_recompute_buffer``) and
+        updates nothing (``replay`` True). Any other training forward gets a fresh record to fill.
+        See :mod:`fp8track.execution.checkpointing`.
+        """
+        if not (self.delayed and update):
+            return None, False
+        if in_backward():
+            for ref in self._waiting:
+                rec = ref()
+                if rec is not None and not rec.replayed:
+                    rec.replayed = True
+                    return rec, True
+        self._waiting = [r for r in self._waiting if r() is not None]
+        rec = _ForwardScales()
+        self._waiting.append(weakref.ref(rec))
+        return rec, False
+
+    def end_backward(self, rec: _ForwardScales | None) -> None:
+        """The backward of the forward that filled ``rec`` ran: it waits no more."""
+        if rec is not None:
+            self._waiting = [r for r in self._waiting if r() is not None and r() is not rec]
+
+    def quantize(
+        self, kind: str, x: torch.Tensor, update: bool, rec: tuple[_ForwardScales | None, bool] = (None, False)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(fp8 tensor, scale used)`` for one tensor of kind ``kind``; ``rec`` from :meth:`begin_forward`."""
         if self.delayed:
             scaler = self.delayed[kind]
+            record, replay = rec
+            if replay and record is not None and kind in record.scales:
+                s = record.scales[kind]
+                return quantize(x, self.fmt[kind], s), s
             if update:
-                return scaler.quantize(x)
+                q, s = scaler.quantize(x)
+                if record is not None:
+                    record.scales[kind] = s
+                return q, s
             scaler._to(x.device)
             return quantize(x, self.fmt[kind], scaler.scale), scaler.scale.clone()
         s = current_scale(amax(x), self.fmt[kind], self.recipe.margin)
@@ -162,8 +216,11 @@ class _EmulatedFP8LinearFn(torch.autograd.Function):
                 out = _bf16_mm(xd, wd, out_dtype)
                 ctx.save_for_backward(x2d, weight)
             else:
-                qx, sx = layer._quantizers.quantize("activation", x2d, update)
-                qw, sw = layer._quantizers.quantize("weight", weight, update)
+                rec = layer._quantizers.begin_forward(update)
+                update = update and not rec[1]  # a recompute replays the scales and updates nothing
+                qx, sx = layer._quantizers.quantize("activation", x2d, update, rec)
+                qw, sw = layer._quantizers.quantize("weight", weight, update, rec)
+                ctx.record = rec[0] if not rec[1] else None
                 if recipe.gemm_mode == "fp8":
                     out = _fp8_mm(qx, sx, qw, sw, out_dtype)
                 else:
@@ -199,6 +256,7 @@ class _EmulatedFP8LinearFn(torch.autograd.Function):
             else:
                 qx, qw, sx, sw = ctx.saved_tensors
                 qg, sg = layer._quantizers.quantize("gradient", g, ctx.update)
+                layer._quantizers.end_backward(ctx.record)
                 if recipe.gemm_mode == "fp8":
                     grad_x = _fp8_mm(qg, sg, qw.t(), sw, ctx.x_dtype)
                     grad_w = _fp8_mm(qg.t(), sg, qx.t(), sx, torch.float32)
