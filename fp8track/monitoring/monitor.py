@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from fp8track.errors import check_float, check_int, invalid_choice
+from fp8track.errors import ConfigError, check_float, check_int, invalid_choice
 from fp8track.execution.backends.te import te_gemm_class
 from fp8track.monitoring import te_capture
 from fp8track.monitoring.capture import (
@@ -182,6 +182,9 @@ class Monitor:
         sharding: the device mesh of a sharded run and its data-parallel dimensions
             (:class:`fp8track.monitoring.sharding.ShardSpec`, docs/sharding.md); ``None`` works
             for DDP, FSDP2 and DTensor tensor parallelism on one root mesh.
+        data_fingerprint: what data the run saw, from :func:`data_fingerprint` (data seed, batch
+            order hash); recorded as ``meta.config["data"]`` so the diagnosis compares two runs
+            that saw the same batches step by step (:meth:`record_data` sets it later).
 
     Logged metrics (per sampled step):
         ``fp8/loss`` (the un-normalised training loss, every step); ``fp8/<layer>/<tensor>/<stat>`` for each stat in ``config.scalar_stats``
@@ -204,6 +207,7 @@ class Monitor:
         analyzers: Sequence[StepAnalyzer] = (),
         is_writer: bool | None = None,
         sharding: ShardSpec | None = None,
+        data_fingerprint: Mapping[str, Any] | None = None,
     ) -> None:
         self.model = model
         self.config = cfg = config or CaptureConfig()
@@ -238,6 +242,8 @@ class Monitor:
         self._warned: set[str] = set()
         self.is_writer = (_dist_rank() == 0) if is_writer is None else is_writer
         self.meta = meta or run_meta_for(model)
+        if data_fingerprint is not None:
+            self.record_data(data_fingerprint)
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self._sink_factory = sink
         self._writer: RunWriter | None = None
@@ -282,6 +288,24 @@ class Monitor:
         for cap in self.captures.values():
             cap.detach()
         self._attached = False
+
+    def record_data(self, fingerprint: Mapping[str, Any]) -> None:
+        """Record the data fingerprint (:func:`data_fingerprint`) in the run metadata, as
+        ``meta.config["data"]``. Call before the first step: ``meta.json`` and the trackers' run
+        configuration are written when the monitor attaches.
+
+        Raises:
+            ConfigError: after the run directory was opened, or for a fingerprint that is not a
+                non-empty mapping of JSON scalars.
+        """
+        if self._writer is not None or self._attached:
+            raise ConfigError("record_data must be called before the monitor attaches (before the first step)")
+        if not isinstance(fingerprint, Mapping) or not fingerprint:
+            raise ConfigError(f"data fingerprint must be a non-empty mapping, got {fingerprint!r}")
+        bad = [k for k, v in fingerprint.items() if not isinstance(v, (str, int, float, bool, type(None)))]
+        if bad:
+            raise ConfigError(f"data fingerprint values must be str/int/float/bool/None; bad keys: {', '.join(map(str, bad))}")
+        self.meta = replace(self.meta, config={**dict(self.meta.config), "data": dict(fingerprint)})
 
     @property
     def sampling(self) -> bool:
@@ -600,6 +624,46 @@ def precision_setup(model: nn.Module, optimizers: Sequence[Any] = (), **extra: A
     return out
 
 
+def data_fingerprint(seed: int | None = None, order: Iterable[Any] | None = None, **extra: Any) -> dict[str, Any]:
+    """What data a run saw, for :class:`Monitor`'s ``data_fingerprint``: two runs whose
+    fingerprints are equal saw the same batches in the same order, and their losses compare step
+    by step (:func:`fp8track.analysis.loss_gap.same_batches`).
+
+    Args:
+        seed: the data seed (shuffling, sampling).
+        order: the sample indices (or batch ids) in the order the run consumes them, e.g.
+            ``list(sampler)`` for the first epoch; hashed (SHA-256 of their ``repr``), so a long
+            order costs 64 characters in the metadata. Tensors are hashed from their values.
+        extra: other JSON scalars that identify the data (dataset name, sequence length).
+
+    Raises:
+        ConfigError: when neither ``seed`` nor ``order`` is given.
+
+    Example:
+        >>> data_fingerprint(seed=0, order=[2, 0, 1])["n_order"]
+        3
+    """
+    import hashlib
+
+    if seed is None and order is None:
+        raise ConfigError("data_fingerprint needs the data seed, the batch order, or both")
+    out: dict[str, Any] = {}
+    if seed is not None:
+        out["seed"] = int(seed)
+    if order is not None:
+        h = hashlib.sha256()
+        n = 0
+        for item in order:
+            value = item.detach().cpu().tolist() if isinstance(item, torch.Tensor) else item
+            h.update(repr(value).encode())
+            h.update(b"\x00")
+            n += 1
+        out["order_sha256"] = h.hexdigest()
+        out["n_order"] = n
+    out.update(extra)
+    return out
+
+
 def _loss_metrics(loss: float, grad_norm: float | None) -> dict[str, float]:
     out = {LOSS_METRIC: loss}
     if grad_norm is not None:
@@ -658,4 +722,5 @@ __all__ = [
     "DEFAULT_SCALAR_STATS",
     "precision_setup",
     "select_eval_metrics",
+    "data_fingerprint",
 ]
