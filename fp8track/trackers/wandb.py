@@ -339,9 +339,9 @@ def find_wandb_run(path: Path) -> Path | None:
     return runs[0] if runs else None
 
 
-def read_wandb_history(wandb_file: Path) -> list[dict[str, Any]]:
-    """History rows of an offline W&B run via ``wandb leet inspect --json`` (W&B 0.31 has no
-    Python reader for offline runs); NaN/inf restored by :func:`read_wandb_run`."""
+def _inspect(wandb_file: Path) -> list[dict[str, Any]]:
+    """The records of an offline W&B run via ``wandb leet inspect --json`` (W&B 0.31 has no Python
+    reader for offline runs)."""
     cmd = [sys.executable, "-m", "wandb", "leet", "inspect", str(wandb_file), "--json"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
@@ -352,14 +352,17 @@ def read_wandb_history(wandb_file: Path) -> list[dict[str, Any]]:
             f"could not read W&B run {wandb_file} with `wandb leet inspect` (needs wandb>=0.31: "
             f"pip install 'fp8track[wandb]'): {proc.stderr.strip()[-500:]}"
         )
-    rows = []
-    for line in proc.stdout.splitlines():
-        if not line.startswith("{"):
-            continue
-        rec = json.loads(line)
-        if rec.get("type") == "history":
-            rows.append(rec["history"]["item"])
-    return rows
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def _history(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [rec["history"]["item"] for rec in records if rec.get("type") == "history"]
+
+
+def read_wandb_history(wandb_file: Path) -> list[dict[str, Any]]:
+    """History rows of an offline W&B run (``wandb leet inspect --json``); NaN/inf are the strings
+    ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` there (:func:`read_wandb_run` restores them)."""
+    return _history(_inspect(wandb_file))
 
 
 def _history_value(v: Any) -> float | None:
@@ -372,18 +375,26 @@ def _history_value(v: Any) -> float | None:
     return None
 
 
-def _run_config(wandb_file: Path) -> dict[str, Any]:
-    """``config["fp8track"]`` that :meth:`WandbTracker.start` wrote (``files/config.yaml``), ``{}``
-    if absent."""
-    import yaml
+def _run_config(wandb_file: Path, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """``config["fp8track"]`` that :meth:`WandbTracker.start` wrote: the run's config updates in
+    its records (an offline run has no ``files/config.yaml`` until it is synced), else that file;
+    ``{}`` if absent."""
+    found: Any = None
+    for rec in records:
+        body = rec.get("config") if rec.get("type") == "config" else (rec.get("run") or {}).get("config")
+        update = body.get("update") if isinstance(body, dict) else None
+        if isinstance(update, dict) and "fp8track" in update:
+            found = update["fp8track"]
+    if found is None:
+        import yaml
 
-    try:
-        cfg = yaml.safe_load((wandb_file.parent / "files" / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return {}
-    entry = cfg.get("fp8track", {})
-    value = entry.get("value", entry) if isinstance(entry, dict) else {}
-    return value if isinstance(value, dict) else {}
+        try:
+            cfg = yaml.safe_load((wandb_file.parent / "files" / "config.yaml").read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            return {}
+        entry = cfg.get("fp8track", {})
+        found = entry.get("value", entry) if isinstance(entry, dict) else {}
+    return found if isinstance(found, dict) else {}
 
 
 def read_wandb_run(wandb_file: Path, step_metric: str = DEFAULT_STEP_METRIC) -> StoredRun:
@@ -394,8 +405,9 @@ def read_wandb_run(wandb_file: Path, step_metric: str = DEFAULT_STEP_METRIC) -> 
     Raises:
         ConfigError: the run cannot be read (see :func:`read_wandb_history`).
     """
+    records = _inspect(wandb_file)
     metrics: dict[str, dict[int, float]] = {}
-    for r in read_wandb_history(wandb_file):
+    for r in _history(records):
         step = _history_value(r.get(step_metric, r.get("_step")))
         if step is None or not math.isfinite(step):
             continue
@@ -403,4 +415,4 @@ def read_wandb_run(wandb_file: Path, step_metric: str = DEFAULT_STEP_METRIC) -> 
             value = _history_value(v)
             if not k.startswith("_") and value is not None and k != step_metric:
                 metrics.setdefault(k, {})[int(step)] = value
-    return StoredRun(str(wandb_file.parent), metrics, rows_from_scalars(metrics), _run_config(wandb_file))
+    return StoredRun(str(wandb_file.parent), metrics, rows_from_scalars(metrics), _run_config(wandb_file, records))
