@@ -115,3 +115,43 @@ def test_config_and_input_errors() -> None:
     assert not j.lasting and j.tolerance == pytest.approx(0.1)  # the cut never goes below min_gap
     d = judge_gap(*_pair(0, gap=0.055), paired=True).to_dict()
     assert d["unit"] == "paired" and d["lasting"] and "same batches" in d["unit_label"]
+
+
+def test_example_data_module_fingerprint_is_its_first_epoch_order(tmp_path):
+    """The example GPT's data module says what it feeds: the same seed gives the same fingerprint,
+    another seed another; the order hashed is the one its DataLoader really draws."""
+    from fp8track.examples.gpt import CharDataModule
+    from fp8track.monitoring.monitor import data_fingerprint
+
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(range(256)) * 8)
+    a, b, c = (CharDataModule(text, block_size=16, batch_size=4, seed=s) for s in (0, 0, 1))
+    fa = a.data_fingerprint()
+    assert fa == b.data_fingerprint() and fa != c.data_fingerprint()
+    drawn = list(a.train_dataloader().sampler)  # the sampler of a fresh loader: epoch 0's order
+    assert data_fingerprint(seed=0, order=drawn)["order_sha256"] == fa["order_sha256"]
+    assert fa["n_order"] == len(drawn)
+
+
+@pytest.mark.slow
+def test_fp8monitor_records_the_data_modules_fingerprint(tmp_path):
+    """Lightning: FP8Monitor puts the data module's fingerprint in the run metadata, so two runs on
+    the same data are judged as paired."""
+    import lightning as L
+
+    from fp8track.analysis.baseline import load_run
+    from fp8track.examples.gpt import build_example
+    from fp8track.lightning import FP8Monitor
+
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(range(256)) * 8)
+    metas = []
+    for name in ("a", "b"):
+        module, data, _ = build_example(n_layer=1, n_embd=16, n_head=2, block_size=16, batch_size=4, data_path=text)
+        mon = FP8Monitor(every_n_steps=2, trackers="none", log_dir=tmp_path / name)
+        trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, callbacks=[mon], enable_checkpointing=False,
+                            enable_model_summary=False, enable_progress_bar=False, limit_val_batches=0)
+        trainer.fit(module, datamodule=data)
+        metas.append(load_run(mon.run_dir).meta)
+    assert metas[0]["config"]["data"] == data.data_fingerprint()
+    assert same_batches(metas[0], metas[1])
