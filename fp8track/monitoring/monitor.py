@@ -406,8 +406,9 @@ class Monitor:
         step, rows, series, step_metrics = self._finalise(keys, pending, host)
         # Every earlier step's loss goes to the records and the trackers under its own step number
         # (trackers then hold the loss of every optimizer step, not only of the sampled ones).
+        # A NaN loss is not written as a value: the analyzers' non-finite event records it.
         for s, loss, gnorm in series:
-            if s != step:
+            if s != step and not math.isnan(loss):
                 self._emit(s, _loss_metrics(loss, gnorm), [], [])
         metrics, events = self._analyse(step, series, rows)
         self.last_events = events
@@ -435,7 +436,7 @@ class Monitor:
         series = _loss_series(pending, losses, gnorms)
         metrics: dict[str, float] = {}
         if pending:  # the logging step's grad norm is recorded even when it was given no loss
-            loss = losses[-1] if pending[-1].loss is not None else None
+            loss = losses[-1] if pending[-1].loss is not None and not math.isnan(losses[-1]) else None
             metrics = _loss_metrics(loss, None if math.isnan(gnorms[-1]) else gnorms[-1])
         return step, rows, series, metrics
 
