@@ -14,7 +14,8 @@ from torch import nn
 from fp8track.analysis.analyzers import DriftAnalyzer, LossAnalyzer
 from fp8track.analysis.baseline import Baseline
 from fp8track.analysis.ranking import rank_layers
-from fp8track.config import MonitorConfig
+from fp8track.config import DEFAULT_LOG_DIR, MonitorConfig
+from fp8track.errors import ConfigError
 from fp8track.monitoring import monitor as core
 from fp8track.monitoring.capture import LayerFilter, LayerPlan
 from fp8track.monitoring.naming import LOSS_METRIC, run_metric
@@ -31,6 +32,30 @@ def default_analyzers(baseline: Baseline | None = None, config: MonitorConfig | 
         LossAnalyzer(c.spikes, c.divergence, baseline=baseline, classify_window=c.classify_window),
         DriftAnalyzer(c.drift, whatif_history_len=c.whatif_history_len),
     ]
+
+
+BaselineSpec = Baseline | str | Path | None
+"""A BF16 control: a loaded :class:`Baseline`, a local run directory, ``"mlflow:<run_id>"`` or a
+W&B offline run directory (the forms of :func:`fp8track.analysis.baseline.load_run`)."""
+
+
+def load_control(spec: BaselineSpec, tracking_uri: str | None = None) -> Baseline | None:
+    """The control run of a frontend's ``baseline=`` argument, loaded before training.
+
+    Raises:
+        ConfigError: a reference in none of the forms (naming them), a run that does not exist or
+            has no loss metric, or an object of another type.
+    """
+    if spec is None or isinstance(spec, Baseline):
+        return spec
+    if not isinstance(spec, (str, Path)):
+        raise ConfigError(
+            f"baseline must be a run directory, 'mlflow:<run_id>', a W&B offline run directory or a "
+            f"loaded fp8track Baseline, got {type(spec).__name__} {spec!r}"
+        )
+    from fp8track.analysis.baseline import load_baseline
+
+    return load_baseline(spec, tracking_uri)
 
 
 def tracker_sink(trackers: Sequence[Tracker]) -> Callable[[Path], TrackerFanout] | None:
@@ -90,9 +115,16 @@ class Monitor(core.Monitor):
         config: :class:`fp8track.MonitorConfig`, a mapping or a YAML path (capture settings and
             the detectors' thresholds).
         trackers: :class:`fp8track.trackers.Tracker` objects fed after the records are written.
-        baseline: the BF16 control (a loaded :class:`fp8track.analysis.baseline.Baseline`) for the
-            default loss analyzer.
+        baseline: the BF16 control for the default loss analyzer: a local run directory,
+            ``"mlflow:<run_id>"`` (resolved against ``tracking_uri``, else ``MLFLOW_TRACKING_URI``), a
+            W&B offline run directory, or a loaded :class:`fp8track.analysis.baseline.Baseline`. Loaded
+            here, on the writer rank: a bad reference is a :class:`ConfigError` before training.
+        tracking_uri: the MLflow tracking URI of an ``mlflow:`` baseline.
         analyzers: replace the default analyzers (the config's thresholds then do not apply).
+        log_dir: parent of the run directory (default ``./fp8track-runs``, :data:`DEFAULT_LOG_DIR`).
+
+    A context manager: ``with fp8track.Monitor(model) as mon:`` attaches on entry and closes on exit
+    (the losses not yet flushed are written), without a collective when the block raised.
     """
 
     def __init__(
@@ -102,15 +134,19 @@ class Monitor(core.Monitor):
         *,
         layers: str | Sequence[str] | LayerFilter | None = None,
         plans: Mapping[str, LayerPlan] | None = None,
-        log_dir: str | Path | None = "fp8track-runs",
+        log_dir: str | Path | None = DEFAULT_LOG_DIR,
         trackers: Sequence[Tracker] = (),
         meta: RunMeta | None = None,
         analyzers: Sequence[core.StepAnalyzer] | None = None,
-        baseline: Baseline | None = None,
+        baseline: BaselineSpec = None,
+        tracking_uri: str | None = None,
         is_writer: bool | None = None,
         sharding: ShardSpec | None = None,
     ) -> None:
         cfg = MonitorConfig.load(config)
+        writer = _global_rank() == 0 if is_writer is None else is_writer
+        # The control feeds rank-0 analysis only; other ranks never read it (it may not be there).
+        baseline = load_control(baseline, tracking_uri) if writer else None
         super().__init__(
             model,
             cfg,
@@ -120,9 +156,16 @@ class Monitor(core.Monitor):
             sink=tracker_sink(trackers),
             meta=meta,
             analyzers=default_analyzers(baseline, cfg) if analyzers is None else analyzers,
-            is_writer=is_writer,
+            is_writer=writer,
             sharding=sharding,
         )
+
+    def __enter__(self) -> Monitor:
+        return self.attach()  # type: ignore[return-value]
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        # After an exception another rank may be dead or inside a different collective.
+        self.close(reduce=exc_type is None)
 
     @property
     def events(self) -> list[EventRecord]:
@@ -134,4 +177,10 @@ class Monitor(core.Monitor):
         return run_summary(self.run_dir, top_k) if self.run_dir is not None else None
 
 
-__all__ = ["Monitor", "default_analyzers", "tracker_sink", "run_summary"]
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+__all__ = ["Monitor", "default_analyzers", "tracker_sink", "run_summary", "load_control", "BaselineSpec"]

@@ -11,9 +11,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from fp8track.analysis.spikes import SPIKE_ACTIONS
-from fp8track.config import MonitorConfig
+from fp8track.config import DEFAULT_LOG_DIR, MonitorConfig
 from fp8track.errors import ConfigError, invalid_choice
-from fp8track.frontend import Monitor, run_summary
+from fp8track.frontend import Monitor, load_control, run_summary
 from fp8track.monitoring.capture import LayerFilter
 from fp8track.monitoring.monitor import StepAnalyzer, run_meta_for, total_grad_norm
 from fp8track.monitoring.records import EventRecord, RunReader
@@ -46,7 +46,8 @@ class FP8Monitor(Callback):
         on_spike: ``"log"`` (never interferes), ``"stop"`` (stop training when a spike or a
             non-finite loss opens) or ``"checkpoint"`` (save a checkpoint then); overrides
             ``config.spikes.action`` (default ``"log"``).
-        log_dir: parent of the local run directory (default ``<trainer.default_root_dir>/fp8track``).
+        log_dir: parent of the local run directory (default ``<trainer.default_root_dir>/fp8track-runs``,
+            which is ``./fp8track-runs`` unless the Trainer's ``default_root_dir`` is set).
         config: the rest, as a :class:`fp8track.MonitorConfig`, a mapping or a YAML path: captured
             tensors and statistics, what-if recipes, and the spike / divergence / drift thresholds.
         analyzers: replace the default analyzers (then ``config``'s thresholds do not apply).
@@ -151,7 +152,7 @@ class FP8Monitor(Callback):
     # the first step, so a bad selector still fails before training.
 
     def _build_monitor(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Monitor:
-        log_dir = Path(self.log_dir) if self.log_dir is not None else Path(trainer.default_root_dir) / "fp8track"
+        log_dir = Path(self.log_dir) if self.log_dir is not None else Path(trainer.default_root_dir) / DEFAULT_LOG_DIR
         trackers: list[Any] = []
         baseline = None
         if trainer.is_global_zero:  # trackers and the control feed rank-0 work only
@@ -160,9 +161,7 @@ class FP8Monitor(Callback):
             if self.trackers not in ("none", None):
                 trackers = make_trackers(self.trackers, trainer.loggers)
             if self.baseline is not None:
-                from fp8track.analysis.baseline import load_baseline
-
-                baseline = load_baseline(self.baseline, mlflow_tracking_uri(trainer.loggers))
+                baseline = load_control(self.baseline, mlflow_tracking_uri(trainer.loggers))
         meta = run_meta_for(
             pl_module, self.config.run_name, {"monitor": self.config.to_dict(), "baseline": self.baseline}
         )
