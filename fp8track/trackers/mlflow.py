@@ -512,7 +512,9 @@ class MLflowTracker(QueuedTracker):
         after a crash holds the points the process that died had sent; a replay may find points
         that did arrive. Either way those steps' scalars are not sent again."""
         keys = sorted(self.client.get_run(run_id).data.metrics)
-        key = "loss" if "loss" in keys else next((k for k in keys if k.startswith(f"{naming.PREFIX}/")), None)
+        # fp8/loss is recorded on every step; per-layer metrics only on sampled ones.
+        key = next((k for k in ("loss", naming.LOSS_METRIC) if k in keys), None)
+        key = key or next((k for k in keys if k.startswith(f"{naming.PREFIX}/")), None)
         if key is None:
             return frozenset()
         return frozenset(int(m.step) for m in self.client.get_metric_history(run_id, key))
