@@ -58,6 +58,24 @@ def load_control(spec: BaselineSpec, tracking_uri: str | None = None) -> Baselin
     return load_baseline(spec, tracking_uri)
 
 
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's own module inside the wrappers that training frameworks put around it, so layer
+    names are the same whichever frontend trains it: Lightning Fabric's ``_FabricModule`` (its
+    ``module``; hooking the wrapper would prefix every name with ``_forward_module.``), DDP's
+    ``module``, and a PEFT model's base model (``get_base_model()``, without ``base_model.model.``).
+    The wrappers forward to the same submodules, so hooks on the inner ones see every call."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while True:
+        kind = type(model).__name__
+        if kind == "_FabricModule" or isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif kind.startswith("Peft") and callable(getattr(model, "get_base_model", None)):
+            model = model.get_base_model()
+        else:
+            return model
+
+
 def tracker_sink(trackers: Sequence[Tracker]) -> Callable[[Path], TrackerFanout] | None:
     """A sink factory for :class:`fp8track.monitoring.monitor.Monitor`: the failure-tolerant
     fan-out over ``trackers`` (``None`` when there are none)."""
@@ -144,6 +162,7 @@ class Monitor(core.Monitor):
         sharding: ShardSpec | None = None,
     ) -> None:
         cfg = MonitorConfig.load(config)
+        model = unwrap_model(model)
         writer = _global_rank() == 0 if is_writer is None else is_writer
         # The control feeds rank-0 analysis only; other ranks never read it (it may not be there).
         baseline = load_control(baseline, tracking_uri) if writer else None
@@ -183,4 +202,4 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-__all__ = ["Monitor", "default_analyzers", "tracker_sink", "run_summary", "load_control", "BaselineSpec"]
+__all__ = ["Monitor", "default_analyzers", "tracker_sink", "run_summary", "load_control", "BaselineSpec", "unwrap_model"]
