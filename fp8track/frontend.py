@@ -124,6 +124,37 @@ def run_summary(run_dir: str | Path, top_k: int = 5) -> dict[str, Any]:
     return out
 
 
+def check_frontend_args(layers: Any, eval_metrics: Any) -> None:
+    """The checks every training-framework frontend makes at construction (ConfigError)."""
+    if layers is not None and not (callable(layers) or isinstance(layers, (str, list, tuple))):
+        raise ConfigError(f"layers must be None, a string, a list of strings or a callable, got {layers!r}")
+    names_ok = isinstance(eval_metrics, (list, tuple)) and all(isinstance(n, str) for n in eval_metrics)
+    if not (eval_metrics == "auto" or names_ok):
+        raise ConfigError(f"eval_metrics must be 'auto' or a list of logged metric names, got {eval_metrics!r}")
+
+
+class FrontendResults:
+    """What a training-framework frontend (Lightning callback, HF callback) shows of the run its
+    ``monitor`` writes: ``None`` / empty before training and on ranks > 0."""
+
+    monitor: Monitor | None
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The run directory of the current (or last) run."""
+        return self.monitor.run_dir if self.monitor is not None else None
+
+    @property
+    def events(self) -> list[EventRecord]:
+        """Every event written so far (spikes, divergence, drift, run end), read from the run directory."""
+        run_dir = self.run_dir
+        return list(RunReader(run_dir).events()) if run_dir is not None else []
+
+    def summary(self, top_k: int = 5) -> dict[str, Any] | None:
+        """The run at a glance (:func:`run_summary`): worst layers, spike counts, gap to the control."""
+        return run_summary(self.run_dir, top_k) if self.run_dir is not None else None
+
+
 class Monitor(core.Monitor):
     """:class:`fp8track.monitoring.monitor.Monitor` for plain PyTorch loops, with the default
     analyzers and the tracker fan-out wired in.
@@ -202,4 +233,5 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-__all__ = ["Monitor", "default_analyzers", "tracker_sink", "run_summary", "load_control", "BaselineSpec", "unwrap_model"]
+__all__ = ["Monitor", "default_analyzers", "tracker_sink", "run_summary", "load_control", "BaselineSpec", "unwrap_model",
+           "check_frontend_args", "FrontendResults"]

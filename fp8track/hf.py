@@ -32,10 +32,9 @@ from typing import Any
 
 from fp8track.config import DEFAULT_LOG_DIR, MonitorConfig
 from fp8track.errors import ConfigError
-from fp8track.frontend import BaselineSpec, Monitor, run_summary, unwrap_model
+from fp8track.frontend import BaselineSpec, FrontendResults, Monitor, check_frontend_args, unwrap_model
 from fp8track.monitoring.capture import LayerFilter
 from fp8track.monitoring.monitor import StepAnalyzer, run_meta_for, select_eval_metrics, total_grad_norm
-from fp8track.monitoring.records import EventRecord, RunReader
 from fp8track.optional import require
 from fp8track.trackers import Tracker
 
@@ -46,7 +45,7 @@ TrainerCallback = require("transformers", "fp8track's Hugging Face Trainer callb
 TRACKER_SPECS = ("auto", "none")
 
 
-class FP8TrainerCallback(TrainerCallback):
+class FP8TrainerCallback(TrainerCallback, FrontendResults):
     """FP8 tensor diagnostics and the true training loss of a Hugging Face ``Trainer`` run.
 
     Args:
@@ -68,10 +67,11 @@ class FP8TrainerCallback(TrainerCallback):
         eval_metrics: ``"auto"`` (HF's ``eval_*`` metrics of each evaluation, as ``fp8/eval/<name>``)
             or a list of metric names.
 
-    Steps: fp8track's step ``s`` is HF's ``state.global_step`` when the optimizer step starts (HF
-    logs that step's loss at ``s + 1``); ``fp8/loss`` is recorded every optimizer step,
-    ``fp8/grad_norm`` (before clipping, as HF logs it) and the tensor statistics on sampled steps.
-    Each ``train()`` writes one run directory; closing it at ``on_train_end``.
+    Steps are numbered as HF logs them: the first optimizer step is step 1 (``state.global_step``
+    after it), so ``fp8/loss`` sits beside HF's own ``loss`` at the same step in W&B and MLflow, and
+    ``every_n_steps=10`` samples HF's steps 10, 20, ... ``fp8/loss`` is recorded every optimizer
+    step, ``fp8/grad_norm`` (before clipping, as HF logs it) and the tensor statistics on sampled
+    steps. Each ``train()`` writes one run directory, closed at ``on_train_end``.
 
     Raises:
         ConfigError: at construction for bad values; in ``on_train_begin`` (before the first step)
@@ -94,14 +94,11 @@ class FP8TrainerCallback(TrainerCallback):
     ) -> None:
         cfg = MonitorConfig.load(config)
         self.config = cfg.replace(every_n_steps=every_n_steps) if every_n_steps is not None else cfg
-        if layers is not None and not (callable(layers) or isinstance(layers, (str, list, tuple))):
-            raise ConfigError(f"layers must be None, a string, a list of strings or a callable, got {layers!r}")
+        check_frontend_args(layers, eval_metrics)
         if isinstance(trackers, str) and trackers not in TRACKER_SPECS:
             raise ConfigError(f"unknown trackers {trackers!r}; valid values are: 'auto', 'none' or a list of Tracker objects")
         if not isinstance(trackers, str) and not all(isinstance(t, Tracker) for t in trackers):
             raise ConfigError(f"trackers must be 'auto', 'none' or a list of fp8track Tracker objects, got {trackers!r}")
-        if not (eval_metrics == "auto" or (not isinstance(eval_metrics, str) and all(isinstance(n, str) for n in eval_metrics))):
-            raise ConfigError(f"eval_metrics must be 'auto' or a list of metric names, got {eval_metrics!r}")
         self.layers = layers
         self.trackers = trackers if isinstance(trackers, str) else tuple(trackers)
         self.baseline = baseline
@@ -196,14 +193,15 @@ class FP8TrainerCallback(TrainerCallback):
             is_writer=writer,
         )
         self._loss_sum, self._grad_norm = None, None
-        self.monitor.global_step = state.global_step  # a resumed train() starts at its checkpoint's step
+        self.monitor.global_step = state.global_step + 1  # the next step, in HF's numbering (from 1)
         self.monitor.attach()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        # Called once per optimizer step, before its first micro-batch.
+        # Called once per optimizer step, before its first micro-batch; HF numbers the step
+        # global_step + 1 (the value global_step has when HF logs it).
         if self.monitor is not None:
             self._loss_sum, self._grad_norm = None, None
-            self.monitor.begin_step(state.global_step)
+            self.monitor.begin_step(state.global_step + 1)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # After the optimizer step (state.global_step already counts it). The sum of training_step's
@@ -219,21 +217,6 @@ class FP8TrainerCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is not None:
             self.monitor.close()
-
-    # -- results ------------------------------------------------------------------------------------
-    @property
-    def run_dir(self) -> Path | None:
-        """The run directory of the current (or last) ``train()``; None before it and on ranks > 0."""
-        return self.monitor.run_dir if self.monitor is not None else None
-
-    @property
-    def events(self) -> list[EventRecord]:
-        """Every event written so far (empty before ``train()`` and on ranks > 0)."""
-        return list(RunReader(self.run_dir).events()) if self.run_dir is not None else []
-
-    def summary(self, top_k: int = 5) -> dict[str, Any] | None:
-        """:func:`fp8track.frontend.run_summary` of the run (None before ``train()``, ranks > 0)."""
-        return run_summary(self.run_dir, top_k) if self.run_dir is not None else None
 
 
 __all__ = ["FP8TrainerCallback"]

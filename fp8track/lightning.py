@@ -12,16 +12,15 @@ from lightning.pytorch.callbacks import Callback
 
 from fp8track.analysis.spikes import SPIKE_ACTIONS
 from fp8track.config import DEFAULT_LOG_DIR, MonitorConfig
-from fp8track.errors import ConfigError, invalid_choice
-from fp8track.frontend import Monitor, load_control, run_summary
+from fp8track.errors import invalid_choice
+from fp8track.frontend import FrontendResults, Monitor, check_frontend_args, load_control
 from fp8track.monitoring.capture import LayerFilter
 from fp8track.monitoring.monitor import StepAnalyzer, run_meta_for, total_grad_norm
-from fp8track.monitoring.records import EventRecord, RunReader
 from fp8track.monitoring.sharding import ShardSpec
 from fp8track.trackers import Tracker
 
 
-class FP8Monitor(Callback):
+class FP8Monitor(Callback, FrontendResults):
     """Log FP8 tensor diagnostics of every linear layer to the run directory and the trainer's loggers.
 
     Add it to a Trainer: ``Trainer(callbacks=[FP8Monitor(every_n_steps=10)], logger=[WandbLogger(...)])``,
@@ -98,13 +97,10 @@ class FP8Monitor(Callback):
                 raise invalid_choice("on_spike action", on_spike, SPIKE_ACTIONS)
             changes["spikes"] = dataclasses.replace(cfg.spikes, action=on_spike)
         self.config = cfg.replace(**changes) if changes else cfg
-        if layers is not None and not (callable(layers) or isinstance(layers, (str, list, tuple))):
-            raise ConfigError(f"layers must be None, a string, a list of strings or a callable, got {layers!r}")
+        check_frontend_args(layers, eval_metrics)
         from fp8track.trackers import validate_tracker_spec
 
         validate_tracker_spec(trackers)
-        if not (eval_metrics == "auto" or (not isinstance(eval_metrics, str) and all(isinstance(n, str) for n in eval_metrics))):
-            raise ConfigError(f"eval_metrics must be 'auto' or a list of logged metric names, got {eval_metrics!r}")
         self.eval_metrics = eval_metrics if isinstance(eval_metrics, str) else tuple(eval_metrics)
         self.layers = layers
         self.trackers = trackers
@@ -125,25 +121,6 @@ class FP8Monitor(Callback):
     @property
     def state_key(self) -> str:
         return self._generate_state_key(every_n_steps=self.config.every_n_steps, tensors=self.config.tensors)
-
-    # -- results --------------------------------------------------------------------------------
-    @property
-    def run_dir(self) -> Path | None:
-        """The run directory of the current (or last) fit; None before ``fit`` and on ranks > 0."""
-        return self.monitor.run_dir if self.monitor is not None else None
-
-    @property
-    def events(self) -> list[EventRecord]:
-        """Every event written so far (spikes, divergence, drift, run end), read from the run
-        directory; empty before ``fit`` and on ranks > 0."""
-        run_dir = self.run_dir
-        return list(RunReader(run_dir).events()) if run_dir is not None else []
-
-    def summary(self, top_k: int = 5) -> dict[str, Any] | None:
-        """The run at a glance (:func:`fp8track.frontend.run_summary`): worst layers, spike counts,
-        gap to the control. None before ``fit`` and on ranks > 0."""
-        return run_summary(self.run_dir, top_k) if self.run_dir is not None else None
-
 
     # -- layer selection: at on_fit_start, after precision plugins converted the model -------------
     # Lightning runs Callback.setup, then configure_model, then Strategy.setup, whose

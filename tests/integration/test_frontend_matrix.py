@@ -88,20 +88,20 @@ def token_data(n: int = 24, seq: int = 8):
     return out
 
 
-def hf_trainer(model, tmp_path, steps: int = 3, accumulation: int = 2):
+def hf_trainer(model, tmp_path, steps: int = 3, accumulation: int = 2, report_to="none"):
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(
         output_dir=str(tmp_path / "hf"), per_device_train_batch_size=2, gradient_accumulation_steps=accumulation,
-        max_steps=steps, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True,
+        max_steps=steps, logging_steps=1, report_to=report_to, use_cpu=True, save_strategy="no", disable_tqdm=True,
         learning_rate=1e-2, seed=0, max_grad_norm=0.5,
     )
     return Trainer(model=model, args=args, train_dataset=token_data())
 
 
 def hf_logs(trainer) -> dict[int, dict]:
-    """HF's own per-step logs, keyed by fp8track's step (HF logs step s's loss at s + 1)."""
-    return {h["step"] - 1: h for h in trainer.state.log_history if "loss" in h}
+    """HF's own per-step logs by step (fp8track numbers the steps as HF does: from 1)."""
+    return {h["step"]: h for h in trainer.state.log_history if "loss" in h}
 
 
 @pytest.mark.parametrize("tokens_normalise", [True, False], ids=["num_items_in_batch", "divide_by_accumulation"])
@@ -114,24 +114,24 @@ def test_hf_trainer_with_accumulation_records_the_loss_hf_logs(tmp_path, tokens_
     # HF divides each micro-batch's loss by the accumulation steps unless the model normalises it
     # by the accumulated batch's token count itself (num_items_in_batch); fp8track must match both.
     trainer.model_accepts_loss_kwargs = tokens_normalise
-    recorder = GemmRecorder(model, lambda: trainer.state.global_step)
+    recorder = GemmRecorder(model, lambda: trainer.state.global_step + 1)
     cb = FP8TrainerCallback(every_n_steps=2, trackers="none").attach(trainer)
     trainer.train()
     recorder.close()
 
     hf = hf_logs(trainer)
     ours = logged_losses(cb.run_dir)
-    assert sorted(ours) == sorted(hf) == [0, 1, 2]
+    assert sorted(ours) == sorted(hf) == [1, 2, 3]
     for step in hf:
         assert ours[step] == pytest.approx(hf[step]["loss"], rel=1e-6, abs=0)
     # the grad norm of sampled steps: HF's (before clipping to 0.5), the steps HF clipped included
     grad_norms = {m.step: m.metrics[run_metric("grad_norm")] for m in RunReader(cb.run_dir).metrics()
                   if run_metric("grad_norm") in m.metrics}
-    assert sorted(grad_norms) == [0, 2]
+    assert sorted(grad_norms) == [2]
     for step, value in grad_norms.items():
         assert value == pytest.approx(hf[step]["grad_norm"], rel=1e-5)
     assert any(hf[s]["grad_norm"] > 0.5 for s in grad_norms)  # clipping happened after the norm was read
-    assert_counts_match(cb.run_dir, recorder, [0, 2])
+    assert_counts_match(cb.run_dir, recorder, [2])
     # Every FP8 layer (all 15 linear layers of the 2-block Llama) ran and is monitored.
     assert {r.layer for r in RunReader(cb.run_dir).tensor_stats()} == set(report.fp8_layers) and len(report.fp8_layers) == 15
     assert [e.kind for e in cb.events] == ["run_end"]
@@ -152,6 +152,31 @@ def test_hf_trainer_callback_not_attached_is_refused_before_the_first_step(tmp_p
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # no step ran
 
 
+def test_hf_trainer_report_to_mlflow_puts_fp8_metrics_beside_hf_loss(tmp_path, monkeypatch):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from fp8track.hf import FP8TrainerCallback
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # what HF's MLflowCallback reads
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "hf-fp8")
+    trainer = hf_trainer(tiny_llama(), tmp_path, steps=2, report_to=["mlflow"])
+    cb = FP8TrainerCallback(every_n_steps=1).attach(trainer)  # trackers="auto": HF's active MLflow run
+    try:
+        trainer.train()
+    finally:
+        if mlflow.active_run() is not None:
+            mlflow.end_run()
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("hf-fp8").experiment_id])
+    history = {k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)} for k in ("loss", LOSS_METRIC)}
+    assert sorted(history[LOSS_METRIC]) == sorted(history["loss"]) == [1, 2]  # the same steps as HF's own loss
+    assert history[LOSS_METRIC] == pytest.approx(history["loss"], rel=1e-6)
+    assert run.data.tags["fp8track.run_id"] == RunReader(cb.run_dir).meta()["run_id"]
+    assert any(k.startswith("fp8/model.layers.0.self_attn.q_proj/") for k in run.data.metrics)  # shadow statistics
+
+
 def test_hf_trainer_with_lora_adapters_monitors_the_base_layers(tmp_path):
     from peft import LoraConfig, get_peft_model
 
@@ -161,14 +186,14 @@ def test_hf_trainer_with_lora_adapters_monitors_the_base_layers(tmp_path):
     report = fp8track.apply_fp8(base, "current", backend="emulated")
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
     trainer = hf_trainer(model, tmp_path, steps=2)
-    recorder = GemmRecorder(model.get_base_model(), lambda: trainer.state.global_step)
+    recorder = GemmRecorder(model.get_base_model(), lambda: trainer.state.global_step + 1)
     cb = FP8TrainerCallback(every_n_steps=1, trackers="none").attach(trainer)
     trainer.train()
     recorder.close()
 
     hf = hf_logs(trainer)
     assert logged_losses(cb.run_dir) == pytest.approx({s: h["loss"] for s, h in hf.items()}, rel=1e-6)
-    assert_counts_match(cb.run_dir, recorder, [0, 1])
+    assert_counts_match(cb.run_dir, recorder, [1, 2])
     layers = {r.layer for r in RunReader(cb.run_dir).tensor_stats()}
     # Names are the base model's (no "base_model.model." prefix): the FP8 base GEMMs of the adapted
     # projections under ".base_layer", the adapters' own GEMMs beside them, the other layers as they were.

@@ -123,6 +123,10 @@ CASES: tuple[Case, ...] = (
          _plain_monitor(baseline="{tmp}/nope")),
     Case("fp8track.Monitor(model, baseline='mlflow:<run id that does not exist>')", ("0123456789abcdef", "no such run"),
          _plain_monitor(baseline="mlflow:0123456789abcdef", tracking_uri="sqlite:///{tmp}/mlflow.db")),
+    Case("FP8TrainerCallback(trackers='wandb')", ("'wandb'", "'auto'", "'none'", "Tracker objects"),
+         lambda _t: __import__("fp8track.hf", fromlist=["x"]).FP8TrainerCallback(trackers="wandb")),
+    Case("FP8TrainerCallback(every_n_steps=0)", ("every_n_steps", ">= 1", "0"),
+         lambda _t: __import__("fp8track.hf", fromlist=["x"]).FP8TrainerCallback(every_n_steps=0)),
     Case("Monitor(log_dir=<a file>)", ("log_dir", "writable"), lambda tmp: _monitor_on((tmp / "f").touch() or tmp / "f", meta=RunMeta(run_id="run1"))),
     # -- recipe and fallback specs ----------------------------------------------------------------
     Case("apply_fp8(model, 'delayd')", ("'delayd'", "'delayed'"), _recipe("delayd")),
