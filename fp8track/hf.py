@@ -51,8 +51,9 @@ class FP8TrainerCallback(TrainerCallback, FrontendResults):
     Args:
         every_n_steps: sample every N-th optimizer step (N >= 1); overrides ``config.every_n_steps``.
         layers: ``None`` (every linear layer), ``"re:<regex>"``, a list of names or a
-            ``(module, fqn) -> bool`` filter. Names are those of the model the Trainer trains, with
-            a PEFT wrapper removed (``model.layers.0.self_attn.q_proj.base_layer`` under LoRA).
+            ``(module, fqn) -> bool`` filter. Records carry canonical names
+            (:func:`fp8track.monitoring.naming.canonical_layer_name`): under LoRA the base layers
+            keep their names without it (``model.layers.0.self_attn.q_proj``).
         trackers: ``"auto"`` (the trackers of ``TrainingArguments.report_to`` that fp8track serves:
             ``"wandb"``, the run HF's ``WandbCallback`` opened; ``"mlflow"``, the active run HF's
             ``MLflowCallback`` started; others get nothing from fp8track), ``"none"``, or a list of

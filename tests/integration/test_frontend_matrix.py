@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import fp8track
-from fp8track.monitoring.naming import LOSS_METRIC, run_metric
+from fp8track.monitoring.naming import LOSS_METRIC, canonical_layer_names, run_metric
 from fp8track.monitoring.records import RunReader
 
 pytestmark = pytest.mark.slow
@@ -32,9 +32,10 @@ class GemmRecorder:
     def __init__(self, model: torch.nn.Module, step: Callable[[], int]) -> None:
         self.step = step
         self.seen: dict[int, dict[tuple[str, str], float]] = defaultdict(lambda: defaultdict(float))
-        self.handles = [
-            m.register_forward_hook(self._hook(name)) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
-        ]
+        linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+        # Records carry canonical names (wrappers and a LightningModule's holder attribute dropped).
+        names = canonical_layer_names(model, [name for name, _ in linears])
+        self.handles = [m.register_forward_hook(self._hook(name)) for name, (_, m) in zip(names, linears, strict=True)]
 
     def _hook(self, name: str):
         def hook(module, args, output):
@@ -195,11 +196,11 @@ def test_hf_trainer_with_lora_adapters_monitors_the_base_layers(tmp_path):
     assert logged_losses(cb.run_dir) == pytest.approx({s: h["loss"] for s, h in hf.items()}, rel=1e-6)
     assert_counts_match(cb.run_dir, recorder, [1, 2])
     layers = {r.layer for r in RunReader(cb.run_dir).tensor_stats()}
-    # Names are the base model's (no "base_model.model." prefix): the FP8 base GEMMs of the adapted
-    # projections under ".base_layer", the adapters' own GEMMs beside them, the other layers as they were.
-    base_layers = {n if not n.endswith(("q_proj", "v_proj")) else f"{n}.base_layer" for n in report.fp8_layers}
+    # The FP8 base GEMMs keep the names they have without LoRA (no "base_model.model." prefix, no
+    # ".base_layer"), so a LoRA run compares layer by layer with a plain one; the adapters' own GEMMs
+    # are monitored beside them.
     adapters = {f"model.layers.{i}.self_attn.{p}.lora_{ab}.default" for i in (0, 1) for p in ("q_proj", "v_proj") for ab in "AB"}
-    assert layers == base_layers | adapters and len(base_layers) == 15 and len(adapters) == 8
+    assert layers == set(report.fp8_layers) | adapters and len(report.fp8_layers) == 15 and len(adapters) == 8
     # The frozen base layers still pass dY on wherever the graph needs it (every block after the
     # adapters of block 0), and their weights have no gradient of their own.
     assert all(p.grad is None for n, p in model.named_parameters() if "base_layer" in n)
