@@ -72,6 +72,7 @@ def read_yaml_mapping(path: object, what: str) -> dict[str, Any]:
     unknown tag (``!!python/...``: ``yaml.safe_load`` refuses it), or holds something other than a
     mapping. An empty file is an empty mapping.
     """
+    import io
     import os
 
     import yaml
@@ -80,12 +81,17 @@ def read_yaml_mapping(path: object, what: str) -> dict[str, Any]:
     if not os.path.isfile(name):
         raise ConfigError(f"{what} {name!r} does not exist (or is not a file)")
     try:
-        with open(name, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"{what} {name!r} is not UTF-8 text (byte {err.start}: {err.reason}); save it as UTF-8 YAML") from err
+        with open(name, "rb") as f:
+            raw = f.read()
     except OSError as err:
         raise ConfigError(f"cannot read {what} {name!r}: {err}") from err
+    try:
+        stream = io.StringIO(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{what} {name!r} is not UTF-8 text (byte {err.start}: {err.reason}); save it as UTF-8 YAML") from err
+    stream.name = name  # type: ignore[attr-defined]  # YAML's error marks name the file
+    try:
+        data = yaml.safe_load(stream)
     except yaml.constructor.ConstructorError as err:
         raise ConfigError(
             f"{what} {name!r} uses an unsafe or unknown YAML tag ({err.problem}); only plain YAML is accepted"

@@ -98,7 +98,9 @@ class FP8TrainerCallback(TrainerCallback, FrontendResults):
         check_frontend_args(layers, eval_metrics)
         if isinstance(trackers, str) and trackers not in TRACKER_SPECS:
             raise ConfigError(f"unknown trackers {trackers!r}; valid values are: 'auto', 'none' or a list of Tracker objects")
-        if not isinstance(trackers, str) and not all(isinstance(t, Tracker) for t in trackers):
+        if not isinstance(trackers, str) and not (
+            isinstance(trackers, (list, tuple)) and all(isinstance(t, Tracker) for t in trackers)
+        ):
             raise ConfigError(f"trackers must be 'auto', 'none' or a list of fp8track Tracker objects, got {trackers!r}")
         self.layers = layers
         self.trackers = trackers if isinstance(trackers, str) else tuple(trackers)
