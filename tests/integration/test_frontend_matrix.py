@@ -178,6 +178,28 @@ def test_hf_trainer_report_to_mlflow_puts_fp8_metrics_beside_hf_loss(tmp_path, m
     assert any(k.startswith("fp8/model.layers.0.self_attn.q_proj/") for k in run.data.metrics)  # shadow statistics
 
 
+def test_hf_trainer_report_to_wandb_puts_fp8_metrics_in_hf_wandb_run(tmp_path, monkeypatch):
+    from fp8track.analysis.baseline import load_run
+    from fp8track.hf import FP8TrainerCallback
+
+    monkeypatch.setenv("WANDB_MODE", "offline")  # read by HF's WandbCallback's wandb.init
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    trainer = hf_trainer(tiny_llama(), tmp_path, steps=2, report_to=["wandb"])
+    cb = FP8TrainerCallback(every_n_steps=1).attach(trainer)  # trackers="auto": HF's W&B run
+    try:
+        trainer.train()
+    finally:
+        import wandb
+
+        if wandb.run is not None:
+            wandb.run.finish()
+    run = load_run(tmp_path / "wandb")  # the one offline run HF opened, read back with wandb leet
+    assert run.metrics[LOSS_METRIC] == pytest.approx({s: h["loss"] for s, h in hf_logs(trainer).items()}, rel=1e-6)
+    assert sorted(run.metrics[LOSS_METRIC]) == [1, 2] and cb.run_dir is not None
+    assert any(k.startswith("fp8/model.layers.1.mlp.down_proj/") for k in run.metrics)
+
+
 def test_hf_trainer_with_lora_adapters_monitors_the_base_layers(tmp_path):
     from peft import LoraConfig, get_peft_model
 
