@@ -2,11 +2,12 @@
 logging to W&B and MLflow at once. Then print the run at a glance.
 
     python examples/lightning_wandb_mlflow.py --recipe delayed --steps 300
-    python examples/lightning_wandb_mlflow.py --recipe bf16 --out runs/bf16   # the BF16 control
-    python examples/lightning_wandb_mlflow.py --baseline runs/bf16/fp8track/<run id>
+    python examples/lightning_wandb_mlflow.py --recipe bf16 --out fp8track-example/bf16   # the BF16 control
+    python examples/lightning_wandb_mlflow.py --baseline fp8track-example/bf16/fp8track-runs/<run id>
 
-W&B runs offline unless you pass --wandb-mode online; MLflow writes to runs/mlflow.db (SQLite):
-    mlflow ui --backend-store-uri sqlite:///runs/mlflow.db
+W&B runs offline unless you pass --wandb-mode online; MLflow writes to fp8track-example/mlflow.db (SQLite):
+    mlflow ui --backend-store-uri sqlite:///fp8track-example/mlflow.db
+fp8track's run directories are <out>/fp8track-runs/<run id> (the Trainer's default_root_dir is --out).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--every-n-steps", type=int, default=10)
     p.add_argument("--baseline", default=None, help="the BF16 control's run directory (or mlflow:<run_id>)")
-    p.add_argument("--out", default="runs", help="folder for checkpoints, run directories, W&B files, mlflow.db")
+    p.add_argument("--out", default="fp8track-example", help="folder for checkpoints, run directories, W&B files, mlflow.db")
     p.add_argument("--wandb-mode", default="offline", choices=["offline", "online", "disabled"])
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

@@ -3,7 +3,7 @@
     python examples/plain_loop.py --recipe delayed --steps 200
     python examples/plain_loop.py --recipe mxfp8 --config my_monitor.yaml   # fp8track.MonitorConfig as YAML
 
-The run directory (``runs/<run id>``: metrics, per-layer tensor statistics, events) is the record;
+The run directory (``fp8track-runs/<run id>``: metrics, per-layer tensor statistics, events) is the record;
 ``fp8track sync`` can replay it into W&B or MLflow later.
 """
 
@@ -15,6 +15,7 @@ import json
 import torch
 
 import fp8track
+from fp8track.config import DEFAULT_LOG_DIR
 from fp8track.examples.gpt import GPT, CharDataModule, GPTConfig
 
 
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--every-n-steps", type=int, default=10)
     p.add_argument("--config", default=None, help="an fp8track.MonitorConfig YAML file (thresholds, tensors, ...)")
-    p.add_argument("--log-dir", default="runs")
+    p.add_argument("--log-dir", default=DEFAULT_LOG_DIR, help="parent of the run directory (default ./fp8track-runs)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
@@ -36,23 +37,23 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"recipe={report.recipe} fp8 layers={len(report.fp8_layers)}")
 
     config = fp8track.MonitorConfig.load(args.config).replace(every_n_steps=args.every_n_steps)
-    monitor = fp8track.Monitor(model, config, log_dir=args.log_dir, apply_report=report).attach()
     data = CharDataModule(block_size=64, batch_size=16, seed=args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95))
     batches = iter(data.train_dataloader())
-    for _ in range(args.steps):
-        try:
-            x, y = next(batches)
-        except StopIteration:
-            batches = iter(data.train_dataloader())
-            x, y = next(batches)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model.loss(x, y)
-        loss.backward()
-        opt.step()
-        monitor.step(loss=loss)  # once per optimizer step, before zero_grad (it reads the grad norm)
-        opt.zero_grad(set_to_none=True)
-    monitor.close()
+    # The with-block attaches the hooks and closes the monitor (writing the losses not yet flushed).
+    with fp8track.Monitor(model, config, log_dir=args.log_dir, apply_report=report) as monitor:
+        for _ in range(args.steps):
+            try:
+                x, y = next(batches)
+            except StopIteration:
+                batches = iter(data.train_dataloader())
+                x, y = next(batches)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model.loss(x, y)
+            loss.backward()
+            opt.step()
+            monitor.step(loss=loss)  # once per optimizer step, before zero_grad (it reads the grad norm)
+            opt.zero_grad(set_to_none=True)
     summary = monitor.summary()
     print(json.dumps(summary, indent=2))
     return summary

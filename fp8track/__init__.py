@@ -19,6 +19,7 @@ from fp8track.numerics.stats import STAT_NAMES, block_quant_stats, quant_stats
 _LAZY = {
     # the Lightning callback, the plain-PyTorch monitor and their configuration
     "FP8Monitor": "fp8track.lightning",
+    "FP8TrainerCallback": "fp8track.hf",
     "Monitor": "fp8track.frontend",
     "MonitorConfig": "fp8track.config",
     "SpikeConfig": "fp8track.analysis.spikes",
@@ -45,8 +46,9 @@ _LAZY = {
 # (fp8track.analysis.*), the run writer (fp8track.monitoring.records), the backends
 # (fp8track.execution.backends) and the core monitor (fp8track.monitoring.monitor).
 __all__ = [
-    # Lightning callback, plain-PyTorch monitor, configuration
+    # Lightning callback, Hugging Face Trainer callback, plain-PyTorch monitor, configuration
     "FP8Monitor",
+    "FP8TrainerCallback",
     "Monitor",
     "MonitorConfig",
     "SpikeConfig",

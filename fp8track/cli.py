@@ -15,6 +15,42 @@ EXIT_BAD_INPUT = 2
 """Exit status for refused input, the same as argparse's for a bad option."""
 
 
+MLFLOW_URI_SCHEMES = ("sqlite", "http", "https", "postgresql", "mysql", "mssql", "databricks")
+"""Tracking-URI schemes of the MLflow stores fp8track accepts (MLflow >= 3.13 refuses ``file:``
+stores, and a bare path means one)."""
+
+
+def check_tracking_uri(option: str, uri: str | None) -> None:
+    """Refuse an MLflow tracking URI whose scheme no supported store has, before anything runs
+    (``bogus://x`` would otherwise fail deep inside MLflow's store registry)."""
+    if uri is None:
+        return
+    scheme = uri.split("://", 1)[0].split("+", 1)[0].lower() if "://" in uri else ""
+    if scheme not in MLFLOW_URI_SCHEMES:
+        valid = ", ".join(f"{s}://" for s in MLFLOW_URI_SCHEMES)
+        raise ConfigError(f"{option} {uri!r} is not an MLflow tracking URI fp8track can use; valid schemes are: {valid} "
+                          "(e.g. sqlite:///mlflow.db or http://127.0.0.1:5000)")
+
+
+def check_out_dir(option: str, path: str | None) -> None:
+    """Refuse an output folder that exists as something other than a folder (a file)."""
+    if path is not None and Path(path).exists() and not Path(path).is_dir():
+        raise ConfigError(f"{option} {path!r} exists and is not a folder; give a new or existing folder")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The argument checks argparse cannot express, per command, before the command runs
+    (each raises :class:`ConfigError`: one line, exit 2)."""
+    if args.command == "sweep" and args.trials is not None and args.trials < 1:
+        raise ConfigError(f"--trials must be an integer >= 1, got {args.trials}")
+    for option in ("tracking_uri", "mlflow_uri"):
+        check_tracking_uri(f"--{option.replace('_', '-')}", getattr(args, option, None))
+    if args.command in ("diagnose", "check-inference", "sweep"):
+        check_out_dir("--out", getattr(args, "out", None))
+    if args.command == "check-inference" and args.batches < 1:
+        raise ConfigError(f"--batches must be an integer >= 1, got {args.batches}")
+
+
 def _cmd_stats(args: argparse.Namespace) -> int:
     """Quantisation statistics of a real tensor: the weights of a seeded linear layer and its
     activations on real text bytes (this file's own source), under each FP8 format."""
@@ -159,6 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        check_args(args)
         return int(args.func(args))
     except ConfigError as exc:
         print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)

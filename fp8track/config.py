@@ -13,8 +13,13 @@ from typing import Any
 from fp8track.analysis.divergence import DivergenceConfig
 from fp8track.analysis.drift import DriftConfig
 from fp8track.analysis.spikes import SpikeConfig
-from fp8track.errors import ConfigError, check_int, dataclass_from_dict
+from fp8track.errors import ConfigError, check_int, dataclass_from_dict, read_yaml_mapping
 from fp8track.monitoring.monitor import CaptureConfig
+
+DEFAULT_LOG_DIR = "fp8track-runs"
+"""The one default parent of run directories, relative to the working directory, for every
+frontend: the plain monitor, the Lightning callback (under ``trainer.default_root_dir``, which is
+the working directory unless set), the Hugging Face callback, the examples and the demo."""
 
 _NESTED: dict[str, type] = {"spikes": SpikeConfig, "divergence": DivergenceConfig, "drift": DriftConfig}
 
@@ -76,16 +81,9 @@ class MonitorConfig(CaptureConfig):
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> MonitorConfig:
-        """Read a YAML file (``yaml.safe_load``) holding the mapping :meth:`from_dict` takes."""
-        import yaml
-
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"monitor config file {str(p)!r} does not exist")
-        data = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"monitor config file {str(p)!r} must hold a mapping, got {type(data).__name__}")
-        return cls.from_dict(data)
+        """Read a YAML file (``yaml.safe_load``, UTF-8) holding the mapping :meth:`from_dict` takes.
+        A missing, unreadable, non-UTF-8, malformed or unsafe file is a :class:`ConfigError`."""
+        return cls.from_dict(read_yaml_mapping(path, "monitor config file"))
 
     @classmethod
     def load(cls, spec: MonitorConfig | Mapping[str, Any] | str | Path | None) -> MonitorConfig:
@@ -111,4 +109,4 @@ class MonitorConfig(CaptureConfig):
         return dataclasses.asdict(self)
 
 
-__all__ = ["MonitorConfig"]
+__all__ = ["MonitorConfig", "DEFAULT_LOG_DIR"]

@@ -16,7 +16,7 @@ and prints the findings, the top-ranked layer, where each ``report.html`` is, th
 opens the MLflow UI on the store and the URL of its compare view for the three runs.
 
 Everything lands in one folder (default ``./fp8track-demo``): ``mlflow.db`` (MLflow SQLite store,
-experiment ``fp8track-demo``, artifacts in ``mlartifacts/``), ``runs/<run_id>/`` (fp8track's run
+experiment ``fp8track-demo``, artifacts in ``mlartifacts/``), ``fp8track-runs/<run_id>/`` (fp8track's run
 directories), ``diagnosis-fp8/`` and ``diagnosis-planted/`` (``diagnosis.json``, ``report.html``),
 ``fp8.ckpt`` (the FP8 run's weights and scaling state, for ``fp8track check-inference``) and, with
 ``--wandb``, ``wandb/`` (one offline run per training run).
@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from fp8track.config import DEFAULT_LOG_DIR
 from fp8track.errors import ConfigError
 
 PLANT_LAYER = "blocks.1.mlp.fc"
@@ -160,7 +161,7 @@ def run_one(
         run = wandb.init(project="fp8track-demo", name=name, dir=str(out), mode="offline", reinit="create_new",
                          settings=wandb.Settings(silent=True))
         loggers.append(WandbLogger(experiment=run, save_dir=str(out)))
-    monitor = FP8Monitor(every_n_steps=every_n_steps, log_dir=out / "runs", baseline=baseline, config={"run_name": name})
+    monitor = FP8Monitor(every_n_steps=every_n_steps, log_dir=out / DEFAULT_LOG_DIR, baseline=baseline, config={"run_name": name})
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=steps,
@@ -295,7 +296,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             print(f"planted problem: from step {int(PLANT_FRACTION * args.steps)}, an outlier of {PLANT_AMAX:g} "
                   f"enters the activation amax history of {PLANT_LAYER} every step")
         print_diagnosis(res.diagnosis, res.html_path)
-    print(f"\nfp8track run directories: {out / 'runs'}")
+    print(f"\nfp8track run directories: {out / DEFAULT_LOG_DIR}")
     print(f"MLflow store:              {uri}")
     print(f"Look at it:                mlflow ui --backend-store-uri {uri}")
     print(f"Compare the runs:          {url}")

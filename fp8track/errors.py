@@ -64,6 +64,47 @@ def dataclass_from_dict(cls: type[T], data: Mapping[str, Any]) -> T:
     return cls(**dict(data))
 
 
+def read_yaml_mapping(path: object, what: str) -> dict[str, Any]:
+    """Safe-load the YAML mapping in the file ``path`` (UTF-8).
+
+    Every way the file can be unusable is a :class:`ConfigError` naming ``what`` and the file: it
+    does not exist or cannot be read, is not UTF-8 text, is not valid YAML, uses an unsafe or
+    unknown tag (``!!python/...``: ``yaml.safe_load`` refuses it), or holds something other than a
+    mapping. An empty file is an empty mapping.
+    """
+    import io
+    import os
+
+    import yaml
+
+    name = os.fspath(path)  # type: ignore[arg-type]
+    if not os.path.isfile(name):
+        raise ConfigError(f"{what} {name!r} does not exist (or is not a file)")
+    try:
+        with open(name, "rb") as f:
+            raw = f.read()
+    except OSError as err:
+        raise ConfigError(f"cannot read {what} {name!r}: {err}") from err
+    try:
+        stream = io.StringIO(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{what} {name!r} is not UTF-8 text (byte {err.start}: {err.reason}); save it as UTF-8 YAML") from err
+    stream.name = name  # type: ignore[attr-defined]  # YAML's error marks name the file
+    try:
+        data = yaml.safe_load(stream)
+    except yaml.constructor.ConstructorError as err:
+        raise ConfigError(
+            f"{what} {name!r} uses an unsafe or unknown YAML tag ({err.problem}); only plain YAML is accepted"
+        ) from err
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{what} {name!r} is not valid YAML: {' '.join(str(err).split())}") from err
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {name!r} must hold a mapping, got {type(data).__name__}")
+    return data
+
+
 def save_state(version: int = 1, **fields: Any) -> dict[str, Any]:
     """A checkpointable state: ``{"version": version, **fields}``; the fields must be plain data
     (numbers, strings, ``None``, lists and dicts of them) so the state survives JSON and pickling."""

@@ -14,7 +14,8 @@ from torch import nn
 from fp8track.analysis.analyzers import DriftAnalyzer, LossAnalyzer
 from fp8track.analysis.baseline import Baseline
 from fp8track.analysis.ranking import rank_layers
-from fp8track.config import MonitorConfig
+from fp8track.config import DEFAULT_LOG_DIR, MonitorConfig
+from fp8track.errors import ConfigError
 from fp8track.execution.apply import ApplyReport
 from fp8track.monitoring import monitor as core
 from fp8track.monitoring.capture import LayerFilter, LayerPlan
@@ -32,6 +33,48 @@ def default_analyzers(baseline: Baseline | None = None, config: MonitorConfig | 
         LossAnalyzer(c.spikes, c.divergence, baseline=baseline, classify_window=c.classify_window),
         DriftAnalyzer(c.drift, whatif_history_len=c.whatif_history_len),
     ]
+
+
+BaselineSpec = Baseline | str | Path | None
+"""A BF16 control: a loaded :class:`Baseline`, a local run directory, ``"mlflow:<run_id>"`` or a
+W&B offline run directory (the forms of :func:`fp8track.analysis.baseline.load_run`)."""
+
+
+def load_control(spec: BaselineSpec, tracking_uri: str | None = None) -> Baseline | None:
+    """The control run of a frontend's ``baseline=`` argument, loaded before training.
+
+    Raises:
+        ConfigError: a reference in none of the forms (naming them), a run that does not exist or
+            has no loss metric, or an object of another type.
+    """
+    if spec is None or isinstance(spec, Baseline):
+        return spec
+    if not isinstance(spec, (str, Path)):
+        raise ConfigError(
+            f"baseline must be a run directory, 'mlflow:<run_id>', a W&B offline run directory or a "
+            f"loaded fp8track Baseline, got {type(spec).__name__} {spec!r}"
+        )
+    from fp8track.analysis.baseline import load_baseline
+
+    return load_baseline(spec, tracking_uri)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's own module inside the wrappers that training frameworks put around it, so layer
+    names are the same whichever frontend trains it: Lightning Fabric's ``_FabricModule`` (its
+    ``module``; hooking the wrapper would prefix every name with ``_forward_module.``), DDP's
+    ``module``, and a PEFT model's base model (``get_base_model()``, without ``base_model.model.``).
+    The wrappers forward to the same submodules, so hooks on the inner ones see every call."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while True:
+        kind = type(model).__name__
+        if kind == "_FabricModule" or isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif kind.startswith("Peft") and callable(getattr(model, "get_base_model", None)):
+            model = model.get_base_model()
+        else:
+            return model
 
 
 def tracker_sink(trackers: Sequence[Tracker]) -> Callable[[Path], TrackerFanout] | None:
@@ -82,6 +125,37 @@ def run_summary(run_dir: str | Path, top_k: int = 5) -> dict[str, Any]:
     return out
 
 
+def check_frontend_args(layers: Any, eval_metrics: Any) -> None:
+    """The checks every training-framework frontend makes at construction (ConfigError)."""
+    if layers is not None and not (callable(layers) or isinstance(layers, (str, list, tuple))):
+        raise ConfigError(f"layers must be None, a string, a list of strings or a callable, got {layers!r}")
+    names_ok = isinstance(eval_metrics, (list, tuple)) and all(isinstance(n, str) for n in eval_metrics)
+    if not (eval_metrics == "auto" or names_ok):
+        raise ConfigError(f"eval_metrics must be 'auto' or a list of logged metric names, got {eval_metrics!r}")
+
+
+class FrontendResults:
+    """What a training-framework frontend (Lightning callback, HF callback) shows of the run its
+    ``monitor`` writes: ``None`` / empty before training and on ranks > 0."""
+
+    monitor: Monitor | None
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The run directory of the current (or last) run."""
+        return self.monitor.run_dir if self.monitor is not None else None
+
+    @property
+    def events(self) -> list[EventRecord]:
+        """Every event written so far (spikes, divergence, drift, run end), read from the run directory."""
+        run_dir = self.run_dir
+        return list(RunReader(run_dir).events()) if run_dir is not None else []
+
+    def summary(self, top_k: int = 5) -> dict[str, Any] | None:
+        """The run at a glance (:func:`run_summary`): worst layers, spike counts, gap to the control."""
+        return run_summary(self.run_dir, top_k) if self.run_dir is not None else None
+
+
 class Monitor(core.Monitor):
     """:class:`fp8track.monitoring.monitor.Monitor` for plain PyTorch loops, with the default
     analyzers and the tracker fan-out wired in.
@@ -92,9 +166,16 @@ class Monitor(core.Monitor):
         config: :class:`fp8track.MonitorConfig`, a mapping or a YAML path (capture settings and
             the detectors' thresholds).
         trackers: :class:`fp8track.trackers.Tracker` objects fed after the records are written.
-        baseline: the BF16 control (a loaded :class:`fp8track.analysis.baseline.Baseline`) for the
-            default loss analyzer.
+        baseline: the BF16 control for the default loss analyzer: a local run directory,
+            ``"mlflow:<run_id>"`` (resolved against ``tracking_uri``, else ``MLFLOW_TRACKING_URI``), a
+            W&B offline run directory, or a loaded :class:`fp8track.analysis.baseline.Baseline`. Loaded
+            here, on the writer rank: a bad reference is a :class:`ConfigError` before training.
+        tracking_uri: the MLflow tracking URI of an ``mlflow:`` baseline.
         analyzers: replace the default analyzers (the config's thresholds then do not apply).
+        log_dir: parent of the run directory (default ``./fp8track-runs``, :data:`DEFAULT_LOG_DIR`).
+
+    A context manager: ``with fp8track.Monitor(model) as mon:`` attaches on entry and closes on exit
+    (the losses not yet flushed are written), without a collective when the block raised.
     """
 
     def __init__(
@@ -104,16 +185,21 @@ class Monitor(core.Monitor):
         *,
         layers: str | Sequence[str] | LayerFilter | None = None,
         plans: Mapping[str, LayerPlan] | None = None,
-        log_dir: str | Path | None = "fp8track-runs",
+        log_dir: str | Path | None = DEFAULT_LOG_DIR,
         trackers: Sequence[Tracker] = (),
         meta: RunMeta | None = None,
         analyzers: Sequence[core.StepAnalyzer] | None = None,
-        baseline: Baseline | None = None,
+        baseline: BaselineSpec = None,
+        tracking_uri: str | None = None,
         is_writer: bool | None = None,
         sharding: ShardSpec | None = None,
         apply_report: ApplyReport | None = None,
     ) -> None:
         cfg = MonitorConfig.load(config)
+        model = unwrap_model(model)
+        writer = _global_rank() == 0 if is_writer is None else is_writer
+        # The control feeds rank-0 analysis only; other ranks never read it (it may not be there).
+        baseline = load_control(baseline, tracking_uri) if writer else None
         super().__init__(
             model,
             cfg,
@@ -123,10 +209,17 @@ class Monitor(core.Monitor):
             sink=tracker_sink(trackers),
             meta=meta,
             analyzers=default_analyzers(baseline, cfg) if analyzers is None else analyzers,
-            is_writer=is_writer,
+            is_writer=writer,
             sharding=sharding,
             apply_report=apply_report,
         )
+
+    def __enter__(self) -> Monitor:
+        return self.attach()  # type: ignore[return-value]
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        # After an exception another rank may be dead or inside a different collective.
+        self.close(reduce=exc_type is None)
 
     @property
     def events(self) -> list[EventRecord]:
@@ -138,4 +231,11 @@ class Monitor(core.Monitor):
         return run_summary(self.run_dir, top_k) if self.run_dir is not None else None
 
 
-__all__ = ["Monitor", "default_analyzers", "tracker_sink", "run_summary"]
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+__all__ = ["Monitor", "default_analyzers", "tracker_sink", "run_summary", "load_control", "BaselineSpec", "unwrap_model",
+           "check_frontend_args", "FrontendResults"]

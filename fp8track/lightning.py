@@ -11,18 +11,17 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from fp8track.analysis.spikes import SPIKE_ACTIONS
-from fp8track.config import MonitorConfig
+from fp8track.config import DEFAULT_LOG_DIR, MonitorConfig
 from fp8track.errors import ConfigError, invalid_choice
 from fp8track.execution.apply import ApplyReport
-from fp8track.frontend import Monitor, run_summary
+from fp8track.frontend import FrontendResults, Monitor, check_frontend_args, load_control
 from fp8track.monitoring.capture import LayerFilter
 from fp8track.monitoring.monitor import StepAnalyzer, run_meta_for, total_grad_norm
-from fp8track.monitoring.records import EventRecord, RunReader
 from fp8track.monitoring.sharding import ShardSpec
 from fp8track.trackers import Tracker
 
 
-class FP8Monitor(Callback):
+class FP8Monitor(Callback, FrontendResults):
     """Log FP8 tensor diagnostics of every linear layer to the run directory and the trainer's loggers.
 
     Add it to a Trainer: ``Trainer(callbacks=[FP8Monitor(every_n_steps=10)], logger=[WandbLogger(...)])``,
@@ -47,7 +46,8 @@ class FP8Monitor(Callback):
         on_spike: ``"log"`` (never interferes), ``"stop"`` (stop training when a spike or a
             non-finite loss opens) or ``"checkpoint"`` (save a checkpoint then); overrides
             ``config.spikes.action`` (default ``"log"``).
-        log_dir: parent of the local run directory (default ``<trainer.default_root_dir>/fp8track``).
+        log_dir: parent of the local run directory (default ``<trainer.default_root_dir>/fp8track-runs``,
+            which is ``./fp8track-runs`` unless the Trainer's ``default_root_dir`` is set).
         config: the rest, as a :class:`fp8track.MonitorConfig`, a mapping or a YAML path: captured
             tensors and statistics, what-if recipes, and the spike / divergence / drift thresholds.
         analyzers: replace the default analyzers (then ``config``'s thresholds do not apply).
@@ -101,13 +101,10 @@ class FP8Monitor(Callback):
                 raise invalid_choice("on_spike action", on_spike, SPIKE_ACTIONS)
             changes["spikes"] = dataclasses.replace(cfg.spikes, action=on_spike)
         self.config = cfg.replace(**changes) if changes else cfg
-        if layers is not None and not (callable(layers) or isinstance(layers, (str, list, tuple))):
-            raise ConfigError(f"layers must be None, a string, a list of strings or a callable, got {layers!r}")
+        check_frontend_args(layers, eval_metrics)
         from fp8track.trackers import validate_tracker_spec
 
         validate_tracker_spec(trackers)
-        if not (eval_metrics == "auto" or (not isinstance(eval_metrics, str) and all(isinstance(n, str) for n in eval_metrics))):
-            raise ConfigError(f"eval_metrics must be 'auto' or a list of logged metric names, got {eval_metrics!r}")
         self.eval_metrics = eval_metrics if isinstance(eval_metrics, str) else tuple(eval_metrics)
         self.layers = layers
         self.trackers = trackers
@@ -130,25 +127,6 @@ class FP8Monitor(Callback):
     def state_key(self) -> str:
         return self._generate_state_key(every_n_steps=self.config.every_n_steps, tensors=self.config.tensors)
 
-    # -- results --------------------------------------------------------------------------------
-    @property
-    def run_dir(self) -> Path | None:
-        """The run directory of the current (or last) fit; None before ``fit`` and on ranks > 0."""
-        return self.monitor.run_dir if self.monitor is not None else None
-
-    @property
-    def events(self) -> list[EventRecord]:
-        """Every event written so far (spikes, divergence, drift, run end), read from the run
-        directory; empty before ``fit`` and on ranks > 0."""
-        run_dir = self.run_dir
-        return list(RunReader(run_dir).events()) if run_dir is not None else []
-
-    def summary(self, top_k: int = 5) -> dict[str, Any] | None:
-        """The run at a glance (:func:`fp8track.frontend.run_summary`): worst layers, spike counts,
-        gap to the control. None before ``fit`` and on ranks > 0."""
-        return run_summary(self.run_dir, top_k) if self.run_dir is not None else None
-
-
     # -- layer selection: at on_fit_start, after precision plugins converted the model -------------
     # Lightning runs Callback.setup, then configure_model, then Strategy.setup, whose
     # precision_plugin.convert_module swaps layers (TransformerEnginePrecision, any plugin that
@@ -156,7 +134,7 @@ class FP8Monitor(Callback):
     # the first step, so a bad selector still fails before training.
 
     def _build_monitor(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Monitor:
-        log_dir = Path(self.log_dir) if self.log_dir is not None else Path(trainer.default_root_dir) / "fp8track"
+        log_dir = Path(self.log_dir) if self.log_dir is not None else Path(trainer.default_root_dir) / DEFAULT_LOG_DIR
         trackers: list[Any] = []
         baseline = None
         if trainer.is_global_zero:  # trackers and the control feed rank-0 work only
@@ -165,9 +143,7 @@ class FP8Monitor(Callback):
             if self.trackers not in ("none", None):
                 trackers = make_trackers(self.trackers, trainer.loggers)
             if self.baseline is not None:
-                from fp8track.analysis.baseline import load_baseline
-
-                baseline = load_baseline(self.baseline, mlflow_tracking_uri(trainer.loggers))
+                baseline = load_control(self.baseline, mlflow_tracking_uri(trainer.loggers))
         meta = run_meta_for(
             pl_module, self.config.run_name, {"monitor": self.config.to_dict(), "baseline": self.baseline},
             report=self.apply_report,

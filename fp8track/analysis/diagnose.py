@@ -46,12 +46,14 @@ from typing import Any
 import numpy as np
 
 from fp8track.analysis.baseline import Baseline, RunData, classify_spike
+from fp8track.analysis.pairing import Mismatch, align_runs, check_pairing
 from fp8track.analysis.ranking import LayerRisk, history_shifts, outliers, rank_layers
 from fp8track.analysis.spikes import SpikeConfig, SpikeEvent, detect_spikes
 from fp8track.analysis.windows import MAD_TO_SIGMA, centred_median
 from fp8track.errors import ConfigError, check_float, check_int
 
 KINDS = (
+    "mismatched_runs",
     "shared_spikes",
     "fp8_only_spikes",
     "divergence_from_start",
@@ -547,6 +549,11 @@ def diagnose(fp8: RunData, control: RunData, config: DiagnosisConfig | None = No
     Raises:
         ConfigError: when the runs have no loss metric or fewer than 3 common loss steps.
     """
+    # Pairing before judging (fp8track.analysis.pairing): runs that do not belong together get one
+    # mismatched_runs finding, never a verdict; runs that do are compared under common layer names.
+    if (mismatch := check_pairing(fp8, control)) is not None:
+        return mismatched_diagnosis(fp8, control, mismatch)
+    fp8, control = align_runs(fp8, control)
     cfg = config or DiagnosisConfig()
     fkey, ckey = fp8.loss_key(loss_key), control.loss_key(loss_key)
     fl, cl = fp8.metrics[fkey], control.metrics[ckey]
@@ -701,6 +708,18 @@ def diagnose(fp8: RunData, control: RunData, config: DiagnosisConfig | None = No
     )
 
 
+def mismatched_diagnosis(fp8: RunData, control: RunData, mismatch: Mismatch) -> Diagnosis:
+    """The diagnosis of two runs that cannot be compared: one ``mismatched_runs`` finding carrying
+    the mismatch's one line, no ranking, no loss comparison."""
+    empty = LossComparison((), (), (), (), (), math.nan, math.nan, None, None, 0)
+    finding = Finding(
+        "mismatched_runs", "high", 0.99, "The FP8 run and the control cannot be compared", mismatch.message,
+        evidence={"mismatch": mismatch.kind},
+        next_experiments=("pass the FP8 run and its BF16 control: the same model, data and steps, the control in BF16",),
+    )
+    return Diagnosis(fp8.source, control.source, (finding,), (), None, empty)
+
+
 TROUBLE_KINDS = ("fp8_only_spikes", "divergence_from_start", "mid_training_gap", "downstream_drop_with_normal_loss")
 ERROR_SIGNALS = ("rel_error_db", "cos_loss")
 CORROBORATE_Z = 2.0
@@ -726,6 +745,7 @@ __all__ = [
     "Diagnosis",
     "LossComparison",
     "diagnose",
+    "mismatched_diagnosis",
     "compare_loss",
     "compare_evals",
     "newly_enabled",

@@ -20,7 +20,11 @@ name                    meaning (TE class)
 String grammar (:meth:`Recipe.from_string`): ``NAME[:TOKEN]...`` where each token is one of
 ``hybrid`` | ``e4m3`` (format), ``h<N>`` (amax history length), ``max`` | ``most_recent``
 (amax compute algorithm), ``m<N>`` (margin), ``gemm=fp8`` | ``gemm=bf16`` (GEMM mode),
-``variant=<torchao variant>``. Example: ``"delayed:hybrid:h16:max"``. Without a format token a
+``variant=<torchao variant>``. Example: ``"delayed:hybrid:h16:max"``. Each option is given at
+most once and only to a recipe it applies to (:data:`RECIPE_OPTIONS`: ``h<N>`` and
+``max|most_recent`` to ``delayed``, ``m<N>`` to ``delayed``/``current``/``fp8_input_bf16_gemm``, ...);
+an inapplicable option at its default value is accepted, so the canonical strings of
+:meth:`Recipe.to_string` parse. Without a format token a
 recipe takes Transformer Engine's default for its class (:data:`TE_DEFAULT_FORMATS`): ``hybrid``
 for ``delayed`` and ``current``, ``e4m3`` for ``mxfp8`` and ``block``. Aliases:
 ``tensorwise`` = ``current``, ``blockwise`` = ``block``, ``rowwise`` and ``rowwise_with_gw_hp``
@@ -62,6 +66,30 @@ TE_DEFAULT_FORMATS: dict[str, str] = {
     "mxfp8": "e4m3",
     "block": "e4m3",
     "fp8_input_bf16_gemm": "hybrid",
+}
+# The options that mean something for each recipe (besides ``name``), as in Transformer Engine's recipe
+# classes (transformer_engine/common/recipe/__init__.py): only DelayedScaling has amax_history_len and
+# amax_compute_algo; margin is DelayedScaling's (fp8track also applies it to current scaling, as
+# Megatron's --fp8-margin does; MXFP8BlockScaling and Float8BlockScaling have none: their scales are
+# powers of two from each block's amax); the torchao variant belongs to current scaling; bf16 quantises
+# nothing, its format only judges the shadow statistics. A field outside its recipe's set must keep its
+# default: Recipe("mxfp8", margin=2) or "current:h16" would otherwise be accepted and silently ignored.
+RECIPE_OPTIONS: dict[str, tuple[str, ...]] = {
+    "bf16": ("fp8_format",),
+    "delayed": ("fp8_format", "amax_history_len", "amax_compute_algo", "margin", "gemm"),
+    "current": ("fp8_format", "margin", "gemm", "variant"),
+    "mxfp8": ("fp8_format", "gemm"),
+    "block": ("fp8_format", "gemm"),
+    "fp8_input_bf16_gemm": ("fp8_format", "margin", "gemm"),
+}
+# How each field is written in the string grammar (for messages).
+_TOKEN_FORMS = {
+    "fp8_format": "hybrid|e4m3",
+    "amax_history_len": "h<N>",
+    "amax_compute_algo": "max|most_recent",
+    "margin": "m<N>",
+    "gemm": "gemm=fp8|bf16",
+    "variant": "variant=<torchao variant>",
 }
 # Megatron-LM / NeMo key spellings accepted by from_dict, mapped to field names.
 _KEY_ALIASES = {
@@ -126,6 +154,18 @@ class Recipe:
                     f"torchao's {self.variant!r} uses e4m3 for every operand; set fp8_format='e4m3' "
                     f"(got {self.fp8_format!r})"
                 )
+        self._check_options_apply()
+
+    def _check_options_apply(self) -> None:
+        allowed = RECIPE_OPTIONS[self.name]
+        for f in dataclasses.fields(self):
+            if f.name == "name" or f.name in allowed or getattr(self, f.name) == f.default:
+                continue
+            forms = ", ".join(_TOKEN_FORMS[o] for o in allowed)
+            raise ConfigError(
+                f"{f.name}={getattr(self, f.name)!r} ({_TOKEN_FORMS[f.name]}) does not apply to recipe {self.name!r}; "
+                f"its options are: {forms}"
+            )
 
     # --- derived properties -------------------------------------------------------------------
     @property
@@ -187,8 +227,16 @@ class Recipe:
             raise ConfigError(f"recipe string must be non-empty, got {text!r}")
         head, *tokens = text.strip().split(":")
         data: dict[str, Any] = {"name": head}
+        given: dict[str, str] = {}  # field -> the token that set it
         for tok in tokens:
-            data.update(_parse_token(tok, text))
+            for key, value in _parse_token(tok, text).items():
+                if key in given:
+                    raise ConfigError(
+                        f"recipe string {text!r} gives {key} twice ({given[key]!r} and {tok!r}); "
+                        f"give one {_TOKEN_FORMS[key]} token"
+                    )
+                given[key] = tok
+                data[key] = value
         return cls.from_dict(data)
 
     @classmethod

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp8track.errors import ConfigError, invalid_choice
+from fp8track.errors import ConfigError, invalid_choice, read_yaml_mapping
 
 METHODS = ("grid", "random", "bayes")
 GOALS = ("minimize", "maximize")
@@ -108,24 +108,9 @@ class SweepSpec:
 
 
 def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Safe-load a YAML mapping; unsafe tags, syntax errors and non-mappings raise ConfigError."""
-    import yaml
-
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as err:
-        raise ConfigError(f"cannot read sweep file {p}: {err}") from err
-    try:
-        data = yaml.safe_load(text)
-    except yaml.constructor.ConstructorError as err:
-        raise ConfigError(f"sweep file {p} uses an unsafe or unknown YAML tag ({err.problem}); "
-                          "only plain YAML is accepted") from err
-    except yaml.YAMLError as err:
-        raise ConfigError(f"sweep file {p} is not valid YAML: {err}") from err
-    if not isinstance(data, dict):
-        raise ConfigError(f"sweep file {p} must hold a mapping of sweep keys, got {type(data).__name__}")
-    return data
+    """Safe-load a YAML mapping; a missing or non-UTF-8 file, unsafe tags, syntax errors and
+    non-mappings raise ConfigError (:func:`fp8track.errors.read_yaml_mapping`)."""
+    return read_yaml_mapping(path, "sweep file")
 
 
 def schema_violations(config: Mapping[str, Any]) -> list[str] | None:

@@ -8,6 +8,10 @@ sends them again; what was delivered is removed from the missed file.
 Replay re-sends whole steps: a step that had partly reached the tracker (say its metrics but not
 its table rows) is sent again in full. MLflow keeps every point, so such a step can appear twice
 in a metric history; W&B gains a second row with the same ``trainer/global_step``.
+
+``fp8track sync --mlflow-uri`` without ``--mlflow-run-id`` completes the MLflow run that already
+carries the run directory's ``fp8track.run_id`` tag (the training's own run, or the run an earlier
+sync created): a second sync finds it and sends only what is still missed, never a second run.
 """
 
 from __future__ import annotations
@@ -153,6 +157,22 @@ def missed_steps(run_dir: str | os.PathLike[str], tracker_name: str) -> list[int
     return sorted({int(e["step"]) for e in read_missed(run_dir, tracker_name) if e.get("step") is not None})
 
 
+def find_mlflow_run(client: Any, fp8track_run_id: str | None) -> str | None:
+    """The MLflow run that already holds this fp8track run: the earliest run, in any experiment of
+    ``client``'s store, tagged ``fp8track.run_id`` = ``fp8track_run_id`` (the tag every
+    :class:`~fp8track.trackers.mlflow.MLflowTracker` run carries); None when there is none."""
+    if not fp8track_run_id or "'" in fp8track_run_id:
+        return None
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    if not experiments:
+        return None
+    runs = client.search_runs(
+        experiments, filter_string=f"tags.`fp8track.run_id` = '{fp8track_run_id}'",
+        order_by=["attributes.start_time ASC"], max_results=1,
+    )
+    return runs[0].info.run_id if runs else None
+
+
 # -- CLI -------------------------------------------------------------------------------------------
 def _cmd_sync(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
@@ -162,16 +182,22 @@ def _cmd_sync(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {}
     meta = run_meta(run_dir)
     if args.mlflow_uri:
+        from fp8track.optional import require
         from fp8track.trackers.mlflow import MLflowTracker
 
+        client = require("mlflow", "fp8track sync --mlflow-uri").MlflowClient(args.mlflow_uri)
+        run_id = args.mlflow_run_id or find_mlflow_run(client, meta.run_id)
         tracker = MLflowTracker(
-            tracking_uri=args.mlflow_uri, run_id=args.mlflow_run_id, experiment_name=args.mlflow_experiment,
+            client=client, run_id=run_id, experiment_name=args.mlflow_experiment,
             run_name=meta.name, name=args.mlflow_name, background=False,
         )
-        # A new run has seen nothing yet, so it gets every step; an existing one only what it missed.
-        only_missed = args.mlflow_run_id is not None and not args.all
+        # A new run has seen nothing yet, so it gets every step; an existing one (named, or the run
+        # an earlier sync or the training itself logged this run directory to) only what it missed,
+        # so a second sync sends nothing twice.
+        only_missed = run_id is not None and not args.all
         n = replay(run_dir, tracker, only_missed=only_missed)
-        report["mlflow"] = {"run_id": tracker.run_id, "steps": n, "still_missed": missed_steps(run_dir, tracker.name)}
+        report["mlflow"] = {"run_id": tracker.run_id, "existing_run": run_id is not None, "steps": n,
+                            "still_missed": missed_steps(run_dir, tracker.name)}
     if args.wandb_dir:
         from fp8track.trackers.wandb import WandbTracker
 
@@ -194,7 +220,8 @@ def add_subparser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("run_dir", help="fp8track run directory (holds meta.json, metrics.jsonl, ...)")
     p.add_argument("--mlflow-uri", help="MLflow tracking URI, e.g. sqlite:///mlflow.db or http://127.0.0.1:5000")
-    p.add_argument("--mlflow-run-id", help="existing run to complete (default: a new run with every step)")
+    p.add_argument("--mlflow-run-id", help="existing run to complete (default: the run already tagged with this "
+                   "run directory's fp8track.run_id, else a new run with every step)")
     p.add_argument("--mlflow-experiment", default="fp8track", help="experiment for a new MLflow run")
     p.add_argument("--mlflow-name", default="mlflow", help="tracker name whose missed file to read")
     p.add_argument("--wandb-dir", help="directory for a new W&B run (upload it later with `wandb sync`)")

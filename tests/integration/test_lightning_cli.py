@@ -60,7 +60,7 @@ def test_callback_and_its_arguments_from_the_command_line(tmp_path):
     assert mon.config.every_n_steps == 2 and mon.on_spike == "stop" and mon.trackers == "none"
     cli.trainer.fit(cli.model)
     reader = RunReader(mon.run_dir)
-    assert mon.run_dir.parent == tmp_path / "fp8track"
+    assert mon.run_dir.parent == tmp_path / "fp8track-runs"
     assert sorted({r.step for r in reader.tensor_stats()}) == [0, 2]
     assert sorted(reader.series()) == [0, 1, 2, 3]
 

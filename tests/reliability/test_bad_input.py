@@ -53,6 +53,23 @@ def _corrupt_run_dir(tmp: Path) -> Path:
     return d
 
 
+def _file(tmp: Path, name: str, content: bytes) -> Path:
+    (tmp / name).write_bytes(content)
+    return tmp / name
+
+
+def _monitor_config_file(content: bytes):
+    from fp8track.lightning import FP8Monitor
+
+    return lambda tmp: FP8Monitor(config=_file(tmp, "bad.yaml", content))
+
+
+def _plain_monitor(**kw):
+    import fp8track
+
+    return lambda tmp: fp8track.Monitor(torch.nn.Linear(4, 4), log_dir=tmp, **{k: str(v).format(tmp=tmp) for k, v in kw.items()})
+
+
 def _sync_corrupt(tmp: Path):
     from fp8track.trackers.replay import step_batches
 
@@ -96,11 +113,29 @@ CASES: tuple[Case, ...] = (
     Case("FP8Monitor(trackers='tensorboard')", ("'tensorboard'", "'wandb'", "'mlflow'"), _monitor(trackers="tensorboard")),
     Case("FP8Monitor(on_spike='halt')", ("'halt'", "'stop'", "'checkpoint'"), _monitor(on_spike="halt")),
     Case("FP8Monitor(layers='re:fc9') on a model without fc9", ("fc9",), lambda tmp: _monitor_on(tmp, layers="re:fc9")),
+    Case("FP8Monitor(config='bad.yaml') (not UTF-8)", ("bad.yaml", "not UTF-8", "UTF-8 YAML"),
+         _monitor_config_file("every_n_steps: 5 # caf\xe9".encode("latin-1"))),
+    Case("FP8Monitor(config='bad.yaml') (malformed YAML)", ("bad.yaml", "not valid YAML", "line 1"),
+         _monitor_config_file(b"tensors: [activation\n")),
+    Case("FP8Monitor(config='bad.yaml') (a !!python tag)", ("bad.yaml", "unsafe or unknown YAML tag", "plain YAML"),
+         _monitor_config_file(b"every_n_steps: !!python/object/apply:os.getpid []\n")),
+    Case("fp8track.Monitor(model, baseline=<missing folder>)", ("nope", "does not exist", "mlflow:<run_id>"),
+         _plain_monitor(baseline="{tmp}/nope")),
+    Case("fp8track.Monitor(model, baseline='mlflow:<run id that does not exist>')", ("0123456789abcdef", "no such run"),
+         _plain_monitor(baseline="mlflow:0123456789abcdef", tracking_uri="sqlite:///{tmp}/mlflow.db")),
+    Case("FP8TrainerCallback(trackers='wandb')", ("'wandb'", "'auto'", "'none'", "Tracker objects"),
+         lambda _t: __import__("fp8track.hf", fromlist=["x"]).FP8TrainerCallback(trackers="wandb")),
+    Case("FP8TrainerCallback(every_n_steps=0)", ("every_n_steps", ">= 1", "0"),
+         lambda _t: __import__("fp8track.hf", fromlist=["x"]).FP8TrainerCallback(every_n_steps=0)),
     Case("Monitor(log_dir=<a file>)", ("log_dir", "writable"), lambda tmp: _monitor_on((tmp / "f").touch() or tmp / "f", meta=RunMeta(run_id="run1"))),
     # -- recipe and fallback specs ----------------------------------------------------------------
     Case("apply_fp8(model, 'delayd')", ("'delayd'", "'delayed'"), _recipe("delayd")),
     Case("apply_fp8(model, 'delayed:e5m2')", ("e5m2", "hybrid"), _recipe("delayed:e5m2")),
     Case("apply_fp8(model, 'delayed:h0')", ("amax_history_len", ">= 1", "0"), _recipe("delayed:h0")),
+    Case("apply_fp8(model, 'mxfp8:m2')", ("margin=2", "'mxfp8'", "hybrid|e4m3, gemm=fp8|bf16"), _recipe("mxfp8:m2")),
+    Case("apply_fp8(model, 'current:h16')", ("amax_history_len=16", "'current'", "hybrid|e4m3, m<N>"), _recipe("current:h16")),
+    Case("apply_fp8(model, 'delayed:hybrid:e4m3')", ("fp8_format twice", "'hybrid'", "'e4m3'", "hybrid|e4m3"),
+         _recipe("delayed:hybrid:e4m3")),
     Case("bf16_layers='first:two'", ("'first:two'", "first:N"), _fallback("first:two")),
     Case("bf16_layers='re:fc[1'", ("fc[1", "does not compile"), _fallback("re:fc[1")),
     Case("bf16_layers='none,first'", ("none",), _fallback("none,first")),
@@ -119,6 +154,14 @@ CASES: tuple[Case, ...] = (
     Case("fp8track demo --steps 1", ("steps", ">= 10", "1"), argv=("demo", "--steps", "1")),
     Case("fp8track sync /nonexistent", ("/nonexistent", "does not exist"), argv=("sync", "/nonexistent")),
     Case("fp8track sync <run dir> (no destination)", ("--mlflow-uri", "--wandb-dir"), argv=("sync", "{run_dir}")),
+    Case("fp8track sync <run dir> --mlflow-uri bogus://x", ("'bogus://x'", "sqlite://", "http://"),
+         argv=("sync", "{run_dir}", "--mlflow-uri", "bogus://x")),
+    Case("fp8track sweep <sweep.yaml> --trials 0", ("--trials", ">= 1", "0"),
+         argv=("sweep", "{repo}/integrations/wandb/fp8_sweep.yaml", "--trials", "0")),
+    Case("fp8track sweep <a sweep YAML that is not UTF-8>", ("latin1.yaml", "not UTF-8", "UTF-8 YAML"),
+         argv=("sweep", "{tmp}/latin1.yaml")),
+    Case("fp8track diagnose <run> --baseline <run> --out <an existing file>", ("--out", "a-file", "not a folder"),
+         argv=("diagnose", "{run_dir}", "--baseline", "{run_dir}", "--out", "{tmp}/a-file")),
 )
 
 
@@ -140,7 +183,9 @@ def _refuse(case: Case, tmp: Path) -> str:
     run_dir = tmp / "run"
     run_dir.mkdir(exist_ok=True)
     (run_dir / "meta.json").write_text(json.dumps({"run_id": "r", "name": "n"}))
-    argv = [a.format(run_dir=run_dir) for a in case.argv]
+    _file(tmp, "latin1.yaml", "name: caf\xe9\n".encode("latin-1"))
+    _file(tmp, "a-file", b"")
+    argv = [a.format(run_dir=run_dir, tmp=tmp, repo=DOC.parents[1]) for a in case.argv]
     proc = subprocess.run(
         [sys.executable, "-m", "fp8track.cli", *argv], capture_output=True, text=True, timeout=300, cwd=tmp,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},

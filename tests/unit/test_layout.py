@@ -27,6 +27,7 @@ LAYERS = {
     "frontend": 70,
     "trial": 75,  # a sweep trial's settings and shared caches: below the sweep program and the executor
     "lightning": 80,
+    "hf": 80,  # the Hugging Face Trainer callback (a sibling of the Lightning one)
     "examples": 82,  # example programs; the sweep program uses the Lightning callback
     "sweep": 85,  # drives Lightning training runs
     "demo": 90,

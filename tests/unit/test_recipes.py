@@ -1,7 +1,7 @@
 import pytest
 
 from fp8track.errors import ConfigError
-from fp8track.execution.recipes import RECIPE_NAMES, Recipe
+from fp8track.execution.recipes import RECIPE_NAMES, RECIPE_OPTIONS, Recipe
 
 
 def test_defaults_match_transformer_engine_delayed_scaling():
@@ -71,9 +71,42 @@ def test_from_string_grammar():
 
 @pytest.mark.parametrize("name", RECIPE_NAMES)
 def test_round_trips(name):
-    r = Recipe(name, amax_history_len=7, margin=1)
+    options = {"amax_history_len": 7, "margin": 1, "amax_compute_algo": "most_recent", "gemm": "bf16", "fp8_format": "e4m3"}
+    r = Recipe(name, **{k: v for k, v in options.items() if k in RECIPE_OPTIONS[name]})
     assert Recipe.from_string(r.to_string()) == r
     assert Recipe.from_dict(r.to_dict()) == r
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "valid"),
+    [
+        ("mxfp8:m2", "margin=2", "hybrid|e4m3, gemm=fp8|bf16"),
+        ("block:most_recent", "amax_compute_algo='most_recent'", "hybrid|e4m3, gemm=fp8|bf16"),
+        ("current:h16", "amax_history_len=16", "hybrid|e4m3, m<N>, gemm=fp8|bf16, variant=<torchao variant>"),
+        ("bf16:gemm=fp8", "gemm='fp8'", "its options are: hybrid|e4m3"),
+        ("fp8_input_bf16_gemm:h4", "amax_history_len=4", "hybrid|e4m3, m<N>, gemm=fp8|bf16"),
+    ],
+)
+def test_an_option_that_does_not_apply_to_the_recipe_is_refused(text, field, valid):
+    with pytest.raises(ConfigError) as info:
+        Recipe.from_string(text)
+    msg = str(info.value)
+    assert field in msg and repr(text.split(":")[0]) in msg and valid in msg
+    with pytest.raises(ConfigError, match="does not apply"):  # the same through keywords
+        Recipe.from_dict(dict([("name", text.split(":")[0]), ("margin", 3)]) if "m2" in text else {"name": "current", "amax_history_len": 16})
+
+
+@pytest.mark.parametrize(("text", "twice"), [("delayed:hybrid:e4m3", "fp8_format"), ("delayed:h16:h8", "amax_history_len"),
+                                             ("current:m1:m2", "margin"), ("delayed:max:most_recent", "amax_compute_algo")])
+def test_an_option_given_twice_is_refused(text, twice):
+    with pytest.raises(ConfigError, match=f"gives {twice} twice"):
+        Recipe.from_string(text)
+
+
+def test_canonical_strings_of_every_recipe_still_parse():
+    # to_string writes every field; the inapplicable ones at their defaults are accepted.
+    for name in RECIPE_NAMES:
+        assert Recipe.from_string(f"{name}:h1024:max:m0") == Recipe(name)
 
 
 def test_aliases_and_megatron_keys():

@@ -1,0 +1,94 @@
+"""fp8track.Monitor, the plain-loop frontend: ``baseline=`` in every reference form, loaded before
+training; the with-block; the one default run folder; wrappers looked through."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import fp8track
+from fp8track.config import DEFAULT_LOG_DIR
+from fp8track.frontend import unwrap_model
+from fp8track.monitoring.naming import LOSS_METRIC, run_metric
+from fp8track.monitoring.records import RunReader
+
+GAP = run_metric("loss_gap_vs_baseline")
+
+
+def _net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+
+def _run(monitor: fp8track.Monitor, losses: list[float]) -> None:
+    with monitor:
+        for v in losses:
+            monitor.model(torch.ones(2, 4)).sum().backward()
+            monitor.step(loss=v)
+
+
+def _metrics(run_dir, key):
+    return {m.step: m.metrics[key] for m in RunReader(run_dir).metrics() if key in m.metrics}
+
+
+def test_baseline_as_a_run_directory_path_feeds_the_loss_gap(tmp_path):
+    control = fp8track.Monitor(_net(), {"every_n_steps": 1}, log_dir=tmp_path)
+    _run(control, [3.0, 2.5, 2.0, 1.5])
+    # the path as a string, and as a Path: loaded at construction, the gap = loss - control loss
+    for ref in (str(control.run_dir), control.run_dir):
+        fp8 = fp8track.Monitor(_net(), {"every_n_steps": 2}, log_dir=tmp_path, baseline=ref)
+        _run(fp8, [3.5, 2.5, 2.25, 1.0])
+        # at the flushes: sampled steps 0 and 2, and close() flushing step 3 (1.0 - 1.5)
+        assert _metrics(fp8.run_dir, GAP) == pytest.approx({0: 0.5, 2: 0.25, 3: -0.5})
+        assert not [e for e in fp8.events if e.kind == "analysis_error"]
+
+
+def test_baseline_from_mlflow_with_the_tracking_uri(tmp_path):
+    from fp8track.trackers.mlflow import MLflowTracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = MLflowTracker(tracking_uri=uri, background=False, heatmap=False)
+    control = fp8track.Monitor(_net(), {"every_n_steps": 1}, log_dir=tmp_path, trackers=[tracker])
+    _run(control, [2.0, 1.0])
+    fp8 = fp8track.Monitor(_net(), {"every_n_steps": 1}, log_dir=tmp_path, baseline=f"mlflow:{tracker.run_id}",
+                           tracking_uri=uri)
+    _run(fp8, [2.5, 0.5])
+    assert _metrics(fp8.run_dir, GAP) == pytest.approx({0: 0.5, 1: -0.5})
+
+
+def test_a_bad_baseline_is_refused_before_any_hook_or_file(tmp_path):
+    with pytest.raises(fp8track.ConfigError, match="baseline must be a run directory"):
+        fp8track.Monitor(_net(), log_dir=tmp_path, baseline=42)
+    with pytest.raises(fp8track.ConfigError, match="does not exist"):
+        fp8track.Monitor(_net(), log_dir=tmp_path, baseline=tmp_path / "missing")
+    assert os.listdir(tmp_path) == []  # nothing written
+
+
+def test_with_block_closes_and_writes_pending_losses_even_when_the_loop_raises(tmp_path):
+    mon = fp8track.Monitor(_net(), {"every_n_steps": 10}, log_dir=tmp_path)
+    with pytest.raises(RuntimeError, match="user code"):
+        with mon:
+            for v in (1.0, 2.0, 3.0):  # step 0 is sampled; steps 1 and 2 wait for a flush
+                mon.step(loss=v)
+            raise RuntimeError("user code failed")
+    assert mon.closed
+    assert _metrics(mon.run_dir, LOSS_METRIC) == {0: 1.0, 1: 2.0, 2: 3.0}
+    assert [e.kind for e in mon.events][-1] == "run_end"
+
+
+def test_default_run_folder_is_fp8track_runs_in_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with fp8track.Monitor(_net()) as mon:
+        mon.step(loss=1.0)
+    assert DEFAULT_LOG_DIR == "fp8track-runs" and mon.run_dir.resolve().parent == tmp_path.resolve() / "fp8track-runs"
+
+
+def test_unwrap_model_looks_through_fabric_and_peft_wrappers():
+    from lightning.fabric.wrappers import _FabricModule
+
+    net = _net()
+    wrapped = _FabricModule(net, strategy=None)
+    assert unwrap_model(wrapped) is net and unwrap_model(net) is net
+    assert any(n.startswith("_forward_module.") for n, _ in wrapped.named_modules())
