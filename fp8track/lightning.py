@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import Callback
 
 from fp8track.analysis.spikes import SPIKE_ACTIONS
 from fp8track.config import DEFAULT_LOG_DIR, MonitorConfig
-from fp8track.errors import ConfigError, invalid_choice
+from fp8track.errors import invalid_choice
 from fp8track.execution.apply import ApplyReport
 from fp8track.frontend import FrontendResults, Monitor, check_frontend_args, load_control
 from fp8track.monitoring.capture import LayerFilter
