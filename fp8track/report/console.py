@@ -28,8 +28,8 @@ def print_diagnosis(d: Any, html_path: Any = None, console: Any = None, runs: Se
         return
     table = Table(width=min(console.width, TABLE_WIDTH), box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     table.add_column("severity", no_wrap=True)
-    table.add_column("finding", ratio=3)
-    table.add_column("layers", ratio=2, overflow="fold")
+    table.add_column("finding", ratio=5)
+    table.add_column("layers", ratio=3, overflow="fold")
     table.add_column("conf.", justify="right", no_wrap=True)
     for f in d.findings:
         c = COLORS[f.severity]
