@@ -157,9 +157,9 @@ class _Commands:
         self._sub = sub
 
     def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
-        kwargs["help"] = COMMANDS[name]
-        description = kwargs.get("description") or COMMANDS[name]
-        kwargs["description"] = description.replace("``", "")[:1].upper() + description.replace("``", "")[1:]
+        kwargs["help"] = COMMANDS.get(name, kwargs.get("help"))
+        description = (kwargs.get("description") or kwargs["help"] or "").replace("``", "")
+        kwargs["description"] = description[:1].upper() + description[1:]
         return self._sub.add_parser(name, **kwargs)
 
 
