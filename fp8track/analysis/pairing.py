@@ -28,7 +28,6 @@ import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from fp8track.analysis.baseline import RunData
 from fp8track.errors import ConfigError

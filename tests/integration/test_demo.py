@@ -24,9 +24,12 @@ def test_demo_trains_three_runs_diagnoses_and_keeps_wandb_runs_apart(tmp_path):
         capture_output=True, text=True, timeout=1200,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # progress lines ("[fp8track] trained ...") come first, then the JSON summary, then the answers
-    start = proc.stdout.index("\n{\n") + 1
-    summary = json.loads(proc.stdout[start : proc.stdout.index("\n}\n", start) + 2])
+    # the console ends with the answers; the summary is a file, not a JSON dump on the console
+    summary = json.loads((out / "demo.json").read_text())
+    assert '"runs"' not in proc.stdout
+    answers = proc.stdout[proc.stdout.index("== answers ==") :].strip().splitlines()[1:]
+    assert [a.split(":")[0] for a in answers] == ["fp8-delayed", "fp8-planted"]
+    assert "[fp8track] training [1/3] bf16-control" in proc.stdout
     control, fp8, planted = summary["runs"]
     assert (control["recipe"], fp8["recipe"], planted["name"]) == ("bf16", "delayed:hybrid:h16:max", "fp8-planted")
     uri = f"sqlite:///{out / 'mlflow.db'}"

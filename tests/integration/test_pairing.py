@@ -118,6 +118,7 @@ def test_the_same_run_twice_is_refused(runs, tmp_path):
     assert "identical loss" in check_pairing(fp8, twin).message
 
 
+@pytest.mark.slow
 def test_a_bert_control_for_a_llama_run_is_refused(runs):
     llama = load_run(_hf(runs["tmp"], "llama-fp8", "llama", "current"))
     bert = load_run(_hf(runs["tmp"], "bert-control", "bert", "bf16"))
