@@ -179,7 +179,6 @@ def _run_cached(spec: ds.RunSpec, cache: Path) -> dict[str, Any]:
         data = json.loads(res.read_text())
         if Path(data["run_dir"]).is_dir():
             return data
-    _worker_init()
     data = ds.train_run(spec, d / "runs")
     d.mkdir(parents=True, exist_ok=True)
     res.write_text(json.dumps(data))
@@ -200,7 +199,14 @@ def train_all(specs: Sequence[ds.RunSpec], cache: Path, jobs: int) -> dict[str, 
     """Every distinct run, in ``jobs`` processes; cached ones are read back."""
     unique = {s.key(): s for s in specs}
     if jobs <= 1:
-        return {k: _run_cached(s, cache) for k, s in unique.items()}
+        import torch
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # tiny GEMMs run best on one thread
+        try:
+            return {k: _run_cached(s, cache) for k, s in unique.items()}
+        finally:
+            torch.set_num_threads(threads)
     import multiprocessing as mp
 
     with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init) as pool:
@@ -255,7 +261,6 @@ def run(subset: str = "full", families: Sequence[str] | None = None, cache: Path
     scs = ds.select(subset, families)
     runs = train_all([s.fp8 for s in scs] + [s.control() for s in scs], cache, jobs)
     t_train = time.perf_counter() - t0
-    _worker_init()
     rows = []
     for sc in scs:
         rows.append(evaluate_scenario(sc, runs[sc.fp8.key()], runs[sc.control().key()], _bf16_cached(sc.fp8, cache)))
@@ -286,7 +291,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: unknown families {bad}; valid: {', '.join(ds.FAMILIES)}" if bad else "error: --jobs must be >= 1",
               file=sys.stderr)
         return 2
-    result = run(args.subset, fams, Path(args.cache_dir), args.jobs)
+    warnings.filterwarnings("ignore")  # library chatter of transformers/torchao; the JSON is the output
+    result = run(args.subset, fams, Path(args.cache_dir).resolve(), args.jobs)
     text = json.dumps(result, indent=1, default=str)
     out = args.out or (str(DEFAULT_OUT) if args.subset == "full" and set(fams) == set(ds.FAMILIES) else None)
     if out:
