@@ -156,9 +156,9 @@ def guard_module_hooks() -> None:
     (they recompile on their next call), since they were traced without those guards.
     """
     config = torch._dynamo.config
-    if config.skip_nnmodule_hook_guards:
+    if getattr(config, "skip_nnmodule_hook_guards", False):
         config.skip_nnmodule_hook_guards = False
-        torch._dynamo.reset_code_caches()
+        getattr(torch._dynamo, "reset_code_caches", torch._dynamo.reset)()
 
 
 LayerFilter = Callable[[nn.Module, str], bool]
