@@ -11,7 +11,8 @@ compares the typical step with the compiled model's without the monitor (the goa
 steps: <= 1.05); ``mean_ratio`` includes the sampled steps. ``recompiles_measured``: frames
 dynamo compiled during the measured rounds (0: no step, sampled or not, recompiles once warm).
 ``graphs_after_warmup``: dynamo's unique graphs after the warm-up (the statistics kernels
-included).
+included). ``rows_per_sampled_step``: statistics rows each sampled step recorded (every GEMM
+layer's tensors: proof that the compiled model was observed).
 
 Usage: python bench/compile_bench.py [--rounds 6] [--steps-per-round 20] [--recipes bf16,current]
 Writes bench/results_compile.json (``--out``) and prints it.
@@ -26,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -36,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from monitor_bench import MODELS, build  # noqa: E402  (the same GPT, batches and optimizer)
 
 from fp8track import Monitor, MonitorConfig  # noqa: E402
+from fp8track.monitoring.records import RunReader  # noqa: E402
 
 CONFIGS = {"none": None, "every_10": 10, "every_1": 1}  # name: every_n_steps (None: no monitor)
 MODEL = "small"
@@ -90,11 +93,20 @@ def measure(recipe: str, rounds: int, per_round: int) -> dict:
         for name in names[r % len(names):] + names[: r % len(names)]:
             runs[name].steps(per_round, times[name], sampled[name])
     recompiles = _graphs() - graphs_warm
-    for run in runs.values():
+    rows = {}
+    for name, run in runs.items():
         if run.monitor is not None:
             run.monitor.close()
+            # a sanity check that the compiled model was observed: rows per sampled step
+            per_step = Counter(r.step for r in RunReader(run.monitor.run_dir).tensor_stats())
+            rows[name] = sorted(set(per_step.values()))
     base_mean, base_median = statistics.fmean(times["none"]), statistics.median(times["none"])
-    out: dict = {"warmup_s": round(warmup_s, 1), "graphs_after_warmup": graphs_warm, "recompiles_measured": recompiles}
+    out: dict = {
+        "warmup_s": round(warmup_s, 1),
+        "graphs_after_warmup": graphs_warm,
+        "recompiles_measured": recompiles,
+        "rows_per_sampled_step": rows,
+    }
     for name, ts in times.items():
         row = {
             "median_ms": 1e3 * statistics.median(ts),

@@ -20,8 +20,8 @@ Compiled models (``torch.compile``): the forward hook stays registered while the
 attached and reads one flag, ``active``; dynamo guards on it, so a compiled model keeps two
 graphs (unsampled: no trace of the hook; sampled: a graph break into the capture, which runs
 eagerly and calls the statistics kernel's own compiled code) and switches between them without
-recompiling. Dynamo does not guard on hooks themselves: attach before the compiled model's first
-forward (a graph traced without the hook never calls it; ``torch.compiler.reset()`` retraces).
+recompiling. Dynamo does not guard on hooks by default, so the first attach turns those guards on
+(:func:`guard_module_hooks`): a graph traced without the hook is never reused for a hooked module.
 
 Activation checkpointing: a forward that runs inside backward is a recompute
 (:mod:`fp8track.execution.checkpointing`); each layer skips as many recomputes as it observed
@@ -153,6 +153,22 @@ def _shared_partial(share: Share, plan: LayerPlan, tensor: str, scaling: str) ->
     if share.piece:
         return empty_partial(share.local.device)
     return tensor_partial(share.local, plan, tensor, scaling)
+
+
+def guard_module_hooks() -> None:
+    """Make dynamo guard on modules' hooks, once per process, and drop what it compiled without.
+
+    By default (``torch._dynamo.config.skip_nnmodule_hook_guards``, documented as unsafe) a graph
+    traced for a module without hooks is reused after a hook is added, and for any other instance
+    of the same class: the monitor's hooks would silently never run on a model compiled before
+    it attached, or on a second model (a sweep's control) compiled alongside. With hook guards on,
+    a monitored module gets its own graphs; the code caches compiled before are dropped once
+    (they recompile on their next call), since they were traced without those guards.
+    """
+    config = torch._dynamo.config
+    if getattr(config, "skip_nnmodule_hook_guards", False):
+        config.skip_nnmodule_hook_guards = False
+        getattr(torch._dynamo, "reset_code_caches", torch._dynamo.reset)()
 
 
 LayerFilter = Callable[[nn.Module, str], bool]
@@ -308,8 +324,8 @@ class LayerCapture:
         self._sync_hooks()
 
     def detach(self) -> None:
-        # Dynamo does not guard on a module's hooks (``skip_nnmodule_hook_guards``): a graph traced
-        # with the hook keeps calling it after removal, and must then find it inactive.
+        # A compiled graph traced with the hook may still call it (before dynamo's hook guards
+        # notice the removal): inactive, it returns at once.
         self._attached = False
         self.active = False
         self._sync_hooks()
@@ -324,6 +340,7 @@ class LayerCapture:
     def _sync_hooks(self) -> None:
         want = self.hooks and self._attached
         if want and not self._handles:
+            guard_module_hooks()
             # First in line: under tensor parallelism the output is still a DTensor (its gradient then
             # tells its placement) before parallelize_module's own hook turns it into a local tensor.
             self._handles.append(self.module.register_forward_hook(self._forward_hook, prepend=True))

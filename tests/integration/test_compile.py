@@ -33,10 +33,11 @@ LIGHTNING_BACKEND = "aot_eager"
 SAMPLED = [s for s in range(STEPS) if s % EVERY == 0]
 
 
-def _body() -> nn.Module:
+def _body(fp8: bool = True) -> nn.Module:
     torch.manual_seed(0)
     body = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1))
-    apply_fp8(body, "current", backend="emulated", bf16_layers="last")  # FP8 and shadow layers
+    if fp8:
+        apply_fp8(body, "current", backend="emulated", bf16_layers="last")  # FP8 and shadow layers
     return body
 
 
@@ -172,3 +173,29 @@ def test_whole_lightning_module_compiled(tmp_path):
     compiled = _fit(tmp_path, torch.compile(model, backend=LIGHTNING_BACKEND), "compiled")
     _check_counts(compiled, eager, prefix="body.")
     _check_no_recompiles([model.compiles[s] for s in range(STEPS)])
+
+
+def test_model_compiled_and_run_before_attach_and_a_twin_compiled_alongside(tmp_path, monkeypatch):
+    # Dynamo reuses a graph traced without hooks for any instance of the same class unless it
+    # guards on hooks: attaching turns those guards on and drops the graphs traced before.
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "skip_nnmodule_hook_guards", True)  # torch's default
+    # Plain linears: the model traces into one graph (emulated FP8 layers break the graph around
+    # their autograd Function, and hooks called outside a graph are always seen).
+    control, monitored = _body(fp8=False), _body(fp8=False)
+    c_control = torch.compile(control, backend=LIGHTNING_BACKEND)
+    c_monitored = torch.compile(monitored, backend=LIGHTNING_BACKEND)
+    for model in (c_control, c_monitored):
+        model(torch.randn(32, 32)).sum().backward()  # the training shape: no retrace for a new shape
+    mon = Monitor(c_monitored, {"every_n_steps": 2}, log_dir=tmp_path).attach()
+    for x, y in _batches()[:3]:
+        loss = nn.functional.mse_loss(c_monitored(x), y)
+        loss.backward()
+        mon.step(loss=loss)
+        c_control(x).sum().backward()  # the twin, unmonitored, runs in between
+    mon.close()
+    counts = _counts(mon.run_dir)
+    assert sorted({k[0] for k in counts}) == [0, 2]
+    assert {k[1] for k in counts} == _gemm_layers(monitored)
+    assert len(counts) == 2 * 3 * 3  # 2 sampled steps x 3 layers x 3 tensors
+    assert all(len(m._forward_hooks) == 0 for m in control.modules())
