@@ -100,8 +100,9 @@ class TrialSettings:
         from fp8track.execution.apply import apply_fp8
 
         costs = layer_costs(model)  # shapes before conversion (every backend keeps [out, in])
+        ranking = align_ranking(self.ranking, [c.name for c in costs]) if self.ranking else None
         report = apply_fp8(model, self.recipe, bf16_layers=self.bf16_layers, backend=backend,
-                           ranking=list(self.ranking) if self.ranking else None, example_inputs=example_inputs)
+                           ranking=ranking, example_inputs=example_inputs)
         if self.run_id is not None:
             self.record_layers(report, costs, tokens_per_step)
         return report
@@ -198,6 +199,26 @@ def trial_settings(
         tracking_uri=os.environ.get(TRACKING_URI_ENV) or None,
         ranking=ranking,
     )
+
+
+def align_ranking(ranking: Sequence[str], names: Sequence[str]) -> list[str]:
+    """``ranking`` in the names of the model being converted. The monitor names layers from the
+    module it watches (a LightningModule: ``model.model.layers.0.mlp``), the program may convert
+    the inner model (``model.layers.0.mlp``): a ranked name maps to the longest layer name it ends
+    with (after a dot); names matching no layer are dropped.
+
+    Example:
+        >>> align_ranking(["model.lm_head", "model.model.layers.0.q"], ["model.layers.0.q", "lm_head"])
+        ['lm_head', 'model.layers.0.q']
+    """
+    out: list[str] = []
+    for r in ranking:
+        hits = [n for n in names if r == n or r.endswith("." + n)]
+        if hits:
+            best = max(hits, key=len)
+            if best not in out:
+                out.append(best)
+    return out
 
 
 # --- what a trial costs: GEMM FLOPs by layer ----------------------------------------------------------
@@ -368,6 +389,7 @@ __all__ = [
     "LAYERS_ARTIFACT",
     "FLOP_SHARE_METRIC",
     "LayerCost",
+    "align_ranking",
     "layer_costs",
     "fp8_flop_share",
     "TrialSettings",

@@ -3,7 +3,7 @@ MLflow run the way any training script would (MLflow's own ``MLFLOW_RUN_ID`` / `
 
 Final value of ``--metric`` (default ``val/loss``) = ``2 + penalty(recipe) * fp8 share(bf16_layers)
 + noise(seed)``; the n-th of ``--steps`` values is the final one plus ``1 / (n + 1)``, so every run
-improves with steps. ``--hang`` ignores SIGTERM and keeps logging (the executor must SIGKILL it);
+improves with steps. ``--hang`` ignores SIGTERM (a pruned run must then be SIGKILLed);
 ``--metric none`` logs nothing (a program that never logs the sweep's metric). It writes its pid
 to ``<MLFLOW_RUN_ID>.pid`` in ``--pid_dir`` so a test can check the process is gone.
 """
@@ -62,8 +62,6 @@ def main() -> None:
         else:
             client.log_metric(rid, "train/loss", final, step=n)
         time.sleep(args.sleep)
-    while args.hang == "True":
-        time.sleep(1.0)
 
 
 if __name__ == "__main__":
