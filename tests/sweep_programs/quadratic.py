@@ -16,7 +16,7 @@ import signal
 import time
 from pathlib import Path
 
-PENALTY = {"bf16": 0.0, "current": 0.02, "mxfp8": 0.01, "block": 0.012, "delayed": 0.3}
+PENALTY = {"bf16": 0.0, "current": 0.004, "mxfp8": 0.006, "block": 0.012, "delayed": 0.3}
 # Four layers of 64 x 64 and a head of 64 x 256 (the head is half the GEMM FLOPs).
 LAYERS = {"l0": 4096, "l1": 4096, "l2": 4096, "l3": 4096, "head": 16384}
 KEEP = {"none": [], "first:1": ["l0"], "last:1": ["head"], "first_last": ["l0", "head"]}
