@@ -18,9 +18,9 @@ logging into MLflow parent/child runs.
 * **auto:K**: the ranking comes from the monitor's statistics of the same recipe with every layer
   in FP8 (that run is itself the ``bf16_layers=none`` trial, cached like any run),
   :func:`fp8track.analysis.ranking.rank_layers`.
-* **Reuse**: every finished run is cached by (program, parameters, store); a trial whose
+* **Reuse**: every finished or pruned run is cached by (program, parameters, store); a trial whose
   parameters were already run gets a child run copying that result (tag ``fp8track.reused_from``)
-  and trains nothing.
+  and trains nothing (an earlier pruned run is replayed to the pruner: pruned again, or run).
 * **Sampler**: ``grid`` -> ``GridSampler``, ``random`` -> ``RandomSampler``, ``bayes`` ->
   ``TPESampler``, re-seeded for every trial from ``(seed, trial number)``: one worker with the same
   YAML and seed proposes the same trials; several workers share the study's history in the storage
@@ -438,12 +438,31 @@ class _Sweep:
         with file_lock(lock):
             hit = self.cache.get("run", key)
             if hit is not None and self._exists(hit["run_id"]):
-                cached = RunOutcome(hit["run_id"], "COMPLETE", [float(v) for v in hit["values"]], float(hit["seconds"]))
-                return self._copy(cached, params, role, name, trial) if role == "trial" else cached
+                cached = RunOutcome(hit["run_id"], hit.get("state", "COMPLETE"), [float(v) for v in hit["values"]],
+                                    float(hit["seconds"]))
+                if role != "trial":
+                    if cached.state == "COMPLETE":
+                        return cached
+                else:
+                    # The pruner sees the earlier values again; a run that was pruned before and is
+                    # not pruned now has to train further, so it runs.
+                    pruned = self._replay(cached.values, trial)
+                    if pruned or cached.state == "COMPLETE":
+                        return self._copy(cached, params, role, name, trial, pruned)
             out = self._launch(params, role, name, trial)
-            if out.state == "COMPLETE":
-                self.cache.put("run", key, {"run_id": out.run_id, "values": out.values, "seconds": out.seconds})
+            if out.state in FINISHED_STATES:
+                self.cache.put("run", key, {"run_id": out.run_id, "values": out.values, "seconds": out.seconds,
+                                            "state": out.state})
             return out
+
+    @staticmethod
+    def _replay(values: list[float], trial: Any) -> bool:
+        """Report ``values`` to the trial's pruner in order; True as soon as it prunes."""
+        for i, v in enumerate(values):
+            trial.report(v, i)
+            if trial.should_prune():
+                return True
+        return False
 
     def _exists(self, run_id: str) -> bool:
         from mlflow.exceptions import MlflowException
@@ -545,7 +564,8 @@ class _Sweep:
         if name:
             self.client.update_run(rid, name=name[:250])
 
-    def _copy(self, src: RunOutcome, params: Mapping[str, Any], role: str, name: str, trial: Any) -> RunOutcome:
+    def _copy(self, src: RunOutcome, params: Mapping[str, Any], role: str, name: str, trial: Any,
+              pruned: bool) -> RunOutcome:
         """A child run holding the result of ``src`` (same parameters, nothing trained)."""
         from mlflow.entities import Metric, RunTag
 
@@ -555,7 +575,7 @@ class _Sweep:
         history = self.client.get_metric_history(src.run_id, self.spec.metric)
         metrics = [Metric(k, v, now, 0) for k, v in run.data.metrics.items() if k != self.spec.metric]
         metrics += [Metric(m.key, m.value, m.timestamp, m.step) for m in history]
-        tags = [RunTag(k, v) for k, v in run.data.tags.items() if k == "fp8track.bf16_layer_names"]
+        tags = [RunTag(k, v) for k, v in run.data.tags.items() if k in ("fp8track.bf16_layer_names", "fp8track.command")]
         for i in range(0, len(metrics), 900):
             self.client.log_batch(rid, metrics=metrics[i:i + 900], synchronous=True)
         if tags:
@@ -563,15 +583,8 @@ class _Sweep:
         with contextlib.suppress(Exception):
             layers = self.client.download_artifacts(src.run_id, LAYERS_ARTIFACT, str(self.logs))
             self.client.log_artifact(rid, layers)
-        pruned = False
-        if trial is not None:
-            for i, v in enumerate(src.values):
-                trial.report(v, i)
-                if trial.should_prune():
-                    pruned = True
-                    break
         state = "PRUNED" if pruned else "COMPLETE"
-        self._finish(rid, state, "KILLED" if pruned else "FINISHED")
+        self._finish(rid, state, "KILLED" if pruned else "FINISHED", name=f"{name} (reused) [pruned]" if pruned else None)
         return RunOutcome(rid, state, src.values, 0.0, reused_from=src.run_id)
 
     # -- the loop ------------------------------------------------------------------------------------

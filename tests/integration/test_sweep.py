@@ -112,8 +112,9 @@ def test_a_metric_the_program_never_logs_is_one_error_after_the_first_run(tmp_pa
     path = sweep_yaml(tmp_path, "nometric", recipe=["current"], bf16_layers=["none", "last:1"], steps=2, metric="none", seed=0)
     out = tmp_path / "out"
     assert cli(str(path), "--trials", "2", "--out", str(out)) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
+    err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(err) == 1, err  # one line (Optuna may log its own note on the failed trial)
+    assert err[0].startswith("fp8track sweep: error: ")
     assert "without logging the sweep's metric 'val/loss'" in err[0] and "train/loss" in err[0]
     assert len(list((out / "logs").glob("*.log"))) == 1  # the control, and nothing after it
 
@@ -123,19 +124,21 @@ def test_pruned_trial_stops_its_program_and_shows_as_pruned(tmp_path: Path) -> N
     SIGTERM, so the executor SIGKILLs it; its run is KILLED, tagged PRUNED, named [pruned]."""
     pids = tmp_path / "pids"
     pids.mkdir()
-    path = sweep_yaml(tmp_path, "prune", recipe=["current", "delayed"], bf16_layers=["none", "last:1"], steps=4,
-                      sleep=0.8, hang=True, pid_dir=str(pids), seed=0)
+    path = sweep_yaml(tmp_path, "prune", recipe=["current", "delayed"], bf16_layers=["none", "last:1"], steps=6,
+                      sleep=0.6, hang=True, pid_dir=str(pids), seed=0)
     cfg = yaml.safe_load(path.read_text()) | {"early_terminate": {"type": "hyperband", "min_iter": 1, "eta": 2, "max_iter": 4}}
     path.write_text(yaml.safe_dump(cfg))
     out = tmp_path / "out"
     assert cli(str(path), "--trials", "4", "--out", str(out), "--control-seeds", "1", "--finalists", "1",
-               "--kill-grace", "1") == 0
+               "--kill-grace", "0.5") == 0
     client, _, _, found = runs(out, "prune")
     pruned = [r for r in found if r.data.tags["fp8track.state"] == "PRUNED"]
     assert pruned, [r.data.tags["fp8track.state"] for r in found]
     for r in pruned:
         assert r.info.status == "KILLED" and r.info.run_name.endswith("[pruned]")
-        assert len(client.get_metric_history(r.info.run_id, "val/loss")) < 4  # stopped before its last step
+        # hyperband decides by value 4 (max_iter); SIGTERM is ignored, so at most one more value
+        # is logged before the SIGKILL, never all six
+        assert len(client.get_metric_history(r.info.run_id, "val/loss")) <= 5
         pid = int((pids / f"{r.info.run_id}.pid").read_text())
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
