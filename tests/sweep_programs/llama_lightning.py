@@ -77,7 +77,8 @@ def main() -> None:
         logger=settings.mlflow_logger() or False,
         callbacks=[FP8Monitor(every_n_steps=max(1, args.val_every // 2), baseline=settings.control)],
         val_check_interval=args.val_every, check_val_every_n_epoch=None, limit_val_batches=2,
-        num_sanity_val_steps=0, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, log_every_n_steps=max(1, args.val_every // 2), enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(TinyLM(model, args.lr), torch.utils.data.DataLoader(train, batch_size=args.batch),
                 torch.utils.data.DataLoader(val, batch_size=args.batch))
