@@ -9,7 +9,16 @@ EXTRAS ?= all,dev
 STAMP := $(VENV)/.fp8track-installed
 BIN := $(VENV)/bin
 
-.PHONY: install demo test test-gpu bench bench-gpu lint
+.PHONY: install system-deps demo test test-gpu bench bench-gpu lint
+
+# Debian packages the tests use: PostgreSQL (two sweep workers on one study). Installed only when
+# missing and only as root with apt-get (CI); elsewhere the test says what to install.
+system-deps:
+	@if ! command -v initdb >/dev/null && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; \
+	  else echo "note: PostgreSQL missing (apt-get install -y postgresql); its sweep test will skip"; fi; \
+	fi
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,7 +31,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/fp8track demo
 
-test: $(STAMP)
+test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 HAS_CUDA = $(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"

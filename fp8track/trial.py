@@ -22,6 +22,7 @@ import hashlib
 import json
 import math
 import os
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,18 @@ from fp8track.execution.recipes import Recipe
 
 PARAM_PATH_ENV = "WANDB_SWEEP_PARAM_PATH"
 """Environment variable the W&B agent sets to the YAML file holding the trial's parameters."""
+RUN_ID_ENV = "MLFLOW_RUN_ID"
+"""The trial's MLflow child run (MLflow's own variable: ``mlflow.start_run()`` attaches to it)."""
+TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+"""The sweep's MLflow store (MLflow's own variable)."""
+CONTROL_ENV = "FP8TRACK_SWEEP_CONTROL"
+"""The control run of the trial's seed, ``mlflow:<run_id>`` (the monitor's ``baseline``)."""
+RANKING_ENV = "FP8TRACK_SWEEP_RANKING"
+"""A JSON file: layer names riskiest first, for ``auto:K`` (written by ``fp8track sweep``)."""
+LAYERS_ARTIFACT = "fp8track_layers.json"
+"""What :meth:`TrialSettings.apply` writes into the trial's run: every GEMM layer, its shape, FP8 or BF16."""
+FLOP_SHARE_METRIC = "fp8_flop_share"
+"""Share of the step's GEMM FLOPs that runs in FP8 (0..1), logged by :meth:`TrialSettings.apply`."""
 
 
 @dataclass(frozen=True)
@@ -52,11 +65,55 @@ class TrialSettings:
     bf16_layers: FallbackSpec
     control: str | None = None
     params: Mapping[str, Any] = field(default_factory=dict)
+    run_id: str | None = None
+    tracking_uri: str | None = None
+    ranking: tuple[str, ...] | None = None
 
     @property
     def spec(self) -> str:
         """The fallback spec as written (``"none"``, ``"first_last"`` -> ``"first:1,last:1,head"``)."""
         return str(self.bf16_layers)
+
+    @property
+    def in_sweep(self) -> bool:
+        """True when ``fp8track sweep`` started this process for a trial (it owns an MLflow child run)."""
+        return self.run_id is not None
+
+    def mlflow_logger(self, **kwargs: Any) -> Any:
+        """A Lightning ``MLFlowLogger`` writing into the trial's child run, or ``None`` outside a sweep.
+
+        Lightning's ``MLFlowLogger`` ignores ``MLFLOW_RUN_ID`` (it only takes ``run_id=``), so this
+        passes the run id and tracking URI the sweep set; ``FP8Monitor(trackers="auto")`` then logs
+        into the same run through the logger."""
+        if self.run_id is None:
+            return None
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        return MLFlowLogger(run_id=self.run_id, tracking_uri=self.tracking_uri, **kwargs)
+
+    def apply(self, model: Any, backend: str = "auto", example_inputs: Any = None,
+              tokens_per_step: int | None = None) -> Any:
+        """:func:`fp8track.apply_fp8` with this trial's recipe, fallback spec and ``auto:K`` ranking;
+        in a sweep, also records the layer table (:func:`layer_costs`) in the trial's run: the
+        ``fp8_flop_share`` metric, the BF16 layers' names (tag ``fp8track.bf16_layer_names``) and
+        the ``fp8track_layers.json`` artifact. Returns the :class:`~fp8track.execution.apply.ApplyReport`."""
+        from fp8track.execution.apply import apply_fp8
+
+        costs = layer_costs(model)  # shapes before conversion (every backend keeps [out, in])
+        ranking = align_ranking(self.ranking, [c.name for c in costs]) if self.ranking else None
+        report = apply_fp8(model, self.recipe, bf16_layers=self.bf16_layers, backend=backend,
+                           ranking=ranking, example_inputs=example_inputs)
+        if self.run_id is not None:
+            self.record_layers(report, costs, tokens_per_step)
+        return report
+
+    def record_layers(self, report: Any, costs: Sequence[LayerCost], tokens_per_step: int | None = None) -> None:
+        """Write the layer table of ``report`` into the trial's run (no-op outside a sweep): metrics
+        ``fp8_flop_share`` and ``n_bf16_layers``, tag ``fp8track.bf16_layer_names``, artifact
+        ``fp8track_layers.json``; with ``tokens_per_step`` also ``gemm_tflop_per_step`` (forward and
+        backward, ``6 * tokens * in * out`` summed). A tracker failure warns and training goes on."""
+        if self.run_id is not None:
+            _record_layers(self, report, costs, tokens_per_step)
 
 
 def add_trial_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -123,14 +180,120 @@ def trial_settings(
     path = os.environ.get(PARAM_PATH_ENV) if param_path is None else (param_path or None)
     from_file = read_param_file(path) if path else {}
     values: dict[str, Any] = {"recipe": "delayed", "bf16_layers": "none", "control": None, **dict(defaults or {})}
+    if os.environ.get(CONTROL_ENV):
+        values["control"] = os.environ[CONTROL_ENV]
     values.update({k: v for k, v in from_file.items() if v is not None})
     values.update({k: v for k, v in vars(cli).items() if v is not None})
+    ranking = None
+    if os.environ.get(RANKING_ENV):
+        try:
+            ranking = tuple(str(n) for n in json.loads(Path(os.environ[RANKING_ENV]).read_text()))
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"cannot read the auto:K ranking {os.environ[RANKING_ENV]} ({RANKING_ENV}): {err}") from err
     return TrialSettings(
         recipe=Recipe.parse(values["recipe"]),
         bf16_layers=FallbackSpec.parse(values["bf16_layers"]),
         control=values["control"] or None,
         params=values,
+        run_id=os.environ.get(RUN_ID_ENV) or None,
+        tracking_uri=os.environ.get(TRACKING_URI_ENV) or None,
+        ranking=ranking,
     )
+
+
+def align_ranking(ranking: Sequence[str], names: Sequence[str]) -> list[str]:
+    """``ranking`` in the names of the model being converted. The monitor names layers from the
+    module it watches (a LightningModule: ``model.model.layers.0.mlp``), the program may convert
+    the inner model (``model.layers.0.mlp``): a ranked name maps to the longest layer name it ends
+    with (after a dot); names matching no layer are dropped.
+
+    Example:
+        >>> align_ranking(["model.lm_head", "model.model.layers.0.q"], ["model.layers.0.q", "lm_head"])
+        ['lm_head', 'model.layers.0.q']
+    """
+    out: list[str] = []
+    for r in ranking:
+        hits = [n for n in names if r == n or r.endswith("." + n)]
+        if hits:
+            best = max(hits, key=len)
+            if best not in out:
+                out.append(best)
+    return out
+
+
+# --- what a trial costs: GEMM FLOPs by layer ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One GEMM layer: qualified name, ``in_features``, ``out_features`` (the ``[out, in]`` weight).
+
+    ``macs_per_token = in * out``: a dense layer sees every token of the step, so its forward GEMM
+    costs ``2 * tokens * in * out`` FLOPs and forward + both backward GEMMs ``6 * tokens * in * out``.
+    """
+
+    name: str
+    in_features: int
+    out_features: int
+
+    @property
+    def macs_per_token(self) -> int:
+        return self.in_features * self.out_features
+
+
+def layer_costs(model: Any) -> list[LayerCost]:
+    """Every GEMM layer of ``model`` (:func:`fp8track.execution.layers.gemm_layers`) with its shape."""
+    from fp8track.execution.layers import gemm_layers, gemm_weight
+
+    out = []
+    for name, module in gemm_layers(model):
+        w = gemm_weight(module)
+        if w is not None and w.dim() == 2:
+            out.append(LayerCost(name, int(w.shape[1]), int(w.shape[0])))
+    return out
+
+
+def fp8_flop_share(costs: Sequence[LayerCost], fp8_layers: Sequence[str]) -> float:
+    """Share of the step's GEMM FLOPs that runs in FP8: ``sum(in*out over FP8 layers) / sum(in*out)``.
+
+    Every layer of a dense model sees the step's ``tokens``, so the ``6 * tokens`` factor of each
+    layer's FLOPs cancels; NaN when the model has no GEMM layer.
+
+    Example:
+        >>> costs = [LayerCost("a", 64, 64), LayerCost("head", 64, 256)]
+        >>> round(fp8_flop_share(costs, ["a"]), 3)   # 4096 / (4096 + 16384)
+        0.2
+    """
+    total = sum(c.macs_per_token for c in costs)
+    fp8 = set(fp8_layers)
+    return sum(c.macs_per_token for c in costs if c.name in fp8) / total if total else math.nan
+
+
+def _record_layers(settings: TrialSettings, report: Any, costs: Sequence[LayerCost], tokens_per_step: int | None) -> None:
+    """Write the layer table into the trial's run; a tracker failure never stops training."""
+    import warnings
+
+    try:
+        from mlflow.entities import Metric, RunTag
+        from mlflow.tracking import MlflowClient
+
+        fp8 = set(report.fp8_layers)
+        rows = [{"layer": c.name, "in": c.in_features, "out": c.out_features, "fp8": c.name in fp8,
+                 "macs_per_token": c.macs_per_token} for c in costs]
+        share = fp8_flop_share(costs, report.fp8_layers)
+        bf16 = [n for n, _ in report.bf16_layers] if report.recipe.quantizes else []
+        client = MlflowClient(settings.tracking_uri)
+        now = int(time.time() * 1000)
+        metrics = [Metric(FLOP_SHARE_METRIC, share if math.isfinite(share) else 0.0, now, 0),
+                   Metric("n_bf16_layers", float(len(bf16)), now, 0)]
+        if tokens_per_step:
+            total = 6.0 * tokens_per_step * sum(c.macs_per_token for c in costs)
+            metrics.append(Metric("gemm_tflop_per_step", total / 1e12, now, 0))
+        client.log_batch(settings.run_id, metrics=metrics,
+                         tags=[RunTag("fp8track.bf16_layer_names", ",".join(bf16)[:8000] or "none")], synchronous=True)
+        client.log_dict(settings.run_id, {"layers": rows, "tokens_per_step": tokens_per_step}, LAYERS_ARTIFACT)
+    except Exception as err:  # noqa: BLE001 - the run must go on without its layer table
+        warnings.warn(f"fp8track: could not record the layer table in MLflow run {settings.run_id}: {err}", stacklevel=3)
 
 
 # --- shared, cached results ----------------------------------------------------------------------
@@ -160,6 +323,14 @@ class JsonCache:
         p = self.path(kind, parts)
         return json.loads(p.read_text()) if p.is_file() else None
 
+    def put(self, kind: str, parts: Mapping[str, Any], result: Mapping[str, Any]) -> None:
+        """Store ``result`` for ``parts`` (written to a temporary file and renamed: never torn)."""
+        p = self.path(kind, parts)
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"key": dict(parts), **dict(result)}, indent=1, default=str))
+        os.replace(tmp, p)
+
     def get_or_compute(
         self, kind: str, parts: Mapping[str, Any], compute: Callable[[], Mapping[str, Any]]
     ) -> tuple[dict[str, Any], bool]:
@@ -169,11 +340,9 @@ class JsonCache:
         with file_lock(p.with_suffix(".lock")):
             if p.is_file():
                 return json.loads(p.read_text()), True
-            result = {"key": dict(parts), **dict(compute())}
-            tmp = p.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(result, indent=1, default=str))
-            os.replace(tmp, p)
-            return result, False
+            result = dict(compute())
+            self.put(kind, parts, result)
+            return {"key": dict(parts), **result}, False
 
 
 @contextlib.contextmanager
@@ -213,6 +382,16 @@ def ranking_table(ranking: Sequence[LayerRisk]) -> list[dict[str, Any]]:
 
 __all__ = [
     "PARAM_PATH_ENV",
+    "RUN_ID_ENV",
+    "TRACKING_URI_ENV",
+    "CONTROL_ENV",
+    "RANKING_ENV",
+    "LAYERS_ARTIFACT",
+    "FLOP_SHARE_METRIC",
+    "LayerCost",
+    "align_ranking",
+    "layer_costs",
+    "fp8_flop_share",
     "TrialSettings",
     "add_trial_arguments",
     "read_param_file",

@@ -46,7 +46,14 @@ from torch import nn
 
 from fp8track.errors import ConfigError, check_float, check_int
 from fp8track.monitoring.naming import run_metric
-from fp8track.trial import JsonCache, add_trial_arguments, ranking_table, trial_settings
+from fp8track.trial import (
+    JsonCache,
+    TrialSettings,
+    add_trial_arguments,
+    layer_costs,
+    ranking_table,
+    trial_settings,
+)
 
 GAP_METRIC = run_metric("val_loss_gap")
 """``fp8/val_loss_gap``: held-out loss minus the control's at the same step, nats (the sweep metric)."""
@@ -249,6 +256,7 @@ def train(
     on_eval: Callable[[Evaluation], bool] | None = None,
     loggers: Sequence[Any] = (),
     run_name: str = "trial",
+    settings: TrialSettings | None = None,
 ) -> TrialResult:
     """Train the example GPT once (module docstring, step 3).
 
@@ -260,7 +268,10 @@ def train(
         control: a :func:`control_run` result (held-out losses per step, run directory); ``None``
             trains without a gap (the control itself).
         on_eval: pruning hook (:class:`HeldOutEval`).
-        loggers: Lightning loggers (W&B, MLflow) that receive the held-out metrics.
+        loggers: Lightning loggers (W&B, MLflow) that receive the held-out metrics; the monitor
+            logs into them too (``trackers="auto"``).
+        settings: a sweep trial's settings: the layer table (FP8 FLOP share, BF16 layer names) is
+            recorded in its MLflow run (:meth:`fp8track.trial.TrialSettings.record_layers`).
     """
     from fp8track.examples.gpt import build_example
     from fp8track.lightning import FP8Monitor
@@ -273,9 +284,11 @@ def train(
     )
     if cfg.plant_outlier:
         plant_outlier(module.model, cfg.plant_outlier.removeprefix("model."))
+    if settings is not None and settings.in_sweep:
+        settings.record_layers(report, layer_costs(module), tokens_per_step=cfg.batch_size * cfg.block_size)
     held_out = HeldOutEval(data, cfg.eval_every, cfg.eval_batches, cfg.steps,
                            control["val_loss"] if control else None, cfg.precision, on_eval)
-    monitor = FP8Monitor(every_n_steps=cfg.every_n_steps, trackers="none", log_dir=log_dir,
+    monitor = FP8Monitor(every_n_steps=cfg.every_n_steps, trackers="auto" if loggers else "none", log_dir=log_dir,
                          baseline=control["run_dir"] if control else None)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=cfg.steps, precision=cfg.precision, logger=list(loggers) or False,
@@ -391,25 +404,47 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _sweep_control(ref: str) -> dict[str, Any]:
+    """The control the sweep names (``mlflow:<run_id>``, read through ``MLFLOW_TRACKING_URI``) or an
+    older JSON file: held-out losses by step and the monitor's baseline reference."""
+    if ref.startswith("mlflow:"):
+        from fp8track.analysis.baseline import load_run
+
+        return {"val_loss": dict(load_run(ref).metrics.get(VAL_LOSS_METRIC, {})), "run_dir": ref}
+    control = json.loads(Path(ref).read_text())
+    control["val_loss"] = {int(k): float(v) for k, v in control["val_loss"].items()}
+    return control
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """One trial. Under ``fp8track sweep`` (``MLFLOW_RUN_ID`` set) it logs into the trial's MLflow
+    run, compares with the control the sweep trained (``FP8TRACK_SWEEP_CONTROL``) and takes the
+    ``auto:K`` ranking the sweep measured; alone it trains and caches its own control and probe."""
+    from fp8track.errors import ConfigError
+
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    settings = trial_settings(argv)
-    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    try:
+        settings = trial_settings(argv)
+        cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     out = Path(args.out).resolve()
     cache = JsonCache(args.cache_dir or out / "cache")
+    control = None
     if settings.control:
-        control = json.loads(Path(settings.control).read_text())
-        control["val_loss"] = {int(k): float(v) for k, v in control["val_loss"].items()}
-    else:
+        control = _sweep_control(settings.control)
+    elif not settings.in_sweep and settings.recipe.quantizes:
         control, _ = control_run(cfg, cache, out / "runs")
-    ranking = None
-    table = None
-    if settings.bf16_layers.needs_ranking:
+    ranking, table = (list(settings.ranking), None) if settings.ranking else (None, None)
+    if ranking is None and settings.bf16_layers.needs_ranking:
         probe, _ = probe_ranking(cfg, settings.recipe, cache, out / "runs")
         ranking, table = probe["ranking"], probe["table"]
     loggers: list[Any] = []
+    if settings.in_sweep:
+        loggers.append(settings.mlflow_logger())
     if args.wandb:
         import os
 
@@ -418,12 +453,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Under `wandb agent` (WANDB_SWEEP_ID set) the agent decides the mode; alone, stay offline.
         mode = None if os.environ.get("WANDB_SWEEP_ID") else "offline"
         loggers.append(WandbLogger(project="fp8track-sweep", save_dir=str(out), mode=mode))
-    result = train(cfg, settings.recipe, settings.bf16_layers, log_dir=out / "runs", ranking=ranking, control=control,
-                   loggers=loggers)
+    try:
+        result = train(cfg, settings.recipe, settings.bf16_layers, log_dir=out / "runs", ranking=ranking,
+                       control=control, loggers=loggers, settings=settings)
+    except ConfigError as err:  # a fallback spec that does not fit the model: refused before training
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     summary = {"recipe": str(settings.recipe), "bf16_layers": settings.spec, **result.metrics,
                "bf16_layer_names": list(result.bf16_layers), "auto_ranking": table}
-    if loggers:
-        loggers[0].experiment.summary.update({k: v for k, v in result.metrics.items()})
+    for lg in loggers:
+        lg.log_metrics({k: v for k, v in result.metrics.items() if k not in (GAP_METRIC, VAL_LOSS_METRIC)},
+                       step=result.evals[-1].step if result.evals else 0)
     print(json.dumps(summary, indent=1, default=str))
     return 0
 

@@ -1,9 +1,10 @@
 """The sweep: one W&B sweep YAML run by a local Optuna executor into MLflow parent/child runs.
 
-Which FP8 recipe, and which layers stay in BF16: spec (load and refuse bad YAML), executor (Optuna
-study, control, ``auto:K`` probe, MLflow and W&B offline runs), summary (table, Pareto plot,
-recommendation), cli (``fp8track sweep``). Users' own programs read a trial with
-:func:`fp8track.trial.trial_settings`.
+Which FP8 recipe, and which layers stay in BF16, for the user's own model: spec (load and refuse bad
+YAML), command (the argv ``wandb agent`` would build), runner (one program subprocess, its metric,
+pruning), executor (Optuna study, cached BF16 control, ``auto:K`` ranking, finalists, MLflow runs),
+summary (table, Pareto plot, recommendation), cli (``fp8track sweep``). The program reads its trial
+with :func:`trial_settings`.
 """
 
 from fp8track.sweep.spec import SweepSpec, load_sweep

@@ -26,16 +26,16 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         trials=trials, out=Path(args.out or f"fp8track-sweep/{spec.name}"), tracking_uri=args.tracking_uri,
         storage=args.storage, wandb=args.wandb, seed=args.seed, progress=not args.no_progress,
         tolerance_factor=args.tolerance_factor, tolerance_floor=args.tolerance_floor,
-        heartbeat_s=args.heartbeat, grace_s=args.grace, threads=args.threads,
+        control_seeds=args.control_seeds, finalists=args.finalists, seed_param=args.seed_param,
+        heartbeat_s=args.heartbeat, grace_s=args.grace, threads=args.threads, kill_grace_s=args.kill_grace,
     )
     if args.summary:
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(options.mlflow_uri)
-        exp_id, parent = find_parent(client, spec.name)
-        rows, rec = read_summary(client, exp_id, parent, options.tolerance_factor, options.tolerance_floor)
+        _exp_id, parent = find_parent(client, spec.name)
         print(f"sweep {spec.name!r}: parent run {parent} at {options.mlflow_uri}")
-        print(format_text(rows, rec))
+        print(read_summary(client, parent) or "the sweep has not finished: no summary yet")
         return 0
     t0 = time.perf_counter()
     outcome = run_sweep(spec, options)
@@ -62,15 +62,19 @@ def add_subparser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--trials", type=int, default=None, help="finished trials the sweep needs (default: run_cap or the grid)")
     p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///<out>/mlflow.db)")
     p.add_argument("--storage", default=None, help="Optuna RDB URL shared by workers (default sqlite:///<out>/optuna.db)")
-    p.add_argument("--wandb", action="store_true", help="also write W&B offline runs grouped by the sweep name")
+    p.add_argument("--wandb", action="store_true", help="programs that use W&B log offline, grouped by the sweep name")
     p.add_argument("--summary", action="store_true", help="print the summary and recommendation from the store, run nothing")
     p.add_argument("--out", default=None, help="output folder (default ./fp8track-sweep/<sweep name>)")
     p.add_argument("--seed", type=int, default=0, help="sampler seed")
-    p.add_argument("--tolerance-factor", type=float, default=1.0, help="tolerance = factor x control seed spread")
-    p.add_argument("--tolerance-floor", type=float, default=0.01, help="smallest tolerance, nats")
+    p.add_argument("--tolerance-factor", type=float, default=1.0, help="noise band = factor x seed spread")
+    p.add_argument("--tolerance-floor", type=float, default=0.01, help="smallest noise band, in the metric's units")
+    p.add_argument("--control-seeds", type=int, default=2, help="seeds of the BF16 control and the finalists' reruns")
+    p.add_argument("--finalists", type=int, default=2, help="trials rerun on every control seed before recommending")
+    p.add_argument("--seed-param", default="seed", help="the sweep parameter that is the program's seed")
+    p.add_argument("--kill-grace", type=float, default=10.0, help="seconds from SIGTERM to SIGKILL for a pruned trial")
     p.add_argument("--heartbeat", type=int, default=5, help="Optuna heartbeat interval, seconds")
     p.add_argument("--grace", type=int, default=20, help="seconds without heartbeat before a trial counts as dead")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each trial's program")
     p.add_argument("--no-progress", action="store_true", help="no live display")
     p.set_defaults(func=_cmd_sweep)
     return p

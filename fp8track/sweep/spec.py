@@ -15,7 +15,10 @@ our own that hold with or without the schema:
 * every ``recipe`` value parses (:meth:`fp8track.execution.recipes.Recipe.parse`) and every
   ``bf16_layers`` value parses (:meth:`fp8track.execution.fallback.FallbackSpec.parse`);
 * ``early_terminate`` is ``hyperband`` with ``min_iter`` (or ``max_iter`` and ``s``), ``eta`` >= 2;
-* the program is the example sweep program (the local executor runs it in process).
+* ``command`` (default W&B's ``${env} ${interpreter} ${program} ${args}``) uses only the macros
+  ``wandb agent`` knows (:mod:`fp8track.sweep.command`); the program is any script or module: the
+  executor runs it as a subprocess per trial. Only for the example program
+  (``fp8track.examples.train``) are parameter names checked against its options.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from fp8track.errors import ConfigError, invalid_choice, read_yaml_mapping
 
 METHODS = ("grid", "random", "bayes")
 GOALS = ("minimize", "maximize")
-LOCAL_PROGRAMS = ("fp8track.examples.train", "examples/sweep_train.py")
+EXAMPLE_PROGRAMS = ("fp8track.examples.train", "examples/sweep_train.py")
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 DISTRIBUTIONS = ("constant", "categorical", "int_uniform", "uniform", "log_uniform_values")
 
@@ -72,7 +75,7 @@ class SweepSpec:
         params: the parameters, in file order.
         hyperband: early termination, or ``None``.
         run_cap: the file's ``run_cap`` (default trial count), or ``None``.
-        program: the program the YAML runs.
+        program: the program the YAML runs; ``command`` its command line with macros.
         raw: the file as loaded.
         schema_checked: True when the ``sweeps`` package's schema validated it.
     """
@@ -84,7 +87,8 @@ class SweepSpec:
     params: tuple[Param, ...]
     hyperband: Hyperband | None = None
     run_cap: int | None = None
-    program: str = LOCAL_PROGRAMS[0]
+    program: str = EXAMPLE_PROGRAMS[0]
+    command: tuple[str, ...] = ()
     raw: Mapping[str, Any] = field(default_factory=dict)
     schema_checked: bool = False
 
@@ -150,11 +154,13 @@ def load_sweep(source: str | os.PathLike[str] | Mapping[str, Any], *, require_sc
     goal = metric.get("goal", "minimize")
     if goal not in GOALS:
         raise invalid_choice(f"{where}: metric goal", goal, GOALS)
-    program = str(raw.get("program", LOCAL_PROGRAMS[0]))
-    if program not in LOCAL_PROGRAMS:
-        raise invalid_choice(f"{where}: program", program, LOCAL_PROGRAMS,
-                             "the local executor runs the example sweep program; run your own with wandb agent")
-    params = _params(raw.get("parameters"), where)
+    if not raw.get("program"):
+        raise ConfigError(f"{where}: program is missing: the script or module each trial runs, e.g. train.py")
+    program = str(raw["program"])
+    from fp8track.sweep.command import DEFAULT_COMMAND, check_command
+
+    command = check_command(raw.get("command") or DEFAULT_COMMAND, where)
+    params = _params(raw.get("parameters"), where, example=program in EXAMPLE_PROGRAMS)
     if method == "grid":
         loose = [p.name for p in params if p.kind not in ("constant", "categorical")]
         if loose:
@@ -172,15 +178,15 @@ def load_sweep(source: str | os.PathLike[str] | Mapping[str, Any], *, require_sc
     return SweepSpec(
         name=str(raw.get("name") or ("sweep" if isinstance(source, Mapping) else Path(source).stem)),
         method=method, metric=str(metric["name"]), goal=goal, params=params,
-        hyperband=hyperband, run_cap=run_cap, program=program, raw=raw,
+        hyperband=hyperband, run_cap=run_cap, program=program, command=command, raw=raw,
         schema_checked=violations is not None,
     )
 
 
-def _params(section: Any, where: str) -> tuple[Param, ...]:
+def _params(section: Any, where: str, example: bool) -> tuple[Param, ...]:
     if not isinstance(section, Mapping) or not section:
         raise ConfigError(f"{where}: parameters must be a non-empty mapping of name -> {{values: [...]}}")
-    options = program_options()
+    options = program_options() if example else None
     out = []
     for name, body in section.items():
         name = str(name)
@@ -191,9 +197,9 @@ def _params(section: Any, where: str) -> tuple[Param, ...]:
         if "parameters" in body:
             raise ConfigError(f"{where}: parameter {name!r} is nested; the sweeps engine drops nested parameters "
                               "silently, use flat names (recipe, bf16_layers)")
-        if name not in options:
+        if options is not None and name not in options:
             raise invalid_choice(f"{where}: parameter (not an option of the sweep program)", name, sorted(options))
-        out.append(_param(name, body, where))
+        out.append(_param(name, body, where, example))
     names = {p.name for p in out}
     for required in ("recipe", "bf16_layers"):
         if required not in names:
@@ -201,7 +207,7 @@ def _params(section: Any, where: str) -> tuple[Param, ...]:
     return tuple(out)
 
 
-def _param(name: str, body: Mapping[str, Any], where: str) -> Param:
+def _param(name: str, body: Mapping[str, Any], where: str, example: bool) -> Param:
     has = [k for k in ("value", "values", "min") if k in body]
     if len(has) != 1:
         raise ConfigError(f"{where}: parameter {name!r} needs exactly one of value, values or min/max; got "
@@ -230,11 +236,11 @@ def _param(name: str, body: Mapping[str, Any], where: str) -> Param:
         if dist == "log_uniform_values" and low <= 0:
             raise ConfigError(f"{where}: parameter {name!r}: log_uniform_values needs min > 0, got {low!r}")
         p = Param(name, dist, low=low, high=high)
-    _check_values(p, where)
+    _check_values(p, where, example)
     return p
 
 
-def _check_values(p: Param, where: str) -> None:
+def _check_values(p: Param, where: str, example: bool) -> None:
     from fp8track.execution.fallback import FallbackSpec
     from fp8track.execution.recipes import Recipe
 
@@ -247,7 +253,7 @@ def _check_values(p: Param, where: str) -> None:
                 FallbackSpec.parse(str(v))
         except ConfigError as err:
             raise ConfigError(f"{where}: parameter {p.name!r} value {v!r} does not parse: {err}") from None
-    if p.kind == "constant" and p.name not in ("recipe", "bf16_layers"):
+    if example and p.kind == "constant" and p.name not in ("recipe", "bf16_layers"):
         _check_program_value(p.name, p.value, where)
 
 
@@ -281,4 +287,4 @@ def _hyperband(section: Any, where: str) -> Hyperband | None:
     return Hyperband(min_iter=min_iter, eta=eta, max_iter=max_iter)
 
 
-__all__ = ["METHODS", "LOCAL_PROGRAMS", "Param", "Hyperband", "SweepSpec", "load_sweep", "read_yaml", "schema_violations"]
+__all__ = ["METHODS", "EXAMPLE_PROGRAMS", "Param", "Hyperband", "SweepSpec", "load_sweep", "read_yaml", "schema_violations"]

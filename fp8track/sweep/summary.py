@@ -1,31 +1,42 @@
-"""The sweep's answer: a summary table, the Pareto front (gap vs BF16 layers) and a recommendation.
+"""The sweep's answer: a summary table, the Pareto front (gap vs FP8 FLOP share) and a
+recommendation judged in the noise it is measured in.
 
-Recommendation rule (:func:`recommend`): among finished, unpruned trials whose final held-out gap
-to the BF16 control is at most the *tolerance*, take the one with the fewest BF16 layers, then the
-fastest recipe, then the smallest gap. The tolerance is ``factor * spread`` (``factor`` 1 by
-default) where ``spread`` is how much the control's own final held-out loss moves between seeds
-(max - min over ``control_seeds`` seeds), floored at ``floor`` nats (0.01) so a sweep with one
-control seed still has a tolerance: a gap smaller than the control's seed-to-seed noise is no
-evidence that FP8 hurt.
+* **Gap**: the trial's final ``metric`` minus the BF16 control's at the same seed, signed so that
+  a positive gap is worse than BF16 (``goal: maximize`` flips the sign), in the metric's units.
+* **Cost**: the share of the step's GEMM FLOPs that stays in FP8 (:func:`fp8track.trial.fp8_flop_share`,
+  from the layers' shapes: every layer of a dense model sees the step's tokens, so a kept
+  ``lm_head`` weighs what its ``in * out`` weighs, not "one layer"); more FP8 is cheaper.
+* **Finalists**: the finished trials within the tolerance at the trials' seed (``factor *`` the
+  control's seed spread, at least ``floor``), cheapest first (highest FP8 FLOP share, then the
+  fastest recipe, :data:`RECIPE_SPEED_ORDER`), at most ``k``; with none within it, the ``k`` with
+  the smallest gaps. The executor reruns them on the control's other seeds.
+* **Judgement** (:func:`judge`): the paired gaps ``d_s = finalist_s - control_s`` over the control's
+  seeds; ``band = max(factor * max(control spread, spread of d), floor)`` (spread = max - min over
+  seeds). Mean gap ``> band``: worse than BF16; ``< -band``: better than BF16 beyond noise; else
+  "no measurable difference" (a negative gap inside the band is not a win).
+* **Recommendation**: the cheapest finalist that is not worse; it names the layers kept in BF16,
+  the ``apply_fp8(...)`` call and the YAML values that reproduce it, and, as information only, the
+  FP8 layers torchao's auto filter would keep in BF16 for speed (:func:`torchao_small`).
 
-"Fastest recipe" is the order of :data:`RECIPE_SPEED_ORDER`, the expected GPU throughput (CPU
-emulation times say nothing about GPU speed): per-tensor scaling needs one scale per tensor
-(delayed reuses a history, current adds one amax pass), block recipes compute and apply one scale
-per 32 (MXFP8) or 128 (block) elements, and ``fp8_input_bf16_gemm`` runs its GEMM in BF16.
-Measured step time breaks ties within one recipe family.
+"Fastest recipe" (:data:`RECIPE_SPEED_ORDER`) is the expected GPU throughput, not CPU emulation
+time: per-tensor scaling needs one scale per tensor (delayed reuses a history, current adds one
+amax pass), block recipes one per 32 (MXFP8) or 128 (block) elements, ``fp8_input_bf16_gemm`` runs
+its GEMM in BF16.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 RECIPE_SPEED_ORDER = ("delayed", "current", "mxfp8", "block", "fp8_input_bf16_gemm", "bf16")
 """Recipe families, fastest first (module docstring)."""
 DEFAULT_FLOOR = 0.01
-"""Smallest tolerance, nats."""
+"""Smallest noise band, in the metric's units."""
+VERDICTS = ("worse than BF16", "no measurable difference", "better than BF16")
 
 
 @dataclass(frozen=True)
@@ -36,13 +47,15 @@ class TrialRow:
         trial: Optuna trial number.
         state: ``COMPLETE``, ``PRUNED`` or ``FAIL``.
         recipe: the recipe as written; bf16_layers the spec as written.
-        n_bf16, n_fp8: linears kept in BF16 / run in FP8.
-        gap, gap_best: final and best held-out gap to the control, nats (NaN if unknown).
-        spikes_fp8_only, spikes_shared: loss spikes only FP8 had / the control had too.
-        worst_underflow_pct: max underflow share over the FP8 layers' tensors, percent.
-        fp8_share: FP8 linears / all linears.
-        step_time_s: seconds per optimizer step.
+        n_bf16: GEMM layers kept in BF16 (-1 unknown).
+        gap: final metric minus the control's at the same seed, positive = worse (NaN if unknown).
+        fp8_flop_share: share of the step's GEMM FLOPs in FP8, 0..1 (NaN if the program did not
+            record its layers).
+        bf16_names: the layers kept in BF16, by name.
+        value: the final metric as logged.
+        step_time_s: seconds per optimizer step when the program logged it.
         run_id: the MLflow child run.
+        params: the trial's varying parameters as written (name -> text).
     """
 
     trial: int
@@ -50,15 +63,13 @@ class TrialRow:
     recipe: str
     bf16_layers: str
     n_bf16: int
-    n_fp8: int
     gap: float
-    gap_best: float = math.nan
-    spikes_fp8_only: float = 0.0
-    spikes_shared: float = 0.0
-    worst_underflow_pct: float = 0.0
-    fp8_share: float = math.nan
+    fp8_flop_share: float = math.nan
+    bf16_names: tuple[str, ...] = ()
+    value: float = math.nan
     step_time_s: float = math.nan
     run_id: str = ""
+    params: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def recipe_rank(self) -> int:
@@ -67,151 +78,278 @@ class TrialRow:
                   "blockwise": "block"}.get(family, family)
         return RECIPE_SPEED_ORDER.index(family) if family in RECIPE_SPEED_ORDER else len(RECIPE_SPEED_ORDER)
 
+    @property
+    def finished(self) -> bool:
+        return self.state == "COMPLETE" and math.isfinite(self.gap)
+
+    def cost_key(self) -> tuple[float, int, int, float]:
+        """Cheapest first: most FP8 FLOPs, fastest recipe, fewest BF16 layers, smallest gap."""
+        share = self.fp8_flop_share if math.isfinite(self.fp8_flop_share) else -1.0
+        return (-share, self.recipe_rank, self.n_bf16, self.gap)
+
+
+@dataclass(frozen=True)
+class Judged:
+    """A finalist measured on every control seed: ``gaps`` seed -> gap, their mean, the noise
+    ``band`` and the verdict (:data:`VERDICTS`)."""
+
+    row: TrialRow
+    gaps: Mapping[int, float]
+    mean_gap: float
+    band: float
+    verdict: str
+
 
 @dataclass(frozen=True)
 class Recommendation:
-    """The answer. ``trial`` is ``None`` when no trial stayed within ``tolerance``; ``closest``
-    is then the finished trial with the smallest gap."""
+    """The answer. ``trial`` is ``None`` when every finalist is worse than BF16 beyond noise;
+    ``closest`` is then the finalist with the smallest mean gap."""
 
     trial: TrialRow | None
     tolerance: float
     spread: float
     reason: str
     closest: TrialRow | None = None
+    finalists: tuple[Judged, ...] = ()
+    verdict: str = ""
+    mean_gap: float = math.nan
+    band: float = math.nan
+    apply_call: str = ""
+    yaml_values: Mapping[str, str] = field(default_factory=dict)
+    info: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"trial": asdict(self.trial) if self.trial else None, "tolerance": self.tolerance,
-                "spread": self.spread, "reason": self.reason,
-                "closest": asdict(self.closest) if self.closest else None}
+        d = {k: v for k, v in asdict(self).items() if k not in ("finalists",)}
+        d["finalists"] = [{"trial": j.row.trial, "recipe": j.row.recipe, "bf16_layers": j.row.bf16_layers,
+                           "gaps_by_seed": {str(s): g for s, g in j.gaps.items()}, "mean_gap": j.mean_gap,
+                           "band": j.band, "verdict": j.verdict} for j in self.finalists]
+        return _finite(d)
 
 
-def tolerance(spread: float, factor: float = 1.0, floor: float = DEFAULT_FLOOR) -> float:
-    """``max(factor * spread, floor)`` nats (module docstring)."""
-    s = spread if math.isfinite(spread) else 0.0
+def _finite(v: Any) -> Any:
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    return v
+
+
+def signed_gap(value: float, control: float, goal: str) -> float:
+    """``value - control`` for ``minimize``, ``control - value`` for ``maximize``: positive = worse.
+
+    Example:
+        >>> signed_gap(2.5, 2.4, "minimize"), signed_gap(0.7, 0.8, "maximize")
+        (0.10000000000000009, 0.10000000000000009)
+    """
+    return value - control if goal == "minimize" else control - value
+
+
+def spread(values: Sequence[float]) -> float:
+    """max - min of the finite values (0 with fewer than two)."""
+    xs = [v for v in values if math.isfinite(v)]
+    return max(xs) - min(xs) if len(xs) > 1 else 0.0
+
+
+def tolerance(spread_: float, factor: float = 1.0, floor: float = DEFAULT_FLOOR) -> float:
+    """``max(factor * spread, floor)``."""
+    s = spread_ if math.isfinite(spread_) else 0.0
     return max(factor * s, floor)
 
 
-def recommend(rows: Sequence[TrialRow], spread: float, factor: float = 1.0, floor: float = DEFAULT_FLOOR) -> Recommendation:
-    """The recommendation rule of the module docstring.
+def pick_finalists(rows: Sequence[TrialRow], tol: float, k: int) -> list[TrialRow]:
+    """Finalists (module docstring): one per parameter set, cheapest first."""
+    seen: set[tuple[tuple[str, str], ...]] = set()
+    done = []
+    for r in sorted((r for r in rows if r.finished), key=lambda r: r.trial):
+        key = tuple(sorted(r.params.items())) or (("recipe", r.recipe), ("bf16_layers", r.bf16_layers))
+        if key not in seen:
+            seen.add(key)
+            done.append(r)
+    ok = sorted((r for r in done if r.gap <= tol), key=TrialRow.cost_key)
+    return ok[:k] if ok else sorted(done, key=lambda r: r.gap)[:k]
+
+
+def judge(row: TrialRow, gaps: Mapping[int, float], control_spread: float, factor: float = 1.0,
+          floor: float = DEFAULT_FLOOR) -> Judged:
+    """The verdict on paired per-seed gaps (module docstring).
 
     Example:
-        >>> rows = [TrialRow(0, "COMPLETE", "current", "none", 0, 9, 0.08),
-        ...         TrialRow(1, "COMPLETE", "mxfp8", "first:1", 4, 5, 0.004),
-        ...         TrialRow(2, "COMPLETE", "delayed:hybrid:h16:max", "auto:1", 1, 8, 0.004),
-        ...         TrialRow(3, "COMPLETE", "current", "auto:1", 1, 8, 0.003)]
-        >>> r = recommend(rows, spread=0.005, floor=0.001)
-        >>> r.trial.trial, r.tolerance
-        (2, 0.005)
+        >>> judge(TrialRow(0, "COMPLETE", "current", "none", 0, -0.02), {0: -0.02, 1: 0.01}, 0.05).verdict
+        'no measurable difference'
+        >>> judge(TrialRow(0, "COMPLETE", "current", "none", 0, 0.3), {0: 0.3, 1: 0.28}, 0.05).verdict
+        'worse than BF16'
     """
-    tol = tolerance(spread, factor, floor)
-    done = [r for r in rows if r.state == "COMPLETE" and math.isfinite(r.gap)]
-    ok = [r for r in done if r.gap <= tol]
-    if ok:
-        best = min(ok, key=lambda r: (r.n_bf16, r.recipe_rank, r.step_time_s if math.isfinite(r.step_time_s) else math.inf, r.gap))
-        reason = (f"fewest BF16 layers ({best.n_bf16}) among the {len(ok)} of {len(done)} finished trials whose "
-                  f"held-out gap stays within {tol:.4f} nats of the BF16 control (control seed spread "
-                  f"{spread:.4f} nats); then the fastest recipe")
-        return Recommendation(best, tol, spread, reason)
-    closest = min(done, key=lambda r: r.gap) if done else None
-    reason = (f"no finished trial stays within {tol:.4f} nats of the BF16 control (control seed spread {spread:.4f}); "
-              "keep more layers in BF16 or try other recipes")
-    return Recommendation(None, tol, spread, reason, closest)
+    vals = [g for g in gaps.values() if math.isfinite(g)]
+    mean = statistics.fmean(vals) if vals else math.nan
+    band = tolerance(max(control_spread if math.isfinite(control_spread) else 0.0, spread(vals)), factor, floor)
+    verdict = VERDICTS[0] if mean > band else VERDICTS[2] if mean < -band else VERDICTS[1]
+    return Judged(row, dict(gaps), mean, band, verdict)
+
+
+def torchao_small(layers: Sequence[Mapping[str, Any]], recipe: str) -> list[str]:
+    """FP8 layers torchao's auto filter would keep in BF16 because FP8 is not faster there
+    (``torchao/float8/float8_linear_utils.py``: tensorwise skips ``K <= 4096 and N <= 1024``;
+    rowwise skips ``N <= 2048``, ``K <= 1024``, or ``N <= 4096 and K <= 2048``; both skip dims
+    not divisible by 16; K = in_features, N = out_features, H100 measurements)."""
+    rowwise = recipe.split(":")[0] in ("rowwise", "rowwise_with_gw_hp", "mxfp8", "block")
+    out = []
+    for lay in layers:
+        if not lay.get("fp8"):
+            continue
+        k, n = int(lay["in"]), int(lay["out"])
+        if k % 16 or n % 16:
+            small = True
+        elif rowwise:
+            small = n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)
+        else:
+            small = k <= 4096 and n <= 1024
+        if small:
+            out.append(str(lay["layer"]))
+    return out
+
+
+def apply_call(row: TrialRow) -> str:
+    """The ``apply_fp8(...)`` line that keeps exactly the recommended layers in BF16."""
+    names = list(row.bf16_names)
+    spec = repr(names) if names else '"none"'
+    return f'apply_fp8(model, "{row.recipe}", bf16_layers={spec}, backend="auto")'
+
+
+def recommend(judged: Sequence[Judged], control_spread: float, factor: float = 1.0, floor: float = DEFAULT_FLOOR,
+              layers: Mapping[str, Sequence[Mapping[str, Any]]] | None = None) -> Recommendation:
+    """The cheapest finalist not worse than BF16 beyond noise (module docstring). ``layers`` maps a
+    run id to its layer table (for the torchao information)."""
+    tol = tolerance(control_spread, factor, floor)
+    ok = sorted((j for j in judged if j.verdict != VERDICTS[0]), key=lambda j: j.row.cost_key())
+    if not ok:
+        closest = min(judged, key=lambda j: j.mean_gap, default=None)
+        reason = ("every finalist is worse than the BF16 control beyond the noise band"
+                  if judged else "no trial finished") + "; keep more layers in BF16 or try other recipes"
+        return Recommendation(None, tol, control_spread, reason, closest.row if closest else None, tuple(judged))
+    best = ok[0]
+    r = best.row
+    seeds = len(best.gaps)
+    share = f"{100 * r.fp8_flop_share:.1f} % of GEMM FLOPs in FP8" if math.isfinite(r.fp8_flop_share) else \
+        f"{r.n_bf16} BF16 layers"
+    reason = (f"cheapest of {len(judged)} finalists ({share}) whose mean gap over {seeds} control seed(s), "
+              f"{best.mean_gap:+.4f}, is {best.verdict} (noise band +-{best.band:.4f})")
+    info = ()
+    table = (layers or {}).get(r.run_id)
+    if table:
+        small = torchao_small(table, r.recipe)
+        if small:
+            info = (f"information: torchao's auto filter would also keep {len(small)} of the FP8 layers in BF16 "
+                    f"as too small to run faster in FP8 on H100: {', '.join(small[:6])}{' ...' if len(small) > 6 else ''}",)
+    return Recommendation(r, tol, control_spread, reason, None, tuple(judged), best.verdict, best.mean_gap, best.band,
+                          apply_call(r), {"recipe": r.recipe, "bf16_layers": r.bf16_layers}, info)
 
 
 def pareto_front(rows: Sequence[TrialRow]) -> list[TrialRow]:
-    """Finished trials no other beats on both fewer-or-equal BF16 layers and a smaller-or-equal gap
-    (strictly on one), sorted by BF16 layers."""
-    done = [r for r in rows if r.state == "COMPLETE" and math.isfinite(r.gap)]
+    """Finished trials no other beats on both a larger-or-equal FP8 FLOP share (fewer-or-equal BF16
+    layers when unknown) and a smaller-or-equal gap (strictly on one), cheapest first."""
+    done = [r for r in rows if r.finished]
+
+    def cost(r: TrialRow) -> float:
+        return -r.fp8_flop_share if math.isfinite(r.fp8_flop_share) else float(r.n_bf16)
+
     front = [r for r in done
-             if not any((o.n_bf16 <= r.n_bf16 and o.gap <= r.gap) and (o.n_bf16 < r.n_bf16 or o.gap < r.gap) for o in done)]
-    return sorted(front, key=lambda r: (r.n_bf16, r.gap))
+             if not any(cost(o) <= cost(r) and o.gap <= r.gap and (cost(o) < cost(r) or o.gap < r.gap) for o in done)]
+    return sorted(front, key=lambda r: (cost(r), r.gap))
 
 
-TABLE_COLUMNS = ("trial", "state", "recipe", "bf16_layers", "n_bf16", "gap", "spikes_fp8_only", "spikes_shared",
-                 "worst_underflow_pct", "fp8_share")
+TABLE_COLUMNS = ("trial", "state", "recipe", "bf16_layers", "fp8_flop_share", "gap", "n_bf16", "value", "run_id")
 
 
 def summary_table(rows: Sequence[TrialRow]) -> dict[str, list[Any]]:
     """Column -> values (MLflow ``log_table`` form), one entry per trial in trial order."""
     ordered = sorted(rows, key=lambda r: r.trial)
-    return {c: [_plain(getattr(r, c)) for r in ordered] for c in TABLE_COLUMNS}
-
-
-def _plain(v: Any) -> Any:
-    return None if isinstance(v, float) and not math.isfinite(v) else v
+    return {c: [_finite(getattr(r, c)) for r in ordered] for c in TABLE_COLUMNS}
 
 
 def pareto_figure(rows: Sequence[TrialRow], rec: Recommendation) -> Any:
-    """Matplotlib figure: final gap (nats) vs number of BF16 layers, one point per finished trial,
-    the Pareto front as a line, the tolerance as a band, the recommendation circled."""
+    """Matplotlib figure: gap vs FP8 FLOP share (percent), one labelled point per trial (pruned ones
+    as open grey markers at their last gap), the Pareto front as a line, the noise band shaded,
+    the recommendation circled; legend outside the axes."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(7, 4.5))
+    fig = Figure(figsize=(9, 4.8))
     ax = fig.add_subplot()
-    done = [r for r in rows if r.state == "COMPLETE" and math.isfinite(r.gap)]
-    families = sorted({r.recipe.split(":")[0] for r in done})
-    for fam in families:
+    use_share = any(math.isfinite(r.fp8_flop_share) for r in rows)
+
+    def x(r: TrialRow) -> float:
+        return 100 * r.fp8_flop_share if use_share else float(r.n_bf16)
+
+    done = [r for r in rows if r.finished]
+    band = rec.band if math.isfinite(rec.band) else rec.tolerance
+    ax.axhspan(-band, band, color="green", alpha=0.12, label=f"noise band +-{band:.3f}")
+    ax.axhline(0.0, color="grey", lw=0.6)
+    for fam in sorted({r.recipe.split(":")[0] for r in done}):
         pts = [r for r in done if r.recipe.split(":")[0] == fam]
-        ax.scatter([r.n_bf16 for r in pts], [r.gap for r in pts], label=fam, alpha=0.8)
+        ax.scatter([x(r) for r in pts], [r.gap for r in pts], label=fam, alpha=0.85, zorder=3)
+    pruned = [r for r in rows if r.state == "PRUNED" and math.isfinite(r.gap)]
+    if pruned:
+        ax.scatter([x(r) for r in pruned], [r.gap for r in pruned], marker="x", color="grey", zorder=3,
+                   label=f"pruned ({len(pruned)})")
     front = pareto_front(rows)
-    if front:
-        ax.plot([r.n_bf16 for r in front], [r.gap for r in front], "k--", lw=1, label="Pareto front")
-    ax.axhspan(-rec.tolerance, rec.tolerance, color="green", alpha=0.1, label=f"tolerance {rec.tolerance:.3f}")
+    if len(front) > 1:
+        ax.plot([x(r) for r in front], [r.gap for r in front], "k--", lw=1, label="Pareto front", zorder=2)
+    for r in done + pruned:
+        ax.annotate(f"{r.trial}: {r.bf16_layers}", (x(r), r.gap), textcoords="offset points", xytext=(4, 4), fontsize=7)
     if rec.trial is not None:
-        ax.scatter([rec.trial.n_bf16], [rec.trial.gap], s=250, facecolors="none", edgecolors="red", lw=2,
+        ax.scatter([x(rec.trial)], [rec.trial.gap], s=260, facecolors="none", edgecolors="red", lw=2, zorder=4,
                    label=f"recommended: trial {rec.trial.trial}")
-    ax.axhline(0.0, color="grey", lw=0.5)
-    ax.set_xlabel("linear layers kept in BF16")
-    ax.set_ylabel("held-out loss gap to BF16 control (nats)")
-    ax.set_title("FP8 sweep: accuracy cost vs BF16 layers")
-    ax.legend(fontsize=7)
+    if use_share:
+        ax.set_xlabel("GEMM FLOPs in FP8 (%)")
+    else:
+        ax.set_xlabel("layers kept in BF16")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("gap to BF16 control (metric units, + = worse)")
+    ax.set_title("FP8 sweep: accuracy cost vs FP8 share")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     return fig
 
 
-def row_from_run(run: Any) -> TrialRow:
-    """A :class:`TrialRow` from an MLflow child run the executor logged."""
-    p, m, t = run.data.params, run.data.metrics, run.data.tags
-
-    def f(key: str, default: float = math.nan) -> float:
-        return float(m[key]) if key in m else default
-
-    return TrialRow(
-        trial=int(t.get("fp8track.trial", -1)), state=t.get("fp8track.state", "FAIL"), recipe=p.get("recipe", ""),
-        bf16_layers=p.get("bf16_layers", ""), n_bf16=int(p.get("n_bf16_layers", -1)),
-        n_fp8=int(p.get("n_fp8_layers", -1)), gap=f("fp8/val_loss_gap"), gap_best=f("fp8/val_loss_gap_best"),
-        spikes_fp8_only=f("fp8/spikes/fp8_only", 0.0), spikes_shared=f("fp8/spikes/shared", 0.0),
-        worst_underflow_pct=f("fp8/worst/underflow_pct", 0.0), fp8_share=f("fp8/fp8_layer_share"),
-        step_time_s=f("fp8/step_time_s"), run_id=run.info.run_id,
-    )
-
-
 def format_text(rows: Sequence[TrialRow], rec: Recommendation) -> str:
-    """Plain-text table and recommendation (what ``fp8track sweep --summary`` prints)."""
-    head = f"{'trial':>5} {'state':<8} {'recipe':<26} {'bf16_layers':<12} {'#bf16':>5} {'gap':>8} " \
-           f"{'spk fp8':>7} {'spk shr':>7} {'underfl%':>8} {'fp8 share':>9}"
-    lines = [head, "-" * len(head)]
+    """Plain-text table and recommendation (what ``fp8track sweep --summary`` prints); columns
+    sized to their contents so nothing is cut."""
+    cols = ("trial", "state", "recipe", "bf16_layers", "fp8 FLOPs", "gap", "#bf16")
+    body = []
     for r in sorted(rows, key=lambda r: r.trial):
-        gap = f"{r.gap:8.4f}" if math.isfinite(r.gap) else f"{'-':>8}"
-        share = f"{r.fp8_share:9.2f}" if math.isfinite(r.fp8_share) else f"{'-':>9}"
-        lines.append(f"{r.trial:>5} {r.state:<8} {r.recipe[:26]:<26} {r.bf16_layers[:12]:<12} {r.n_bf16:>5} {gap} "
-                     f"{r.spikes_fp8_only:>7.0f} {r.spikes_shared:>7.0f} {r.worst_underflow_pct:>8.3f} {share}")
+        share = f"{100 * r.fp8_flop_share:.1f}%" if math.isfinite(r.fp8_flop_share) else "-"
+        gap = f"{r.gap:+.4f}" if math.isfinite(r.gap) else "-"
+        body.append((str(r.trial), r.state, r.recipe, r.bf16_layers, share, gap, str(r.n_bf16)))
+    widths = [max(len(c), *(len(b[i]) for b in body)) if body else len(c) for i, c in enumerate(cols)]
+    line = "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))
+    lines = [line, "-" * len(line)]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(b, widths, strict=True)).rstrip() for b in body]
     lines.append("")
+    if rec.finalists:
+        lines.append("Finalists (paired gaps on the control's seeds):")
+        for j in rec.finalists:
+            gaps = ", ".join(f"seed {s}: {g:+.4f}" for s, g in sorted(j.gaps.items()))
+            lines.append(f"  trial {j.row.trial} {j.row.recipe} / {j.row.bf16_layers}: mean {j.mean_gap:+.4f} "
+                         f"(+-{j.band:.4f}) -> {j.verdict}  [{gaps}]")
     if rec.trial is not None:
-        lines.append(f"Recommendation: recipe {rec.trial.recipe}, bf16_layers {rec.trial.bf16_layers} "
-                     f"(trial {rec.trial.trial}, BF16 layers: {rec.trial.n_bf16}, gap {rec.trial.gap:.4f} nats)")
+        t = rec.trial
+        lines.append(f"Recommendation: recipe {t.recipe}, bf16_layers {t.bf16_layers} (trial {t.trial})")
+        lines.append(f"  BF16 layers: {', '.join(t.bf16_names) or 'none'}")
+        lines.append(f"  {rec.apply_call}")
+        lines.append(f"  YAML: recipe: {t.recipe}   bf16_layers: {t.bf16_layers}")
     elif rec.closest is not None:
-        lines.append(f"No recommendation; closest: trial {rec.closest.trial} (gap {rec.closest.gap:.4f} nats)")
+        lines.append(f"No recommendation; closest: trial {rec.closest.trial} ({rec.closest.recipe} / "
+                     f"{rec.closest.bf16_layers}, gap {rec.closest.gap:+.4f})")
     lines.append(f"  {rec.reason}")
+    lines += [f"  {i}" for i in rec.info]
     return "\n".join(lines)
 
 
-def as_mapping(rows: Sequence[TrialRow]) -> list[Mapping[str, Any]]:
-    return [asdict(r) for r in rows]
-
-
-__all__ = ["RECIPE_SPEED_ORDER", "TrialRow", "Recommendation", "tolerance", "recommend", "pareto_front",
-           "summary_table", "pareto_figure", "row_from_run", "format_text"]
+__all__ = ["RECIPE_SPEED_ORDER", "VERDICTS", "TrialRow", "Judged", "Recommendation", "signed_gap", "spread",
+           "tolerance", "pick_finalists", "judge", "torchao_small", "apply_call", "recommend", "pareto_front",
+           "summary_table", "pareto_figure", "format_text"]

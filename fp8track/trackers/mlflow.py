@@ -74,6 +74,23 @@ def flatten(prefix: str, value: Any) -> dict[str, str]:
     return out
 
 
+# Recipe fields by the recipes that use them (fp8track.execution.recipes.Recipe); the rest would be
+# compare-view axes a run never used (a BF16 control has no amax history).
+_RECIPE_FIELDS = {
+    "amax_history_len": ("delayed",), "amax_compute_algo": ("delayed",),
+    "margin": ("delayed", "current", "fp8_input_bf16_gemm"), "variant": ("current",),
+}
+
+
+def applicable_recipe_fields(recipe: Mapping[str, Any]) -> dict[str, Any]:
+    """The recipe's fields that apply to it: only ``name`` for ``bf16``; the amax history only for
+    ``delayed``; ``margin`` for per-tensor scaling; ``variant`` for ``current``."""
+    name = recipe.get("name")
+    if name == "bf16":
+        return {"name": name}
+    return {k: v for k, v in recipe.items() if name in _RECIPE_FIELDS.get(k, (name,))}
+
+
 class HeatmapSummary:
     """A fixed-size layer-by-step summary of some statistics, for the heatmap.
 
@@ -484,8 +501,9 @@ class MLflowTracker(QueuedTracker):
         return self.run_id
 
     def start(self, meta: RunMeta) -> None:
-        """Params ``fp8.recipe.*``, ``fp8.bf16_layers``, ``fp8.fp8_layers``; tags ``fp8.recipe``
-        (the recipe's name), ``fp8.n_bf16_layers``, ``fp8track.run_id``, ``fp8track.version.*``."""
+        """Params ``fp8.recipe.*`` (only the fields the recipe uses: :func:`applicable_recipe_fields`),
+        ``fp8.bf16_layers``, ``fp8.n_bf16_layers``; tags ``fp8.recipe`` (the recipe's name),
+        ``fp8.n_bf16_layers``, ``fp8.fp8_layers``, ``fp8track.run_id``, ``fp8track.version.*``."""
         from mlflow.entities import Param, RunTag
 
         run_id = self._ensure_run()
@@ -493,13 +511,15 @@ class MLflowTracker(QueuedTracker):
             self._logged_steps = self._steps_in_run(run_id)
         m = asdict(meta)
         recipe = m["recipe"] or {}
-        params = flatten("fp8.recipe", recipe) if recipe else {}
+        params = flatten("fp8.recipe", applicable_recipe_fields(recipe)) if recipe else {}
         params["fp8.bf16_layers"] = ",".join(m["bf16_layers"]) or "none"
-        params["fp8.fp8_layers"] = ",".join(m["fp8_layers"]) or "none"
+        params["fp8.n_bf16_layers"] = str(len(m["bf16_layers"]))
         params.update(flatten("fp8track.config", m["config"]) if m["config"] else {})
         tags = {
             "fp8.recipe": str(recipe.get("name", json.dumps(recipe, sort_keys=True) if recipe else "none")),
             "fp8.n_bf16_layers": str(len(m["bf16_layers"])),
+            # The FP8 layers are the complement of the BF16 ones: a tag, not a compare-view axis.
+            "fp8.fp8_layers": ",".join(m["fp8_layers"]) or "none",
             "fp8track.run_id": str(m["run_id"]),
         }
         tags.update(flatten("fp8track.version", m["versions"]))

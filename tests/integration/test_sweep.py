@@ -1,19 +1,27 @@
-"""``fp8track sweep`` end to end on tiny models: MLflow parent/child runs, the planted fragile layer,
-two workers on one SQLite study, and resume after SIGKILL.
+"""``fp8track sweep`` end to end: the YAML's own program as one subprocess per trial, logging into
+MLflow child runs; the cached BF16 control; reproducible trials and reused results; the metric
+check; pruning that kills the program; two workers on one SQLite study and on a real PostgreSQL
+server (Debian's package, started here on 127.0.0.1 in a temporary directory and stopped by its
+pid; without PostgreSQL that test skips with the reason, except in CI (``CI`` set), where it
+fails: ``make test`` installs ``postgresql`` when run as root, Makefile ``system-deps``).
 
-Every sweep here trains the example GPT at width 32 for a few dozen steps; the BF16 control and
-the ``auto:K`` probe are cached in the sweep's folder, so a second process reuses them.
+Programs are scripts under ``tests/sweep_programs`` (not part of the package): ``quadratic.py``
+(no model: a known curve per recipe, fast) and ``llama_lightning.py`` (a Hugging Face Llama from a
+config, trained by Lightning with ``FP8Monitor``).
 """
 
 from __future__ import annotations
 
-import json
+import glob
 import os
+import shutil
 import signal
-import sqlite3
+import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,161 +30,238 @@ import yaml
 pytest.importorskip("optuna")
 pytest.importorskip("mlflow")
 
-TINY = {"steps": 30, "eval_every": 10, "eval_batches": 2, "n_embd": 32, "n_head": 2, "block_size": 32,
-        "batch_size": 8, "max_bytes": 200_000, "probe_steps": 6, "every_n_steps": 5, "control_seeds": 2}
+PROGRAMS = Path(__file__).resolve().parents[1] / "sweep_programs"
+QUAD = PROGRAMS / "quadratic.py"
+LLAMA = PROGRAMS / "llama_lightning.py"
 
 
-def _sweep_file(tmp_path: Path, name: str, bf16_layers: list[str], method: str = "grid", **extra) -> Path:
-    params = {"recipe": {"value": "current"}, "bf16_layers": {"values": bf16_layers},
-              **{k: {"value": v} for k, v in {**TINY, **extra}.items()}}
-    cfg = {"name": name, "program": "fp8track.examples.train", "method": method,
-           "metric": {"name": "fp8/val_loss_gap", "goal": "minimize"}, "parameters": params}
+@pytest.fixture(autouse=True)
+def _eager_stats(monkeypatch) -> None:
+    # Tiny tensors in short-lived trial processes: compiling the statistics kernel in every
+    # program would cost more than the run.
+    monkeypatch.setenv("FP8TRACK_STATS_KERNEL", "eager")
+
+
+def sweep_yaml(tmp_path: Path, name: str, program: Path = QUAD, method: str = "grid", **params) -> Path:
+    body = {"name": name, "program": str(program), "method": method, "metric": {"name": "val/loss", "goal": "minimize"},
+            "parameters": {k: ({"values": v} if isinstance(v, list) else {"value": v}) for k, v in params.items()}}
     p = tmp_path / f"{name}.yaml"
-    p.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    p.write_text(yaml.safe_dump(body, sort_keys=False))
     return p
 
 
-def _children(uri: str, name: str):
+def cli(*args: str) -> int:
+    from fp8track.cli import main
+
+    return main(["sweep", *args, "--no-progress"])
+
+
+def runs(out: Path, name: str, role: str = "trial"):
     from mlflow.tracking import MlflowClient
 
     from fp8track.sweep.executor import find_parent
 
-    client = MlflowClient(uri)
+    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
     exp_id, parent = find_parent(client, name)
-    import mlflow
+    found = client.search_runs([exp_id], filter_string=f"tags.mlflow.parentRunId = '{parent}' and tags.`fp8track.role` = '{role}'")
+    return client, exp_id, parent, sorted(found, key=lambda r: int(r.data.tags.get("fp8track.trial", -1)))
 
-    mlflow.set_tracking_uri(uri)
-    df = mlflow.search_runs(experiment_ids=[exp_id], filter_string=f"tags.mlflow.parentRunId = '{parent}'")
-    return client, parent, df
+
+def trials_and_recommendation(out: Path, name: str) -> tuple[list[tuple[str, str]], dict[str, str]]:
+    client, _, parent, found = runs(out, name)
+    tags = client.get_run(parent).data.tags
+    return ([(r.data.params["recipe"], r.data.params["bf16_layers"]) for r in found],
+            {k: v for k, v in tags.items() if k.startswith("fp8track.recommendation")})
+
+
+def test_program_runs_as_subprocesses_reproducibly_and_reuses_results(tmp_path: Path) -> None:
+    """Same YAML and --seed twice: the same trials and recommendation. The program (not the
+    executor) wrote each child run's metric. A second sweep of the same program and parameters in
+    the same store trains nothing: every trial and the control come from the cache."""
+    params = dict(recipe=["current", "mxfp8", "delayed"], bf16_layers=["none", "first:1", "last:1", "first_last"],
+                  steps=3, seed=0)
+    path = sweep_yaml(tmp_path, "repro", method="random", **params)
+    args = ["--trials", "3", "--seed", "5", "--finalists", "1", "--control-seeds", "2"]
+    assert cli(str(path), "--out", str(tmp_path / "a"), *args) == 0
+    assert cli(str(path), "--out", str(tmp_path / "b"), *args) == 0
+    first = trials_and_recommendation(tmp_path / "a", "repro")
+    assert first == trials_and_recommendation(tmp_path / "b", "repro")
+    assert len(first[0]) == 3 and first[1]["fp8track.recommendation"]  # the reason, with or without a pick
+
+    client, exp_id, parent, found = runs(tmp_path / "a", "repro")
+    assert client.get_experiment(exp_id).tags["mlflow.experimentKind"] == "custom_model_development"
+    for r in found:
+        history = client.get_metric_history(r.info.run_id, "val/loss")
+        assert [m.step for m in sorted(history, key=lambda m: m.step)] == [0, 1, 2]  # the program's three values
+        assert str(QUAD) in r.data.tags["fp8track.command"] and r.info.status == "FINISHED"
+        assert sorted(r.data.params) == ["bf16_layers", "recipe"]  # only what varies: constants are the parent's
+    controls = runs(tmp_path / "a", "repro", "control")[3]
+    assert sorted(r.data.params["seed"] for r in controls) == ["0", "1"]
+    logs = sorted((tmp_path / "a" / "logs").glob("*.log"))
+
+    renamed = yaml.safe_load(path.read_text()) | {"name": "repro-again"}
+    path.write_text(yaml.safe_dump(renamed, sort_keys=False))  # same parameter order: same draws
+    assert cli(str(path), "--out", str(tmp_path / "a"), *args) == 0
+    assert sorted((tmp_path / "a" / "logs").glob("*.log")) == logs  # no program ran
+    again = runs(tmp_path / "a", "repro-again")[3]
+    assert len(again) == 3 and all(r.data.tags.get("fp8track.reused_from") for r in again)
+    assert trials_and_recommendation(tmp_path / "a", "repro-again") == first
+
+
+def test_a_metric_the_program_never_logs_is_one_error_after_the_first_run(tmp_path: Path, capsys) -> None:
+    path = sweep_yaml(tmp_path, "nometric", recipe=["current"], bf16_layers=["none", "last:1"], steps=2, metric="none", seed=0)
+    out = tmp_path / "out"
+    assert cli(str(path), "--trials", "2", "--out", str(out)) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(err) == 1, err  # one line (Optuna may log its own note on the failed trial)
+    assert err[0].startswith("fp8track sweep: error: ")
+    assert "without logging the sweep's metric 'val/loss'" in err[0] and "train/loss" in err[0]
+    assert len(list((out / "logs").glob("*.log"))) == 1  # the control, and nothing after it
+
+
+def test_pruned_trial_stops_its_program_and_shows_as_pruned(tmp_path: Path) -> None:
+    """Hyperband prunes the worse trial of a bracket while its program runs: the program ignores
+    SIGTERM, so the executor SIGKILLs it; its run is KILLED, tagged PRUNED, named [pruned]."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    path = sweep_yaml(tmp_path, "prune", recipe=["current", "delayed"], bf16_layers=["none", "last:1"], steps=6,
+                      sleep=0.6, hang=True, pid_dir=str(pids), seed=0)
+    cfg = yaml.safe_load(path.read_text()) | {"early_terminate": {"type": "hyperband", "min_iter": 1, "eta": 2, "max_iter": 4}}
+    path.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "out"
+    assert cli(str(path), "--trials", "4", "--out", str(out), "--control-seeds", "1", "--finalists", "1",
+               "--kill-grace", "0.5") == 0
+    client, _, _, found = runs(out, "prune")
+    pruned = [r for r in found if r.data.tags["fp8track.state"] == "PRUNED"]
+    assert pruned, [r.data.tags["fp8track.state"] for r in found]
+    for r in pruned:
+        assert r.info.status == "KILLED" and r.info.run_name.endswith("[pruned]")
+        # hyperband decides by value 4 (max_iter); SIGTERM is ignored, so at most one more value
+        # is logged before the SIGKILL, never all six
+        assert len(client.get_metric_history(r.info.run_id, "val/loss")) <= 5
+        pid = int((pids / f"{r.info.run_id}.pid").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    png = client.download_artifacts(runs(out, "prune")[2], "pareto.png", str(tmp_path))
+    assert Path(png).stat().st_size > 10_000
+
+
+def two_workers(tmp_path: Path, name: str, storage: str | None) -> Path:
+    """Two ``fp8track sweep`` processes on one study: every trial once, none failed."""
+    path = sweep_yaml(tmp_path, name, recipe=["current", "mxfp8"], bf16_layers=["none", "last:1"], steps=3, sleep=0.3, seed=0)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "fp8track.cli", "sweep", str(path), "--trials", "4", "--out", str(out), "--no-progress",
+           "--finalists", "1", "--heartbeat", "2", "--grace", "60"] + (["--storage", storage] if storage else [])
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    import optuna
+
+    study = optuna.load_study(study_name=name, storage=storage or f"sqlite:///{out / 'optuna.db'}")
+    states = [t.state.name for t in study.get_trials() if not t.user_attrs.get("surplus")]
+    assert states.count("COMPLETE") == 4 and "FAIL" not in states, states
+    done = [tuple(sorted(t.params.items())) for t in study.get_trials() if t.state.name == "COMPLETE"]
+    assert len(set(done)) == 4  # every grid point once
+    workers = {t.user_attrs["worker"] for t in study.get_trials() if t.state.name == "COMPLETE"}
+    assert len(workers) == 2, workers  # both took part
+    found = runs(out, name)[3]
+    assert sorted(r.data.tags["fp8track.trial"] for r in found) == sorted(str(t.number) for t in study.get_trials()
+                                                                         if t.state.name == "COMPLETE")
+    return out
 
 
 @pytest.mark.slow
-def test_planted_fragile_layer_is_found_by_auto1_and_kept_in_bf16(tmp_path: Path) -> None:
-    """Acceptance: the layer whose input carries an outlier is auto:1's pick, and the
-    recommendation (fewest BF16 layers within the control's seed spread) keeps it in BF16."""
-    from fp8track.cli import main
-
-    planted = "model.lm_head"  # the example GPT inside its Lightning module
-    path = _sweep_file(tmp_path, "planted", ["none", "auto:1", "last:1"], plant_outlier="lm_head")
-    out = tmp_path / "out"
-    assert main(["sweep", str(path), "--trials", "3", "--out", str(out), "--no-progress", "--wandb"]) == 0
-    uri = f"sqlite:///{out / 'mlflow.db'}"
-    client, parent, df = _children(uri, "planted")
-    assert len(df) == 3 and set(df["status"]) == {"FINISHED"}
-    assert sorted(df["params.bf16_layers"]) == ["auto:1", "last:1", "none"]
-    # one type per column, short values, never "None"
-    assert set(df["params.n_bf16_layers"]) <= {"0", "1", "4"} and "None" not in df.to_string()
-    for col in ("fp8/val_loss_gap", "fp8/val_loss_gap_best", "fp8/spikes/fp8_only", "fp8/spikes/shared",
-                "fp8/worst/underflow_pct", "fp8/worst/overflow_pct", "fp8/fp8_layer_share", "fp8/step_time_s"):
-        assert df[f"metrics.{col}"].notna().all(), col
-    auto = df[df["params.bf16_layers"] == "auto:1"].iloc[0]
-    assert auto["tags.fp8track.bf16_layer_names"] == planted
-    none = df[df["params.bf16_layers"] == "none"].iloc[0]
-    # the planted layer flushes its inputs to zero in FP8: underflow near 100 % only while it runs in FP8
-    assert none["metrics.fp8/worst/underflow_pct"] > 90.0 > auto["metrics.fp8/worst/underflow_pct"]
-    assert none["metrics.fp8/val_loss_gap"] > auto["metrics.fp8/val_loss_gap"] + 0.5
-    run = client.get_run(parent)
-    assert run.data.tags["fp8track.recommendation.bf16_layers"] == "auto:1"
-    rec = json.loads(Path(client.download_artifacts(parent, "recommendation.json", str(tmp_path))).read_text())
-    assert rec["trial"]["n_bf16"] == 1 and rec["trial"]["gap"] <= rec["tolerance"]
-    table = json.loads(Path(client.download_artifacts(auto["run_id"], "auto_ranking.json", str(tmp_path))).read_text())
-    ranked = dict(zip(table["columns"], table["data"][0], strict=True))
-    assert ranked["layer"] == planted and ranked["rank"] == 1
-    arts = {a.path for a in client.list_artifacts(parent)}
-    assert {"sweep_summary.json", "pareto.png", "recommendation.json", "summary.txt"} <= arts
-    # --wandb: one offline run per trial, the gap logged once per evaluation (steps 10, 20, 30)
-    from fp8track.analysis.baseline import read_wandb_history
-
-    wandb_runs = sorted((out / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert len(wandb_runs) == 3
-    history = read_wandb_history(wandb_runs[0])
-    assert [r["trainer/global_step"] for r in history if "fp8/val_loss_gap" in r] == [10, 20, 30]
-    # --summary reads the same back from the store
-    assert main(["sweep", str(path), "--out", str(out), "--summary"]) == 0
-
-
-def _worker(path: Path, out: Path, trials: int, storage: str, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "fp8track.cli", "sweep", str(path), "--trials", str(trials), "--out", str(out),
-           "--storage", storage, "--no-progress", "--heartbeat", "1", "--grace", "3", *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=out.parent)
-
-
-def _trials(db: Path) -> list[tuple[int, str]]:
-    with sqlite3.connect(db) as con:
-        return con.execute("select number, state from trials order by number").fetchall()
+def test_two_workers_on_one_sqlite_study(tmp_path: Path) -> None:
+    two_workers(tmp_path, "sqlite2", None)
 
 
 @pytest.mark.slow
-def test_two_workers_share_one_sqlite_study(tmp_path: Path) -> None:
-    path = _sweep_file(tmp_path, "shared", ["none", "last:1", "first:1", "first_last"], steps=20)
+def test_users_llama_lightning_script_is_swept(tmp_path: Path) -> None:
+    """Acceptance: a script outside the package (HF Llama from a config, Lightning, FP8Monitor)
+    leaves a parent and one child run per trial written by that program, auto:1 resolved from the
+    sweep's own ranking, and a recommendation naming its BF16 layers."""
+    path = sweep_yaml(tmp_path, "llama", program=LLAMA, recipe=["current"], bf16_layers=["none", "auto:1", "last:1"],
+                      steps=8, val_every=4, seed=0)
     out = tmp_path / "out"
-    out.mkdir()
-    storage = f"sqlite:///{out / 'optuna.db'}"
-    procs = [_worker(path, out, 3, storage) for _ in range(2)]
-    outputs = [p.communicate(timeout=900) for p in procs]
-    for p, (_so, se) in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, se[-3000:]
-    ran = [json.loads(so[so.index("{\n"):so.rindex("}") + 1])["trials_run_here"] for so, _ in outputs]
-    finished = [n for n, s in _trials(out / "optuna.db") if s in ("COMPLETE", "PRUNED")]
-    failed = [n for n, s in _trials(out / "optuna.db") if s == "FAIL"]
-    assert len(finished) == 3
-    _client, _parent, df = _children(f"sqlite:///{out / 'mlflow.db'}", "shared")
-    errors = {t: e for t, e in zip(df["tags.fp8track.trial"], df.get("tags.fp8track.error", [None] * len(df)), strict=True)
-              if isinstance(e, str)}
-    # No trial ran twice (on one worker or on both), the workers' trials are exactly the finished
-    # ones, and none failed: both workers start together, share the BF16 control (computed once
-    # under a file lock) and write one SQLite store (calls retried while another holds its lock).
-    both = ran[0] + ran[1]
-    assert len(both) == len(set(both))
-    assert not failed, errors
-    assert sorted(both) == sorted(finished)
-    done = df[df["tags.fp8track.state"].isin(["COMPLETE", "PRUNED"])]
-    assert sorted(int(t) for t in done["tags.fp8track.trial"]) == sorted(finished)
-    assert done["params.bf16_layers"].is_unique  # a grid point never runs twice
+    assert cli(str(path), "--trials", "3", "--out", str(out), "--finalists", "1") == 0
+    client, _, parent, found = runs(out, "llama")
+    assert len(found) == 3 and {r.data.params["bf16_layers"] for r in found} == {"none", "auto:1", "last:1"}
+    for r in found:
+        if r.data.tags.get("fp8track.reused_from"):
+            continue
+        keys = set(r.data.metrics)
+        assert "val/loss" in keys and "train/loss" in keys  # the program's own MLFlowLogger
+        assert any(k.startswith("fp8/") for k in keys)  # its FP8Monitor, through the same run
+    by_spec = {r.data.params["bf16_layers"]: r for r in found}
+    auto = by_spec["auto:1"].data
+    assert auto.metrics["n_bf16_layers"] == 1 and auto.tags["fp8track.bf16_layer_names"] not in ("", "none")
+    last = by_spec["last:1"].data
+    # the last decoder layer: 7 linears (q, k, v, o, gate, up, down) out of 15 with the head
+    assert last.metrics["n_bf16_layers"] == 7 and 0.4 < last.metrics["fp8_flop_share"] < 0.6
+    tags = client.get_run(parent).data.tags
+    assert tags["fp8track.recommendation.bf16_layers"] in by_spec
+    names = tags["fp8track.recommendation.bf16_layer_names"]
+    rec_run = by_spec[tags["fp8track.recommendation.bf16_layers"]].data
+    assert names == rec_run.tags["fp8track.bf16_layer_names"]
+    assert tags["fp8track.recommendation.apply_fp8"].startswith('apply_fp8(model, "current", bf16_layers=')
 
 
-def _child_started(db: Path, trial: int) -> bool:
-    if not db.exists():
-        return False
+# --- PostgreSQL -------------------------------------------------------------------------------------
+
+
+def _missing(reason: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason}; CI must have it (make system-deps installs it as root)")
+    pytest.skip(reason)
+
+
+def _pg_bin(name: str) -> str | None:
+    found = shutil.which(name) or sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
+    return found if isinstance(found, str) else (found[-1] if found else None)
+
+
+@pytest.fixture
+def postgres() -> Iterator[str]:
+    """A PostgreSQL server on a free port of 127.0.0.1; yields its SQLAlchemy URL."""
+    pytest.importorskip("psycopg2", reason="psycopg2-binary (fp8track[sweep]) is needed for PostgreSQL")
+    initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
+    if not (initdb and pg_ctl):
+        _missing("PostgreSQL is not installed (apt-get install -y postgresql)")
+    # PostgreSQL refuses to run as root: as root, run it as the package's postgres user.
+    as_user: list[str] = []
+    data = Path(tempfile.mkdtemp(prefix="fp8track-pg-"))
+    if os.geteuid() == 0:
+        try:
+            import pwd
+
+            pw = pwd.getpwnam("postgres")
+        except KeyError:
+            _missing("running as root but there is no postgres user to run PostgreSQL as")
+        os.chown(data, pw.pw_uid, pw.pw_gid)
+        as_user = ["runuser", "-u", "postgres", "--"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    db = data / "db"
+    subprocess.run([*as_user, initdb, "-D", str(db), "-U", "postgres", "--auth=trust", "-E", "UTF8"], check=True,
+                   capture_output=True)
+    opts = f"-p {port} -k {data} -c listen_addresses=127.0.0.1 -c max_connections=50"
+    subprocess.run([*as_user, pg_ctl, "-D", str(db), "-o", opts, "-l", str(data / "log"), "-w", "-t", "60", "start"],
+                   check=True, capture_output=True)
+    pid = int((db / "postmaster.pid").read_text().split()[0])
     try:
-        with sqlite3.connect(db) as con:
-            return bool(con.execute("select 1 from tags where key = 'fp8track.trial' and value = ?", (str(trial),)).fetchall())
-    except sqlite3.OperationalError:  # tables not created yet
-        return False
+        yield f"postgresql+psycopg2://postgres@127.0.0.1:{port}/postgres"
+    finally:
+        os.kill(pid, signal.SIGINT)  # "fast" shutdown of the server we started, by its pid
+        for _ in range(300):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        shutil.rmtree(data, ignore_errors=True)
 
 
 @pytest.mark.slow
-def test_resume_after_sigkill_finishes_without_repeating_trials(tmp_path: Path) -> None:
-    # Trials long enough (300 steps) that the kill lands inside trial 1 on an idle machine too:
-    # with 20 steps a trial could finish between two polls and the kill found nothing running.
-    path = _sweep_file(tmp_path, "resume", ["none", "last:1"], steps=300)
-    out = tmp_path / "out"
-    out.mkdir()
-    storage = f"sqlite:///{out / 'optuna.db'}"
-    first = _worker(path, out, 2, storage)
-    # Kill it once trial 1's MLflow child run exists (trial 0 finished, trial 1 is training).
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and not _child_started(out / "mlflow.db", 1):
-        assert first.poll() is None, first.communicate()[1][-3000:]
-        time.sleep(0.1)
-    os.kill(first.pid, signal.SIGKILL)
-    first.wait()
-    killed = [n for n, s in _trials(out / "optuna.db") if s == "RUNNING"]
-    assert len(killed) == 1
-    finished_before = [n for n, s in _trials(out / "optuna.db") if s == "COMPLETE"]
-
-    second = _worker(path, out, 2, storage)
-    so, se = second.communicate(timeout=900)
-    assert second.returncode == 0, se[-3000:]
-    states = dict(_trials(out / "optuna.db"))
-    assert states[killed[0]] == "FAIL"  # the killed trial is marked failed ...
-    done = [n for n, s in states.items() if s == "COMPLETE"]
-    assert len(done) == 2 and set(finished_before) <= set(done)
-    ran_here = json.loads(so[so.index("{\n"):so.rindex("}") + 1])["trials_run_here"]
-    assert not set(ran_here) & set(finished_before)  # ... finished trials are not repeated ...
-    _client, _parent, df = _children(f"sqlite:///{out / 'mlflow.db'}", "resume")
-    dead = df[df["tags.fp8track.trial"] == str(killed[0])].iloc[0]
-    assert dead["status"] == "FAILED" and dead["tags.fp8track.state"] == "FAIL"
-    retried = df[df["tags.fp8track.retry_of"] == str(killed[0])]  # ... and retried with its parameters
-    assert len(retried) == 1 and retried.iloc[0]["params.bf16_layers"] == dead["params.bf16_layers"]
-    assert sorted(df[df["status"] == "FINISHED"]["params.bf16_layers"]) == ["last:1", "none"]
+def test_two_workers_on_postgresql(tmp_path: Path, postgres: str) -> None:
+    two_workers(tmp_path, "pg2", postgres)

@@ -30,7 +30,8 @@ def test_shipped_sweeps_pass_the_wandb_schema_and_our_rules() -> None:
     pytest.importorskip("sweeps")
     spec = load_sweep(SWEEP, require_schema=True)
     assert spec.schema_checked
-    assert (spec.method, spec.metric, spec.goal) == ("bayes", "fp8/val_loss_gap", "minimize")
+    assert (spec.method, spec.metric, spec.goal) == ("bayes", "fp8/val_loss", "minimize")
+    assert spec.command == ("${env}", "${interpreter}", "-m", "${program}", "${args}")
     assert spec.param("recipe").values == ("delayed:hybrid:h16:max", "delayed:hybrid:h1024:max", "current", "mxfp8",
                                            "block", "fp8_input_bf16_gemm")
     assert spec.param("bf16_layers").values == ("none", "first:1", "last:1", "first_last", "first:2", "last:2",
@@ -68,7 +69,8 @@ def test_the_sweeps_package_itself_rejects_a_bad_method() -> None:
         (lambda c: c.update(early_terminate={"type": "envelope"}), r"early_terminate type 'envelope'"),
         (lambda c: c.update(early_terminate={"type": "hyperband"}), r"hyperband needs min_iter, or max_iter together with s"),
         (lambda c: c.update(metric={"goal": "minimize"}), r"metric must be a mapping with a name"),
-        (lambda c: c.update(program="my_train.py"), r"unknown .*program 'my_train.py'"),
+        (lambda c: c.pop("program"), r"program is missing"),
+        (lambda c: c.update(command=["${env}", "${interpreter}", "${progam}"]), r"command macro '\$\{progam\}'"),
     ],
 )
 def test_bad_sweeps_are_refused_naming_the_problem(tmp_path: Path, mutate, message: str) -> None:
@@ -84,21 +86,34 @@ def test_unsafe_yaml_tag_is_refused(tmp_path: Path) -> None:
         load_sweep(_write(tmp_path, text))
 
 
-def test_spec_that_does_not_fit_the_model_is_refused_before_training(tmp_path: Path, capsys) -> None:
-    """The CLI refuses ``first:3`` on the two-block example GPT before any run directory exists:
-    one line on stderr, exit status 2."""
-    import re
-
-    from fp8track.cli import main
-
+def test_users_program_may_take_any_parameter(tmp_path: Path) -> None:
+    """Parameter names are checked against the example program's options only: a user's program
+    has its own (here ``lerning_rate`` is its business)."""
     cfg = _base()
-    cfg["parameters"]["bf16_layers"]["values"] = ["none", "first:3"]
+    cfg["program"] = "my_train.py"
+    cfg["parameters"]["lerning_rate"] = {"values": [1e-3, 3e-3]}
+    spec = load_sweep(_write(tmp_path, cfg))
+    assert spec.program == "my_train.py" and spec.param("lerning_rate").values == (1e-3, 3e-3)
+
+
+def test_spec_that_does_not_fit_the_model_is_refused_by_the_program_before_training(tmp_path: Path, capsys) -> None:
+    """The example program refuses ``first:3`` on its two-block GPT: one line, exit 2, no run."""
+    from fp8track.examples.train import main
+
     out = tmp_path / "out"
-    rc = main(["sweep", str(_write(tmp_path, cfg)), "--trials", "1", "--out", str(out), "--no-progress"])
-    err = capsys.readouterr().err
-    assert rc == 2
-    assert re.search(r"'first:3' does not fit the model: .*asks for 3 blocks but the model has 2", err), err
-    assert not (out / "runs").exists() and not (out / "cache").exists()
+    rc = main(["--recipe=current", "--bf16_layers=first:3", "--steps=1", "--n_embd=16", "--n_head=1",
+               "--block_size=8", "--max_bytes=20000", "--control=" + str(_control_file(tmp_path)), f"--out={out}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert "asks for 3 blocks but the model has 2" in err[0]
+
+
+def _control_file(tmp_path: Path) -> Path:
+    import json
+
+    p = tmp_path / "control.json"
+    p.write_text(json.dumps({"val_loss": {}, "run_dir": str(tmp_path)}))
+    return p
 
 
 def test_hyperband_from_max_iter_and_s(tmp_path: Path) -> None:

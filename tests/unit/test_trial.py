@@ -78,3 +78,46 @@ def test_ranking_table_follows_rank_layers() -> None:
     assert table[0]["z_rel_error_db"] == pytest.approx(22.25, rel=1e-9)
     assert table[0]["z_underflow_pct"] == pytest.approx((12.0 - 0.15) / 0.5, rel=1e-6)
     assert all(r["score"] is None or math.isfinite(r["score"]) for r in table)
+
+
+def test_sweep_environment_reaches_the_program(tmp_path: Path, monkeypatch) -> None:
+    """What ``fp8track sweep`` sets: MLflow's own run id and URI, the control, the auto:K ranking."""
+    import json
+
+    ranking = tmp_path / "ranking.json"
+    ranking.write_text(json.dumps(["model.model.lm_head", "model.model.layers.0.q"]))
+    monkeypatch.setenv("MLFLOW_RUN_ID", "abc123")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///x.db")
+    monkeypatch.setenv("FP8TRACK_SWEEP_CONTROL", "mlflow:ctl")
+    monkeypatch.setenv("FP8TRACK_SWEEP_RANKING", str(ranking))
+    s = trial_settings(["--recipe=current", "--bf16_layers=auto:1"], param_path="")
+    assert (s.run_id, s.tracking_uri, s.control, s.in_sweep) == ("abc123", "sqlite:///x.db", "mlflow:ctl", True)
+    assert s.ranking == ("model.model.lm_head", "model.model.layers.0.q")
+    logger = s.mlflow_logger()
+    assert type(logger).__name__ == "MLFlowLogger" and logger._run_id == "abc123"
+    monkeypatch.setenv("FP8TRACK_SWEEP_RANKING", str(tmp_path / "missing.json"))
+    with pytest.raises(ConfigError, match="cannot read the auto:K ranking"):
+        trial_settings([], param_path="")
+
+
+def test_flop_share_weighs_layers_by_their_shape_and_rankings_align_to_the_converted_model() -> None:
+    from torch import nn
+
+    from fp8track.trial import align_ranking, fp8_flop_share, layer_costs
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 256))
+    costs = layer_costs(model)
+    assert [(c.name, c.in_features, c.out_features) for c in costs] == [("0", 64, 64), ("2", 64, 256)]
+    assert fp8_flop_share(costs, ["0"]) == pytest.approx(4096 / (4096 + 16384))
+    assert fp8_flop_share(costs, ["0", "2"]) == 1.0 and math.isnan(fp8_flop_share([], []))
+    assert align_ranking(["model.2", "model.0", "model.9"], ["0", "2"]) == ["2", "0"]
+
+
+def test_apply_outside_a_sweep_converts_with_the_trials_settings(monkeypatch) -> None:
+    from torch import nn
+
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    s = trial_settings(["--recipe=current", "--bf16_layers=last:1"], param_path="")
+    report = s.apply(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)), backend="emulated")
+    assert report.fp8_layers == ("0",) and [n for n, _ in report.bf16_layers] == ["1"]
+    assert s.mlflow_logger() is None
