@@ -321,10 +321,11 @@ def run_metrics(reader: Any, result: TrialResult) -> dict[str, float]:
     last: dict[str, float] = {}
     for rec in reader.metrics():
         last.update(rec.metrics)
-    fp8 = set(result.fp8_layers)
     worst = {"underflow_pct": 0.0, "overflow_pct": 0.0}
     for row in reader.tensor_stats():
-        if row.variant == "actual" and row.layer in fp8:
+        # "actual" rows are the FP8 layers' (BF16 layers record "shadow" rows). Their names are
+        # canonical (no LightningModule `model.` holder), unlike the ApplyReport's.
+        if row.variant == "actual":
             for k in worst:
                 v = float(row.stats.get(k, 0.0))
                 if math.isfinite(v):

@@ -105,7 +105,7 @@ def test_spec_that_does_not_fit_the_model_is_refused_by_the_program_before_train
                "--block_size=8", "--max_bytes=20000", "--control=" + str(_control_file(tmp_path)), f"--out={out}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1
-    assert "asks for 3 blocks but the model has 2" in err[0]
+    assert "'first:3' asks for 3 blocks but stack 'model.blocks' has 2" in err[0]
 
 
 def _control_file(tmp_path: Path) -> Path:
