@@ -72,7 +72,11 @@ def long_run(
     if use_wandb:
         from fp8track.trackers.wandb import WandbTracker
 
-        trackers.append(WandbTracker.create(project="long-run", dir=str(out), mode="offline", table_every_n_steps=table_every_n_steps))
+        trackers.append(
+            WandbTracker.create(
+                project="long-run", dir=str(out), mode="offline", table_every_n_steps=table_every_n_steps
+            )
+        )
     config = MonitorConfig(every_n_steps=every_n_steps)
     monitor = Monitor(model, config, log_dir=out / "runs", trackers=trackers).attach()
     x = torch.randn(8, 16)
@@ -120,8 +124,12 @@ def main() -> None:
     ap.add_argument("--no-wandb", action="store_true")
     ap.add_argument("--no-mlflow", action="store_true")
     ap.add_argument("--table-every-n-steps", type=int, default=1000, help="logged steps between table writes")
-    ap.add_argument("--checkpoints", default="10000,100000,250000,500000,750000", help="comma-separated steps")
-    ap.add_argument("--tracemalloc", type=int, default=0, metavar="N", help="print the N most grown tracebacks")
+    ap.add_argument(
+        "--checkpoints", default="10000,100000,250000,500000,750000", help="comma-separated steps"
+    )
+    ap.add_argument(
+        "--tracemalloc", type=int, default=0, metavar="N", help="print the N most grown tracebacks"
+    )
     args = ap.parse_args()
     os.environ.setdefault("WANDB_SILENT", "true")
     checkpoints = tuple(s for s in map(int, args.checkpoints.split(",")) if s < args.steps)
@@ -142,7 +150,9 @@ def main() -> None:
     first, last = result["points"][0], result["points"][-1]
     result["rss_growth_mib_first_to_last"] = round(last["rss_mib"] - first["rss_mib"], 1)
     span = (last["step"] - first["step"]) / 1000
-    result["rss_mib_per_1000_steps"] = round(result["rss_growth_mib_first_to_last"] / span, 4) if span else None
+    result["rss_mib_per_1000_steps"] = (
+        round(result["rss_growth_mib_first_to_last"] / span, 4) if span else None
+    )
     if snapshots:
         a, b = snapshots[min(snapshots)], snapshots[max(snapshots)]
         top = b.compare_to(a, "traceback")[: args.tracemalloc]

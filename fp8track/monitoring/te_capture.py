@@ -137,7 +137,9 @@ class CaptureHub:
     def bind(self, module: nn.Module, fqn: str, captures: Mapping[str, LayerCapture]) -> None:
         """Route ``module``'s GEMMs (``{suffix: capture}``) to their captures."""
         name = getattr(module, "name", None)
-        if not name or (isinstance(name, str) and name.startswith(_DEFAULT_NAME) and name[len(_DEFAULT_NAME) :].isdigit()):
+        if not name or (
+            isinstance(name, str) and name.startswith(_DEFAULT_NAME) and name[len(_DEFAULT_NAME) :].isdigit()
+        ):
             module.name = fqn
         with self._lock:
             self._bound.append((module, fqn, dict(captures)))
@@ -149,7 +151,9 @@ class CaptureHub:
         with self._lock:
             self._schedules.append((every_n_steps, tuple(steps)))
 
-    def unbind(self, captures: Iterable[LayerCapture], schedule: tuple[int, tuple[int, ...]] | None = None) -> None:
+    def unbind(
+        self, captures: Iterable[LayerCapture], schedule: tuple[int, tuple[int, ...]] | None = None
+    ) -> None:
         gone = {id(c) for c in captures}
         with self._lock:
             self._bound = [b for b in self._bound if not any(id(c) in gone for c in b[2].values())]
@@ -162,7 +166,9 @@ class CaptureHub:
         if cap is None and layer_name not in self._misses:
             with self._lock:
                 self._routes = {
-                    f"{getattr(m, 'name', None) or fqn}{suffix}": c for m, fqn, caps in self._bound for suffix, c in caps.items()
+                    f"{getattr(m, 'name', None) or fqn}{suffix}": c
+                    for m, fqn, caps in self._bound
+                    for suffix, c in caps.items()
                 }
                 cap = self._routes.get(layer_name)
                 if cap is None:
@@ -179,7 +185,8 @@ class CaptureHub:
             return False, None
         run = any(iteration % n == 0 or iteration in extra for n, extra in self._schedules)
         nxt = min(
-            min([(iteration // n + 1) * n, *(s for s in extra if s > iteration)]) for n, extra in self._schedules
+            min([(iteration // n + 1) * n, *(s for s in extra if s > iteration)])
+            for n, extra in self._schedules
         )
         return run, nxt
 
@@ -214,7 +221,9 @@ def make_feature_class(mapper_base: type) -> type:
         """
 
         @api_method
-        def inspect_tensor_enabled(self, config: dict, layer_name: str, tensor_name: str, iteration: int, **_: Any):
+        def inspect_tensor_enabled(
+            self, config: dict, layer_name: str, tensor_name: str, iteration: int, **_: Any
+        ):
             # Signature of TE's LogFp8TensorStats.inspect_tensor_enabled (debug/features/api.py).
             return HUB.enabled(iteration)
 
@@ -307,8 +316,11 @@ def initialize(
         )
     dirs = [te_feature_dir()] if framework == "transformer_engine" else []
     dirs += [str(FEATURE_DIRS[framework]), *feature_dirs]
-    debug_api.initialize(dict(config) if isinstance(config, Mapping) else (config or debug_config(framework=framework)),
-                         feature_dirs=dirs, **kwargs)
+    debug_api.initialize(
+        dict(config) if isinstance(config, Mapping) else (config or debug_config(framework=framework)),
+        feature_dirs=dirs,
+        **kwargs,
+    )
 
 
 def _te_debug_state() -> Any:

@@ -98,7 +98,14 @@ def _example_inputs(spec: KernelSpec) -> list[torch.Tensor | None]:
     main = torch.randn(4, spec.row_length, device=dev).to(_DTYPES[spec.dtype])
     tail = torch.zeros(1, spec.row_length, device=dev, dtype=main.dtype) if spec.tail else None
     flag = torch.tensor(True, device=dev)
-    return [main, tail, stats_kernel.empty_partial(dev), fconst[stats_kernel._F_MARGIN].reshape(()), flag, fconst]
+    return [
+        main,
+        tail,
+        stats_kernel.empty_partial(dev),
+        fconst[stats_kernel._F_MARGIN].reshape(()),
+        flag,
+        fconst,
+    ]
 
 
 class _Graph(torch.nn.Module):
@@ -131,7 +138,9 @@ def build(spec: KernelSpec, path: Path | None = None) -> Path:
     graph = _GraphWithTail() if spec.tail else _Graph()
     program = torch.export.export(graph, tuple(inputs), dynamic_shapes=dynamic)
     tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
-    torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=stats_kernel._inductor_options())
+    torch._inductor.aoti_compile_and_package(
+        program, package_path=str(tmp), inductor_configs=stats_kernel._inductor_options()
+    )
     try:
         _check_package(spec, tmp)
     except BaseException:
@@ -149,7 +158,9 @@ def _check_package(spec: KernelSpec, path: Path) -> None:
     got = _Runner(path, spec.tail, device_index)(main, tail, into, scale, flag, fconst).cpu()
     want = stats_kernel._compiled_partial(main, tail, into, scale, flag, fconst).cpu()
     if not (torch.equal(got[:5], want[:5]) and torch.allclose(got, want, rtol=1e-5, atol=0)):
-        raise RuntimeError(f"the package's result {got.tolist()} differs from the eager graph's {want.tolist()}")
+        raise RuntimeError(
+            f"the package's result {got.tolist()} differs from the eager graph's {want.tolist()}"
+        )
 
 
 class _Runner:
@@ -162,7 +173,11 @@ class _Runner:
         self._run = getattr(self.loader, "boxed_run", None) or self.loader.run
 
     def __call__(self, main, tail, into, scale, use_current, fconst) -> torch.Tensor:  # noqa: ANN001
-        args = [main, tail, into, scale, use_current, fconst] if self.tail else [main, into, scale, use_current, fconst]
+        args = (
+            [main, tail, into, scale, use_current, fconst]
+            if self.tail
+            else [main, into, scale, use_current, fconst]
+        )
         return self._run(args)[0]
 
 
@@ -206,7 +221,9 @@ class AotKernels:
         self._fail(spec, f"the background build exited with code {proc.returncode}: {err}")
         return None
 
-    def wait(self, spec: KernelSpec, device_index: int | None = None, timeout_s: float = 600.0) -> _Runner | None:
+    def wait(
+        self, spec: KernelSpec, device_index: int | None = None, timeout_s: float = 600.0
+    ) -> _Runner | None:
         """Block until ``spec`` is loaded or has failed (benchmarks and tests; training never waits)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -251,7 +268,10 @@ class AotKernels:
 
     def _fail(self, spec: KernelSpec, why: str) -> None:
         self.failed.add(spec)
-        warnings.warn(f"fp8track: no ahead-of-time statistics kernel for {spec} ({why}); using torch.compile", stacklevel=3)
+        warnings.warn(
+            f"fp8track: no ahead-of-time statistics kernel for {spec} ({why}); using torch.compile",
+            stacklevel=3,
+        )
 
 
 def _log_path(path: Path) -> Path:

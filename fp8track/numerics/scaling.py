@@ -109,7 +109,9 @@ def quantize(x: torch.Tensor, fmt: str | FP8Format, scale: torch.Tensor | float)
     return saturating_cast(x.to(torch.float32) * scale, fmt)
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """``q / scale`` in ``dtype`` (float32 by default)."""
     return (q.to(torch.float32) / scale).to(dtype)
 

@@ -61,7 +61,12 @@ def test_heatmap_summary_has_a_fixed_size_and_keeps_the_last_value_of_each_span(
 
     summary = HeatmapSummary(("mse",), max_columns=4)
     for step in range(8):
-        summary.add([Row(step, "fc", "weight", {"mse": float(step)}), Row(step, "fc", "weight", {"mse": -1.0}, "mxfp8")])
+        summary.add(
+            [
+                Row(step, "fc", "weight", {"mse": float(step)}),
+                Row(step, "fc", "weight", {"mse": -1.0}, "mxfp8"),
+            ]
+        )
     labels, steps, m = summary.matrix("mse")
     assert labels == ["fc/weight"] and steps == [0, 2, 4, 6]  # 8 steps folded into 4 columns of 2
     assert m.tolist() == [[1.0, 3.0, 5.0, 7.0]]  # the later step of each pair; what-if rows left out
@@ -79,7 +84,9 @@ def test_full_disk_mid_run_is_one_warning_and_training_goes_on(tmp_path):
     # The kernel's /dev/full accepts the open and refuses every write with ENOSPC: a full disk.
     (run_dir / "tensor_stats.jsonl").symlink_to("/dev/full")
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
-    monitor = Monitor(model, MonitorConfig(every_n_steps=1), log_dir=tmp_path, meta=RunMeta(run_id="run1")).attach()
+    monitor = Monitor(
+        model, MonitorConfig(every_n_steps=1), log_dir=tmp_path, meta=RunMeta(run_id="run1")
+    ).attach()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(5):
@@ -112,17 +119,23 @@ def test_wandb_incremental_table_keeps_only_rows_not_yet_logged(tmp_path, monkey
     from fp8track.trackers.wandb import WandbTracker
 
     monkeypatch.setenv("WANDB_SILENT", "true")
-    tracker = WandbTracker.create(project="bounded", dir=str(tmp_path), mode="offline", table_every_n_steps=3, background=False)
+    tracker = WandbTracker.create(
+        project="bounded", dir=str(tmp_path), mode="offline", table_every_n_steps=3, background=False
+    )
     sizes = []
     for step in range(20):
-        rows = [Row(step, layer, "weight", {"mse": float(step), "underflow_pct": 1.0}) for layer in ("fc1", "fc2")]
+        rows = [
+            Row(step, layer, "weight", {"mse": float(step), "underflow_pct": 1.0}) for layer in ("fc1", "fc2")
+        ]
         tracker.log(StepBatch(step=step, metrics={"loss": 1.0}, tensor_rows=rows, events=[]))
         sizes.append(len(tracker._tables[naming.TABLE_TENSOR_STATS].data))
     # 2 rows a step, logged (and dropped) on every 3rd step: 2, 4, 0, 2, 4, 0, ...
     assert sizes == [2 * ((s % 3 + 1) % 3) for s in range(20)], sizes
     tracker.finish()  # logs the last 2 steps' rows
     assert len(tracker._tables[naming.TABLE_TENSOR_STATS].data) == 0
-    files = sorted((Path(tracker.run.dir) / "media" / "table").glob(f"{naming.TABLE_TENSOR_STATS}_*.table.json"))
+    files = sorted(
+        (Path(tracker.run.dir) / "media" / "table").glob(f"{naming.TABLE_TENSOR_STATS}_*.table.json")
+    )
     rows = [tuple(r[:2]) for f in files for r in json.loads(f.read_text())["data"]]
     assert len(files) == 7 and sorted(rows) == sorted((s, lay) for s in range(20) for lay in ("fc1", "fc2"))
 

@@ -72,7 +72,14 @@ from fp8track.numerics.scaling import (
     unblockify,
 )
 
-__all__ = ["EmulatedBackend", "EmulatedFP8Conv1D", "EmulatedFP8Layer", "EmulatedFP8Linear", "block_fake_quantize"]
+__all__ = [
+    "EmulatedBackend",
+    "EmulatedFP8Conv1D",
+    "EmulatedFP8Layer",
+    "EmulatedFP8Linear",
+    "block_fake_quantize",
+]
+
 
 def block_fake_quantize(x2d: torch.Tensor, layout: str, fmt: FP8Format) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-quantise then dequantise a 2-D tensor along its last dimension.
@@ -117,7 +124,11 @@ def _fp8_mm(
     if _fits_scaled_mm(a, b_t):
         # _scaled_mm wants a row-major and b column-major; b_t.t() of a contiguous [N, K] is that.
         return torch._scaled_mm(
-            a.contiguous(), b_t.contiguous().t(), scale_a=sa.reciprocal(), scale_b=sb.reciprocal(), out_dtype=out_dtype
+            a.contiguous(),
+            b_t.contiguous().t(),
+            scale_a=sa.reciprocal(),
+            scale_b=sb.reciprocal(),
+            out_dtype=out_dtype,
         )
     return (dequantize(a, sa) @ dequantize(b_t, sb).t()).to(out_dtype)
 
@@ -182,7 +193,11 @@ class _Quantizers:
             self._waiting = [r for r in self._waiting if r() is not None and r() is not rec]
 
     def quantize(
-        self, kind: str, x: torch.Tensor, update: bool, rec: tuple[_ForwardScales | None, bool] = (None, False)
+        self,
+        kind: str,
+        x: torch.Tensor,
+        update: bool,
+        rec: tuple[_ForwardScales | None, bool] = (None, False),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(fp8 tensor, scale used)`` for one tensor of kind ``kind``; ``rec`` from :meth:`begin_forward`."""
         if self.delayed:
@@ -354,7 +369,13 @@ class EmulatedFP8Linear(EmulatedFP8Layer, nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Recipe | str) -> EmulatedFP8Linear:
         """Wrap ``linear``'s own ``weight``/``bias`` Parameters (identity kept, no copy)."""
-        new = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe=Recipe.parse(recipe), device="meta")
+        new = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            recipe=Recipe.parse(recipe),
+            device="meta",
+        )
         new.weight = linear.weight
         new.bias = linear.bias
         new.train(linear.training)
@@ -441,7 +462,9 @@ class EmulatedBackend(Backend):
         assert recipe is not None
         return ScaleRule(recipe.scaling, recipe.margin)
 
-    def convert(self, model: nn.Module, recipe: Recipe, names: Sequence[str], keep_bf16: Collection[str]) -> Converted:
+    def convert(
+        self, model: nn.Module, recipe: Recipe, names: Sequence[str], keep_bf16: Collection[str]
+    ) -> Converted:
         fp8 = []
         for n in names:
             if n in keep_bf16:

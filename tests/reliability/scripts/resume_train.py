@@ -39,7 +39,9 @@ class Net(pl.LightningModule):
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(1)
-        return DataLoader(TensorDataset(torch.randn(20, 8, generator=g), torch.randn(20, 4, generator=g)), batch_size=4)
+        return DataLoader(
+            TensorDataset(torch.randn(20, 8, generator=g), torch.randn(20, 4, generator=g)), batch_size=4
+        )
 
 
 class KillAt(Callback):
