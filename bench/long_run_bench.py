@@ -100,7 +100,8 @@ def long_run(
                 size = dir_bytes(monitor.run_dir)
                 points.append({
                     "step": step + 1, "rss_mib": round(rss_mib(), 1), "run_dir_bytes": size,
-                    "bytes_per_logged_step": round(size / logged, 1), "bytes_per_step": round(size / (step + 1), 2),
+                    "bytes_per_logged_step": round(size / logged, 1),
+                    "bytes_per_step": round(size / (step + 1), 2),
                     "seconds": round(time.perf_counter() - t0, 1),
                 })  # fmt: skip
                 if on_checkpoint is not None:
@@ -157,7 +158,10 @@ def main() -> None:
         a, b = snapshots[min(snapshots)], snapshots[max(snapshots)]
         top = b.compare_to(a, "traceback")[: args.tracemalloc]
         result["tracemalloc_growth"] = [
-            {"kib": round(d.size_diff / 1024, 1), "count": d.count_diff, "traceback": d.traceback.format()[-8:]}
+            {
+                "kib": round(d.size_diff / 1024, 1), "count": d.count_diff,
+                "traceback": d.traceback.format()[-8:],
+            }
             for d in top
         ]  # fmt: skip
     print(json.dumps(result, indent=2))

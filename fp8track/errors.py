@@ -58,7 +58,9 @@ def check_float(
 
 
 def dataclass_from_dict(cls: type[T], data: Mapping[str, Any]) -> T:
-    """Build the dataclass ``cls`` from a mapping (YAML/CLI); an unknown key is an error naming the valid ones."""
+    """Build the dataclass ``cls`` from a mapping (YAML/CLI).
+
+    An unknown key is an error naming the valid ones."""
     known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(data) - known)
     if unknown:

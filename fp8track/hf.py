@@ -98,7 +98,8 @@ class FP8TrainerCallback(TrainerCallback, FrontendResults):
         check_frontend_args(layers, eval_metrics)
         if isinstance(trackers, str) and trackers not in TRACKER_SPECS:
             raise ConfigError(
-                f"unknown trackers {trackers!r}; valid values are: 'auto', 'none' or a list of Tracker objects"
+                f"unknown trackers {trackers!r}; "
+                "valid values are: 'auto', 'none' or a list of Tracker objects"
             )
         if not isinstance(trackers, str) and not (
             isinstance(trackers, (list, tuple)) and all(isinstance(t, Tracker) for t in trackers)
@@ -185,8 +186,9 @@ class FP8TrainerCallback(TrainerCallback, FrontendResults):
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if self._trainer is None:
             raise ConfigError(
-                "FP8TrainerCallback needs the Trainer to read each micro-batch's loss (a TrainerCallback never "
-                "receives it): call FP8TrainerCallback(...).attach(trainer) before trainer.train()"
+                "FP8TrainerCallback needs the Trainer to read each micro-batch's loss "
+                "(a TrainerCallback never receives it): "
+                "call FP8TrainerCallback(...).attach(trainer) before trainer.train()"
             )
         if self.monitor is not None and not self.monitor.closed:
             self.monitor.close()

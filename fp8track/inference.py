@@ -181,8 +181,8 @@ def _emulated_layers(model: nn.Module) -> list[tuple[str, EmulatedFP8Linear]]:
             out.append((name, m))
         elif is_fp8_linear(m):
             raise ConfigError(
-                f"layer {name!r} ({type(m).__name__}) is not an emulated FP8 layer; the inference-chain check "
-                "switches scales on backend='emulated' models only"
+                f"layer {name!r} ({type(m).__name__}) is not an emulated FP8 layer; "
+                "the inference-chain check switches scales on backend='emulated' models only"
             )
     return out
 
@@ -457,8 +457,8 @@ def _problems(
             t, f = trained.get(s.layer), fresh.get(s.layer)
             cost = (
                 (
-                    f"; its output SQNR vs BF16 is {t.sqnr_db:.1f} dB with the trained scale and {f.sqnr_db:.1f} dB "
-                    "with a fresh one"
+                    f"; its output SQNR vs BF16 is {t.sqnr_db:.1f} dB with the trained scale "
+                    f"and {f.sqnr_db:.1f} dB with a fresh one"
                 )
                 if t and f
                 else ""
@@ -468,8 +468,9 @@ def _problems(
                     "wrong_scale",
                     s.layer,
                     s.tensor,
-                    f"trained {s.tensor} scale {s.trained:.4g} is 2^{s.drift_log2:+.1f} times the tensor's current "
-                    f"scale {s.current:.4g} (robust z {s.z:.1f} against the other layers){cost}",
+                    f"trained {s.tensor} scale {s.trained:.4g} is 2^{s.drift_log2:+.1f} times "
+                    f"the tensor's current scale {s.current:.4g} "
+                    f"(robust z {s.z:.1f} against the other layers){cost}",
                 )
             )
     return out

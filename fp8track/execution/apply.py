@@ -84,7 +84,8 @@ def apply_fp8(
     ranking: Sequence[str] | Mapping[str, float] | None = None,
     example_inputs: Any = None,
 ) -> ApplyReport:
-    """Convert ``model``'s ``nn.Linear`` layers (and Hugging Face ``Conv1D``) in place to run under ``recipe``.
+    """Convert ``model``'s ``nn.Linear`` layers (and Hugging Face ``Conv1D``) in place to run under
+    ``recipe``.
 
     ``nn.MultiheadAttention`` modules are first rebuilt as
     :class:`~fp8track.execution.attention.LinearMultiheadAttention` (the same function with its
@@ -145,7 +146,8 @@ def apply_fp8(
             )
     if unconverted and recipe.quantizes:
         warnings.warn(
-            f"fp8track.apply_fp8: {len(unconverted)} modules run their GEMMs outside FP8 and are not converted: "
+            f"fp8track.apply_fp8: {len(unconverted)} modules run their GEMMs outside FP8 "
+            "and are not converted: "
             + "; ".join(f"{n}: {why}" for n, why in list(unconverted.items())[:4])
             + (" ..." if len(unconverted) > 4 else "")
             + " (listed in ApplyReport.unconverted)",

@@ -343,7 +343,8 @@ class FallbackSpec:
                     for stack, blocks in stacks:
                         if n > len(blocks):
                             raise ConfigError(
-                                f"bf16_layers term {term!r} asks for {n} blocks but stack {stack!r} has {len(blocks)}: "
+                                f"bf16_layers term {term!r} asks for {n} blocks but stack {stack!r} "
+                                f"has {len(blocks)}: "
                                 f"{preview_names(blocks)}"
                             )
                         picked = blocks[:n] if side == "first" else blocks[len(blocks) - n :]
@@ -352,7 +353,8 @@ class FallbackSpec:
                 else:
                     if n > len(order()):
                         raise ConfigError(
-                            f"bf16_layers term {term!r} asks for {n} linears but the model has {len(order())} "
+                            f"bf16_layers term {term!r} asks for {n} linears but the model has "
+                            f"{len(order())} "
                             f"and no repeated blocks: {preview_names(order())}"
                         )
                     take(order()[:n] if side == "first" else order()[len(order()) - n :], term)
@@ -362,10 +364,11 @@ class FallbackSpec:
                 head = output_head(model, order(), [b for _, blocks in stacks for b in blocks])
                 take(head, HEAD_REASON)
                 notes.append(
-                    f"head: {', '.join(head)} (the linears after the last block; Megatron-LM never runs its output "
-                    "layer in FP8)"
+                    f"head: {', '.join(head)} (the linears after the last block; "
+                    "Megatron-LM never runs its output layer in FP8)"
                     if head
-                    else "head: none (no linear comes after the last repeated block; name the output layer if it has one)"
+                    else "head: none (no linear comes after the last repeated block; "
+                    "name the output layer if it has one)"
                 )
             elif term.startswith("auto:"):
                 k = int(term.split(":")[1])
@@ -381,7 +384,8 @@ class FallbackSpec:
             }
             if stacks:
                 notes[:0] = [
-                    f"{label}: stack {stack} ({len(blocks)} blocks) keeps {', '.join(b for b in blocks if b in kept)}"
+                    f"{label}: stack {stack} ({len(blocks)} blocks) keeps "
+                    f"{', '.join(b for b in blocks if b in kept)}"
                     for stack, blocks in stacks
                 ]
             else:
@@ -405,7 +409,8 @@ def _from_ranking(
     unknown = [n for n in ordered if n not in linears]
     if unknown:
         raise ConfigError(
-            f"ranking names layers the model lacks: {preview_names(unknown)}; linear layers: {preview_names(linears)}"
+            f"ranking names layers the model lacks: {preview_names(unknown)}; "
+            f"linear layers: {preview_names(linears)}"
         )
     if k > len(ordered):
         raise ConfigError(f"bf16_layers term {term!r} asks for {k} layers but the ranking has {len(ordered)}")
@@ -429,7 +434,8 @@ def _validate_term(term: str) -> None:
         count = term.split(":", 1)[1]
         if not count.isdigit() or int(count) < 1:
             raise ConfigError(
-                f"bf16_layers term {term!r} needs a positive integer count; valid forms: {', '.join(_KEYWORDS)}"
+                f"bf16_layers term {term!r} needs a positive integer count; "
+                f"valid forms: {', '.join(_KEYWORDS)}"
             )
     elif term.startswith("re:"):
         compile_selector(term, "bf16_layers")

@@ -104,8 +104,8 @@ def hidden_gemms(model: nn.Module) -> dict[str, str]:
     ``nn.MultiheadAttention`` on linears (:mod:`fp8track.execution.attention`)."""
     return {
         n: "nn.MultiheadAttention runs its q/k/v and out projections through F.multi_head_attention_forward "
-        "(no module hook sees them); fp8track.apply_fp8 or fp8track.execution.attention.linearize_attention(model) "
-        "rebuilds it on nn.Linear projections"
+        "(no module hook sees them); fp8track.apply_fp8 or "
+        "fp8track.execution.attention.linearize_attention(model) rebuilds it on nn.Linear projections"
         for n, m in model.named_modules()
         if isinstance(m, nn.MultiheadAttention)
     }

@@ -169,7 +169,8 @@ class Recipe:
                 continue
             forms = ", ".join(_TOKEN_FORMS[o] for o in allowed)
             raise ConfigError(
-                f"{f.name}={getattr(self, f.name)!r} ({_TOKEN_FORMS[f.name]}) does not apply to recipe {self.name!r}; "
+                f"{f.name}={getattr(self, f.name)!r} ({_TOKEN_FORMS[f.name]}) "
+                f"does not apply to recipe {self.name!r}; "
                 f"its options are: {forms}"
             )
 

@@ -243,8 +243,9 @@ class RunWriter:
             if not self._warned:
                 self._warned = True
                 warnings.warn(
-                    f"fp8track: cannot write {self.run_dir / name} ({exc.strerror or exc}); training continues, "
-                    "records of the steps that fail are lost (counted in RunWriter.lines_lost) and trackers "
+                    f"fp8track: cannot write {self.run_dir / name} ({exc.strerror or exc}); "
+                    "training continues, records of the steps that fail are lost "
+                    "(counted in RunWriter.lines_lost) and trackers "
                     "still receive them. Further write errors are not reported",
                     RuntimeWarning,
                     stacklevel=4,
@@ -369,8 +370,8 @@ class RunReader:
         self.problems.append(ReadProblem(name, line, kind, detail))
         if len(self._reported) == 1:
             warnings.warn(
-                f"fp8track: {self.run_dir / name} line {line}: {kind} ({detail}); skipped. Every damaged line "
-                "is skipped and listed in RunReader.problems",
+                f"fp8track: {self.run_dir / name} line {line}: {kind} ({detail}); skipped. "
+                "Every damaged line is skipped and listed in RunReader.problems",
                 RuntimeWarning,
                 stacklevel=4,
             )

@@ -50,7 +50,8 @@ class ShardSpec:
     """The device mesh of a sharded run and which of its dimensions carry data parallelism.
 
     Attributes:
-        mesh: the root ``DeviceMesh`` (e.g. ``init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))``);
+        mesh: the root ``DeviceMesh``
+            (e.g. ``init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))``);
             ``None`` = the DTensors' own root mesh, or the whole world as one data-parallel
             dimension for plain tensors.
         data_dims: names of the mesh dimensions over which ranks see different batches

@@ -88,7 +88,8 @@ def _fingerprint(spec: KernelSpec) -> str:
 
 def package_path(spec: KernelSpec) -> Path:
     """The package file of ``spec`` for this torch, kernel source and device."""
-    name = f"{spec.device_type}-{spec.dtype}-c{spec.row_length}-{'tail' if spec.tail else 'notail'}-{_fingerprint(spec)}.pt2"
+    tail = "tail" if spec.tail else "notail"
+    name = f"{spec.device_type}-{spec.dtype}-c{spec.row_length}-{tail}-{_fingerprint(spec)}.pt2"
     return cache_dir() / name
 
 

@@ -201,7 +201,9 @@ class DelayedScaler:
         return q, scale_used
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain-data state (:func:`fp8track.errors.save_state`; CPU tensors), enough to resume bit for bit."""
+        """Plain-data state (:func:`fp8track.errors.save_state`; CPU tensors).
+
+        Enough to resume bit for bit."""
         return save_state(
             amax_history=self.amax_history.detach().cpu().clone(),
             scale=self.scale.detach().cpu().clone(),

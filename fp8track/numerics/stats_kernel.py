@@ -137,7 +137,8 @@ def _row_sums(
     fp8_dtype: torch.dtype | None,
     acc: torch.dtype,
 ) -> torch.Tensor:
-    """Per-row ``[R, len(_ROW_FIELDS)]`` sums of the quantisation of ``x2 [R, C]`` (products normalised by ``p``).
+    """Per-row ``[R, len(_ROW_FIELDS)]`` sums of the quantisation of ``x2 [R, C]``
+    (products normalised by ``p``).
 
     ``fp8_dtype`` None rounds with :func:`round_to_fp8_grid` (compiled path), else with the real cast.
     """

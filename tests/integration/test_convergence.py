@@ -5,7 +5,8 @@ batches, so the gap measures quantisation alone. The yardstick is what a differe
 does to the BF16 control on the same budget. Measured over seeds 0, 1, 2: val loss 2.232, 2.164,
 2.175 nats for the tiny GPT (spread 0.068) and eval MSE 3.843, 3.788, 3.858 for the MLP (spread
 1.8% relative). We require every FP8 recipe to stay within 0.03 nats (GPT) and 1% relative (MLP):
-under half the seed-to-seed spread, i.e. FP8 perturbs training less than re-seeding does. Measured gaps are recorded in docs/parts/exec.md.
+under half the seed-to-seed spread, i.e. FP8 perturbs training less than re-seeding does.
+Measured gaps are recorded in docs/parts/exec.md.
 """
 
 import pytest

@@ -1,5 +1,6 @@
 """FP8Monitor inside a real Lightning Trainer: accumulation, loss un-normalisation, errors, trackers,
-on_spike. The Trainer set-ups (resume, second fit, manual optimisation, ...) are in test_lightning_setups.py."""
+on_spike. The Trainer set-ups (resume, second fit, manual optimisation, ...) are in
+test_lightning_setups.py."""
 
 import sys
 from pathlib import Path

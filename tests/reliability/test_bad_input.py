@@ -328,5 +328,6 @@ def test_docs_table_is_generated_from_these_cases(tmp_path):
         DOC.write_text(new, encoding="utf-8")
         return
     assert new == text, (
-        "docs/reliability.md is out of date: run FP8TRACK_WRITE_DOCS=1 pytest tests/reliability/test_bad_input.py"
+        "docs/reliability.md is out of date: "
+        "run FP8TRACK_WRITE_DOCS=1 pytest tests/reliability/test_bad_input.py"
     )

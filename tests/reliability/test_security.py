@@ -103,7 +103,8 @@ def test_planted_credentials_never_appear_in_any_output(tmp_path, monkeypatch, c
     for text in texts:
         for needle in needles:
             assert needle not in text, (
-                f"credential {needle!r} leaked: ...{text[max(text.find(needle) - 200, 0) : text.find(needle) + 50]}"
+                f"credential {needle!r} leaked: "
+                f"...{text[max(text.find(needle) - 200, 0) : text.find(needle) + 50]}"
             )
     # ...with the credentials replaced, not the whole message dropped
     assert any("https://***@127.0.0.1:9" in t for t in texts)

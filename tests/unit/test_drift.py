@@ -1,4 +1,5 @@
-"""DriftTracker excursions and the WhatIfDelayed simulation (against fp8track.numerics.scaling.DelayedScaler)."""
+"""DriftTracker excursions and the WhatIfDelayed simulation
+(against fp8track.numerics.scaling.DelayedScaler)."""
 
 from __future__ import annotations
 

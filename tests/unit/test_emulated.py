@@ -102,7 +102,8 @@ def test_per_tensor_forward_and_backward_match_independent_reference(recipe, sha
     assert torch.allclose(scales["activation"].double(), sx.double()) and torch.allclose(
         scales["gradient"].double(), sg.double()
     )
-    # bf16 GEMM mode rounds dequantised operands to bf16 (relative 2**-8); the FP8 GEMM accumulates in float32.
+    # bf16 GEMM mode rounds dequantised operands to bf16 (relative 2**-8);
+    # the FP8 GEMM accumulates in float32.
     tol = 2e-2 if r.gemm_mode == "bf16" else 1e-5
     assert torch.allclose(y.double(), y_ref, rtol=tol, atol=tol * y_ref.abs().max().item())
     gx_ref, gw_ref = gd @ wd, gd.t() @ xd

@@ -199,7 +199,9 @@ class _Quantizers:
         update: bool,
         rec: tuple[_ForwardScales | None, bool] = (None, False),
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(fp8 tensor, scale used)`` for one tensor of kind ``kind``; ``rec`` from :meth:`begin_forward`."""
+        """``(fp8 tensor, scale used)`` for one tensor of kind ``kind``.
+
+        ``rec`` comes from :meth:`begin_forward`."""
         if self.delayed:
             scaler = self.delayed[kind]
             record, replay = rec
@@ -343,7 +345,8 @@ class EmulatedFP8Layer:
 
 
 class EmulatedFP8Linear(EmulatedFP8Layer, nn.Linear):
-    """An ``nn.Linear`` that runs its GEMMs in emulated FP8 under a :class:`~fp8track.execution.recipes.Recipe`.
+    """An ``nn.Linear`` that runs its GEMMs in emulated FP8 under a
+    :class:`~fp8track.execution.recipes.Recipe`.
 
     Example:
         >>> import torch

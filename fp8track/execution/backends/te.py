@@ -196,8 +196,9 @@ def __getattr__(name: str) -> Any:  # PEP 562: build the TE subclass on first us
 def _adopt(new: nn.Module, attr: str, old: nn.Parameter, adopted: dict[int, nn.Parameter]) -> None:
     """Put ``old`` (or what it became earlier, for tied weights) in place of ``new.<attr>``.
 
-    TE tags its own parameters with attributes (tensor-parallel flags, ``set_tensor_model_parallel_attributes``);
-    those are copied onto the adopted parameter so TE sees what it expects.
+    TE tags its own parameters with attributes (tensor-parallel flags,
+    ``set_tensor_model_parallel_attributes``); those are copied onto the adopted parameter so TE
+    sees what it expects.
     """
     fresh = getattr(new, attr)
     param = adopted.get(id(old))
