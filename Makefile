@@ -9,7 +9,7 @@ EXTRAS ?= all,dev
 STAMP := $(VENV)/.fp8track-installed
 BIN := $(VENV)/bin
 
-.PHONY: install demo test test-gpu bench bench-gpu lint
+.PHONY: install demo test test-gpu bench bench-gpu lint check
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -41,4 +41,9 @@ bench-gpu: $(STAMP)
 	$(BIN)/python bench/gpu_bench.py
 
 lint: $(STAMP)
-	$(BIN)/python -m ruff check fp8track tests bench
+	$(BIN)/python -m ruff check fp8track tests bench examples
+
+# Lint (ruff, 110-column lines) and type-check the maths and the records (mypy, [tool.mypy]).
+# tools/fix_long_lines.py shortens over-long lines without reformatting whole files.
+check: lint
+	$(BIN)/python -m mypy fp8track/numerics fp8track/monitoring

@@ -242,8 +242,9 @@ class RunWriter:
             self.lines_lost += len(rows)
             if not self._warned:
                 self._warned = True
+                why = getattr(exc, "strerror", None) or exc  # a ValueError has no strerror
                 warnings.warn(
-                    f"fp8track: cannot write {self.run_dir / name} ({exc.strerror or exc}); "
+                    f"fp8track: cannot write {self.run_dir / name} ({why}); "
                     "training continues, records of the steps that fail are lost "
                     "(counted in RunWriter.lines_lost) and trackers "
                     "still receive them. Further write errors are not reported",

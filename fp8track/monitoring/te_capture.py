@@ -39,6 +39,7 @@ dequantisation of what TE holds.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -140,7 +141,7 @@ class CaptureHub:
         if not name or (
             isinstance(name, str) and name.startswith(_DEFAULT_NAME) and name[len(_DEFAULT_NAME) :].isdigit()
         ):
-            module.name = fqn
+            module.name = fqn  # type: ignore[assignment]  # TE's debug name is a plain str attribute
         with self._lock:
             self._bound.append((module, fqn, dict(captures)))
             self._routes.clear()
@@ -213,7 +214,7 @@ def make_feature_class(mapper_base: type) -> type:
     register it (``te_features/<namespace>/``)."""
     from nvdlfw_inspect.registry import api_method
 
-    class Fp8TrackCapture(mapper_base):  # type: ignore[valid-type, misc]
+    class Fp8TrackCapture(mapper_base):
         """fp8track's statistics of every quantised GEMM operand (activation, weight, gradient).
 
         Config: ``Fp8TrackCapture: {enabled: True, tensors: [activation, weight, gradient]}``; the
@@ -358,7 +359,7 @@ def gemm_captures(
     for suffix in te_backend.te_gemm_suffixes(module):
         name = fqn + suffix
         out[name] = LayerCapture(
-            module, lambda n=name: plan_for(n, module, shadow_format), tensors, whatif, hooks=False
+            module, functools.partial(plan_for, name, module, shadow_format), tensors, whatif, hooks=False
         )
     return out
 

@@ -93,20 +93,24 @@ def package_path(spec: KernelSpec) -> Path:
     return cache_dir() / name
 
 
-def _example_inputs(spec: KernelSpec) -> list[torch.Tensor | None]:
+_Inputs = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _example_inputs(spec: KernelSpec) -> _Inputs:
+    """``(main, tail or None, into, scale, use_current, fconst)``: one call's arguments."""
     dev = torch.device(spec.device_type)
     fconst = stats_kernel._fmt_consts(get_format("e4m3"), 0, dev)
     main = torch.randn(4, spec.row_length, device=dev).to(_DTYPES[spec.dtype])
     tail = torch.zeros(1, spec.row_length, device=dev, dtype=main.dtype) if spec.tail else None
     flag = torch.tensor(True, device=dev)
-    return [
+    return (
         main,
         tail,
         stats_kernel.empty_partial(dev),
         fconst[stats_kernel._F_MARGIN].reshape(()),
         flag,
         fconst,
-    ]
+    )
 
 
 class _Graph(torch.nn.Module):

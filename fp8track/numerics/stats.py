@@ -436,11 +436,11 @@ def finalize_many(
     :func:`fp8track.numerics.scaling.scale_from_amax` (float32, as the backends compute it), for
     all rows in one call: finalize many rows at once rather than one :func:`finalize` per row.
     """
-    fmts = [get_format(f) for f in fmts]
-    rows = torch.as_tensor(partials, dtype=torch.float64).detach().cpu().reshape(len(fmts), PARTIAL_SIZE)
-    margins = [margin] * len(fmts) if isinstance(margin, int) else list(margin)
+    formats = [get_format(f) for f in fmts]
+    rows = torch.as_tensor(partials, dtype=torch.float64).detach().cpu().reshape(len(formats), PARTIAL_SIZE)
+    margins = [margin] * len(formats) if isinstance(margin, int) else list(margin)
     amaxes = rows[:, _IDX["amax"]].clamp(min=0.0).to(torch.float32)
-    fmt_max = torch.tensor([f.max for f in fmts], dtype=torch.float32)
+    fmt_max = torch.tensor([f.max for f in formats], dtype=torch.float32)
     factor = torch.tensor([2.0**-m for m in margins], dtype=torch.float32)
     currents = scale_from_amax(amaxes, fmt_max, factor).tolist()
     return [_finalize_row(row, cur) for row, cur in zip(rows.tolist(), currents, strict=True)]
