@@ -183,3 +183,20 @@ def test_mlflow_table_spool_holds_no_row_in_memory_and_writes_what_log_table_wri
     assert resumed.columns == ["step", "layer", "mse", "extra"]
     assert list(resumed.iter_rows()) == [[1, "l9", None, "x"], [2, "l8", None, "y"], [5, "l0", 0.5, None]]
     assert (resumed.rows, resumed.written, resumed.unwritten) == (3, 2, 1)
+
+
+def test_write_on_a_closed_handle_is_one_warning_not_a_crash(tmp_path):
+    # A closed handle raises ValueError (no strerror, unlike OSError): still one warning, lines counted.
+    from fp8track.monitoring.records import RunWriter
+
+    writer = RunWriter(tmp_path / "run1", RunMeta(run_id="run1"))
+    writer.close()
+    rows = [Row(0, "fc", "weight", {"mse": 1.0}), Row(0, "fc", "activation", {"mse": 2.0})]
+    with pytest.warns(
+        RuntimeWarning, match=r"cannot write .*tensor_stats\.jsonl \(I/O operation on closed file"
+    ):
+        writer.write_tensor_stats(rows)
+    assert writer.lines_lost == 2
+    writer.write_tensor_stats(rows[:1])  # the handle was reopened: the next write lands
+    writer.close()
+    assert [r.tensor for r in RunReader(tmp_path / "run1").tensor_stats()] == ["weight"]
