@@ -9,7 +9,7 @@ EXTRAS ?= all,dev
 STAMP := $(VENV)/.fp8track-installed
 BIN := $(VENV)/bin
 
-.PHONY: install system-deps demo test test-gpu bench bench-gpu lint
+.PHONY: install system-deps demo test test-gpu bench bench-gpu lint check
 
 # Debian packages the tests use: PostgreSQL (two sweep workers on one study). Installed only when
 # missing and only as root with apt-get (CI); elsewhere the test says what to install.
@@ -31,7 +31,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/fp8track demo
 
-test: $(STAMP) system-deps
+test: $(STAMP) system-deps check
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 HAS_CUDA = $(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
@@ -50,4 +50,9 @@ bench-gpu: $(STAMP)
 	$(BIN)/python bench/gpu_bench.py
 
 lint: $(STAMP)
-	$(BIN)/python -m ruff check fp8track tests bench
+	$(BIN)/python -m ruff check fp8track tests bench examples
+
+# Lint (ruff, 110-column lines) and type-check the maths and the records (mypy, [tool.mypy]).
+# tools/fix_long_lines.py shortens over-long lines without reformatting whole files.
+check: lint
+	$(BIN)/python -m mypy fp8track/numerics fp8track/monitoring

@@ -79,8 +79,14 @@ def run(device: str, sizes: list[int], reps: int) -> dict:
                 row[f"{mode}_device_ms"] = round(dev, 4)
         row["host_ratio_jit_over_aot"] = round(row["auto_host_ms"] / row["aot_host_ms"], 2)
         a, j = results["aot"].cpu(), results["auto"].cpu()
-        row["agree"] = bool(torch.equal(a[:5], j[:5]) and torch.allclose(a[5:9], j[5:9], rtol=1e-6) and torch.equal(a[9:], j[9:]))
-        row["packaged_kernel_used"] = any(k[2] == c and r is not None for k, r in stats._POLICY.aot_runners.items())
+        row["agree"] = bool(
+            torch.equal(a[:5], j[:5])
+            and torch.allclose(a[5:9], j[5:9], rtol=1e-6)
+            and torch.equal(a[9:], j[9:])
+        )
+        row["packaged_kernel_used"] = any(
+            k[2] == c and r is not None for k, r in stats._POLICY.aot_runners.items()
+        )
         out[str(n)] = row
         stats.set_compile("auto")
     return out

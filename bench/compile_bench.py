@@ -56,7 +56,9 @@ class Run:
         self.compiled = torch.compile(self.model)
         self.monitor = None
         if every is not None:
-            self.monitor = Monitor(self.compiled, MonitorConfig(every_n_steps=every), log_dir=log_dir).attach()
+            self.monitor = Monitor(
+                self.compiled, MonitorConfig(every_n_steps=every), log_dir=log_dir
+            ).attach()
         self.i = 0
 
     def steps(self, n: int, times: list[float], sampled: list[bool]) -> None:

@@ -123,7 +123,9 @@ def build_gpt(cfg: GPTConfig, batch: int, device: torch.device, seed: int = 0) -
     report = apply_fp8(model, recipe, backend=backend)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     g = torch.Generator().manual_seed(seed)
-    batches = [torch.randint(0, cfg.vocab, (batch, cfg.block_size + 1), generator=g).to(device) for _ in range(4)]
+    batches = [
+        torch.randint(0, cfg.vocab, (batch, cfg.block_size + 1), generator=g).to(device) for _ in range(4)
+    ]
     return model, opt, batches, report, backend
 
 
@@ -155,7 +157,9 @@ def _count_syncs(device: torch.device, counter: list[int], sites: list[str] | No
         sites.extend(f"{os.path.relpath(w.filename)}:{w.lineno}" for w in hits)
 
 
-def sync_counts(model: Any, opt: Any, batches: list[torch.Tensor], report: Any, device: torch.device) -> dict[str, Any]:
+def sync_counts(
+    model: Any, opt: Any, batches: list[torch.Tensor], report: Any, device: torch.device
+) -> dict[str, Any]:
     """Host syncs per phase, with and without the monitor (CUDA only; ``None`` elsewhere)."""
     if device.type != "cuda":
         return {"checked": False, "reason": "needs CUDA's sync debug mode"}
@@ -190,7 +194,9 @@ def sync_counts(model: Any, opt: Any, batches: list[torch.Tensor], report: Any, 
     out["hooks_add_no_sync"] = out["sampled_forward_backward"] == out["unmonitored_forward_backward"] == out[
         "unsampled_forward_backward"
     ]
-    out["one_host_copy_per_logging_step"] = out["sampled_monitor_step"] == 1 and out["unsampled_monitor_step"] == 0
+    out["one_host_copy_per_logging_step"] = (
+        out["sampled_monitor_step"] == 1 and out["unsampled_monitor_step"] == 0
+    )
     return out
 
 
@@ -199,11 +205,16 @@ def monitor_overhead(device: torch.device, p: dict[str, Any]) -> dict[str, Any]:
     model, opt, batches, report, backend = build_gpt(p["gpt"], p["batch"], device)
     clock = _Clock(device)
     tmp = tempfile.mkdtemp()
-    monitors = {k: Monitor(model, MonitorConfig(every_n_steps=n), log_dir=tmp) if n else None for k, n in p["every"].items()}
+    monitors = {
+        k: Monitor(model, MonitorConfig(every_n_steps=n), log_dir=tmp) if n else None
+        for k, n in p["every"].items()
+    }
     times: dict[str, list[float]] = {k: [] for k in monitors}
     sampled: dict[str, list[float]] = {k: [] for k in monitors}
 
-    def steps(mon: Monitor | None, n: int, sink: list[float], sampled_sink: list[float] | None = None) -> None:
+    def steps(
+        mon: Monitor | None, n: int, sink: list[float], sampled_sink: list[float] | None = None
+    ) -> None:
         for i in range(n):
             b = batches[i % len(batches)]
             hit = mon is not None and mon.sampling
@@ -368,7 +379,9 @@ def run(device: torch.device, dry_run: bool = False) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true", help="small sizes on CPU: the code paths, no numbers")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="small sizes on CPU: the code paths, no numbers"
+    )
     args = parser.parse_args(argv)
     if args.dry_run:
         device = torch.device("cpu")

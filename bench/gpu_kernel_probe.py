@@ -112,7 +112,11 @@ def one_variant(max_rows: int | None, first: str, dry_run: bool = False) -> dict
     row["kernels_per_call_4096"] = _kernels_per_call(xs["4096x4096"])
     got = stats.quant_stats(wide.to(device), "e4m3")
     row["max_rel_diff"] = max(
-        (abs(got[k] - r) / abs(r) for k, r in ref.items() if r and math.isfinite(r) and k != "scale_drift_log2"),
+        (
+            abs(got[k] - r) / abs(r)
+            for k, r in ref.items()
+            if r and math.isfinite(r) and k != "scale_drift_log2"
+        ),
         default=0.0,
     )
     row["scale_drift_log2"] = got["scale_drift_log2"]

@@ -90,7 +90,12 @@ def run(dry_run: bool) -> dict[str, Any]:
             times[k].append(clock(lambda k=k, r=r: step(k == "every_1", r)))
             if k == "every_1":
                 mon.detach()
-    out: dict[str, Any] = {"torch": torch.__version__, "backend": backend, "model": vars(p["gpt"]), "batch": p["batch"]}
+    out: dict[str, Any] = {
+        "torch": torch.__version__,
+        "backend": backend,
+        "model": vars(p["gpt"]),
+        "batch": p["batch"],
+    }
     out["step_ms"] = {k: round(statistics.median(v), 3) for k, v in times.items()}
     out["device_ms_per_step"] = {}
     if device.type == "cuda":

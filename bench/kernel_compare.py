@@ -22,7 +22,10 @@ def main() -> None:
     out: dict = {"threads": torch.get_num_threads(), "code": sys.argv[1] if len(sys.argv) > 1 else "here"}
     for n in (4096 * 4096, 10**6, 10**7, 10**8):
         x = torch.randn(n).to(torch.bfloat16)
-        cands = {"amax": lambda x=x: x.abs().amax().item(), "stats": lambda x=x: stats.partial_stats(x).tolist()}
+        cands = {
+            "amax": lambda x=x: x.abs().amax().item(),
+            "stats": lambda x=x: stats.partial_stats(x).tolist(),
+        }
         for fn in cands.values():
             fn()
         t: dict[str, list[float]] = {k: [] for k in cands}

@@ -51,8 +51,14 @@ def _calibrate(target_ms: float) -> tuple[torch.Tensor, int]:
 
 
 def _batches(steps: int, n_metrics: int) -> list[StepBatch]:
-    names = [f"fp8/blocks.{i // 12}.l{i % 4}/{('activation', 'weight', 'gradient')[i % 3]}/stat{i}" for i in range(n_metrics)]
-    return [StepBatch(step=s, metrics={n: (s * 7 + j) % 101 / 100 for j, n in enumerate(names)}) for s in range(steps)]
+    names = [
+        f"fp8/blocks.{i // 12}.l{i % 4}/{('activation', 'weight', 'gradient')[i % 3]}/stat{i}"
+        for i in range(n_metrics)
+    ]
+    return [
+        StepBatch(step=s, metrics={n: (s * 7 + j) % 101 / 100 for j, n in enumerate(names)})
+        for s in range(steps)
+    ]
 
 
 def _summ(times: list[float]) -> dict[str, float]:
@@ -65,7 +71,9 @@ def _summ(times: list[float]) -> dict[str, float]:
     }
 
 
-def _drive(fan: TrackerFanout, batches: list[StepBatch], work: tuple[torch.Tensor, int]) -> tuple[list[float], float]:
+def _drive(
+    fan: TrackerFanout, batches: list[StepBatch], work: tuple[torch.Tensor, int]
+) -> tuple[list[float], float]:
     blocked = []
     t_loop = time.perf_counter()
     for b in batches:
@@ -124,7 +132,11 @@ def bench_mlflow(args, tmp: Path, work) -> dict:
             for k, v in b.metrics.items():
                 mlflow.log_metric(k, v, step=b.step)
             blocked.append(time.perf_counter() - t0)
-        out["per_metric"] = {"blocking_per_step": _summ(blocked), "steps_timed": len(blocked), "points_stored": count(run.info.run_id)}
+        out["per_metric"] = {
+            "blocking_per_step": _summ(blocked),
+            "steps_timed": len(blocked),
+            "points_stored": count(run.info.run_id),
+        }
     mlflow.set_tracking_uri(None)
     t = out["tracker"]["blocking_per_step"]["mean_ms"]
     out["ratio_per_metric_vs_tracker"] = round(out["per_metric"]["blocking_per_step"]["mean_ms"] / t, 1)
@@ -134,8 +146,14 @@ def bench_mlflow(args, tmp: Path, work) -> dict:
 
 def _wandb_points(run_dir: Path) -> tuple[int, int]:
     exe = Path(sys.executable).with_name("wandb")
-    res = subprocess.run([str(exe), "leet", "inspect", str(run_dir), "--json"], check=True, capture_output=True, text=True)
-    rows = [json.loads(x)["history"]["item"] for x in res.stdout.splitlines() if '"type": "history"' in x or '"type":"history"' in x]
+    res = subprocess.run(
+        [str(exe), "leet", "inspect", str(run_dir), "--json"], check=True, capture_output=True, text=True
+    )
+    rows = [
+        json.loads(x)["history"]["item"]
+        for x in res.stdout.splitlines()
+        if '"type": "history"' in x or '"type":"history"' in x
+    ]
     return len(rows), sum(sum(1 for k in r if k.startswith("fp8/")) for r in rows)
 
 

@@ -72,7 +72,11 @@ def long_run(
     if use_wandb:
         from fp8track.trackers.wandb import WandbTracker
 
-        trackers.append(WandbTracker.create(project="long-run", dir=str(out), mode="offline", table_every_n_steps=table_every_n_steps))
+        trackers.append(
+            WandbTracker.create(
+                project="long-run", dir=str(out), mode="offline", table_every_n_steps=table_every_n_steps
+            )
+        )
     config = MonitorConfig(every_n_steps=every_n_steps)
     monitor = Monitor(model, config, log_dir=out / "runs", trackers=trackers).attach()
     x = torch.randn(8, 16)
@@ -96,7 +100,8 @@ def long_run(
                 size = dir_bytes(monitor.run_dir)
                 points.append({
                     "step": step + 1, "rss_mib": round(rss_mib(), 1), "run_dir_bytes": size,
-                    "bytes_per_logged_step": round(size / logged, 1), "bytes_per_step": round(size / (step + 1), 2),
+                    "bytes_per_logged_step": round(size / logged, 1),
+                    "bytes_per_step": round(size / (step + 1), 2),
                     "seconds": round(time.perf_counter() - t0, 1),
                 })  # fmt: skip
                 if on_checkpoint is not None:
@@ -120,8 +125,12 @@ def main() -> None:
     ap.add_argument("--no-wandb", action="store_true")
     ap.add_argument("--no-mlflow", action="store_true")
     ap.add_argument("--table-every-n-steps", type=int, default=1000, help="logged steps between table writes")
-    ap.add_argument("--checkpoints", default="10000,100000,250000,500000,750000", help="comma-separated steps")
-    ap.add_argument("--tracemalloc", type=int, default=0, metavar="N", help="print the N most grown tracebacks")
+    ap.add_argument(
+        "--checkpoints", default="10000,100000,250000,500000,750000", help="comma-separated steps"
+    )
+    ap.add_argument(
+        "--tracemalloc", type=int, default=0, metavar="N", help="print the N most grown tracebacks"
+    )
     args = ap.parse_args()
     os.environ.setdefault("WANDB_SILENT", "true")
     checkpoints = tuple(s for s in map(int, args.checkpoints.split(",")) if s < args.steps)
@@ -142,12 +151,17 @@ def main() -> None:
     first, last = result["points"][0], result["points"][-1]
     result["rss_growth_mib_first_to_last"] = round(last["rss_mib"] - first["rss_mib"], 1)
     span = (last["step"] - first["step"]) / 1000
-    result["rss_mib_per_1000_steps"] = round(result["rss_growth_mib_first_to_last"] / span, 4) if span else None
+    result["rss_mib_per_1000_steps"] = (
+        round(result["rss_growth_mib_first_to_last"] / span, 4) if span else None
+    )
     if snapshots:
         a, b = snapshots[min(snapshots)], snapshots[max(snapshots)]
         top = b.compare_to(a, "traceback")[: args.tracemalloc]
         result["tracemalloc_growth"] = [
-            {"kib": round(d.size_diff / 1024, 1), "count": d.count_diff, "traceback": d.traceback.format()[-8:]}
+            {
+                "kib": round(d.size_diff / 1024, 1), "count": d.count_diff,
+                "traceback": d.traceback.format()[-8:],
+            }
             for d in top
         ]  # fmt: skip
     print(json.dumps(result, indent=2))

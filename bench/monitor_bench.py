@@ -86,7 +86,8 @@ def step_times(recipe: str, model_name: str, rounds: int, per_round: int) -> dic
     model, opt, batches = build(recipe, model_name)
     tmp = tempfile.mkdtemp()
     monitors = {
-        name: Monitor(model, MonitorConfig(every_n_steps=n), log_dir=tmp) if n else None for name, (n, _) in CONFIGS.items()
+        name: Monitor(model, MonitorConfig(every_n_steps=n), log_dir=tmp) if n else None
+        for name, (n, _) in CONFIGS.items()
     }
     times: dict[str, list[float]] = {name: [] for name in CONFIGS}
     sampled: dict[str, list[bool]] = {name: [] for name in CONFIGS}
@@ -130,7 +131,11 @@ def step_times(recipe: str, model_name: str, rounds: int, per_round: int) -> dic
             out[name]["sampled_step_ms"] = 1e3 * statistics.median(hits)
             out[name]["sampled_steps"] = len(hits)
     out["aot_kernels_loaded"] = built  # builds waited for (empty when the disk cache had them)
-    out["aot_runners_used"] = sorted(f"{d}:{str(t).removeprefix('torch.')}:c{c}:{'notail' if nt else 'tail'}" for (d, t, c, nt), r in stats._POLICY.aot_runners.items() if r is not None)
+    out["aot_runners_used"] = sorted(
+        f"{d}:{str(t).removeprefix('torch.')}:c{c}:{'notail' if nt else 'tail'}"
+        for (d, t, c, nt), r in stats._POLICY.aot_runners.items()
+        if r is not None
+    )
     return out
 
 
@@ -164,7 +169,18 @@ def steps_after_a_sampled_step(recipe: str, model_name: str, cycles: int = 30) -
 class _MallInfo2(ctypes.Structure):
     _fields_ = [
         (n, ctypes.c_size_t)
-        for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+        for n in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
     ]
 
 
@@ -192,7 +208,11 @@ def _memory_child(recipe: str, model_name: str, every: int, steps: int, mode: st
         peak[0] = max(peak[0], _allocated_bytes())
 
     model.lm_head.register_forward_hook(sample)
-    mon = Monitor(model, MonitorConfig(every_n_steps=every), log_dir=tempfile.mkdtemp()).attach() if every else None
+    mon = (
+        Monitor(model, MonitorConfig(every_n_steps=every), log_dir=tempfile.mkdtemp()).attach()
+        if every
+        else None
+    )
     for i in range(steps):
         b = batches[i % len(batches)]
         loss = model.loss(b[:, :-1], b[:, 1:])
@@ -209,7 +229,16 @@ def peak_memory(recipe: str, model_name: str, steps: int) -> dict:
     out = {}
     for name, (every, mode) in {"none_inductor_loaded": (-1, "auto"), **CONFIGS}.items():
         proc = subprocess.run(
-            [sys.executable, __file__, "--memory-child", recipe, model_name, str(every or 0), str(steps), mode],
+            [
+                sys.executable,
+                __file__,
+                "--memory-child",
+                recipe,
+                model_name,
+                str(every or 0),
+                str(steps),
+                mode,
+            ],
             capture_output=True,
             text=True,
             check=True,
@@ -217,7 +246,9 @@ def peak_memory(recipe: str, model_name: str, steps: int) -> dict:
         out[name] = json.loads(proc.stdout.strip().splitlines()[-1])
     for v in out.values():
         v["ratio"] = v["peak_allocated_bytes"] / out["none"]["peak_allocated_bytes"]
-        v["ratio_vs_inductor_loaded"] = v["peak_allocated_bytes"] / out["none_inductor_loaded"]["peak_allocated_bytes"]
+        v["ratio_vs_inductor_loaded"] = (
+            v["peak_allocated_bytes"] / out["none_inductor_loaded"]["peak_allocated_bytes"]
+        )
     return out
 
 
@@ -227,7 +258,9 @@ def main() -> None:
     parser.add_argument("--steps-per-round", type=int, default=20)
     parser.add_argument("--models", default="small/bf16,small/delayed,wide/bf16")
     parser.add_argument("--no-memory", action="store_true", help="step times only")
-    parser.add_argument("--positions", action="store_true", help="also: step time at each position after a sampled step")
+    parser.add_argument(
+        "--positions", action="store_true", help="also: step time at each position after a sampled step"
+    )
     parser.add_argument("--memory-child", nargs=5)
     args = parser.parse_args()
     if args.memory_child:

@@ -110,10 +110,19 @@ def sweep(reps: int) -> list[dict[str, float]]:
     for n in SWEEP_NUMEL:
         x = torch.randn(n).to(torch.bfloat16)
         res = _interleaved(
-            {"amax_pass_ms": lambda x=x: x.abs().amax().item(), "partial_stats_ms": lambda x=x: stats.partial_stats(x).tolist()},
+            {
+                "amax_pass_ms": lambda x=x: x.abs().amax().item(),
+                "partial_stats_ms": lambda x=x: stats.partial_stats(x).tolist(),
+            },
             reps,
         )
-        rows.append({"numel": n, **{k: round(v, 3) for k, v in res.items()}, "ratio": round(res["partial_stats_ms"] / res["amax_pass_ms"], 3)})
+        rows.append(
+            {
+                "numel": n,
+                **{k: round(v, 3) for k, v in res.items()},
+                "ratio": round(res["partial_stats_ms"] / res["amax_pass_ms"], 3),
+            }
+        )
         del x
     stats.set_compile("auto")
     return rows
@@ -171,10 +180,14 @@ def main() -> None:
         "large_4096x4096_bf16": {k: round(v, 3) for k, v in big.items()},
         "small_64x256_bf16": {k: round(v, 4) for k, v in small.items()},
         "ratio_compiled_over_amax": round(big["quant_stats_compiled_ms"] / big["amax_pass_ms"], 2),
-        "ratio_compiled_over_amax_best": round(big["quant_stats_compiled_min_ms"] / big["amax_pass_min_ms"], 2),
+        "ratio_compiled_over_amax_best": round(
+            big["quant_stats_compiled_min_ms"] / big["amax_pass_min_ms"], 2
+        ),
         "ratio_naive_over_compiled": round(big["naive_ms"] / big["quant_stats_compiled_ms"], 1),
         "ratio_eager_over_amax": round(big["quant_stats_eager_ms"] / big["amax_pass_ms"], 2),
-        "small_ratio_compiled_over_eager": round(small["quant_stats_compiled_ms"] / small["quant_stats_eager_ms"], 2),
+        "small_ratio_compiled_over_eager": round(
+            small["quant_stats_compiled_ms"] / small["quant_stats_eager_ms"], 2
+        ),
     }
     out["sweep"] = sweep(args.sweep_reps)
     out["load_average_1min_at_end"] = round(os.getloadavg()[0], 2)

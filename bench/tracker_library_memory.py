@@ -50,7 +50,9 @@ def wandb_table(out: Path, steps: int, log_every: int) -> list[dict[str, Any]]:
         if (step + 1) % log_every == 0:
             gc.collect()
             mib = tracemalloc.get_traced_memory()[0] / 2**20
-            points.append({"step": step + 1, "rows_in_table_data": len(table.data), "traced_mib": round(mib, 2)})
+            points.append(
+                {"step": step + 1, "rows_in_table_data": len(table.data), "traced_mib": round(mib, 2)}
+            )
     tracemalloc.stop()
     run.finish()
     return points
@@ -67,7 +69,13 @@ def mlflow_log_table(out: Path, writes: int) -> list[dict[str, Any]]:
     points = []
     for w in range(writes):
         rows = [
-            [w * 1000 + s, f"l{layer}", "activation", "actual", *(float(s * layer + i) + 0.123456789 for i in range(16))]
+            [
+                w * 1000 + s,
+                f"l{layer}",
+                "activation",
+                "actual",
+                *(float(s * layer + i) + 0.123456789 for i in range(16)),
+            ]
             for s in range(1000)
             for layer in range(6)
         ]
@@ -75,7 +83,14 @@ def mlflow_log_table(out: Path, writes: int) -> list[dict[str, Any]]:
         del rows
         gc.collect()
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        points.append({"write": w + 1, "table_rows": (w + 1) * 6000, "rss_mib": round(rss_mib(), 1), "peak_rss_mib": round(peak, 1)})
+        points.append(
+            {
+                "write": w + 1,
+                "table_rows": (w + 1) * 6000,
+                "rss_mib": round(rss_mib(), 1),
+                "peak_rss_mib": round(peak, 1),
+            }
+        )
     return points
 
 

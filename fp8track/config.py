@@ -98,7 +98,9 @@ class MonitorConfig(CaptureConfig):
             return cls.from_dict(spec)
         if isinstance(spec, (str, Path)):
             return cls.from_yaml(spec)
-        raise ConfigError(f"config must be a MonitorConfig, a mapping or a YAML path, got {type(spec).__name__}")
+        raise ConfigError(
+            f"config must be a MonitorConfig, a mapping or a YAML path, got {type(spec).__name__}"
+        )
 
     def replace(self, **changes: Any) -> MonitorConfig:
         """A copy with ``changes`` applied (validated again)."""

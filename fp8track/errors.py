@@ -45,7 +45,9 @@ def check_int(name: str, value: object, minimum: int) -> None:
         raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
-def check_float(name: str, value: object, low: float, *, strict: bool = False, allow_inf: bool = False) -> None:
+def check_float(
+    name: str, value: object, low: float, *, strict: bool = False, allow_inf: bool = False
+) -> None:
     """Raise :class:`ConfigError` unless ``value`` is a real number >= ``low`` (> with ``strict``)."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
     if ok:
@@ -56,7 +58,9 @@ def check_float(name: str, value: object, low: float, *, strict: bool = False, a
 
 
 def dataclass_from_dict(cls: type[T], data: Mapping[str, Any]) -> T:
-    """Build the dataclass ``cls`` from a mapping (YAML/CLI); an unknown key is an error naming the valid ones."""
+    """Build the dataclass ``cls`` from a mapping (YAML/CLI).
+
+    An unknown key is an error naming the valid ones."""
     known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(data) - known)
     if unknown:
@@ -88,7 +92,9 @@ def read_yaml_mapping(path: object, what: str) -> dict[str, Any]:
     try:
         stream = io.StringIO(raw.decode("utf-8"))
     except UnicodeDecodeError as err:
-        raise ConfigError(f"{what} {name!r} is not UTF-8 text (byte {err.start}: {err.reason}); save it as UTF-8 YAML") from err
+        raise ConfigError(
+            f"{what} {name!r} is not UTF-8 text (byte {err.start}: {err.reason}); save it as UTF-8 YAML"
+        ) from err
     stream.name = name  # type: ignore[attr-defined]  # YAML's error marks name the file
     try:
         data = yaml.safe_load(stream)
@@ -115,7 +121,9 @@ def save_state(version: int = 1, **fields: Any) -> dict[str, Any]:
 Setter = Callable[[Any], None] | tuple[str, Callable[[Any], Any]]
 
 
-def restore_state(obj: object, state: Mapping[str, Any], fields: Mapping[str, Setter], version: int = 1) -> int:
+def restore_state(
+    obj: object, state: Mapping[str, Any], fields: Mapping[str, Setter], version: int = 1
+) -> int:
     """Restore :func:`save_state` output into ``obj``, field by field.
 
     Args:

@@ -25,7 +25,9 @@ from fp8track.monitoring.sharding import ShardSpec
 from fp8track.trackers.base import Tracker, TrackerFanout
 
 
-def default_analyzers(baseline: Baseline | None = None, config: MonitorConfig | None = None) -> list[core.StepAnalyzer]:
+def default_analyzers(
+    baseline: Baseline | None = None, config: MonitorConfig | None = None
+) -> list[core.StepAnalyzer]:
     """Loss spikes and divergence (against ``baseline`` when given) and scale drift, with the
     thresholds of ``config`` (default :class:`fp8track.MonitorConfig`)."""
     c = config or MonitorConfig()
@@ -131,7 +133,9 @@ def check_frontend_args(layers: Any, eval_metrics: Any) -> None:
         raise ConfigError(f"layers must be None, a string, a list of strings or a callable, got {layers!r}")
     names_ok = isinstance(eval_metrics, (list, tuple)) and all(isinstance(n, str) for n in eval_metrics)
     if not (eval_metrics == "auto" or names_ok):
-        raise ConfigError(f"eval_metrics must be 'auto' or a list of logged metric names, got {eval_metrics!r}")
+        raise ConfigError(
+            f"eval_metrics must be 'auto' or a list of logged metric names, got {eval_metrics!r}"
+        )
 
 
 class FrontendResults:
@@ -237,5 +241,14 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-__all__ = ["Monitor", "default_analyzers", "tracker_sink", "run_summary", "load_control", "BaselineSpec", "unwrap_model",
-           "check_frontend_args", "FrontendResults"]
+__all__ = [
+    "Monitor",
+    "default_analyzers",
+    "tracker_sink",
+    "run_summary",
+    "load_control",
+    "BaselineSpec",
+    "unwrap_model",
+    "check_frontend_args",
+    "FrontendResults",
+]

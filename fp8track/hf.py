@@ -97,11 +97,16 @@ class FP8TrainerCallback(TrainerCallback, FrontendResults):
         self.config = cfg.replace(every_n_steps=every_n_steps) if every_n_steps is not None else cfg
         check_frontend_args(layers, eval_metrics)
         if isinstance(trackers, str) and trackers not in TRACKER_SPECS:
-            raise ConfigError(f"unknown trackers {trackers!r}; valid values are: 'auto', 'none' or a list of Tracker objects")
+            raise ConfigError(
+                f"unknown trackers {trackers!r}; "
+                "valid values are: 'auto', 'none' or a list of Tracker objects"
+            )
         if not isinstance(trackers, str) and not (
             isinstance(trackers, (list, tuple)) and all(isinstance(t, Tracker) for t in trackers)
         ):
-            raise ConfigError(f"trackers must be 'auto', 'none' or a list of fp8track Tracker objects, got {trackers!r}")
+            raise ConfigError(
+                f"trackers must be 'auto', 'none' or a list of fp8track Tracker objects, got {trackers!r}"
+            )
         self.layers = layers
         self.trackers = trackers if isinstance(trackers, str) else tuple(trackers)
         self.baseline = baseline
@@ -121,7 +126,9 @@ class FP8TrainerCallback(TrainerCallback, FrontendResults):
         if self._trainer is trainer:
             return self
         if self._trainer is not None:
-            raise ConfigError("this FP8TrainerCallback is attached to another Trainer; build one callback per Trainer")
+            raise ConfigError(
+                "this FP8TrainerCallback is attached to another Trainer; build one callback per Trainer"
+            )
         if self not in trainer.callback_handler.callbacks:
             trainer.add_callback(self)
         original = trainer.training_step
@@ -143,7 +150,11 @@ class FP8TrainerCallback(TrainerCallback, FrontendResults):
         self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
         # The last micro-batch's backward has produced the final (accumulated, all-reduced) gradients;
         # HF clips them after training_step returns, and logs the norm from before clipping.
-        if trainer.accelerator.sync_gradients and self.monitor.sampling and self.monitor.config.track_grad_norm:
+        if (
+            trainer.accelerator.sync_gradients
+            and self.monitor.sampling
+            and self.monitor.config.track_grad_norm
+        ):
             self._grad_norm = total_grad_norm(self.monitor.model)
 
     def _trackers(self, args: Any) -> list[Tracker]:
@@ -175,8 +186,9 @@ class FP8TrainerCallback(TrainerCallback, FrontendResults):
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if self._trainer is None:
             raise ConfigError(
-                "FP8TrainerCallback needs the Trainer to read each micro-batch's loss (a TrainerCallback never "
-                "receives it): call FP8TrainerCallback(...).attach(trainer) before trainer.train()"
+                "FP8TrainerCallback needs the Trainer to read each micro-batch's loss "
+                "(a TrainerCallback never receives it): "
+                "call FP8TrainerCallback(...).attach(trainer) before trainer.train()"
             )
         if self.monitor is not None and not self.monitor.closed:
             self.monitor.close()
@@ -189,7 +201,9 @@ class FP8TrainerCallback(TrainerCallback, FrontendResults):
             layers=self.layers,
             log_dir=log_dir,
             trackers=self._trackers(args) if writer else (),
-            meta=run_meta_for(target, self.config.run_name, {"monitor": self.config.to_dict(), "frontend": "hf"}),
+            meta=run_meta_for(
+                target, self.config.run_name, {"monitor": self.config.to_dict(), "frontend": "hf"}
+            ),
             analyzers=self.analyzers,
             baseline=self.baseline,
             tracking_uri=self.tracking_uri,

@@ -73,9 +73,13 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         ckpt = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as err:  # pickle/zip errors have many types
-        raise ConfigError(f"checkpoint {str(p)!r} cannot be read with torch.load(weights_only=True): {err}") from err
+        raise ConfigError(
+            f"checkpoint {str(p)!r} cannot be read with torch.load(weights_only=True): {err}"
+        ) from err
     if not isinstance(ckpt, Mapping) or ckpt.get("format") != CHECKPOINT_FORMAT:
-        raise ConfigError(f"{str(p)!r} is not an fp8track checkpoint (written by fp8track.inference.save_checkpoint)")
+        raise ConfigError(
+            f"{str(p)!r} is not an fp8track checkpoint (written by fp8track.inference.save_checkpoint)"
+        )
     return dict(ckpt)
 
 
@@ -137,7 +141,11 @@ def compare_states(expected: Mapping[str, Any] | nn.Module, model: nn.Module) ->
                     ta, tb = sa.get(field_name), sb.get(field_name)
                     if ta is None or tb is None:
                         if ta is not tb:
-                            out.append(Mismatch(kind, f"{layer}/{tensor}", math.nan, f"{field_name} missing on one side"))
+                            out.append(
+                                Mismatch(
+                                    kind, f"{layer}/{tensor}", math.nan, f"{field_name} missing on one side"
+                                )
+                            )
                         continue
                     if not torch.equal(torch.as_tensor(ta).cpu(), torch.as_tensor(tb).cpu()):
                         d = _diff(torch.as_tensor(ta), torch.as_tensor(tb))
@@ -150,8 +158,16 @@ def compare_states(expected: Mapping[str, Any] | nn.Module, model: nn.Module) ->
             if a.shape != b.shape or not torch.equal(a.cpu(), b.detach().cpu()):
                 d = _diff(a, b)
                 kind = "weight" if key in params else "buffer"
-                out.append(Mismatch(kind, key, d, f"differs from the checkpoint (max |diff| {d:.3g})"
-                                    if math.isfinite(d) else f"shape {tuple(b.shape)} instead of {tuple(a.shape)}"))
+                out.append(
+                    Mismatch(
+                        kind,
+                        key,
+                        d,
+                        f"differs from the checkpoint (max |diff| {d:.3g})"
+                        if math.isfinite(d)
+                        else f"shape {tuple(b.shape)} instead of {tuple(a.shape)}",
+                    )
+                )
     return out
 
 
@@ -165,8 +181,8 @@ def _emulated_layers(model: nn.Module) -> list[tuple[str, EmulatedFP8Linear]]:
             out.append((name, m))
         elif is_fp8_linear(m):
             raise ConfigError(
-                f"layer {name!r} ({type(m).__name__}) is not an emulated FP8 layer; the inference-chain check "
-                "switches scales on backend='emulated' models only"
+                f"layer {name!r} ({type(m).__name__}) is not an emulated FP8 layer; "
+                "the inference-chain check switches scales on backend='emulated' models only"
             )
     return out
 
@@ -269,13 +285,18 @@ class InferenceCheck:
                 return [plain(v) for v in x]
             return x
 
-        return plain({
-            "metric_name": self.metric_name, "metrics": dict(self.metrics),
-            "layers": [asdict(r) for r in self.layers], "scales": [asdict(s) for s in self.scales],
-            "checkpoint_checked": self.checkpoint_checked,
-            "checkpoint_restored_exactly": self.checkpoint_checked and not self.checkpoint,
-            "checkpoint": [m.to_dict() for m in self.checkpoint], "problems": [p.to_dict() for p in self.problems],
-        })
+        return plain(
+            {
+                "metric_name": self.metric_name,
+                "metrics": dict(self.metrics),
+                "layers": [asdict(r) for r in self.layers],
+                "scales": [asdict(s) for s in self.scales],
+                "checkpoint_checked": self.checkpoint_checked,
+                "checkpoint_restored_exactly": self.checkpoint_checked and not self.checkpoint,
+                "checkpoint": [m.to_dict() for m in self.checkpoint],
+                "problems": [p.to_dict() for p in self.problems],
+            }
+        )
 
 
 def default_forward(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -320,7 +341,10 @@ def _scale_checks(model: nn.Module, input_amax: Mapping[str, float]) -> list[Sca
             continue
         fmts = layer.fp8_recipe.formats
         margin = layer.fp8_recipe.margin
-        for tensor, a in (("activation", input_amax.get(name)), ("weight", float(amax(layer.weight.detach())))):
+        for tensor, a in (
+            ("activation", input_amax.get(name)),
+            ("weight", float(amax(layer.weight.detach()))),
+        ):
             if a is None or tensor not in scalers or a <= 0:
                 continue
             cur = float(current_scale(torch.tensor(a, dtype=torch.float32), fmts.for_tensor(tensor), margin))
@@ -409,8 +433,12 @@ def check_inference(
     return InferenceCheck(metrics, metric_name, layers, scales, mismatches, problems, checkpoint is not None)
 
 
-def _problems(layers: Sequence[LayerOutputError], scales: Sequence[ScaleCheck], mismatches: Sequence[Mismatch],
-              order: Sequence[str]) -> list[Problem]:
+def _problems(
+    layers: Sequence[LayerOutputError],
+    scales: Sequence[ScaleCheck],
+    mismatches: Sequence[Mismatch],
+    order: Sequence[str],
+) -> list[Problem]:
     out: list[Problem] = []
     for m in mismatches:
         if m.kind == "weight":
@@ -427,13 +455,24 @@ def _problems(layers: Sequence[LayerOutputError], scales: Sequence[ScaleCheck], 
     for s in sorted(scales, key=lambda s: -s.z):
         if s.z > SCALE_Z and abs(s.drift_log2) >= 1.0:
             t, f = trained.get(s.layer), fresh.get(s.layer)
-            cost = (f"; its output SQNR vs BF16 is {t.sqnr_db:.1f} dB with the trained scale and {f.sqnr_db:.1f} dB "
-                    "with a fresh one") if t and f else ""
-            out.append(Problem(
-                "wrong_scale", s.layer, s.tensor,
-                f"trained {s.tensor} scale {s.trained:.4g} is 2^{s.drift_log2:+.1f} times the tensor's current "
-                f"scale {s.current:.4g} (robust z {s.z:.1f} against the other layers){cost}",
-            ))
+            cost = (
+                (
+                    f"; its output SQNR vs BF16 is {t.sqnr_db:.1f} dB with the trained scale "
+                    f"and {f.sqnr_db:.1f} dB with a fresh one"
+                )
+                if t and f
+                else ""
+            )
+            out.append(
+                Problem(
+                    "wrong_scale",
+                    s.layer,
+                    s.tensor,
+                    f"trained {s.tensor} scale {s.trained:.4g} is 2^{s.drift_log2:+.1f} times "
+                    f"the tensor's current scale {s.current:.4g} "
+                    f"(robust z {s.z:.1f} against the other layers){cost}",
+                )
+            )
     return out
 
 

@@ -5,8 +5,16 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-EXTRAS = {"wandb": "wandb", "mlflow": "mlflow", "torchao": "torchao", "optuna": "sweep", "sweeps": "sweep", "matplotlib": "report",
-          "transformers": "hf", "accelerate": "hf"}
+EXTRAS = {
+    "wandb": "wandb",
+    "mlflow": "mlflow",
+    "torchao": "torchao",
+    "optuna": "sweep",
+    "sweeps": "sweep",
+    "matplotlib": "report",
+    "transformers": "hf",
+    "accelerate": "hf",
+}
 """Top-level module -> the fp8track extra that installs it."""
 
 

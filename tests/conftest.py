@@ -32,7 +32,9 @@ def _install_chromium() -> str | None:
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     try:
         subprocess.run(["apt-get", "update"], check=True, capture_output=True, timeout=600, env=env)
-        subprocess.run(["apt-get", "install", "-y", "chromium"], check=True, capture_output=True, timeout=900, env=env)
+        subprocess.run(
+            ["apt-get", "install", "-y", "chromium"], check=True, capture_output=True, timeout=900, env=env
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return shutil.which("chromium")
@@ -43,5 +45,7 @@ def chromium():
     """Path of a headless-capable Chromium; skips (with the reason) only when it cannot be installed."""
     path = _install_chromium()
     if path is None:
-        pytest.skip("chromium is not installed and could not be installed with apt-get (needs root or CI=true)")
+        pytest.skip(
+            "chromium is not installed and could not be installed with apt-get (needs root or CI=true)"
+        )
     return path

@@ -107,7 +107,9 @@ def modules() -> tuple[types.SimpleNamespace, types.SimpleNamespace]:
         yield
 
     te = types.SimpleNamespace(Linear=Linear, autocast=autocast, autocast_calls=calls)
-    fmt = types.SimpleNamespace(HYBRID=types.SimpleNamespace(name="HYBRID"), E4M3=types.SimpleNamespace(name="E4M3"))
+    fmt = types.SimpleNamespace(
+        HYBRID=types.SimpleNamespace(name="HYBRID"), E4M3=types.SimpleNamespace(name="E4M3")
+    )
     recipe = types.SimpleNamespace(
         Format=fmt,
         DelayedScaling=DelayedScaling,

@@ -84,7 +84,8 @@ def apply_fp8(
     ranking: Sequence[str] | Mapping[str, float] | None = None,
     example_inputs: Any = None,
 ) -> ApplyReport:
-    """Convert ``model``'s ``nn.Linear`` layers (and Hugging Face ``Conv1D``) in place to run under ``recipe``.
+    """Convert ``model``'s ``nn.Linear`` layers (and Hugging Face ``Conv1D``) in place to run under
+    ``recipe``.
 
     ``nn.MultiheadAttention`` modules are first rebuilt as
     :class:`~fp8track.execution.attention.LinearMultiheadAttention` (the same function with its
@@ -139,13 +140,17 @@ def apply_fp8(
     unconverted = dict(refused_attention)
     for n in gemms:
         if n not in names and not any(n.startswith(a + ".") for a in refused_attention):
-            unconverted[n] = (f"{type(model.get_submodule(n)).__name__} is not exactly nn.Linear or transformers "
-                              "Conv1D (its own forward may differ), so no backend converts it")
+            unconverted[n] = (
+                f"{type(model.get_submodule(n)).__name__} is not exactly nn.Linear or transformers "
+                "Conv1D (its own forward may differ), so no backend converts it"
+            )
     if unconverted and recipe.quantizes:
         warnings.warn(
-            f"fp8track.apply_fp8: {len(unconverted)} modules run their GEMMs outside FP8 and are not converted: "
+            f"fp8track.apply_fp8: {len(unconverted)} modules run their GEMMs outside FP8 "
+            "and are not converted: "
             + "; ".join(f"{n}: {why}" for n, why in list(unconverted.items())[:4])
-            + (" ..." if len(unconverted) > 4 else "") + " (listed in ApplyReport.unconverted)",
+            + (" ..." if len(unconverted) > 4 else "")
+            + " (listed in ApplyReport.unconverted)",
             stacklevel=2,
         )
     if rebuilt:

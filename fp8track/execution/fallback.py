@@ -66,7 +66,18 @@ from fp8track.execution.layers import (
     preview_names,
 )
 
-_KEYWORDS = ("none", "first", "last", "first_last", "first:N", "last:N", "first_last:N", "head", "re:PATTERN", "auto:K")
+_KEYWORDS = (
+    "none",
+    "first",
+    "last",
+    "first_last",
+    "first:N",
+    "last:N",
+    "first_last:N",
+    "head",
+    "re:PATTERN",
+    "auto:K",
+)
 
 HEAD_REASON = "head (output layer; Megatron-LM never runs its output layer in FP8)"
 
@@ -155,7 +166,9 @@ def output_head(model: nn.Module, order: Sequence[str], blocks: Sequence[str]) -
     start = inside[-1] + 1 if inside else len(order) - 1
     head = [n for n in order[start:] if not any(_nested(n, b) for b in blocks)]
     try:
-        out = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+        out = (
+            model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+        )
     except (NotImplementedError, AttributeError):
         out = None
     if isinstance(out, nn.Module):
@@ -169,7 +182,11 @@ def execution_order(model: nn.Module, example_inputs: Any) -> list[str]:
     handles = []
     for name, m in gemm_layers(model):
         if name:
-            handles.append(m.register_forward_pre_hook(lambda _m, _a, n=name: order.append(n) if n not in order else None))
+            handles.append(
+                m.register_forward_pre_hook(
+                    lambda _m, _a, n=name: order.append(n) if n not in order else None
+                )
+            )
     try:
         with torch.no_grad():
             if isinstance(example_inputs, Mapping):
@@ -211,7 +228,9 @@ class FallbackSpec:
         elif isinstance(spec, Sequence):
             raw = [str(t).strip() for t in spec]
         else:
-            raise ConfigError(f"bf16_layers must be a string or a sequence of strings, got {type(spec).__name__}")
+            raise ConfigError(
+                f"bf16_layers must be a string or a sequence of strings, got {type(spec).__name__}"
+            )
         terms: list[str] = []
         for t in raw:
             if t == "none":
@@ -229,7 +248,10 @@ class FallbackSpec:
 
     @classmethod
     def from_megatron(
-        cls, first_last_layers_bf16: bool, num_layers_at_start_in_bf16: int = 1, num_layers_at_end_in_bf16: int = 1
+        cls,
+        first_last_layers_bf16: bool,
+        num_layers_at_start_in_bf16: int = 1,
+        num_layers_at_end_in_bf16: int = 1,
     ) -> FallbackSpec:
         """The spec matching Megatron-LM's ``--first-last-layers-bf16`` and its two counts, as
         Megatron runs it: the output layer (``output_layer``, a plain ``ColumnParallelLinear``,
@@ -321,7 +343,8 @@ class FallbackSpec:
                     for stack, blocks in stacks:
                         if n > len(blocks):
                             raise ConfigError(
-                                f"bf16_layers term {term!r} asks for {n} blocks but stack {stack!r} has {len(blocks)}: "
+                                f"bf16_layers term {term!r} asks for {n} blocks but stack {stack!r} "
+                                f"has {len(blocks)}: "
                                 f"{preview_names(blocks)}"
                             )
                         picked = blocks[:n] if side == "first" else blocks[len(blocks) - n :]
@@ -330,7 +353,8 @@ class FallbackSpec:
                 else:
                     if n > len(order()):
                         raise ConfigError(
-                            f"bf16_layers term {term!r} asks for {n} linears but the model has {len(order())} "
+                            f"bf16_layers term {term!r} asks for {n} linears but the model has "
+                            f"{len(order())} "
                             f"and no repeated blocks: {preview_names(order())}"
                         )
                     take(order()[:n] if side == "first" else order()[len(order()) - n :], term)
@@ -340,9 +364,11 @@ class FallbackSpec:
                 head = output_head(model, order(), [b for _, blocks in stacks for b in blocks])
                 take(head, HEAD_REASON)
                 notes.append(
-                    f"head: {', '.join(head)} (the linears after the last block; Megatron-LM never runs its output "
-                    "layer in FP8)" if head else
-                    "head: none (no linear comes after the last repeated block; name the output layer if it has one)"
+                    f"head: {', '.join(head)} (the linears after the last block; "
+                    "Megatron-LM never runs its output layer in FP8)"
+                    if head
+                    else "head: none (no linear comes after the last repeated block; "
+                    "name the output layer if it has one)"
                 )
             elif term.startswith("auto:"):
                 k = int(term.split(":")[1])
@@ -353,10 +379,15 @@ class FallbackSpec:
                 take(hits, term if term.startswith("re:") else f"named {term}")
         if block_terms:
             label = ", ".join(block_terms)
-            kept = {b for n, why in chosen.items() if "(block " in why for b in [why.split("(block ", 1)[1][:-1]]}
+            kept = {
+                b for n, why in chosen.items() if "(block " in why for b in [why.split("(block ", 1)[1][:-1]]
+            }
             if stacks:
-                notes[:0] = [f"{label}: stack {stack} ({len(blocks)} blocks) keeps {', '.join(b for b in blocks if b in kept)}"
-                             for stack, blocks in stacks]
+                notes[:0] = [
+                    f"{label}: stack {stack} ({len(blocks)} blocks) keeps "
+                    f"{', '.join(b for b in blocks if b in kept)}"
+                    for stack, blocks in stacks
+                ]
             else:
                 notes.insert(0, f"{label}: no repeated blocks, so single linears were counted "
                                 f"({'execution' if example_inputs is not None else 'registration'} order)")
@@ -367,7 +398,9 @@ def _from_ranking(
     ranking: Sequence[str] | Mapping[str, float] | None, k: int, linears: Sequence[str], term: str
 ) -> dict[str, str]:
     if ranking is None:
-        raise ConfigError(f"bf16_layers term {term!r} needs a layer ranking (from the monitor's diagnosis); none given")
+        raise ConfigError(
+            f"bf16_layers term {term!r} needs a layer ranking (from the monitor's diagnosis); none given"
+        )
     if isinstance(ranking, Mapping):
         ordered = sorted(ranking, key=lambda n: -float(ranking[n]))
     else:
@@ -376,7 +409,8 @@ def _from_ranking(
     unknown = [n for n in ordered if n not in linears]
     if unknown:
         raise ConfigError(
-            f"ranking names layers the model lacks: {preview_names(unknown)}; linear layers: {preview_names(linears)}"
+            f"ranking names layers the model lacks: {preview_names(unknown)}; "
+            f"linear layers: {preview_names(linears)}"
         )
     if k > len(ordered):
         raise ConfigError(f"bf16_layers term {term!r} asks for {k} layers but the ranking has {len(ordered)}")
@@ -399,7 +433,10 @@ def _validate_term(term: str) -> None:
     if term.startswith(("first:", "last:", "auto:")):
         count = term.split(":", 1)[1]
         if not count.isdigit() or int(count) < 1:
-            raise ConfigError(f"bf16_layers term {term!r} needs a positive integer count; valid forms: {', '.join(_KEYWORDS)}")
+            raise ConfigError(
+                f"bf16_layers term {term!r} needs a positive integer count; "
+                f"valid forms: {', '.join(_KEYWORDS)}"
+            )
     elif term.startswith("re:"):
         compile_selector(term, "bf16_layers")
     elif term == "head":

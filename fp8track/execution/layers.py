@@ -104,8 +104,8 @@ def hidden_gemms(model: nn.Module) -> dict[str, str]:
     ``nn.MultiheadAttention`` on linears (:mod:`fp8track.execution.attention`)."""
     return {
         n: "nn.MultiheadAttention runs its q/k/v and out projections through F.multi_head_attention_forward "
-        "(no module hook sees them); fp8track.apply_fp8 or fp8track.execution.attention.linearize_attention(model) "
-        "rebuilds it on nn.Linear projections"
+        "(no module hook sees them); fp8track.apply_fp8 or "
+        "fp8track.execution.attention.linearize_attention(model) rebuilds it on nn.Linear projections"
         for n, m in model.named_modules()
         if isinstance(m, nn.MultiheadAttention)
     }
@@ -127,7 +127,9 @@ def compile_selector(term: str, what: str) -> re.Pattern[str] | None:
         raise ConfigError(f"{what} regex {term[3:]!r} does not compile: {exc}") from None
 
 
-def match_layers(model: nn.Module, term: str, names: Sequence[str], what: str = "layer selector") -> list[str]:
+def match_layers(
+    model: nn.Module, term: str, names: Sequence[str], what: str = "layer selector"
+) -> list[str]:
     """The layers of ``names`` (GEMM layer names of ``model``) that one selector ``term`` picks.
 
     Args:
@@ -154,5 +156,7 @@ def match_layers(model: nn.Module, term: str, names: Sequence[str], what: str = 
     try:
         model.get_submodule(term)
     except AttributeError:
-        raise ConfigError(f"{what} names a missing module {term!r}; linear layers: {preview_names(names)}") from None
+        raise ConfigError(
+            f"{what} names a missing module {term!r}; linear layers: {preview_names(names)}"
+        ) from None
     raise ConfigError(f"{what}: module {term!r} holds no linear layer; linear layers: {preview_names(names)}")

@@ -135,7 +135,9 @@ class Recipe:
         if self.fp8_format is None:  # resolved once, so equality, to_dict and to_string are canonical
             object.__setattr__(self, "fp8_format", TE_DEFAULT_FORMATS[self.name])
         if str(self.fp8_format) not in FORMAT_PAIRS:
-            raise invalid_choice("fp8_format", self.fp8_format, FORMAT_PAIRS, "Pure E5M2 training is not supported")
+            raise invalid_choice(
+                "fp8_format", self.fp8_format, FORMAT_PAIRS, "Pure E5M2 training is not supported"
+            )
         check_int("amax_history_len", self.amax_history_len, 1)
         if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
             raise invalid_choice("amax_compute_algo", self.amax_compute_algo, AMAX_COMPUTE_ALGOS)
@@ -143,12 +145,16 @@ class Recipe:
         if self.gemm not in GEMM_MODES:
             raise invalid_choice("gemm mode", self.gemm, GEMM_MODES)
         if self.name == "fp8_input_bf16_gemm" and self.gemm == "fp8":
-            raise ConfigError("recipe 'fp8_input_bf16_gemm' runs a BF16 GEMM by definition; gemm='fp8' contradicts it")
+            raise ConfigError(
+                "recipe 'fp8_input_bf16_gemm' runs a BF16 GEMM by definition; gemm='fp8' contradicts it"
+            )
         if self.variant not in TORCHAO_VARIANTS:
             raise invalid_choice("variant", self.variant, TORCHAO_VARIANTS)
         if self.variant != "tensorwise":
             if self.name != "current":
-                raise ConfigError(f"variant {self.variant!r} only exists for recipe 'current', got {self.name!r}")
+                raise ConfigError(
+                    f"variant {self.variant!r} only exists for recipe 'current', got {self.name!r}"
+                )
             if self.fp8_format != "e4m3":
                 raise ConfigError(
                     f"torchao's {self.variant!r} uses e4m3 for every operand; set fp8_format='e4m3' "
@@ -163,7 +169,8 @@ class Recipe:
                 continue
             forms = ", ".join(_TOKEN_FORMS[o] for o in allowed)
             raise ConfigError(
-                f"{f.name}={getattr(self, f.name)!r} ({_TOKEN_FORMS[f.name]}) does not apply to recipe {self.name!r}; "
+                f"{f.name}={getattr(self, f.name)!r} ({_TOKEN_FORMS[f.name]}) "
+                f"does not apply to recipe {self.name!r}; "
                 f"its options are: {forms}"
             )
 
@@ -252,7 +259,13 @@ class Recipe:
 
     def to_string(self) -> str:
         """Canonical string form; ``Recipe.from_string(r.to_string()) == r``."""
-        parts = [self.name, self.fp8_format, f"h{self.amax_history_len}", self.amax_compute_algo, f"m{self.margin}"]
+        parts = [
+            self.name,
+            self.fp8_format,
+            f"h{self.amax_history_len}",
+            self.amax_compute_algo,
+            f"m{self.margin}",
+        ]
         if self.gemm != "auto":
             parts.append(f"gemm={self.gemm}")
         if self.variant != "tensorwise":

@@ -93,7 +93,16 @@ def software_versions() -> dict[str, str]:
     from importlib import metadata
 
     versions = {"python": platform.python_version()}
-    for dist in ("torch", "lightning", "torchao", "transformer_engine", "nvdlfw_inspect", "wandb", "mlflow", "fp8track"):
+    for dist in (
+        "torch",
+        "lightning",
+        "torchao",
+        "transformer_engine",
+        "nvdlfw_inspect",
+        "wandb",
+        "mlflow",
+        "fp8track",
+    ):
         try:
             versions[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
@@ -157,7 +166,9 @@ class StepBatch:
     def __post_init__(self) -> None:
         check_int("StepBatch.step", self.step, 0)
         if not isinstance(self.metrics, Mapping):
-            raise ConfigError(f"StepBatch.metrics must be a mapping name -> float, got {type(self.metrics).__name__}")
+            raise ConfigError(
+                f"StepBatch.metrics must be a mapping name -> float, got {type(self.metrics).__name__}"
+            )
         # Sequences become tuples so a batch handed to a worker thread cannot change under it.
         object.__setattr__(self, "tensor_rows", tuple(self.tensor_rows))
         object.__setattr__(self, "events", tuple(self.events))
@@ -178,7 +189,9 @@ class RunWriter:
             died) are removed, so each step is recorded once, by the resumed timeline.
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str], meta: RunMeta, resume_step: int | None = None) -> None:
+    def __init__(
+        self, run_dir: str | os.PathLike[str], meta: RunMeta, resume_step: int | None = None
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.meta = meta
         self.lines_lost = 0
@@ -196,7 +209,9 @@ class RunWriter:
                 names = (METRICS_FILE, TENSOR_STATS_FILE, EVENTS_FILE)
                 truncated = [_truncate_from_step(self.run_dir / n, resume_step) for n in names]
                 self.lines_dropped_on_resume = sum(dropped for dropped, _ in truncated)
-                self.recorded_before_resume = max((last for _, last in truncated if last is not None), default=None)
+                self.recorded_before_resume = max(
+                    (last for _, last in truncated if last is not None), default=None
+                )
             self._files = {
                 name: open(self.run_dir / name, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
                 for name in (METRICS_FILE, TENSOR_STATS_FILE, EVENTS_FILE)
@@ -208,7 +223,9 @@ class RunWriter:
             ) from exc
 
     @classmethod
-    def create(cls, log_dir: str | os.PathLike[str], meta: RunMeta, resume_step: int | None = None) -> RunWriter:
+    def create(
+        cls, log_dir: str | os.PathLike[str], meta: RunMeta, resume_step: int | None = None
+    ) -> RunWriter:
         """A new (or, with ``resume_step``, resumed) run directory ``<log_dir>/<meta.run_id>``."""
         return cls(Path(log_dir) / meta.run_id, meta, resume_step)
 
@@ -225,9 +242,11 @@ class RunWriter:
             self.lines_lost += len(rows)
             if not self._warned:
                 self._warned = True
+                why = getattr(exc, "strerror", None) or exc  # a ValueError has no strerror
                 warnings.warn(
-                    f"fp8track: cannot write {self.run_dir / name} ({exc.strerror or exc}); training continues, "
-                    "records of the steps that fail are lost (counted in RunWriter.lines_lost) and trackers "
+                    f"fp8track: cannot write {self.run_dir / name} ({why}); "
+                    "training continues, records of the steps that fail are lost "
+                    "(counted in RunWriter.lines_lost) and trackers "
                     "still receive them. Further write errors are not reported",
                     RuntimeWarning,
                     stacklevel=4,
@@ -321,7 +340,9 @@ class RunReader:
     def __init__(self, run_dir: str | os.PathLike[str]) -> None:
         self.run_dir = Path(run_dir)
         if not self.run_dir.is_dir():
-            raise ConfigError(f"run directory {str(self.run_dir)!r} does not exist (expected a folder holding {META_FILE})")
+            raise ConfigError(
+                f"run directory {str(self.run_dir)!r} does not exist (expected a folder holding {META_FILE})"
+            )
         if not (self.run_dir / META_FILE).exists():
             raise ConfigError(
                 f"{str(self.run_dir)!r} is not an fp8track run directory: it has no {META_FILE} "
@@ -336,7 +357,9 @@ class RunReader:
         try:
             d = json.loads(path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{str(path)!r} is corrupted (not JSON: {exc}); the run directory cannot be read") from exc
+            raise ConfigError(
+                f"{str(path)!r} is corrupted (not JSON: {exc}); the run directory cannot be read"
+            ) from exc
         if not isinstance(d, dict):
             raise ConfigError(f"{str(path)!r} is corrupted: expected a JSON object, got {type(d).__name__}")
         return d
@@ -348,8 +371,8 @@ class RunReader:
         self.problems.append(ReadProblem(name, line, kind, detail))
         if len(self._reported) == 1:
             warnings.warn(
-                f"fp8track: {self.run_dir / name} line {line}: {kind} ({detail}); skipped. Every damaged line "
-                "is skipped and listed in RunReader.problems",
+                f"fp8track: {self.run_dir / name} line {line}: {kind} ({detail}); skipped. "
+                "Every damaged line is skipped and listed in RunReader.problems",
                 RuntimeWarning,
                 stacklevel=4,
             )
@@ -371,7 +394,10 @@ class RunReader:
                         raise TypeError(f"a JSON {type(d).__name__}, not an object")
                     record = build(**d)
                     _check_record(record)
-                except (ValueError, TypeError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                except (
+                    ValueError,
+                    TypeError,
+                ) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
                     self._problem(name, i, "corrupt_line", f"{type(exc).__name__}: {str(exc)[:200]}")
                     continue
                 yield record

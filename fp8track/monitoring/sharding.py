@@ -35,12 +35,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
 from fp8track.errors import ConfigError, invalid_choice
 from fp8track.numerics.scaling import current_scale
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 SHARD_SCALES = ("global", "local")
 
@@ -50,7 +53,8 @@ class ShardSpec:
     """The device mesh of a sharded run and which of its dimensions carry data parallelism.
 
     Attributes:
-        mesh: the root ``DeviceMesh`` (e.g. ``init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))``);
+        mesh: the root ``DeviceMesh``
+            (e.g. ``init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))``);
             ``None`` = the DTensors' own root mesh, or the whole world as one data-parallel
             dimension for plain tensors.
         data_dims: names of the mesh dimensions over which ranks see different batches
@@ -191,7 +195,7 @@ def _is_split(placement: Any) -> bool:
     return not placement.is_replicate() and not placement.is_partial()
 
 
-def is_dtensor(x: torch.Tensor) -> bool:
+def is_dtensor(x: torch.Tensor) -> TypeGuard[DTensor]:
     """Whether ``x`` is a ``torch.distributed.tensor.DTensor``."""
     from torch.distributed.tensor import DTensor
 
@@ -202,7 +206,7 @@ def _local(x: torch.Tensor) -> torch.Tensor:
     return x.to_local() if is_dtensor(x) else x
 
 
-def _without_partial(x: Any) -> Any:
+def _without_partial(x: DTensor) -> DTensor:
     if not any(p.is_partial() for p in x.placements):
         return x
     from torch.distributed.tensor import Replicate

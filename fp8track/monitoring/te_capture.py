@@ -39,6 +39,7 @@ dequantisation of what TE holds.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -137,8 +138,10 @@ class CaptureHub:
     def bind(self, module: nn.Module, fqn: str, captures: Mapping[str, LayerCapture]) -> None:
         """Route ``module``'s GEMMs (``{suffix: capture}``) to their captures."""
         name = getattr(module, "name", None)
-        if not name or (isinstance(name, str) and name.startswith(_DEFAULT_NAME) and name[len(_DEFAULT_NAME) :].isdigit()):
-            module.name = fqn
+        if not name or (
+            isinstance(name, str) and name.startswith(_DEFAULT_NAME) and name[len(_DEFAULT_NAME) :].isdigit()
+        ):
+            module.name = fqn  # type: ignore[assignment]  # TE's debug name is a plain str attribute
         with self._lock:
             self._bound.append((module, fqn, dict(captures)))
             self._routes.clear()
@@ -149,7 +152,9 @@ class CaptureHub:
         with self._lock:
             self._schedules.append((every_n_steps, tuple(steps)))
 
-    def unbind(self, captures: Iterable[LayerCapture], schedule: tuple[int, tuple[int, ...]] | None = None) -> None:
+    def unbind(
+        self, captures: Iterable[LayerCapture], schedule: tuple[int, tuple[int, ...]] | None = None
+    ) -> None:
         gone = {id(c) for c in captures}
         with self._lock:
             self._bound = [b for b in self._bound if not any(id(c) in gone for c in b[2].values())]
@@ -162,7 +167,9 @@ class CaptureHub:
         if cap is None and layer_name not in self._misses:
             with self._lock:
                 self._routes = {
-                    f"{getattr(m, 'name', None) or fqn}{suffix}": c for m, fqn, caps in self._bound for suffix, c in caps.items()
+                    f"{getattr(m, 'name', None) or fqn}{suffix}": c
+                    for m, fqn, caps in self._bound
+                    for suffix, c in caps.items()
                 }
                 cap = self._routes.get(layer_name)
                 if cap is None:
@@ -179,7 +186,8 @@ class CaptureHub:
             return False, None
         run = any(iteration % n == 0 or iteration in extra for n, extra in self._schedules)
         nxt = min(
-            min([(iteration // n + 1) * n, *(s for s in extra if s > iteration)]) for n, extra in self._schedules
+            min([(iteration // n + 1) * n, *(s for s in extra if s > iteration)])
+            for n, extra in self._schedules
         )
         return run, nxt
 
@@ -206,7 +214,7 @@ def make_feature_class(mapper_base: type) -> type:
     register it (``te_features/<namespace>/``)."""
     from nvdlfw_inspect.registry import api_method
 
-    class Fp8TrackCapture(mapper_base):  # type: ignore[valid-type, misc]
+    class Fp8TrackCapture(mapper_base):
         """fp8track's statistics of every quantised GEMM operand (activation, weight, gradient).
 
         Config: ``Fp8TrackCapture: {enabled: True, tensors: [activation, weight, gradient]}``; the
@@ -214,7 +222,9 @@ def make_feature_class(mapper_base: type) -> type:
         """
 
         @api_method
-        def inspect_tensor_enabled(self, config: dict, layer_name: str, tensor_name: str, iteration: int, **_: Any):
+        def inspect_tensor_enabled(
+            self, config: dict, layer_name: str, tensor_name: str, iteration: int, **_: Any
+        ):
             # Signature of TE's LogFp8TensorStats.inspect_tensor_enabled (debug/features/api.py).
             return HUB.enabled(iteration)
 
@@ -307,8 +317,11 @@ def initialize(
         )
     dirs = [te_feature_dir()] if framework == "transformer_engine" else []
     dirs += [str(FEATURE_DIRS[framework]), *feature_dirs]
-    debug_api.initialize(dict(config) if isinstance(config, Mapping) else (config or debug_config(framework=framework)),
-                         feature_dirs=dirs, **kwargs)
+    debug_api.initialize(
+        dict(config) if isinstance(config, Mapping) else (config or debug_config(framework=framework)),
+        feature_dirs=dirs,
+        **kwargs,
+    )
 
 
 def _te_debug_state() -> Any:
@@ -346,7 +359,7 @@ def gemm_captures(
     for suffix in te_backend.te_gemm_suffixes(module):
         name = fqn + suffix
         out[name] = LayerCapture(
-            module, lambda n=name: plan_for(n, module, shadow_format), tensors, whatif, hooks=False
+            module, functools.partial(plan_for, name, module, shadow_format), tensors, whatif, hooks=False
         )
     return out
 

@@ -88,17 +88,29 @@ def _fingerprint(spec: KernelSpec) -> str:
 
 def package_path(spec: KernelSpec) -> Path:
     """The package file of ``spec`` for this torch, kernel source and device."""
-    name = f"{spec.device_type}-{spec.dtype}-c{spec.row_length}-{'tail' if spec.tail else 'notail'}-{_fingerprint(spec)}.pt2"
+    tail = "tail" if spec.tail else "notail"
+    name = f"{spec.device_type}-{spec.dtype}-c{spec.row_length}-{tail}-{_fingerprint(spec)}.pt2"
     return cache_dir() / name
 
 
-def _example_inputs(spec: KernelSpec) -> list[torch.Tensor | None]:
+_Inputs = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _example_inputs(spec: KernelSpec) -> _Inputs:
+    """``(main, tail or None, into, scale, use_current, fconst)``: one call's arguments."""
     dev = torch.device(spec.device_type)
     fconst = stats_kernel._fmt_consts(get_format("e4m3"), 0, dev)
     main = torch.randn(4, spec.row_length, device=dev).to(_DTYPES[spec.dtype])
     tail = torch.zeros(1, spec.row_length, device=dev, dtype=main.dtype) if spec.tail else None
     flag = torch.tensor(True, device=dev)
-    return [main, tail, stats_kernel.empty_partial(dev), fconst[stats_kernel._F_MARGIN].reshape(()), flag, fconst]
+    return (
+        main,
+        tail,
+        stats_kernel.empty_partial(dev),
+        fconst[stats_kernel._F_MARGIN].reshape(()),
+        flag,
+        fconst,
+    )
 
 
 class _Graph(torch.nn.Module):
@@ -131,7 +143,9 @@ def build(spec: KernelSpec, path: Path | None = None) -> Path:
     graph = _GraphWithTail() if spec.tail else _Graph()
     program = torch.export.export(graph, tuple(inputs), dynamic_shapes=dynamic)
     tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
-    torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=stats_kernel._inductor_options())
+    torch._inductor.aoti_compile_and_package(
+        program, package_path=str(tmp), inductor_configs=stats_kernel._inductor_options()
+    )
     try:
         _check_package(spec, tmp)
     except BaseException:
@@ -149,7 +163,9 @@ def _check_package(spec: KernelSpec, path: Path) -> None:
     got = _Runner(path, spec.tail, device_index)(main, tail, into, scale, flag, fconst).cpu()
     want = stats_kernel._compiled_partial(main, tail, into, scale, flag, fconst).cpu()
     if not (torch.equal(got[:5], want[:5]) and torch.allclose(got, want, rtol=1e-5, atol=0)):
-        raise RuntimeError(f"the package's result {got.tolist()} differs from the eager graph's {want.tolist()}")
+        raise RuntimeError(
+            f"the package's result {got.tolist()} differs from the eager graph's {want.tolist()}"
+        )
 
 
 class _Runner:
@@ -162,7 +178,11 @@ class _Runner:
         self._run = getattr(self.loader, "boxed_run", None) or self.loader.run
 
     def __call__(self, main, tail, into, scale, use_current, fconst) -> torch.Tensor:  # noqa: ANN001
-        args = [main, tail, into, scale, use_current, fconst] if self.tail else [main, into, scale, use_current, fconst]
+        args = (
+            [main, tail, into, scale, use_current, fconst]
+            if self.tail
+            else [main, into, scale, use_current, fconst]
+        )
         return self._run(args)[0]
 
 
@@ -206,7 +226,9 @@ class AotKernels:
         self._fail(spec, f"the background build exited with code {proc.returncode}: {err}")
         return None
 
-    def wait(self, spec: KernelSpec, device_index: int | None = None, timeout_s: float = 600.0) -> _Runner | None:
+    def wait(
+        self, spec: KernelSpec, device_index: int | None = None, timeout_s: float = 600.0
+    ) -> _Runner | None:
         """Block until ``spec`` is loaded or has failed (benchmarks and tests; training never waits)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -251,7 +273,10 @@ class AotKernels:
 
     def _fail(self, spec: KernelSpec, why: str) -> None:
         self.failed.add(spec)
-        warnings.warn(f"fp8track: no ahead-of-time statistics kernel for {spec} ({why}); using torch.compile", stacklevel=3)
+        warnings.warn(
+            f"fp8track: no ahead-of-time statistics kernel for {spec} ({why}); using torch.compile",
+            stacklevel=3,
+        )
 
 
 def _log_path(path: Path) -> Path:

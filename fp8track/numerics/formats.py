@@ -105,7 +105,9 @@ def get_format_pair(name: str | FormatPair) -> FormatPair:
     try:
         return FORMAT_PAIRS[str(name).lower()]
     except KeyError:
-        raise invalid_choice("fp8_format", name, FORMAT_PAIRS, "Pure E5M2 training is not supported") from None
+        raise invalid_choice(
+            "fp8_format", name, FORMAT_PAIRS, "Pure E5M2 training is not supported"
+        ) from None
 
 
 # --- E8M0 block scales -------------------------------------------------------------------------

@@ -109,7 +109,9 @@ def quantize(x: torch.Tensor, fmt: str | FP8Format, scale: torch.Tensor | float)
     return saturating_cast(x.to(torch.float32) * scale, fmt)
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """``q / scale`` in ``dtype`` (float32 by default)."""
     return (q.to(torch.float32) / scale).to(dtype)
 
@@ -199,7 +201,9 @@ class DelayedScaler:
         return q, scale_used
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain-data state (:func:`fp8track.errors.save_state`; CPU tensors), enough to resume bit for bit."""
+        """Plain-data state (:func:`fp8track.errors.save_state`; CPU tensors).
+
+        Enough to resume bit for bit."""
         return save_state(
             amax_history=self.amax_history.detach().cpu().clone(),
             scale=self.scale.detach().cpu().clone(),

@@ -115,7 +115,9 @@ def _own_code(fn: Any) -> Any:
     against its limit, per code object; a kernel per row length gets its own cache and budget."""
     import types
 
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
 
 
 COMPILE_MODES = ("auto", "aot", "compiled", "eager")
@@ -152,7 +154,9 @@ class _CompilePolicy:
         key = (device_type, row_len)
         kernel = self.kernels.get(key)
         if kernel is None:
-            kernel = self.kernels[key] = torch.compile(_own_code(_compiled_partial), options=_inductor_options())
+            kernel = self.kernels[key] = torch.compile(
+                _own_code(_compiled_partial), options=_inductor_options()
+            )
         return kernel
 
     def run(self, main: torch.Tensor, tail: torch.Tensor | None, *args: torch.Tensor) -> torch.Tensor:
@@ -329,7 +333,10 @@ def partial_stats(
             return _remove_padding(out, pad + tail_pad) if pad + tail_pad else out
         except Exception as exc:  # compiler missing or broken: warn once, stay eager
             _POLICY.failed = True
-            warnings.warn(f"fp8track: torch.compile of the statistics kernel failed ({exc!r}); using eager", stacklevel=2)
+            warnings.warn(
+                f"fp8track: torch.compile of the statistics kernel failed ({exc!r}); using eager",
+                stacklevel=2,
+            )
     if s.numel() > 1:
         # Block scales broadcast against x: rows are x's leading dims (each block a row).
         if x.dim() == 2:
@@ -366,7 +373,9 @@ def merge_partials(partials: torch.Tensor | Sequence[torch.Tensor]) -> torch.Ten
     return torch.cat([stacked[..., :NUM_SUM].sum(0), stacked[..., NUM_SUM:].amax(0)], dim=-1)
 
 
-def all_reduce_partials(partials: torch.Tensor, group: Any = None, timeout_s: float | None = None) -> torch.Tensor:
+def all_reduce_partials(
+    partials: torch.Tensor, group: Any = None, timeout_s: float | None = None
+) -> torch.Tensor:
     """Reduce ``[..., PARTIAL_SIZE]`` partials over all ranks of ``group`` (one SUM, one MAX collective).
 
     Every rank must call this with the same shape. Returns the merged tensor (a new tensor).
@@ -409,7 +418,9 @@ def wait_collectives(works: Sequence[Any], timeout_s: float | None, what: str) -
             ) from exc
 
 
-def finalize(partial: torch.Tensor | Sequence[float], fmt: str | FP8Format = "e4m3", margin: int = 0) -> dict[str, float]:
+def finalize(
+    partial: torch.Tensor | Sequence[float], fmt: str | FP8Format = "e4m3", margin: int = 0
+) -> dict[str, float]:
     """Turn one partial (a ``[PARTIAL_SIZE]`` tensor or list) into the statistics dict on the host."""
     return finalize_many(torch.as_tensor(partial, dtype=torch.float64).reshape(1, -1), [fmt], margin)[0]
 
@@ -425,11 +436,11 @@ def finalize_many(
     :func:`fp8track.numerics.scaling.scale_from_amax` (float32, as the backends compute it), for
     all rows in one call: finalize many rows at once rather than one :func:`finalize` per row.
     """
-    fmts = [get_format(f) for f in fmts]
-    rows = torch.as_tensor(partials, dtype=torch.float64).detach().cpu().reshape(len(fmts), PARTIAL_SIZE)
-    margins = [margin] * len(fmts) if isinstance(margin, int) else list(margin)
+    formats = [get_format(f) for f in fmts]
+    rows = torch.as_tensor(partials, dtype=torch.float64).detach().cpu().reshape(len(formats), PARTIAL_SIZE)
+    margins = [margin] * len(formats) if isinstance(margin, int) else list(margin)
     amaxes = rows[:, _IDX["amax"]].clamp(min=0.0).to(torch.float32)
-    fmt_max = torch.tensor([f.max for f in fmts], dtype=torch.float32)
+    fmt_max = torch.tensor([f.max for f in formats], dtype=torch.float32)
     factor = torch.tensor([2.0**-m for m in margins], dtype=torch.float32)
     currents = scale_from_amax(amaxes, fmt_max, factor).tolist()
     return [_finalize_row(row, cur) for row, cur in zip(rows.tolist(), currents, strict=True)]

@@ -18,7 +18,17 @@ from fp8track.numerics.scaling import scale_from_amax
 
 # Partial layout: fields merged by summation first, then fields merged by max. Minimums are
 # stored negated so that a single MAX reduction serves them (one SUM + one MAX all-reduce total).
-SUM_FIELDS: tuple[str, ...] = ("numel", "n_finite", "nnz_x", "nnz_d", "n_overflow", "sum_x2", "sum_d2", "sum_xd", "sum_err2")
+SUM_FIELDS: tuple[str, ...] = (
+    "numel",
+    "n_finite",
+    "nnz_x",
+    "nnz_d",
+    "n_overflow",
+    "sum_x2",
+    "sum_d2",
+    "sum_xd",
+    "sum_err2",
+)
 MAX_FIELDS: tuple[str, ...] = ("amax", "neg_amin", "scale_max", "neg_scale_min")
 PARTIAL_FIELDS: tuple[str, ...] = SUM_FIELDS + MAX_FIELDS
 NUM_SUM = len(SUM_FIELDS)
@@ -127,7 +137,8 @@ def _row_sums(
     fp8_dtype: torch.dtype | None,
     acc: torch.dtype,
 ) -> torch.Tensor:
-    """Per-row ``[R, len(_ROW_FIELDS)]`` sums of the quantisation of ``x2 [R, C]`` (products normalised by ``p``).
+    """Per-row ``[R, len(_ROW_FIELDS)]`` sums of the quantisation of ``x2 [R, C]``
+    (products normalised by ``p``).
 
     ``fp8_dtype`` None rounds with :func:`round_to_fp8_grid` (compiled path), else with the real cast.
     """

@@ -106,7 +106,11 @@ def reference(out: Path) -> dict:
             with report.autocast():
                 y_te = te_model(x).detach()
             y_em = em_model(x).detach()
-        res[recipe] = {"te_vs_ref": rel(y_te, y_ref), "em_vs_ref": rel(y_em, y_ref), "te_vs_em": rel(y_te, y_em)}
+        res[recipe] = {
+            "te_vs_ref": rel(y_te, y_ref),
+            "em_vs_ref": rel(y_em, y_ref),
+            "te_vs_em": rel(y_te, y_em),
+        }
     return res
 
 
@@ -125,7 +129,9 @@ def transformer_layer(out: Path) -> dict:
         default_logging_enabled=False,
     )
     torch.manual_seed(0)
-    layer = te.TransformerLayer(128, 512, 4, params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0)
+    layer = te.TransformerLayer(
+        128, 512, 4, params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0
+    )
     bridge.model = layer
     mon = Monitor(layer, MonitorConfig(every_n_steps=1), log_dir=out / "runs").attach()
     for _ in range(2):
@@ -145,7 +151,9 @@ def native(out: Path) -> dict:
     from transformer_engine.common.recipe import DelayedScaling
 
     torch.manual_seed(0)
-    model = nn.Sequential(te.Linear(128, 128, params_dtype=torch.float32), te.Linear(128, 128, params_dtype=torch.float32))
+    model = nn.Sequential(
+        te.Linear(128, 128, params_dtype=torch.float32), te.Linear(128, 128, params_dtype=torch.float32)
+    )
     used: list[float] = []
     model[0].register_forward_hook(lambda m, a, o: used.append(float(m.fp8_meta["scaling_fwd"].scale[0])))
     mon = Monitor(model, MonitorConfig(every_n_steps=1), log_dir=out / "runs").attach()
@@ -158,7 +166,12 @@ def native(out: Path) -> dict:
         mon.step()
     plan = mon.captures["0"].plan
     mon.close()
-    return {"scaling": plan.scaling, "has_scale_fns": sorted(plan.scale_fns), "used": used, "ours": _rows(mon.run_dir)}
+    return {
+        "scaling": plan.scaling,
+        "has_scale_fns": sorted(plan.scale_fns),
+        "used": used,
+        "ours": _rows(mon.run_dir),
+    }
 
 
 def fit(kind: str, out: Path) -> dict:
@@ -174,7 +187,9 @@ def fit(kind: str, out: Path) -> dict:
         def __init__(self) -> None:
             super().__init__()
             torch.manual_seed(0)
-            self.body = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.GELU(), nn.Linear(64, 32))
+            self.body = nn.Sequential(
+                nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.GELU(), nn.Linear(64, 32)
+            )
 
         def training_step(self, batch, batch_idx):
             x, y = batch

@@ -54,7 +54,10 @@ def test_statistics_kernel_is_compiled_for_cuda_and_matches_eager():
     try:
         stats.set_compile("compiled")
         c = stats.partial_stats(x, "e4m3")
-        assert stats._POLICY.kernels.get(("cuda", stats.row_length(x.numel(), "cuda"))) is not None and not stats._POLICY.failed
+        assert (
+            stats._POLICY.kernels.get(("cuda", stats.row_length(x.numel(), "cuda"))) is not None
+            and not stats._POLICY.failed
+        )
         stats.set_compile("eager")
         e = stats.partial_stats(x, "e4m3")
     finally:

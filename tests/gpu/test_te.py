@@ -32,7 +32,11 @@ REL = 1e-5
 def run_check(name: str, tmp_path: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), name, str(tmp_path)], capture_output=True, text=True, timeout=240, env=env
+        [sys.executable, str(SCRIPT), name, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
     )
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return json.loads((tmp_path / "result.json").read_text())
@@ -108,7 +112,9 @@ def test_native_te_model_is_planned_after_its_first_forward(tmp_path):
     assert res["scaling"] == "per_tensor" and res["has_scale_fns"] == ["activation", "gradient", "weight"]
     ours = _index(res["ours"])
     for step in range(3):
-        assert ours[(step, "0", "activation", "actual")]["scale"] == pytest.approx(res["used"][step], rel=1e-7)
+        assert ours[(step, "0", "activation", "actual")]["scale"] == pytest.approx(
+            res["used"][step], rel=1e-7
+        )
 
 
 @pytest.mark.parametrize("kind", ["fit_fp8track", "fit_lightning"])

@@ -41,7 +41,11 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            x = block(x) if self.use_reentrant is None else checkpoint(block, x, use_reentrant=self.use_reentrant)
+            x = (
+                block(x)
+                if self.use_reentrant is None
+                else checkpoint(block, x, use_reentrant=self.use_reentrant)
+            )
         return self.head(x)
 
 
@@ -169,7 +173,10 @@ def test_compiled_model_with_checkpointing(tmp_path):
             opt.zero_grad()
             losses.append(loss.item())
         mon.close()
-        rows = {(s, layer.replace("_orig_mod.", ""), t, v): st["numel"] for (s, layer, t, v), st in _rows(mon.run_dir).items()}
+        rows = {
+            (s, layer.replace("_orig_mod.", ""), t, v): st["numel"]
+            for (s, layer, t, v), st in _rows(mon.run_dir).items()
+        }
         return losses, rows
 
     losses, rows = run(False)

@@ -53,7 +53,10 @@ def _name(layer: str) -> str:
 
 
 def _counts(run_dir) -> dict[tuple[int, str, str, str], float]:
-    return {(r.step, _name(r.layer), r.tensor, r.variant): r.stats["numel"] for r in RunReader(run_dir).tensor_stats()}
+    return {
+        (r.step, _name(r.layer), r.tensor, r.variant): r.stats["numel"]
+        for r in RunReader(run_dir).tensor_stats()
+    }
 
 
 def _compiles() -> int:
@@ -87,7 +90,9 @@ def _gemm_layers(body: nn.Module) -> set[str]:
 def _check_counts(compiled: dict, eager: dict, prefix: str = "") -> None:
     assert compiled == eager
     assert sorted({k[0] for k in compiled}) == SAMPLED
-    assert {k[1] for k in compiled} == {prefix + n for n in _gemm_layers(_body())}  # every layer that ran a GEMM
+    assert {k[1] for k in compiled} == {
+        prefix + n for n in _gemm_layers(_body())
+    }  # every layer that ran a GEMM
     # 32 tokens x 32 features into the first layer, 64 x 64 weights in the middle one
     assert compiled[(0, prefix + "0", "activation", "actual")] == 32 * 32
     assert compiled[(3, prefix + "2", "weight", "actual")] == 64 * 64

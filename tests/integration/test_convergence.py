@@ -5,7 +5,8 @@ batches, so the gap measures quantisation alone. The yardstick is what a differe
 does to the BF16 control on the same budget. Measured over seeds 0, 1, 2: val loss 2.232, 2.164,
 2.175 nats for the tiny GPT (spread 0.068) and eval MSE 3.843, 3.788, 3.858 for the MLP (spread
 1.8% relative). We require every FP8 recipe to stay within 0.03 nats (GPT) and 1% relative (MLP):
-under half the seed-to-seed spread, i.e. FP8 perturbs training less than re-seeding does. Measured gaps are recorded in docs/parts/exec.md.
+under half the seed-to-seed spread, i.e. FP8 perturbs training less than re-seeding does.
+Measured gaps are recorded in docs/parts/exec.md.
 """
 
 import pytest
@@ -103,11 +104,21 @@ def test_lightning_module_logs_losses_and_data_module_reads_any_file(tmp_path):
     assert len(text) == 50_000 and text == stdlib_text(50_000)  # deterministic, offline
     path = tmp_path / "corpus.txt"
     path.write_bytes(text[:20_000])
-    module, _, report = build_example(recipe="delayed", bf16_layers="first_last", n_embd=32, n_head=2, block_size=32)
+    module, _, report = build_example(
+        recipe="delayed", bf16_layers="first_last", n_embd=32, n_head=2, block_size=32
+    )
     assert report.bf16_layers[0] == ("model.blocks.0.attn.qkv", "first:1 (block model.blocks.0)")
     data = CharDataModule(path, block_size=32, batch_size=8)
-    trainer = L.Trainer(max_epochs=1, limit_train_batches=3, limit_val_batches=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, precision="bf16-mixed")
+    trainer = L.Trainer(
+        max_epochs=1,
+        limit_train_batches=3,
+        limit_val_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        precision="bf16-mixed",
+    )
     trainer.fit(module, datamodule=data)
     assert {"train_loss", "val_loss"} <= set(trainer.callback_metrics)
     assert 0 < float(trainer.callback_metrics["val_loss"]) < 6.0  # below ln(256) + slack

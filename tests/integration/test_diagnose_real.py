@@ -25,8 +25,15 @@ class Net(pl.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.plant = plant
-        self.body = nn.Sequential(nn.Linear(17, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64),
-                                  nn.ReLU(), nn.Linear(64, 1))
+        self.body = nn.Sequential(
+            nn.Linear(17, 64),
+            nn.ReLU(),
+            nn.Linear(64, 64),
+            nn.ReLU(),
+            nn.Linear(64, 64),
+            nn.ReLU(),
+            nn.Linear(64, 1),
+        )
         with torch.no_grad():
             self.body[0].weight[:, 16] = 0.0
         mask = torch.ones_like(self.body[0].weight)
@@ -55,7 +62,9 @@ class Net(pl.LightningModule):
         return TensorDataset(x, torch.sin(x[:, :4].sum(1, keepdim=True)) + 0.5 * x[:, 4:5])
 
     def train_dataloader(self):
-        return DataLoader(self._data(1, 8192), batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(1))
+        return DataLoader(
+            self._data(1, 8192), batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(1)
+        )
 
     def val_dataloader(self):
         return DataLoader(self._data(2, 512), batch_size=128)

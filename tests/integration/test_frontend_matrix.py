@@ -35,7 +35,9 @@ class GemmRecorder:
         linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
         # Records carry canonical names (wrappers and a LightningModule's holder attribute dropped).
         names = canonical_layer_names(model, [name for name, _ in linears])
-        self.handles = [m.register_forward_hook(self._hook(name)) for name, (_, m) in zip(names, linears, strict=True)]
+        self.handles = [
+            m.register_forward_hook(self._hook(name)) for name, (_, m) in zip(names, linears, strict=True)
+        ]
 
     def _hook(self, name: str):
         def hook(module, args, output):
@@ -93,9 +95,18 @@ def hf_trainer(model, tmp_path, steps: int = 3, accumulation: int = 2, report_to
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(
-        output_dir=str(tmp_path / "hf"), per_device_train_batch_size=2, gradient_accumulation_steps=accumulation,
-        max_steps=steps, logging_steps=1, report_to=report_to, use_cpu=True, save_strategy="no", disable_tqdm=True,
-        learning_rate=1e-2, seed=0, max_grad_norm=0.5,
+        output_dir=str(tmp_path / "hf"),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=accumulation,
+        max_steps=steps,
+        logging_steps=1,
+        report_to=report_to,
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        learning_rate=1e-2,
+        seed=0,
+        max_grad_norm=0.5,
     )
     return Trainer(model=model, args=args, train_dataset=token_data())
 
@@ -105,7 +116,9 @@ def hf_logs(trainer) -> dict[int, dict]:
     return {h["step"]: h for h in trainer.state.log_history if "loss" in h}
 
 
-@pytest.mark.parametrize("tokens_normalise", [True, False], ids=["num_items_in_batch", "divide_by_accumulation"])
+@pytest.mark.parametrize(
+    "tokens_normalise", [True, False], ids=["num_items_in_batch", "divide_by_accumulation"]
+)
 def test_hf_trainer_with_accumulation_records_the_loss_hf_logs(tmp_path, tokens_normalise):
     from fp8track.hf import FP8TrainerCallback
 
@@ -134,7 +147,9 @@ def test_hf_trainer_with_accumulation_records_the_loss_hf_logs(tmp_path, tokens_
     assert any(hf[s]["grad_norm"] > 0.5 for s in grad_norms)  # clipping happened after the norm was read
     assert_counts_match(cb.run_dir, recorder, [2])
     # Every FP8 layer (all 15 linear layers of the 2-block Llama) ran and is monitored.
-    assert {r.layer for r in RunReader(cb.run_dir).tensor_stats()} == set(report.fp8_layers) and len(report.fp8_layers) == 15
+    assert {r.layer for r in RunReader(cb.run_dir).tensor_stats()} == set(report.fp8_layers) and len(
+        report.fp8_layers
+    ) == 15
     assert [e.kind for e in cb.events] == ["run_end"]
 
 
@@ -171,11 +186,18 @@ def test_hf_trainer_report_to_mlflow_puts_fp8_metrics_beside_hf_loss(tmp_path, m
             mlflow.end_run()
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("hf-fp8").experiment_id])
-    history = {k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)} for k in ("loss", LOSS_METRIC)}
-    assert sorted(history[LOSS_METRIC]) == sorted(history["loss"]) == [1, 2]  # the same steps as HF's own loss
+    history = {
+        k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)}
+        for k in ("loss", LOSS_METRIC)
+    }
+    assert (
+        sorted(history[LOSS_METRIC]) == sorted(history["loss"]) == [1, 2]
+    )  # the same steps as HF's own loss
     assert history[LOSS_METRIC] == pytest.approx(history["loss"], rel=1e-6)
     assert run.data.tags["fp8track.run_id"] == RunReader(cb.run_dir).meta()["run_id"]
-    assert any(k.startswith("fp8/model.layers.0.self_attn.q_proj/") for k in run.data.metrics)  # shadow statistics
+    assert any(
+        k.startswith("fp8/model.layers.0.self_attn.q_proj/") for k in run.data.metrics
+    )  # shadow statistics
 
 
 def test_hf_trainer_report_to_wandb_puts_fp8_metrics_in_hf_wandb_run(tmp_path, monkeypatch):
@@ -195,7 +217,9 @@ def test_hf_trainer_report_to_wandb_puts_fp8_metrics_in_hf_wandb_run(tmp_path, m
         if wandb.run is not None:
             wandb.run.finish()
     run = load_run(tmp_path / "wandb")  # the one offline run HF opened, read back with wandb leet
-    assert run.metrics[LOSS_METRIC] == pytest.approx({s: h["loss"] for s, h in hf_logs(trainer).items()}, rel=1e-6)
+    assert run.metrics[LOSS_METRIC] == pytest.approx(
+        {s: h["loss"] for s, h in hf_logs(trainer).items()}, rel=1e-6
+    )
     assert sorted(run.metrics[LOSS_METRIC]) == [1, 2] and cb.run_dir is not None
     assert any(k.startswith("fp8/model.layers.1.mlp.down_proj/") for k in run.metrics)
 
@@ -207,7 +231,9 @@ def test_hf_trainer_with_lora_adapters_monitors_the_base_layers(tmp_path):
 
     base = tiny_llama()
     report = fp8track.apply_fp8(base, "current", backend="emulated")
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    model = get_peft_model(
+        base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    )
     trainer = hf_trainer(model, tmp_path, steps=2)
     recorder = GemmRecorder(model.get_base_model(), lambda: trainer.state.global_step + 1)
     cb = FP8TrainerCallback(every_n_steps=1, trackers="none").attach(trainer)
@@ -221,7 +247,12 @@ def test_hf_trainer_with_lora_adapters_monitors_the_base_layers(tmp_path):
     # The FP8 base GEMMs keep the names they have without LoRA (no "base_model.model." prefix, no
     # ".base_layer"), so a LoRA run compares layer by layer with a plain one; the adapters' own GEMMs
     # are monitored beside them.
-    adapters = {f"model.layers.{i}.self_attn.{p}.lora_{ab}.default" for i in (0, 1) for p in ("q_proj", "v_proj") for ab in "AB"}
+    adapters = {
+        f"model.layers.{i}.self_attn.{p}.lora_{ab}.default"
+        for i in (0, 1)
+        for p in ("q_proj", "v_proj")
+        for ab in "AB"
+    }
     assert layers == set(report.fp8_layers) | adapters and len(report.fp8_layers) == 15 and len(adapters) == 8
     # The frozen base layers still pass dY on wherever the graph needs it (every block after the
     # adapters of block 0), and their weights have no gradient of their own.
@@ -234,8 +265,13 @@ def test_fabric_loop_with_the_plain_monitor(tmp_path):
 
     torch.manual_seed(0)
     fabric = Fabric(accelerator="cpu", devices=1, precision="bf16-mixed")
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.GELU(),
-                                torch.nn.Linear(32, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32),
+        torch.nn.GELU(),
+        torch.nn.Linear(32, 32),
+        torch.nn.GELU(),
+        torch.nn.Linear(32, 1),
+    )
     fp8track.apply_fp8(model, "current", backend="emulated")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = fabric.setup(model, opt)  # a _FabricModule: its submodules are named _forward_module.*
@@ -254,7 +290,11 @@ def test_fabric_loop_with_the_plain_monitor(tmp_path):
             losses[step[0]] = loss.item()
     recorder.close()
     assert logged_losses(mon.run_dir) == pytest.approx(losses, rel=1e-6)
-    assert {r.layer for r in RunReader(mon.run_dir).tensor_stats()} == {"0", "2", "4"}  # no "_forward_module."
+    assert {r.layer for r in RunReader(mon.run_dir).tensor_stats()} == {
+        "0",
+        "2",
+        "4",
+    }  # no "_forward_module."
     assert_counts_match(mon.run_dir, recorder, [0, 2, 4])
     assert mon.closed  # the with-block closed it
 
@@ -302,9 +342,18 @@ def test_lightning_bf16_mixed_with_accumulation(tmp_path):
     net = _lightning_net(manual=False)
     fp8track.apply_fp8(net, "delayed", backend="emulated")
     monitor = fp8track.FP8Monitor(every_n_steps=2, trackers="none", log_dir=str(tmp_path / "runs"))
-    trainer = pl.Trainer(max_steps=4, accumulate_grad_batches=2, precision="bf16-mixed", accelerator="cpu",
-                         callbacks=[monitor], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        max_steps=4,
+        accumulate_grad_batches=2,
+        precision="bf16-mixed",
+        accelerator="cpu",
+        callbacks=[monitor],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     recorder = GemmRecorder(net, lambda: trainer.global_step)
     trainer.fit(net, _lightning_data())
     recorder.close()
@@ -322,9 +371,19 @@ def test_manual_optimisation_without_a_returned_loss_is_no_alarm(tmp_path):
     import lightning.pytorch as pl
 
     net = _lightning_net(manual=True, returns_loss=False)
-    monitor = fp8track.FP8Monitor(every_n_steps=2, trackers="none", on_spike="stop", log_dir=str(tmp_path / "runs"))
-    trainer = pl.Trainer(max_steps=6, accelerator="cpu", callbacks=[monitor], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    monitor = fp8track.FP8Monitor(
+        every_n_steps=2, trackers="none", on_spike="stop", log_dir=str(tmp_path / "runs")
+    )
+    trainer = pl.Trainer(
+        max_steps=6,
+        accelerator="cpu",
+        callbacks=[monitor],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     recorder = GemmRecorder(net, lambda: trainer.global_step)
     trainer.fit(net, _lightning_data())
     recorder.close()

@@ -1,5 +1,6 @@
 """FP8Monitor inside a real Lightning Trainer: accumulation, loss un-normalisation, errors, trackers,
-on_spike. The Trainer set-ups (resume, second fit, manual optimisation, ...) are in test_lightning_setups.py."""
+on_spike. The Trainer set-ups (resume, second fit, manual optimisation, ...) are in
+test_lightning_setups.py."""
 
 import sys
 from pathlib import Path
@@ -77,7 +78,9 @@ def test_accumulation_sampling_and_unnormalised_loss(tmp_path):
 
 def test_bad_layer_selector_fails_before_the_first_step(tmp_path):
     model = Net()
-    with pytest.raises(ConfigError, match="'re:attention' matches no linear layer; candidates: body.0, body.2"):
+    with pytest.raises(
+        ConfigError, match="'re:attention' matches no linear layer; candidates: body.0, body.2"
+    ):
         _trainer(tmp_path, [FP8Monitor(layers="re:attention", trackers="none")], max_steps=2).fit(model)
     assert model.raw_losses == []
 
@@ -85,11 +88,16 @@ def test_bad_layer_selector_fails_before_the_first_step(tmp_path):
 def test_constructor_validation():
     with pytest.raises(ConfigError, match="every_n_steps must be an integer >= 1, got 0"):
         FP8Monitor(every_n_steps=0)
-    with pytest.raises(ConfigError, match="unknown tracker spec 'tensorboard'; valid values are: 'auto', 'none', 'wandb', 'mlflow'"):
+    with pytest.raises(
+        ConfigError,
+        match="unknown tracker spec 'tensorboard'; valid values are: 'auto', 'none', 'wandb', 'mlflow'",
+    ):
         FP8Monitor(trackers="tensorboard")
     with pytest.raises(ConfigError, match="unknown tracker 'comet'"):
         FP8Monitor(trackers=["mlflow", "comet"])
-    with pytest.raises(ConfigError, match="unknown on_spike action 'kill'; valid values are: 'log', 'stop', 'checkpoint'"):
+    with pytest.raises(
+        ConfigError, match="unknown on_spike action 'kill'; valid values are: 'log', 'stop', 'checkpoint'"
+    ):
         FP8Monitor(on_spike="kill")
 
 
@@ -114,14 +122,16 @@ def test_trackers_found_in_trainer_loggers_wandb_offline_and_mlflow(tmp_path):
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
     hist = client.get_metric_history(mlf.run_id, "fp8/body.0/activation/underflow_pct")
-    assert {m.step: m.value for m in hist} == {s: local[s]["fp8/body.0/activation/underflow_pct"] for s in local}
+    assert {m.step: m.value for m in hist} == {
+        s: local[s]["fp8/body.0/activation/underflow_pct"] for s in local
+    }
 
     run_dir = next((tmp_path / "wandb").glob("offline-run-*"))
     rows = [h for h in history(inspect(run_dir)) if "fp8/worst/mse" in h]
     assert sorted(h["trainer/global_step"] for h in rows) == [0, 2, 4]
-    assert [h["fp8/worst/mse"] for h in sorted(rows, key=lambda h: h["trainer/global_step"])] == pytest.approx(
-        [local[s]["fp8/worst/mse"] for s in (0, 2, 4)]
-    )
+    assert [
+        h["fp8/worst/mse"] for h in sorted(rows, key=lambda h: h["trainer/global_step"])
+    ] == pytest.approx([local[s]["fp8/worst/mse"] for s in (0, 2, 4)])
     stat_rows = table_rows(run_dir, "fp8_tensor_stats")
     assert len(stat_rows) == len(list(reader.tensor_stats()))
 
@@ -140,7 +150,9 @@ def test_on_spike_actions(tmp_path, action):
                       config={"tensors": ["weight"]})
     trainer = _trainer(tmp_path, [mon], max_steps=130, enable_checkpointing=False)
     trainer.fit(JumpingLoss())
-    opened = [e for e in RunReader(_run_dir(tmp_path)).events() if e.kind == "spike" and e.data["status"] == "open"]
+    opened = [
+        e for e in RunReader(_run_dir(tmp_path)).events() if e.kind == "spike" and e.data["status"] == "open"
+    ]
     assert opened and 100 <= opened[0].data["start_step"] <= 102
     saved = list((tmp_path / "fp8track-spikes").glob("*.ckpt"))
     if action == "stop":

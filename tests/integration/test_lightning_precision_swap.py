@@ -25,7 +25,11 @@ class Net(pl.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.body = torch.nn.Sequential(
-            torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)
+            torch.nn.Linear(16, 32),
+            torch.nn.GELU(),
+            torch.nn.Linear(32, 32),
+            torch.nn.GELU(),
+            torch.nn.Linear(32, 16),
         )
         self.head = None
 
@@ -65,7 +69,9 @@ def test_every_layer_swapped_in_convert_module_is_monitored(tmp_path):
     swapped = [n for n, m in model.named_modules() if isinstance(m, EmulatedFP8Linear)]
     assert swapped == ["body.0", "body.2", "body.4", "head"] == list(plugin.report.fp8_layers)
     # The hooks sit on the modules that ran, not on orphaned nn.Linear objects.
-    assert {n: c.module for n, c in mon.monitor.captures.items()} == {n: model.get_submodule(n) for n in swapped}
+    assert {n: c.module for n, c in mon.monitor.captures.items()} == {
+        n: model.get_submodule(n) for n in swapped
+    }
     run = next((tmp_path / "fp8").rglob("meta.json")).parent
     rows = RunReader(run).tensor_stats()
     seen = {(r.step, r.layer, r.tensor) for r in rows if r.variant == "actual" and r.stats["numel"] > 0}

@@ -27,7 +27,12 @@ pytestmark = pytest.mark.slow
 
 
 def _batch(step: int) -> StepBatch:
-    rows = [TensorStatsRow(step=step, layer=f"l{i}", tensor="weight", stats={"underflow_pct": float(i * step), "mse": 1e-4}) for i in range(3)]
+    rows = [
+        TensorStatsRow(
+            step=step, layer=f"l{i}", tensor="weight", stats={"underflow_pct": float(i * step), "mse": 1e-4}
+        )
+        for i in range(3)
+    ]
     metrics = {naming.metric_name(r.layer, "weight", "underflow_pct"): r.stats["underflow_pct"] for r in rows}
     metrics["loss"] = 1.0 / (step + 1)
     return StepBatch(step=step, metrics=metrics, tensor_rows=rows)
@@ -76,7 +81,9 @@ def test_server_logging_outage_and_replay(tmp_path, monkeypatch):
         assert sorted((m.step, m.value) for m in hist) == [(s, 2.0 * s) for s in range(6)]
         path = client.download_artifacts(run_id, f"{naming.TABLE_TENSOR_STATS}.json", str(tmp_path / "dl"))
         table = pd.read_json(path, orient="split")
-        assert sorted(zip(table.step, table.layer, strict=True)) == [(s, f"l{i}") for s in range(6) for i in range(3)]
+        assert sorted(zip(table.step, table.layer, strict=True)) == [
+            (s, f"l{i}") for s in range(6) for i in range(3)
+        ]
         run = client.get_run(run_id)
         assert run.data.params["fp8.recipe.name"] == "mxfp8"
         arts = {a.path for a in client.list_artifacts(run_id)}

@@ -50,7 +50,12 @@ def store(_db, request):
 
 def _batch(step: int) -> StepBatch:
     rows = [
-        TensorStatsRow(step=step, layer=layer, tensor="activation", stats={"underflow_pct": i + step / 10, "mse": 10.0 ** -(i + 1)})
+        TensorStatsRow(
+            step=step,
+            layer=layer,
+            tensor="activation",
+            stats={"underflow_pct": i + step / 10, "mse": 10.0 ** -(i + 1)},
+        )
         for i, layer in enumerate(LAYERS)
     ]
     metrics = {naming.metric_name(r.layer, r.tensor, "underflow%"): r.stats["underflow_pct"] for r in rows}
@@ -58,7 +63,13 @@ def _batch(step: int) -> StepBatch:
     events = []
     if step in (2, 4, 6):
         severity = {2: 1.5, 4: 7.0, 6: 3.0}[step]
-        events.append(EventRecord(kind="spike", step=step, data={"severity": severity, "title": f"spike@{step}", "layer": "head"}))
+        events.append(
+            EventRecord(
+                kind="spike",
+                step=step,
+                data={"severity": severity, "title": f"spike@{step}", "layer": "head"},
+            )
+        )
     return StepBatch(step=step, metrics=metrics, tensor_rows=rows, events=events)
 
 
@@ -67,7 +78,11 @@ def test_metrics_params_tags_tables_and_heatmap(store, tmp_path):
     run_id = client.create_run(exp).info.run_id
     tracker = MLflowTracker(client=client, run_id=run_id)
     fan = TrackerFanout([tracker], tmp_path / "run")
-    fan.start(RunMeta(recipe={"name": "delayed", "amax_history_len": 16}, bf16_layers=("head",), fp8_layers=LAYERS[:2]))
+    fan.start(
+        RunMeta(
+            recipe={"name": "delayed", "amax_history_len": 16}, bf16_layers=("head",), fp8_layers=LAYERS[:2]
+        )
+    )
     for s in range(8):
         fan.log(_batch(s))
     fan.finish()
@@ -85,9 +100,13 @@ def test_metrics_params_tags_tables_and_heatmap(store, tmp_path):
     assert run.info.status == "RUNNING"  # the run belongs to whoever created it
 
     hist = client.get_metric_history(run_id, "fp8/blocks.0.proj/activation/underflow_pct")
-    assert [(m.step, m.value) for m in sorted(hist, key=lambda m: m.step)] == [(s, 1 + s / 10) for s in range(8)]
+    assert [(m.step, m.value) for m in sorted(hist, key=lambda m: m.step)] == [
+        (s, 1 + s / 10) for s in range(8)
+    ]
     loss = client.get_metric_history(run_id, "loss")
-    assert [m.value for m in sorted(loss, key=lambda m: m.step)] == pytest.approx([5.0 - s / 10 for s in range(8)])
+    assert [m.value for m in sorted(loss, key=lambda m: m.step)] == pytest.approx(
+        [5.0 - s / 10 for s in range(8)]
+    )
 
     table = load_table(client, run_id, f"{naming.TABLE_TENSOR_STATS}.json")
     assert len(table) == 8 * len(LAYERS)
@@ -127,7 +146,9 @@ def test_tables_written_in_chunks_not_every_step(store, tmp_path):
     assert sorted(table.step.tolist()) == sorted(s for s in range(7) for _ in LAYERS)
     assert table.columns.tolist() == ["step", "layer", "tensor", "variant", "underflow_pct", "mse"]
     # listed as a table, as log_table lists it
-    assert {"path": name, "type": "table"} in json.loads(client.get_run(run_id).data.tags["mlflow.loggedArtifacts"])
+    assert {"path": name, "type": "table"} in json.loads(
+        client.get_run(run_id).data.tags["mlflow.loggedArtifacts"]
+    )
 
 
 def test_a_second_tracker_on_the_same_run_appends_to_its_tables(store, tmp_path):
@@ -149,7 +170,9 @@ def test_a_second_tracker_on_the_same_run_appends_to_its_tables(store, tmp_path)
     spikes = load_table(client, run_id, f"{naming.TABLE_SPIKE_EVENTS}.json")
     assert spikes.step.tolist() == [2, 4, 6]
     listed = json.loads(client.get_run(run_id).data.tags["mlflow.loggedArtifacts"])
-    assert sorted(e["path"] for e in listed) == sorted({f"{naming.TABLE_TENSOR_STATS}.json", f"{naming.TABLE_SPIKE_EVENTS}.json"})
+    assert sorted(e["path"] for e in listed) == sorted(
+        {f"{naming.TABLE_TENSOR_STATS}.json", f"{naming.TABLE_SPIKE_EVENTS}.json"}
+    )
     assert not first._spool_dir.exists() and not second._spool_dir.exists()  # spools removed at finish
 
 
@@ -161,12 +184,16 @@ def test_columns_of_a_resumed_table_and_new_statistics_keep_their_values(store):
     run_id = client.create_run(exp).info.run_id
 
     def batch(step: int, stats: dict[str, float]) -> StepBatch:
-        return StepBatch(step=step, metrics={}, tensor_rows=[TensorStatsRow(step, "head", "activation", stats)], events=[])
+        return StepBatch(
+            step=step, metrics={}, tensor_rows=[TensorStatsRow(step, "head", "activation", stats)], events=[]
+        )
 
     first = MLflowTracker(client=client, run_id=run_id, heatmap=False, background=False)
     first.log(batch(0, {"mse": 1.0, "old_only": 7.0}))
     first.finish()
-    second = MLflowTracker(client=client, run_id=run_id, heatmap=False, background=False, table_every_n_steps=1)
+    second = MLflowTracker(
+        client=client, run_id=run_id, heatmap=False, background=False, table_every_n_steps=1
+    )
     second.log(batch(1, {"mse": 2.0}))  # the first write: the run's rows are put first
     second.log(batch(2, {"mse": 3.0, "sqnr_db": 40.0}))
     second.finish()
@@ -180,7 +207,9 @@ def test_columns_of_a_resumed_table_and_new_statistics_keep_their_values(store):
 def test_batches_over_1000_metrics_and_name_sanitising(store, tmp_path):
     uri, client, exp = store
     experiment_name = client.get_experiment(exp).name
-    tracker = MLflowTracker(tracking_uri=uri, experiment_name=experiment_name, heatmap=False, background=False)
+    tracker = MLflowTracker(
+        tracking_uri=uri, experiment_name=experiment_name, heatmap=False, background=False
+    )
     metrics = {f"fp8/layer{i}/weight/mse": float(i) for i in range(1500)}
     metrics["fp8/odd:name%/x"] = 1.0
     metrics["fp8/nan"] = math.nan

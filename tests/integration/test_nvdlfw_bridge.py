@@ -54,7 +54,10 @@ def test_generic_log_tensor_stats_reach_run_dir_and_trackers(nvdlfw_session, tmp
     fan = TrackerFanout([keep], writer.run_dir)
     bridge = TEStatsBridge(record_and_log(writer, fan), step_offset=100)
     nvdlfw_session.initialize(
-        config_file=CONFIG, statistics_logger=bridge, log_dir=str(tmp_path / "nv"), default_logging_enabled=False
+        config_file=CONFIG,
+        statistics_logger=bridge,
+        log_dir=str(tmp_path / "nv"),
+        default_logging_enabled=False,
     )
     torch.manual_seed(0)
     acts, weights = {}, {}
@@ -63,8 +66,12 @@ def test_generic_log_tensor_stats_reach_run_dir_and_trackers(nvdlfw_session, tmp
             a = torch.randn(8, 16)
             w = torch.randn(4, 16)
             acts[(it, layer)], weights[(it, layer)] = a, w
-            nvdlfw_session.log_tensor_stats(layer_name=layer, tensor=a, tensor_name="activation", skip_reduction=True)
-            nvdlfw_session.log_tensor_stats(layer_name=layer, tensor=w, tensor_name="weight", skip_reduction=True)
+            nvdlfw_session.log_tensor_stats(
+                layer_name=layer, tensor=a, tensor_name="activation", skip_reduction=True
+            )
+            nvdlfw_session.log_tensor_stats(
+                layer_name=layer, tensor=w, tensor_name="weight", skip_reduction=True
+            )
         nvdlfw_session.step()
     bridge.flush()
     fan.finish()
@@ -75,7 +82,9 @@ def test_generic_log_tensor_stats_reach_run_dir_and_trackers(nvdlfw_session, tmp
     a = acts[(2, "blocks.0.fc1")]
     assert b2.metrics["fp8/blocks.0.fc1/activation/max"] == pytest.approx(a.max().item())
     assert b2.metrics["fp8/blocks.0.fc1/activation/l2_norm"] == pytest.approx(a.norm().item(), rel=1e-6)
-    assert b2.metrics["fp8/blocks.1.proj_out/weight/std"] == pytest.approx(weights[(2, "blocks.1.proj_out")].std().item(), rel=1e-6)
+    assert b2.metrics["fp8/blocks.1.proj_out/weight/std"] == pytest.approx(
+        weights[(2, "blocks.1.proj_out")].std().item(), rel=1e-6
+    )
     assert not any("other" in k for k in b2.metrics)  # not selected by the config's regex
     # freq 2 for activations: only even iterations carry them; weights every iteration
     assert any("activation" in k for k in keep.got[0].metrics)
@@ -116,7 +125,9 @@ def test_te_names_parsed_into_rows_and_unknown_names_kept(nvdlfw_session, tmp_pa
         "fp8/layers.0.fc1/gradient/scale_inv_min": 0.25,
         "fp8/te/grad_norm": 2.0,
     }
-    assert {r.layer for r in b.tensor_rows} == {"layers.0.fc1"}  # infer_and_assign_layer_names' "model." dropped
+    assert {r.layer for r in b.tensor_rows} == {
+        "layers.0.fc1"
+    }  # infer_and_assign_layer_names' "model." dropped
     rows = {(r.tensor, r.variant): dict(r.stats) for r in b.tensor_rows}
     assert rows[("activation", "actual")] == {"underflow_pct": 12.5, "mse": pytest.approx(3e-5)}
     assert rows[("activation", "mxfp8")] == {"underflow_pct": 40.0}
@@ -155,7 +166,11 @@ def test_te_fp8_stats_through_bridge(nvdlfw_session, tmp_path):
         }
     }
     nvdlfw_session.initialize(
-        config_file=cfg, feature_dirs=[features], statistics_logger=bridge, log_dir=str(tmp_path), default_logging_enabled=False
+        config_file=cfg,
+        feature_dirs=[features],
+        statistics_logger=bridge,
+        log_dir=str(tmp_path),
+        default_logging_enabled=False,
     )
     layer = te.Linear(256, 256, name="fc1").cuda()
     x = torch.randn(64, 256, device="cuda", requires_grad=True)

@@ -112,7 +112,9 @@ def test_fp8_only_spikes_and_drift_name_the_planted_layer(tmp_path):
     worst = max(drift, key=lambda d: abs(d["peak_drift_log2"]))
     assert (worst["layer"], worst["tensor"]) == ("planted", "activation")
     assert worst["direction"] == "underflow_risk" and worst["peak_drift_log2"] < -15
-    planted_steps = {d["start_step"] for d in drift if d["layer"] == "planted" and d["tensor"] == "activation"}
+    planted_steps = {
+        d["start_step"] for d in drift if d["layer"] == "planted" and d["tensor"] == "activation"
+    }
     assert {s + 1 for s in outlier_steps} <= planted_steps
 
     metrics = {r.step: r.metrics for r in RunReader(fp8).metrics() if "fp8/spikes/fp8_only" in r.metrics}

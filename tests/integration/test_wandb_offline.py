@@ -37,24 +37,50 @@ def table_rows(run_dir: Path, key: str) -> list[list]:
 
 def _batch(step: int) -> StepBatch:
     rows = [
-        TensorStatsRow(step=step, layer=layer, tensor="gradient", stats={"underflow_pct": i + step, "mse": 0.5 * step})
+        TensorStatsRow(
+            step=step, layer=layer, tensor="gradient", stats={"underflow_pct": i + step, "mse": 0.5 * step}
+        )
         for i, layer in enumerate(("fc1", "fc2"))
     ]
     events = []
     if step in (10, 20):  # same title twice within the throttle window -> one alert
-        events.append(EventRecord(kind="spike", step=step, data={"alert": True, "title": "FP8-only spike", "text": f"at {step}", "level": "WARN", "severity": 2.0}))
+        events.append(
+            EventRecord(
+                kind="spike",
+                step=step,
+                data={
+                    "alert": True,
+                    "title": "FP8-only spike",
+                    "text": f"at {step}",
+                    "level": "WARN",
+                    "severity": 2.0,
+                },
+            )
+        )
     if step == 30:
-        events.append(EventRecord(kind="divergence", step=step, data={"alert": True, "title": "Divergence", "text": "loss gap", "level": "ERROR"}))
-        events.append(EventRecord(kind="drift", step=step, data={"layer": "fc2", "tensor": "gradient", "severity": 1.0}))
+        events.append(
+            EventRecord(
+                kind="divergence",
+                step=step,
+                data={"alert": True, "title": "Divergence", "text": "loss gap", "level": "ERROR"},
+            )
+        )
+        events.append(
+            EventRecord(kind="drift", step=step, data={"layer": "fc2", "tensor": "gradient", "severity": 1.0})
+        )
     metrics = {naming.metric_name(r.layer, r.tensor, "underflow_pct"): r.stats["underflow_pct"] for r in rows}
     metrics["loss"] = 4.0 - step / 100
     return StepBatch(step=step, metrics=metrics, tensor_rows=rows, events=events)
 
 
 def test_offline_run_history_summaries_tables_alerts_config(tmp_path):
-    tracker = WandbTracker.create(project="fp8track-test", dir=str(tmp_path), mode="offline", alert_wait_s=3600)
+    tracker = WandbTracker.create(
+        project="fp8track-test", dir=str(tmp_path), mode="offline", alert_wait_s=3600
+    )
     fan = TrackerFanout([tracker], tmp_path / "run")
-    fan.start(RunMeta(recipe={"name": "delayed", "margin": 0}, bf16_layers=("head",), fp8_layers=("fc1", "fc2")))
+    fan.start(
+        RunMeta(recipe={"name": "delayed", "margin": 0}, bf16_layers=("head",), fp8_layers=("fc1", "fc2"))
+    )
     for s in (0, 10, 20, 30):
         fan.log(_batch(s))
     fan.finish()
@@ -78,7 +104,11 @@ def test_offline_run_history_summaries_tables_alerts_config(tmp_path):
             summary.update(r["summary"]["update"])
     assert summary["fp8/fc1/gradient/underflow_pct"] == {"max": 30, "min": 0}
 
-    config = next(r["config"]["update"]["fp8track"] for r in recs if r["type"] == "config" and "fp8track" in r["config"]["update"])
+    config = next(
+        r["config"]["update"]["fp8track"]
+        for r in recs
+        if r["type"] == "config" and "fp8track" in r["config"]["update"]
+    )
     assert config["recipe"] == {"name": "delayed", "margin": 0} and config["bf16_layers"] == ["head"]
 
     alerts = [r["alert"] for r in recs if r["type"] == "alert"]
@@ -87,7 +117,9 @@ def test_offline_run_history_summaries_tables_alerts_config(tmp_path):
 
     stats = table_rows(run_dir, naming.TABLE_TENSOR_STATS)
     assert len(stats) == 8  # every row exactly once across the increments
-    assert sorted((r[0], r[1]) for r in stats) == sorted((s, lay) for s in (0, 10, 20, 30) for lay in ("fc1", "fc2"))
+    assert sorted((r[0], r[1]) for r in stats) == sorted(
+        (s, lay) for s in (0, 10, 20, 30) for lay in ("fc1", "fc2")
+    )
     assert [r for r in stats if r[0] == 20 and r[1] == "fc1"][0][4:6] == [20.0, 10.0]
     spikes = table_rows(run_dir, naming.TABLE_SPIKE_EVENTS)
     assert sorted((r[0], r[1]) for r in spikes) == [(10, "spike"), (20, "spike"), (30, "divergence")]

@@ -32,9 +32,26 @@ from fp8track.monitoring.records import (  # noqa: E402
 )
 from fp8track.numerics.stats import finalize, partial_stats  # noqa: E402
 
-FUZZ = settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
-SPECIAL = [0.0, -0.0, 1e-45, -1e-42, 1e-39, 3e38, -3e38, 1e300, math.inf, -math.inf, math.nan, 1.0, -448.0, 57344.0]
+SPECIAL = [
+    0.0,
+    -0.0,
+    1e-45,
+    -1e-42,
+    1e-39,
+    3e38,
+    -3e38,
+    1e300,
+    math.inf,
+    -math.inf,
+    math.nan,
+    1.0,
+    -448.0,
+    57344.0,
+]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
@@ -43,7 +60,13 @@ def tensors(draw):
     shape = draw(st.lists(st.integers(1, 9), min_size=1, max_size=3))
     n = math.prod(shape)
     scale = draw(st.sampled_from([0.0, 1e-40, 1e-20, 1e-3, 1.0, 1e4, 1e30]))
-    values = draw(st.lists(st.one_of(st.sampled_from(SPECIAL), st.floats(-4, 4).map(lambda v: v * scale)), min_size=n, max_size=n))
+    values = draw(
+        st.lists(
+            st.one_of(st.sampled_from(SPECIAL), st.floats(-4, 4).map(lambda v: v * scale)),
+            min_size=n,
+            max_size=n,
+        )
+    )
     dtype = draw(st.sampled_from(DTYPES))
     return torch.tensor(values, dtype=torch.float64).reshape(shape).to(dtype)
 
@@ -62,12 +85,36 @@ def test_statistics_never_raise_and_count_exactly(x, fmt):
     assert -1.0 <= stats["cos"] <= 1.0 and not math.isnan(stats["mse"]) and stats["mse"] >= 0, stats
 
 
-RECIPE_TOKENS = ["delayed", "current", "mxfp8", "block", "bf16", "hybrid", "e4m3", "e5m2", "h0", "h16", "h1024",
-                 "max", "most_recent", "m0", "m3", "gemm=fp8", "gemm=bf16", "variant=rowwise", "x", "", "::", "h-1"]
+RECIPE_TOKENS = [
+    "delayed",
+    "current",
+    "mxfp8",
+    "block",
+    "bf16",
+    "hybrid",
+    "e4m3",
+    "e5m2",
+    "h0",
+    "h16",
+    "h1024",
+    "max",
+    "most_recent",
+    "m0",
+    "m3",
+    "gemm=fp8",
+    "gemm=bf16",
+    "variant=rowwise",
+    "x",
+    "",
+    "::",
+    "h-1",
+]
 
 
 @FUZZ
-@given(spec=st.one_of(st.lists(st.sampled_from(RECIPE_TOKENS), max_size=6).map(":".join), st.text(max_size=30)))
+@given(
+    spec=st.one_of(st.lists(st.sampled_from(RECIPE_TOKENS), max_size=6).map(":".join), st.text(max_size=30))
+)
 def test_recipe_parser_accepts_or_refuses_cleanly(spec):
     try:
         recipe = Recipe.parse(spec)
@@ -77,12 +124,29 @@ def test_recipe_parser_accepts_or_refuses_cleanly(spec):
     assert Recipe.parse(recipe.to_string()) == recipe  # what it accepts round-trips
 
 
-FALLBACK_TERMS = ["none", "first", "last", "first_last", "first:2", "last:0", "first_last:x", "auto:3", "re:fc.*", "re:(",
-                  "lm_head", "blocks.0.fc1", "", " ", "auto:"]
+FALLBACK_TERMS = [
+    "none",
+    "first",
+    "last",
+    "first_last",
+    "first:2",
+    "last:0",
+    "first_last:x",
+    "auto:3",
+    "re:fc.*",
+    "re:(",
+    "lm_head",
+    "blocks.0.fc1",
+    "",
+    " ",
+    "auto:",
+]
 
 
 @FUZZ
-@given(spec=st.one_of(st.lists(st.sampled_from(FALLBACK_TERMS), max_size=5).map(",".join), st.text(max_size=30)))
+@given(
+    spec=st.one_of(st.lists(st.sampled_from(FALLBACK_TERMS), max_size=5).map(",".join), st.text(max_size=30))
+)
 def test_fallback_parser_accepts_or_refuses_cleanly(spec):
     try:
         parsed = FallbackSpec.parse(spec)
@@ -120,7 +184,9 @@ def test_reader_survives_truncated_and_corrupted_files(tmp_path_factory, file, c
     data += b"".join(g.replace(b"\n", b"") + b"\n" for g in garbage)
     path.write_bytes(bytes(data))
     reader = RunReader(root)
-    read = {METRICS_FILE: reader.metrics, TENSOR_STATS_FILE: reader.tensor_stats, EVENTS_FILE: reader.events}[file]
+    read = {METRICS_FILE: reader.metrics, TENSOR_STATS_FILE: reader.tensor_stats, EVENTS_FILE: reader.events}[
+        file
+    ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         records = list(read())

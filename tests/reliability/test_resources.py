@@ -61,7 +61,12 @@ def test_heatmap_summary_has_a_fixed_size_and_keeps_the_last_value_of_each_span(
 
     summary = HeatmapSummary(("mse",), max_columns=4)
     for step in range(8):
-        summary.add([Row(step, "fc", "weight", {"mse": float(step)}), Row(step, "fc", "weight", {"mse": -1.0}, "mxfp8")])
+        summary.add(
+            [
+                Row(step, "fc", "weight", {"mse": float(step)}),
+                Row(step, "fc", "weight", {"mse": -1.0}, "mxfp8"),
+            ]
+        )
     labels, steps, m = summary.matrix("mse")
     assert labels == ["fc/weight"] and steps == [0, 2, 4, 6]  # 8 steps folded into 4 columns of 2
     assert m.tolist() == [[1.0, 3.0, 5.0, 7.0]]  # the later step of each pair; what-if rows left out
@@ -79,7 +84,9 @@ def test_full_disk_mid_run_is_one_warning_and_training_goes_on(tmp_path):
     # The kernel's /dev/full accepts the open and refuses every write with ENOSPC: a full disk.
     (run_dir / "tensor_stats.jsonl").symlink_to("/dev/full")
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
-    monitor = Monitor(model, MonitorConfig(every_n_steps=1), log_dir=tmp_path, meta=RunMeta(run_id="run1")).attach()
+    monitor = Monitor(
+        model, MonitorConfig(every_n_steps=1), log_dir=tmp_path, meta=RunMeta(run_id="run1")
+    ).attach()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(5):
@@ -112,17 +119,23 @@ def test_wandb_incremental_table_keeps_only_rows_not_yet_logged(tmp_path, monkey
     from fp8track.trackers.wandb import WandbTracker
 
     monkeypatch.setenv("WANDB_SILENT", "true")
-    tracker = WandbTracker.create(project="bounded", dir=str(tmp_path), mode="offline", table_every_n_steps=3, background=False)
+    tracker = WandbTracker.create(
+        project="bounded", dir=str(tmp_path), mode="offline", table_every_n_steps=3, background=False
+    )
     sizes = []
     for step in range(20):
-        rows = [Row(step, layer, "weight", {"mse": float(step), "underflow_pct": 1.0}) for layer in ("fc1", "fc2")]
+        rows = [
+            Row(step, layer, "weight", {"mse": float(step), "underflow_pct": 1.0}) for layer in ("fc1", "fc2")
+        ]
         tracker.log(StepBatch(step=step, metrics={"loss": 1.0}, tensor_rows=rows, events=[]))
         sizes.append(len(tracker._tables[naming.TABLE_TENSOR_STATS].data))
     # 2 rows a step, logged (and dropped) on every 3rd step: 2, 4, 0, 2, 4, 0, ...
     assert sizes == [2 * ((s % 3 + 1) % 3) for s in range(20)], sizes
     tracker.finish()  # logs the last 2 steps' rows
     assert len(tracker._tables[naming.TABLE_TENSOR_STATS].data) == 0
-    files = sorted((Path(tracker.run.dir) / "media" / "table").glob(f"{naming.TABLE_TENSOR_STATS}_*.table.json"))
+    files = sorted(
+        (Path(tracker.run.dir) / "media" / "table").glob(f"{naming.TABLE_TENSOR_STATS}_*.table.json")
+    )
     rows = [tuple(r[:2]) for f in files for r in json.loads(f.read_text())["data"]]
     assert len(files) == 7 and sorted(rows) == sorted((s, lay) for s in range(20) for lay in ("fc1", "fc2"))
 
@@ -170,3 +183,20 @@ def test_mlflow_table_spool_holds_no_row_in_memory_and_writes_what_log_table_wri
     assert resumed.columns == ["step", "layer", "mse", "extra"]
     assert list(resumed.iter_rows()) == [[1, "l9", None, "x"], [2, "l8", None, "y"], [5, "l0", 0.5, None]]
     assert (resumed.rows, resumed.written, resumed.unwritten) == (3, 2, 1)
+
+
+def test_write_on_a_closed_handle_is_one_warning_not_a_crash(tmp_path):
+    # A closed handle raises ValueError (no strerror, unlike OSError): still one warning, lines counted.
+    from fp8track.monitoring.records import RunWriter
+
+    writer = RunWriter(tmp_path / "run1", RunMeta(run_id="run1"))
+    writer.close()
+    rows = [Row(0, "fc", "weight", {"mse": 1.0}), Row(0, "fc", "activation", {"mse": 2.0})]
+    with pytest.warns(
+        RuntimeWarning, match=r"cannot write .*tensor_stats\.jsonl \(I/O operation on closed file"
+    ):
+        writer.write_tensor_stats(rows)
+    assert writer.lines_lost == 2
+    writer.write_tensor_stats(rows[:1])  # the handle was reopened: the next write lands
+    writer.close()
+    assert [r.tensor for r in RunReader(tmp_path / "run1").tensor_stats()] == ["weight"]

@@ -36,8 +36,12 @@ def test_no_unsafe_loader_in_the_package(path):
     tree = ast.parse(path.read_text(encoding="utf-8"))
     for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
-            assert not any(n.split(".")[0] in ("pickle", "cPickle", "dill", "shelve", "marshal") for n in names), path
+            names = [a.name for a in node.names] + (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            )
+            assert not any(
+                n.split(".")[0] in ("pickle", "cPickle", "dill", "shelve", "marshal") for n in names
+            ), path
     for call, func in _calls(tree):
         if func in ("yaml.load", "yaml.load_all", "yaml.unsafe_load", "yaml.full_load"):
             loader = {k.arg: ast.unparse(k.value) for k in call.keywords}.get("Loader", "")
@@ -66,11 +70,19 @@ def test_planted_credentials_never_appear_in_any_output(tmp_path, monkeypatch, c
     caplog.set_level(logging.DEBUG)
     uri = f"https://alice:{URI_PASSWORD}@127.0.0.1:9/mlflow"  # port 9 (discard): refused at once
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
-    good = MLflowTracker(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", artifact_location=(tmp_path / "art").as_uri())
+    good = MLflowTracker(
+        tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", artifact_location=(tmp_path / "art").as_uri()
+    )
     unreachable = MLflowTracker(tracking_uri=uri, name="mlflow-remote", retry_for_s=0)
     wb = WandbTracker.create(project="p", dir=str(tmp_path), mode="offline")
     meta = RunMeta(name="secret-test", config={"tracking_uri": uri, "token": SECRETS["WANDB_API_KEY"]})
-    monitor = Monitor(model, MonitorConfig(every_n_steps=1), log_dir=tmp_path / "runs", trackers=[good, unreachable, wb], meta=meta)
+    monitor = Monitor(
+        model,
+        MonitorConfig(every_n_steps=1),
+        log_dir=tmp_path / "runs",
+        trackers=[good, unreachable, wb],
+        meta=meta,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         monitor.attach()
@@ -90,7 +102,10 @@ def test_planted_credentials_never_appear_in_any_output(tmp_path, monkeypatch, c
     needles = [*SECRETS.values(), URI_PASSWORD]
     for text in texts:
         for needle in needles:
-            assert needle not in text, f"credential {needle!r} leaked: ...{text[max(text.find(needle) - 200, 0):text.find(needle) + 50]}"
+            assert needle not in text, (
+                f"credential {needle!r} leaked: "
+                f"...{text[max(text.find(needle) - 200, 0) : text.find(needle) + 50]}"
+            )
     # ...with the credentials replaced, not the whole message dropped
     assert any("https://***@127.0.0.1:9" in t for t in texts)
 

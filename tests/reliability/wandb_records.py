@@ -13,7 +13,11 @@ def inspect(run_dir: str | Path) -> list[dict]:
     """Every record of an offline run, via W&B's own reader (``wandb leet inspect --json``)."""
     exe = Path(sys.executable).with_name("wandb")
     out = subprocess.run(
-        [str(exe), "leet", "inspect", str(run_dir), "--json"], check=True, capture_output=True, text=True, timeout=120
+        [str(exe), "leet", "inspect", str(run_dir), "--json"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
 

@@ -103,7 +103,9 @@ def test_package_names_change_with_the_kernel_source_and_the_variant(monkeypatch
     assert a != aot_kernels.package_path(KernelSpec("cpu", "bfloat16", 1024, True))
     assert a != aot_kernels.package_path(KernelSpec("cpu", "float32", 1024, False))
     monkeypatch.setattr(stats_kernel, "_INDUCTOR_OPTIONS", {"realize_reads_threshold": 3})
-    assert a != aot_kernels.package_path(KernelSpec("cpu", "bfloat16", 1024, False))  # other options, other key
+    assert a != aot_kernels.package_path(
+        KernelSpec("cpu", "bfloat16", 1024, False)
+    )  # other options, other key
 
 
 @pytest.mark.parametrize(
@@ -124,7 +126,9 @@ def test_the_environment_chooses_the_initial_mode(monkeypatch):
     monkeypatch.setenv(stats.KERNEL_ENV, "aot")
     assert stats._CompilePolicy().mode == "aot"
     monkeypatch.setenv(stats.KERNEL_ENV, "fast")
-    with pytest.raises(ConfigError, match=r"\$FP8TRACK_STATS_KERNEL 'fast'.*'auto', 'aot', 'compiled', 'eager'"):
+    with pytest.raises(
+        ConfigError, match=r"\$FP8TRACK_STATS_KERNEL 'fast'.*'auto', 'aot', 'compiled', 'eager'"
+    ):
         stats._CompilePolicy()
 
 

@@ -41,7 +41,9 @@ def test_delayed_scaling_reports_the_backend_scales(tmp_path):
     rows, used, inputs, _ = _train("delayed:hybrid:h2:max", tmp_path)
     for step in range(4):
         for kind in ("activation", "weight", "gradient"):
-            assert rows[(step, "0", kind, "actual")]["scale"] == pytest.approx(used[step][kind].item(), rel=1e-7)
+            assert rows[(step, "0", kind, "actual")]["scale"] == pytest.approx(
+                used[step][kind].item(), rel=1e-7
+            )
         # and the activation statistics are exactly those of the input at that scale
         expected = quant_stats(inputs[step], "e4m3", scale=used[step]["activation"])
         assert rows[(step, "0", "activation", "actual")] == pytest.approx(expected)
@@ -60,8 +62,12 @@ def test_current_scaling_matches_and_whatif_variants(tmp_path):
         stats = rows[(step, "0", "activation", "actual")]
         assert stats["scale"] == pytest.approx(used[step]["activation"].item(), rel=1e-7)
         assert stats["scale_drift_log2"] == pytest.approx(0.0, abs=1e-6)
-        assert rows[(step, "0", "activation", "mxfp8")] == pytest.approx(block_quant_stats(inputs[step], "mxfp8"))
-        assert rows[(step, "0", "activation", "block")] == pytest.approx(block_quant_stats(inputs[step], "block128"))
+        assert rows[(step, "0", "activation", "mxfp8")] == pytest.approx(
+            block_quant_stats(inputs[step], "mxfp8")
+        )
+        assert rows[(step, "0", "activation", "block")] == pytest.approx(
+            block_quant_stats(inputs[step], "block128")
+        )
 
 
 def test_block_recipe_uses_block_scales(tmp_path):

@@ -57,9 +57,15 @@ def test_yaml_dict_and_python_build_the_same_config(tmp_path):
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        ({"every_n_step": 5}, r"unknown MonitorConfig key 'every_n_step'; valid values are: .*'every_n_steps'"),
+        (
+            {"every_n_step": 5},
+            r"unknown MonitorConfig key 'every_n_step'; valid values are: .*'every_n_steps'",
+        ),
         ({"spikes": {"z": 3}}, r"unknown SpikeConfig key 'z'; valid values are: .*'z_threshold'"),
-        ({"drift": {"threshold": 2}}, r"unknown DriftConfig key 'threshold'; valid values are: 'consecutive', 'threshold_log2'"),
+        (
+            {"drift": {"threshold": 2}},
+            r"unknown DriftConfig key 'threshold'; valid values are: 'consecutive', 'threshold_log2'",
+        ),
         ({"every_n_steps": True}, r"every_n_steps must be an integer >= 1, got True"),
         ({"spikes": {"window": 0}}, r"window"),
         ({"whatif_history_len": 0}, r"whatif_history_len must be an integer >= 1, got 0"),
@@ -77,7 +83,9 @@ def test_bad_files(tmp_path):
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="must hold a mapping, got list"):
         fp8track.MonitorConfig.load(tmp_path / "list.yaml")
-    with pytest.raises(ConfigError, match="config must be a MonitorConfig, a mapping or a YAML path, got int"):
+    with pytest.raises(
+        ConfigError, match="config must be a MonitorConfig, a mapping or a YAML path, got int"
+    ):
         fp8track.MonitorConfig.load(3)
 
 
@@ -119,7 +127,9 @@ def test_fp8monitor_keywords_override_the_config(tmp_path):
     assert cb.config.spikes.z_threshold == 9.0  # the rest comes from the file
     assert fp8track.FP8Monitor(config={"spikes": {"action": "checkpoint"}}).on_spike == "checkpoint"
     assert fp8track.FP8Monitor().config == fp8track.MonitorConfig()
-    with pytest.raises(ConfigError, match="unknown on_spike action 'kill'; valid values are: 'log', 'stop', 'checkpoint'"):
+    with pytest.raises(
+        ConfigError, match="unknown on_spike action 'kill'; valid values are: 'log', 'stop', 'checkpoint'"
+    ):
         fp8track.FP8Monitor(on_spike="kill")
     with pytest.raises(ConfigError, match="every_n_steps must be an integer >= 1, got 0"):
         fp8track.FP8Monitor(every_n_steps=0)

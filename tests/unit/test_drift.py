@@ -1,4 +1,5 @@
-"""DriftTracker excursions and the WhatIfDelayed simulation (against fp8track.numerics.scaling.DelayedScaler)."""
+"""DriftTracker excursions and the WhatIfDelayed simulation
+(against fp8track.numerics.scaling.DelayedScaler)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,11 @@ def test_drift_log2():
     # one definition with the statistics (numerics.scaling.drift_log2): a zero scale is -inf binades
     # off, an infinite one +inf; only a meaningless comparison is NaN
     assert drift_log2(0.0, 1.0) == -math.inf and drift_log2(math.inf, 1.0) == math.inf
-    assert math.isnan(drift_log2(1.0, math.inf)) and math.isnan(drift_log2(1.0, 0.0)) and math.isnan(drift_log2(math.nan, 1.0))
+    assert (
+        math.isnan(drift_log2(1.0, math.inf))
+        and math.isnan(drift_log2(1.0, 0.0))
+        and math.isnan(drift_log2(math.nan, 1.0))
+    )
 
 
 def test_event_after_k_consecutive_one_per_excursion_and_rearm():

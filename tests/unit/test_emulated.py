@@ -70,11 +70,15 @@ def test_delayed_eval_uses_but_does_not_update_and_state_round_trips():
     assert float(layer.delayed_scalers["activation"].scale) == scale
     _, fresh = make("delayed:hybrid:h4:max")
     fresh.load_state_dict(layer.state_dict())
-    assert torch.equal(fresh.delayed_scalers["activation"].amax_history, layer.delayed_scalers["activation"].amax_history)
+    assert torch.equal(
+        fresh.delayed_scalers["activation"].amax_history, layer.delayed_scalers["activation"].amax_history
+    )
     assert float(fresh.delayed_scalers["activation"].scale) == 224.0
 
 
-@pytest.mark.parametrize("shape", [(8, 32, 16), (5, 24, 40)])  # second: not multiples of 16 -> dequantised GEMM
+@pytest.mark.parametrize(
+    "shape", [(8, 32, 16), (5, 24, 40)]
+)  # second: not multiples of 16 -> dequantised GEMM
 @pytest.mark.parametrize("recipe", ["current", "fp8_input_bf16_gemm", "current:e4m3"])
 def test_per_tensor_forward_and_backward_match_independent_reference(recipe, shape):
     m, k, n = shape
@@ -88,11 +92,18 @@ def test_per_tensor_forward_and_backward_match_independent_reference(recipe, sha
     e4, gdt = torch.float8_e4m3fn, (torch.float8_e5m2 if r.fp8_format == "hybrid" else torch.float8_e4m3fn)
     gmax = 57344.0 if r.fp8_format == "hybrid" else 448.0
     sx, sw, sg = 448 / x.abs().max(), 448 / lin.weight.abs().max(), gmax / g.abs().max()
-    xd, wd, gd = ref_q(x.detach(), sx, e4, 448), ref_q(lin.weight.detach(), sw, e4, 448), ref_q(g, sg, gdt, gmax)
+    xd, wd, gd = (
+        ref_q(x.detach(), sx, e4, 448),
+        ref_q(lin.weight.detach(), sw, e4, 448),
+        ref_q(g, sg, gdt, gmax),
+    )
     y_ref = xd @ wd.t() + lin.bias.double()
     scales = layer.fp8_scales()
-    assert torch.allclose(scales["activation"].double(), sx.double()) and torch.allclose(scales["gradient"].double(), sg.double())
-    # bf16 GEMM mode rounds dequantised operands to bf16 (relative 2**-8); the FP8 GEMM accumulates in float32.
+    assert torch.allclose(scales["activation"].double(), sx.double()) and torch.allclose(
+        scales["gradient"].double(), sg.double()
+    )
+    # bf16 GEMM mode rounds dequantised operands to bf16 (relative 2**-8);
+    # the FP8 GEMM accumulates in float32.
     tol = 2e-2 if r.gemm_mode == "bf16" else 1e-5
     assert torch.allclose(y.double(), y_ref, rtol=tol, atol=tol * y_ref.abs().max().item())
     gx_ref, gw_ref = gd @ wd, gd.t() @ xd
@@ -137,13 +148,22 @@ def test_mxfp8_forward_and_backward_against_block_loop_reference():
     assert torch.allclose(y.double(), y_ref, rtol=1e-2, atol=1e-2 * y_ref.abs().max().item())
     # dgrad: dY blocks along N, W blocks along N (column-wise); wgrad: dY, x blocks along M.
     # TE's MXFP8BlockScaling defaults to E4M3 for every tensor, gradients included.
-    gx_ref = ref_block_dequant(g, 32, e4, 448, True) @ ref_block_dequant(lin.weight.detach().t(), 32, e4, 448, True).t()
-    gw_ref = ref_block_dequant(g.t(), 32, e4, 448, True) @ ref_block_dequant(x.detach().t(), 32, e4, 448, True).t()
+    gx_ref = (
+        ref_block_dequant(g, 32, e4, 448, True)
+        @ ref_block_dequant(lin.weight.detach().t(), 32, e4, 448, True).t()
+    )
+    gw_ref = (
+        ref_block_dequant(g.t(), 32, e4, 448, True) @ ref_block_dequant(x.detach().t(), 32, e4, 448, True).t()
+    )
     assert torch.allclose(x.grad.double(), gx_ref, rtol=1e-2, atol=1e-2 * gx_ref.abs().max().item())
     assert torch.allclose(lin.weight.grad.double(), gw_ref, rtol=1e-2, atol=1e-2 * gw_ref.abs().max().item())
     s = layer.fp8_scales()
-    assert s["activation"].shape == (16, 2) and s["weight"].shape == (32, 2) and s["gradient"].shape == (16, 1)
-    assert torch.all(torch.log2(s["activation"]) == torch.round(torch.log2(s["activation"])))  # E8M0: powers of two
+    assert (
+        s["activation"].shape == (16, 2) and s["weight"].shape == (32, 2) and s["gradient"].shape == (16, 1)
+    )
+    assert torch.all(
+        torch.log2(s["activation"]) == torch.round(torch.log2(s["activation"]))
+    )  # E8M0: powers of two
 
 
 def test_block128_uses_rows_for_activation_and_tiles_for_weight():
@@ -198,7 +218,10 @@ def test_autocast_output_dtype_and_parameter_identity():
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
     params = list(model.parameters())
     report = apply_fp8(model, "current", backend="emulated")
-    assert report.fp8_layers == ("0", "2") and [p is q for p, q in zip(params, model.parameters(), strict=True)] == [True] * 4
+    assert (
+        report.fp8_layers == ("0", "2")
+        and [p is q for p, q in zip(params, model.parameters(), strict=True)] == [True] * 4
+    )
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert model(torch.randn(2, 32)).dtype == torch.bfloat16
     assert model(torch.randn(2, 32)).dtype == torch.float32

@@ -66,9 +66,17 @@ def test_first_last_on_gpt(gpt):
 
 
 def test_regex_names_and_auto(gpt):
-    assert list(resolve_fallback(gpt, "re:lm_head$,blocks.1.mlp")) == ["blocks.1.mlp.fc", "blocks.1.mlp.proj", "lm_head"]
-    assert list(resolve_fallback(gpt, ["re:attn\\.(qkv|proj)$"])) == [n for i in range(3) for n in block_linears(i)[:2]]
-    ranked = resolve_fallback(gpt, "auto:2", ranking={"lm_head": 0.1, "blocks.2.mlp.fc": 3.0, "blocks.0.attn.qkv": 2.0})
+    assert list(resolve_fallback(gpt, "re:lm_head$,blocks.1.mlp")) == [
+        "blocks.1.mlp.fc",
+        "blocks.1.mlp.proj",
+        "lm_head",
+    ]
+    assert list(resolve_fallback(gpt, ["re:attn\\.(qkv|proj)$"])) == [
+        n for i in range(3) for n in block_linears(i)[:2]
+    ]
+    ranked = resolve_fallback(
+        gpt, "auto:2", ranking={"lm_head": 0.1, "blocks.2.mlp.fc": 3.0, "blocks.0.attn.qkv": 2.0}
+    )
     assert ranked == {"blocks.0.attn.qkv": "auto:2 (rank 2)", "blocks.2.mlp.fc": "auto:2 (rank 1)"}
     assert list(resolve_fallback(gpt, "auto:1", ranking=["lm_head", "blocks.0.mlp.fc"])) == ["lm_head"]
 
@@ -76,7 +84,11 @@ def test_regex_names_and_auto(gpt):
 def test_nested_blocks_count_inner_blocks_across_stages():
     m = Nested()
     assert repeated_blocks(m) == [
-        "stages.0.blocks.0", "stages.0.blocks.1", "stages.1.blocks.0", "stages.1.blocks.1", "stages.1.blocks.2",
+        "stages.0.blocks.0",
+        "stages.0.blocks.1",
+        "stages.1.blocks.0",
+        "stages.1.blocks.1",
+        "stages.1.blocks.2",
     ]
     first = resolve_fallback(m, "first:1")
     assert list(first) == ["stages.0.blocks.0.up"] + [f"stages.0.blocks.0.heads.{i}" for i in range(4)]
@@ -84,7 +96,9 @@ def test_nested_blocks_count_inner_blocks_across_stages():
     assert {n.rsplit(".", 2)[0] if ".heads." in n else n.rsplit(".", 1)[0] for n in last2} == {
         "stages.1.blocks.1", "stages.1.blocks.2"
     }
-    assert "stem" not in resolve_fallback(m, "first:5,last:5") and "head" not in resolve_fallback(m, "first:5,last:5")
+    assert "stem" not in resolve_fallback(m, "first:5,last:5") and "head" not in resolve_fallback(
+        m, "first:5,last:5"
+    )
     assert list(resolve_fallback(m, "head")) == ["head"]  # the linear after the last block
 
 
@@ -179,8 +193,16 @@ def _blocks_kept(got, prefix):
 
 
 def test_first_last_on_llama_keeps_lm_head():
-    m = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                           num_attention_heads=2, num_key_value_heads=2))
+    m = tf.LlamaForCausalLM(
+        tf.LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
     got = resolve_fallback(m, "first_last")
     assert _blocks_kept(got, "model.layers.") == [0, 3] and got["lm_head"] == HEAD_REASON
     assert len(got) == 2 * 7 + 1  # q, k, v, o, gate, up, down per block, plus lm_head
@@ -188,8 +210,16 @@ def test_first_last_on_llama_keeps_lm_head():
 
 
 def test_first_last_on_bert_classifier_keeps_pooler_and_classifier():
-    m = tf.BertForSequenceClassification(tf.BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                                       num_hidden_layers=3, num_attention_heads=2, num_labels=3))
+    m = tf.BertForSequenceClassification(
+        tf.BertConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_labels=3,
+        )
+    )
     got = resolve_fallback(m, "first_last")
     assert _blocks_kept(got, "bert.encoder.layer.") == [0, 2]
     assert [n for n, why in got.items() if why == HEAD_REASON] == ["bert.pooler.dense", "classifier"]
@@ -199,7 +229,10 @@ def test_first_last_on_bart_keeps_both_stacks_ends():
     m = tf.BartForConditionalGeneration(tf.BartConfig(
         vocab_size=64, d_model=32, encoder_layers=3, decoder_layers=3, encoder_attention_heads=2,
         decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64))
-    assert [(s, len(b)) for s, b in block_stacks(m)] == [("model.encoder.layers", 3), ("model.decoder.layers", 3)]
+    assert [(s, len(b)) for s, b in block_stacks(m)] == [
+        ("model.encoder.layers", 3),
+        ("model.decoder.layers", 3),
+    ]
     got = resolve_fallback(m, "first_last")
     # Before: both kept blocks came from the encoder and the whole decoder ran FP8.
     assert _blocks_kept(got, "model.encoder.layers.") == [0, 2]
@@ -216,7 +249,9 @@ def test_first_last_on_t5_counts_each_stack_and_refuses_a_short_one():
     assert _blocks_kept(got, "encoder.block.") == [0, 1] and _blocks_kept(got, "decoder.block.") == [0, 3]
     assert got["lm_head"] == HEAD_REASON
     notes = FallbackSpec.parse("first_last").explain(m)
-    assert notes[:2] == ("first:1, last:1: stack encoder.block (2 blocks) keeps encoder.block.0, encoder.block.1",
-                         "first:1, last:1: stack decoder.block (4 blocks) keeps decoder.block.0, decoder.block.3")
+    assert notes[:2] == (
+        "first:1, last:1: stack encoder.block (2 blocks) keeps encoder.block.0, encoder.block.1",
+        "first:1, last:1: stack decoder.block (4 blocks) keeps decoder.block.0, decoder.block.3",
+    )
     with pytest.raises(ConfigError, match="asks for 3 blocks but stack 'encoder.block' has 2"):
         resolve_fallback(m, "last:3")

@@ -26,7 +26,9 @@ def test_statistics_report_the_current_scale_the_backends_use():
     assert s["current_scale"] != 448.0 / 3.0
     assert s["scale"] == s["current_scale"] and s["scale_drift_log2"] == 0.0
     # margin and guards are the same rule too
-    assert quant_stats(x, "e4m3", margin=2)["current_scale"] == float(scaling.current_scale(torch.tensor(3.0), "e4m3", 2))
+    assert quant_stats(x, "e4m3", margin=2)["current_scale"] == float(
+        scaling.current_scale(torch.tensor(3.0), "e4m3", 2)
+    )
     assert quant_stats(torch.zeros(4), "e5m2")["current_scale"] == 1.0
     tiny = torch.tensor([1e-40])  # 448 / 1e-40 overflows float32: clamped to its max
     assert quant_stats(tiny, "e4m3")["current_scale"] == scaling.FLOAT32_MAX
@@ -53,9 +55,9 @@ def test_block_layouts_quantise_the_same_in_backend_and_statistics(layout):
 
 def test_block_vocabulary_is_one_table():
     assert BLOCK_RECIPES == tuple(scaling.BLOCK_LAYOUTS) == ("mxfp8", "block128", "block128x128")
-    assert {t: scaling.block_layout("mxfp8", t) for t in ("activation", "weight", "gradient")} == dict.fromkeys(
-        ("activation", "weight", "gradient"), "mxfp8"
-    )
+    assert {
+        t: scaling.block_layout("mxfp8", t) for t in ("activation", "weight", "gradient")
+    } == dict.fromkeys(("activation", "weight", "gradient"), "mxfp8")
     assert [scaling.block_layout("block", t) for t in ("activation", "weight", "gradient")] == [
         "block128",
         "block128x128",

@@ -52,8 +52,9 @@ def test_baseline_from_mlflow_with_the_tracking_uri(tmp_path):
     tracker = MLflowTracker(tracking_uri=uri, background=False, heatmap=False)
     control = fp8track.Monitor(_net(), {"every_n_steps": 1}, log_dir=tmp_path, trackers=[tracker])
     _run(control, [2.0, 1.0])
-    fp8 = fp8track.Monitor(_net(), {"every_n_steps": 1}, log_dir=tmp_path, baseline=f"mlflow:{tracker.run_id}",
-                           tracking_uri=uri)
+    fp8 = fp8track.Monitor(
+        _net(), {"every_n_steps": 1}, log_dir=tmp_path, baseline=f"mlflow:{tracker.run_id}", tracking_uri=uri
+    )
     _run(fp8, [2.5, 0.5])
     assert _metrics(fp8.run_dir, GAP) == pytest.approx({0: 0.5, 1: -0.5})
 
@@ -82,7 +83,10 @@ def test_default_run_folder_is_fp8track_runs_in_the_working_directory(tmp_path, 
     monkeypatch.chdir(tmp_path)
     with fp8track.Monitor(_net()) as mon:
         mon.step(loss=1.0)
-    assert DEFAULT_LOG_DIR == "fp8track-runs" and mon.run_dir.resolve().parent == tmp_path.resolve() / "fp8track-runs"
+    assert (
+        DEFAULT_LOG_DIR == "fp8track-runs"
+        and mon.run_dir.resolve().parent == tmp_path.resolve() / "fp8track-runs"
+    )
 
 
 def test_unwrap_model_looks_through_fabric_and_peft_wrappers():

@@ -36,7 +36,9 @@ def test_dry_run_exercises_every_section_on_cpu(gpu_bench):
         stats.set_compile("auto")
     assert "errors" not in out, out.get("errors")
     row = out["stats_vs_amax"]["64x1024_bf16"]
-    assert row["amax_pass_ms"] > 0 and row["ratio"] == pytest.approx(row["partial_stats_ms"] / row["amax_pass_ms"], rel=1e-2)
+    assert row["amax_pass_ms"] > 0 and row["ratio"] == pytest.approx(
+        row["partial_stats_ms"] / row["amax_pass_ms"], rel=1e-2
+    )
     mon = out["monitor"]
     assert mon["backend"] == "torchao"  # TE needs CUDA: the fallback the GPU run takes without TE
     assert set(mon) >= {"none", "every_2", "every_1", "sync"}

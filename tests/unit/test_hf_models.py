@@ -86,7 +86,9 @@ def test_every_gemm_layer_is_monitored_with_the_stats_of_its_tensors(name, tmp_p
     assert all(torch.isfinite(torch.tensor(losses)))
 
     rows = [r for r in RunReader(mon.run_dir).tensor_stats() if r.step == 2 and r.variant == "actual"]
-    assert {(r.layer, r.tensor) for r in rows} == {(n, t) for n in report.fp8_layers for t in ("activation", "weight", "gradient")}
+    assert {(r.layer, r.tensor) for r in rows} == {
+        (n, t) for n in report.fp8_layers for t in ("activation", "weight", "gradient")
+    }
     assert len(rows) == 3 * n_gemm
 
     # Current scaling, hybrid formats: the row must be quant_stats of the very tensors the GEMM saw.
@@ -99,7 +101,10 @@ def test_every_gemm_layer_is_monitored_with_the_stats_of_its_tensors(name, tmp_p
         assert row.stats == pytest.approx(ref, rel=1e-5, abs=1e-12), (probe, tensor)
     if name == "gpt2":
         conv = model.get_submodule(probe)
-        assert isinstance(conv, EmulatedFP8Conv1D) and seen["weight"].shape == (64, 3 * 64)  # stored [in, out]
+        assert isinstance(conv, EmulatedFP8Conv1D) and seen["weight"].shape == (
+            64,
+            3 * 64,
+        )  # stored [in, out]
 
 
 def test_conv1d_emulation_is_the_linear_on_the_transposed_weight():
@@ -131,7 +136,10 @@ def test_conv1d_emulation_is_the_linear_on_the_transposed_weight():
 
 def test_torchao_and_te_refuse_conv1d_naming_the_layer_type():
     model = gpt2()
-    with pytest.raises(ConfigError, match=r"backend 'torchao' converts only nn.Linear.*Conv1D.*transformer\.h\.0\.attn\.c_attn"):
+    with pytest.raises(
+        ConfigError,
+        match=r"backend 'torchao' converts only nn.Linear.*Conv1D.*transformer\.h\.0\.attn\.c_attn",
+    ):
         fp8track.apply_fp8(model, "current", backend="torchao")
     # kept in BF16 on purpose, the refusal does not apply; the BF16 control converts nothing
     pytest.importorskip("torchao")

@@ -25,8 +25,15 @@ LAYERS = ["0", "2", "4", "6"]
 
 def _build(recipe="delayed:hybrid:h16:max"):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
-                          nn.Linear(64, 16))
+    model = nn.Sequential(
+        nn.Linear(32, 64),
+        nn.GELU(),
+        nn.Linear(64, 64),
+        nn.GELU(),
+        nn.Linear(64, 64),
+        nn.GELU(),
+        nn.Linear(64, 16),
+    )
     apply_fp8(model, recipe, backend="emulated")
     return model
 
@@ -96,7 +103,9 @@ def test_three_variants_and_a_wrong_inference_scale(trained):
     assert abs(res.metrics["fp8_trained_scales"] - res.metrics["bf16"]) < 0.05
 
     broken = copy.deepcopy(trained)
-    broken[2].delayed_scalers["activation"].scale.mul_(2.0**-16)  # inference reads a wrong scale: activations flush to zero
+    broken[2].delayed_scalers["activation"].scale.mul_(
+        2.0**-16
+    )  # inference reads a wrong scale: activations flush to zero
     bad = check_inference(broken, _batches())
     first = bad.problems[0]
     assert (first.kind, first.layer, first.tensor) == ("wrong_scale", "2", "activation")
@@ -114,10 +123,26 @@ def test_variant_models_leave_the_original_alone(trained):
     before = copy.deepcopy(trained.state_dict())
     bf16 = variant_model(trained, "bf16")
     x = _batches(1)[0][0]
-    assert torch.allclose(bf16(x), nn.functional.linear(
-        nn.functional.gelu(nn.functional.linear(nn.functional.gelu(nn.functional.linear(nn.functional.gelu(
-            nn.functional.linear(x, trained[0].weight, trained[0].bias)), trained[2].weight, trained[2].bias)),
-            trained[4].weight, trained[4].bias)), trained[6].weight, trained[6].bias))
+    assert torch.allclose(
+        bf16(x),
+        nn.functional.linear(
+            nn.functional.gelu(
+                nn.functional.linear(
+                    nn.functional.gelu(
+                        nn.functional.linear(
+                            nn.functional.gelu(nn.functional.linear(x, trained[0].weight, trained[0].bias)),
+                            trained[2].weight,
+                            trained[2].bias,
+                        )
+                    ),
+                    trained[4].weight,
+                    trained[4].bias,
+                )
+            ),
+            trained[6].weight,
+            trained[6].bias,
+        ),
+    )
     fresh = variant_model(trained, "fp8_fresh_scales")
     assert {m.fp8_recipe.name for m in fresh if hasattr(m, "fp8_recipe")} == {"current"}
     assert compare_states(before, trained) == []

@@ -23,7 +23,9 @@ def _walk(root: Path) -> list[str]:
     """Every file under root, found independently of the code under test."""
     out = []
     for dirpath, _, names in os.walk(root):
-        out.extend(Path(dirpath, n).relative_to(root).as_posix() for n in names if n.endswith((".yaml", ".md")))
+        out.extend(
+            Path(dirpath, n).relative_to(root).as_posix() for n in names if n.endswith((".yaml", ".md"))
+        )
     return sorted(out)
 
 
@@ -48,7 +50,9 @@ def test_copies_every_file_and_refuses_to_overwrite(tmp_path, capsys):
     assert "use --force" in capsys.readouterr().err
     assert (dest / "lightning" / "fp8monitor.yaml").read_text() == "edited"
     assert main(["integrations", "--copy", str(dest), "--force"]) == 0
-    assert (dest / "lightning" / "fp8monitor.yaml").read_bytes() == (SOURCE / "lightning" / "fp8monitor.yaml").read_bytes()
+    assert (dest / "lightning" / "fp8monitor.yaml").read_bytes() == (
+        SOURCE / "lightning" / "fp8monitor.yaml"
+    ).read_bytes()
 
 
 def _te_requests(config: dict) -> list[tuple[str, str]]:

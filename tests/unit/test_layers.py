@@ -32,7 +32,13 @@ def test_predicate_knows_every_gemm_layer_by_class():
         _te_like("LayerNormMLP")(),
         _te_like("GroupedLinear")(),
     ]
-    no = [nn.Conv1d(4, 4, 1), nn.Embedding(4, 4), nn.LayerNorm(4), _te_like("LayerNorm")(), nn.Sequential(nn.Linear(2, 2))]
+    no = [
+        nn.Conv1d(4, 4, 1),
+        nn.Embedding(4, 4),
+        nn.LayerNorm(4),
+        _te_like("LayerNorm")(),
+        nn.Sequential(nn.Linear(2, 2)),
+    ]
     assert [is_gemm_layer(m) for m in yes] == [True] * len(yes)
     assert [is_gemm_layer(m) for m in no] == [False] * len(no)
     assert [is_convertible(m) for m in yes[:4]] == [True, False, True, False]
@@ -67,9 +73,15 @@ def test_selector_is_shared_by_monitor_and_fallback():
     assert names == ["h.0.c_attn", "h.0.c_proj", "h.1.c_attn", "h.1.c_proj", "lm_head"]
     # the same terms pick the same layers in both places
     for term in ("re:c_attn", "h.1", "lm_head"):
-        assert [n for n, _ in select_layers(m, term)] == match_layers(m, term, names) == list(resolve_fallback(m, term))
+        assert (
+            [n for n, _ in select_layers(m, term)]
+            == match_layers(m, term, names)
+            == list(resolve_fallback(m, term))
+        )
     assert list(resolve_fallback(m, "first")) == ["h.0.c_attn", "h.0.c_proj"]  # Conv1D blocks count
-    with pytest.raises(ConfigError, match="layer selector names a missing module 'h.7'; linear layers: h.0.c_attn"):
+    with pytest.raises(
+        ConfigError, match="layer selector names a missing module 'h.7'; linear layers: h.0.c_attn"
+    ):
         select_layers(m, ["h.7"])
     with pytest.raises(ConfigError, match="module 'h.0.ln' holds no linear layer"):
         select_layers(m, "h.0.ln")

@@ -22,7 +22,9 @@ def test_record_eval_writes_fp8_eval_records_read_back_as_eval_metrics(tmp_path)
     mon = Monitor(model, log_dir=tmp_path).attach()
     for _step in range(3):
         mon.step(loss=model(torch.randn(4, 16)).pow(2).mean())
-    got = mon.record_eval(3, {"val_loss": torch.tensor(1.25), "val/acc": 0.5, "note": "text", "bad": math.nan})
+    got = mon.record_eval(
+        3, {"val_loss": torch.tensor(1.25), "val/acc": 0.5, "note": "text", "bad": math.nan}
+    )
     mon.record_eval(6, {"val_loss": 1.0})
     mon.close()
     assert got == {"fp8/eval/val_loss": 1.25, "fp8/eval/val/acc": 0.5}
@@ -31,7 +33,15 @@ def test_record_eval_writes_fp8_eval_records_read_back_as_eval_metrics(tmp_path)
 
 
 def test_select_eval_metrics_auto_and_explicit():
-    logged = {"train_loss": 1, "val_loss": 2, "val/acc": 3, "eval_f1": 4, "test_acc": 5, "validation": 6, "lr": 7}
+    logged = {
+        "train_loss": 1,
+        "val_loss": 2,
+        "val/acc": 3,
+        "eval_f1": 4,
+        "test_acc": 5,
+        "validation": 6,
+        "lr": 7,
+    }
     assert select_eval_metrics(logged) == {"val_loss": 2, "val/acc": 3, "eval_f1": 4, "test_acc": 5}
     assert select_eval_metrics(logged, ["lr", "missing"]) == {"lr": 7}
 
@@ -43,7 +53,11 @@ def test_precision_setup_reads_the_model_and_optimizers(tmp_path):
     apply_fp8(model, "current", backend="emulated")
     opt = torch.optim.AdamW(model.parameters(), fused=True)
     setup = precision_setup(model, [opt], cpu_offloading=True)
-    assert setup["recipe"] == "current:hybrid:h1024:max:m0" and setup["fused_optimizer"] == "fused" and setup["cpu_offloading"] is True
+    assert (
+        setup["recipe"] == "current:hybrid:h1024:max:m0"
+        and setup["fused_optimizer"] == "fused"
+        and setup["cpu_offloading"] is True
+    )
     model.compile()
     assert precision_setup(model)["torch_compile"] is True
     with torch.no_grad():

@@ -6,7 +6,13 @@ from fp8track.execution.recipes import RECIPE_NAMES, RECIPE_OPTIONS, Recipe
 
 def test_defaults_match_transformer_engine_delayed_scaling():
     r = Recipe()
-    assert (r.name, r.fp8_format, r.amax_history_len, r.amax_compute_algo, r.margin) == ("delayed", "hybrid", 1024, "max", 0)
+    assert (r.name, r.fp8_format, r.amax_history_len, r.amax_compute_algo, r.margin) == (
+        "delayed",
+        "hybrid",
+        1024,
+        "max",
+        0,
+    )
     assert r.formats.forward.name == "e4m3" and r.formats.backward.name == "e5m2"
 
 
@@ -61,7 +67,13 @@ def test_from_string_grammar():
     r = Recipe.from_string("delayed:hybrid:h16:max")
     assert r == Recipe("delayed", "hybrid", 16, "max", 0)
     r = Recipe.from_string("delayed:e4m3:most_recent:h1:m2:gemm=bf16")
-    assert (r.fp8_format, r.amax_compute_algo, r.amax_history_len, r.margin, r.gemm) == ("e4m3", "most_recent", 1, 2, "bf16")
+    assert (r.fp8_format, r.amax_compute_algo, r.amax_history_len, r.margin, r.gemm) == (
+        "e4m3",
+        "most_recent",
+        1,
+        2,
+        "bf16",
+    )
     assert r.gemm_mode == "bf16"
     with pytest.raises(ConfigError, match="cannot parse token 'x16'"):
         Recipe.from_string("delayed:x16")
@@ -71,7 +83,13 @@ def test_from_string_grammar():
 
 @pytest.mark.parametrize("name", RECIPE_NAMES)
 def test_round_trips(name):
-    options = {"amax_history_len": 7, "margin": 1, "amax_compute_algo": "most_recent", "gemm": "bf16", "fp8_format": "e4m3"}
+    options = {
+        "amax_history_len": 7,
+        "margin": 1,
+        "amax_compute_algo": "most_recent",
+        "gemm": "bf16",
+        "fp8_format": "e4m3",
+    }
     r = Recipe(name, **{k: v for k, v in options.items() if k in RECIPE_OPTIONS[name]})
     assert Recipe.from_string(r.to_string()) == r
     assert Recipe.from_dict(r.to_dict()) == r
@@ -93,11 +111,22 @@ def test_an_option_that_does_not_apply_to_the_recipe_is_refused(text, field, val
     msg = str(info.value)
     assert field in msg and repr(text.split(":")[0]) in msg and valid in msg
     with pytest.raises(ConfigError, match="does not apply"):  # the same through keywords
-        Recipe.from_dict(dict([("name", text.split(":")[0]), ("margin", 3)]) if "m2" in text else {"name": "current", "amax_history_len": 16})
+        Recipe.from_dict(
+            dict([("name", text.split(":")[0]), ("margin", 3)])
+            if "m2" in text
+            else {"name": "current", "amax_history_len": 16}
+        )
 
 
-@pytest.mark.parametrize(("text", "twice"), [("delayed:hybrid:e4m3", "fp8_format"), ("delayed:h16:h8", "amax_history_len"),
-                                             ("current:m1:m2", "margin"), ("delayed:max:most_recent", "amax_compute_algo")])
+@pytest.mark.parametrize(
+    ("text", "twice"),
+    [
+        ("delayed:hybrid:e4m3", "fp8_format"),
+        ("delayed:h16:h8", "amax_history_len"),
+        ("current:m1:m2", "margin"),
+        ("delayed:max:most_recent", "amax_compute_algo"),
+    ],
+)
 def test_an_option_given_twice_is_refused(text, twice):
     with pytest.raises(ConfigError, match=f"gives {twice} twice"):
         Recipe.from_string(text)
@@ -114,7 +143,14 @@ def test_aliases_and_megatron_keys():
     assert Recipe.from_string("blockwise").name == "block"
     rw = Recipe.from_string("rowwise")
     assert (rw.name, rw.variant, rw.fp8_format) == ("current", "rowwise", "e4m3")
-    r = Recipe.from_dict({"--fp8-recipe": "delayed", "fp8_amax_history_len": 1, "fp8-amax-compute-algo": "most_recent", "fp8_margin": 0})
+    r = Recipe.from_dict(
+        {
+            "--fp8-recipe": "delayed",
+            "fp8_amax_history_len": 1,
+            "fp8-amax-compute-algo": "most_recent",
+            "fp8_margin": 0,
+        }
+    )
     assert r == Recipe("delayed", amax_history_len=1, amax_compute_algo="most_recent")
     with pytest.raises(ConfigError, match="unknown recipe key 'history'"):
         Recipe.from_dict({"history": 3})

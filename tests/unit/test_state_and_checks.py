@@ -69,7 +69,9 @@ STATEFUL = {
 
 def _plain(state):
     """JSON round trip (DelayedScaler's tensors become lists first)."""
-    return json.loads(json.dumps({k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in state.items()}))
+    return json.loads(
+        json.dumps({k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
+    )
 
 
 @pytest.mark.parametrize("name", list(STATEFUL))
@@ -93,7 +95,9 @@ def test_a_future_state_version_is_a_clear_config_error(name):
     used, fresh = STATEFUL[name]
     state = dict(used().state_dict())
     state["version"] = state["version"] + 1
-    with pytest.raises(ConfigError, match=rf"{name} state has version \d+; this fp8track reads versions 1\.\.\d+.*upgrade"):
+    with pytest.raises(
+        ConfigError, match=rf"{name} state has version \d+; this fp8track reads versions 1\.\.\d+.*upgrade"
+    ):
         fresh().load_state_dict(state)
     for bad in (True, "1", 0):
         with pytest.raises(ConfigError, match=f"{name} state has version"):
@@ -105,11 +109,23 @@ def test_drift_state_names_its_fields_and_still_reads_version_1():
     state = a.state_dict()
     assert state["version"] == 2
     assert state["runs"][0] == {
-        "layer": "fc1", "tensor": "weight", "sign": -1, "count": 1, "start_step": 5, "peak": -2.0, "fired": False,
+        "layer": "fc1",
+        "tensor": "weight",
+        "sign": -1,
+        "count": 1,
+        "start_step": 5,
+        "peak": -2.0,
+        "fired": False,
     }
     # the version-1 layout (runs by position) of the same state restores the same tracker
-    v1 = {"version": 1, "runs": [[r["layer"], r["tensor"], r["sign"], r["count"], r["start_step"], r["peak"], r["fired"]]
-                                 for r in state["runs"]], "events": state["events"]}
+    v1 = {
+        "version": 1,
+        "runs": [
+            [r["layer"], r["tensor"], r["sign"], r["count"], r["start_step"], r["peak"], r["fired"]]
+            for r in state["runs"]
+        ],
+        "events": state["events"],
+    }
     b = DriftTracker(DriftConfig(threshold_log2=1.0, consecutive=3))
     b.load_state_dict(v1)
     assert b.state_dict() == state
@@ -125,7 +141,9 @@ def test_restore_state_helper():
 
     box = Box()
     got = []
-    version = restore_state(box, save_state(x="7", y=None, z=3), {"x": ("x", int), "y": ("y", list), "z": got.append})
+    version = restore_state(
+        box, save_state(x="7", y=None, z=3), {"x": ("x", int), "y": ("y", list), "z": got.append}
+    )
     assert version == 1 and box.x == 7 and box.y is None and got == [3]
     assert restore_state(box, {"x": 2}, {"x": ("x", int)}) == 1 and box.x == 2  # no version: read as 1
     with pytest.raises(ConfigError, match="Box state must be a mapping, got list"):
@@ -153,7 +171,9 @@ def test_check_int_refuses_bools_and_floats():
         (lambda: GPTConfig(vocab=True), "vocab must be an integer >= 16, got True"),
         (
             lambda: classify_spike(
-                SpikeEvent("spike", 1, 1, 5.0, 3.0, 0.1, 20.0, 1, 2, None, "recovered"), Baseline("b", {}, ()), window=True
+                SpikeEvent("spike", 1, 1, 5.0, 3.0, 0.1, 20.0, 1, 2, None, "recovered"),
+                Baseline("b", {}, ()),
+                window=True,
             ),
             "window must be an integer >= 0, got True",
         ),

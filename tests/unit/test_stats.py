@@ -288,7 +288,9 @@ def reference_block_stats(x: np.ndarray, recipe: str, fmt: str) -> dict[str, flo
         r, c = x2.shape
         pr, pc = -r % 128, -c % 128
         padded = np.pad(x2, ((0, pr), (0, pc)))
-        blocks = padded.reshape(padded.shape[0] // 128, 128, padded.shape[1] // 128, 128).transpose(0, 2, 1, 3)
+        blocks = padded.reshape(padded.shape[0] // 128, 128, padded.shape[1] // 128, 128).transpose(
+            0, 2, 1, 3
+        )
         blocks = blocks.reshape(-1, 128 * 128)
         valid = np.pad(np.ones_like(x2, dtype=bool), ((0, pr), (0, pc)))
         valid = valid.reshape(blocks.shape[0] // (padded.shape[1] // 128), 128, -1, 128).transpose(0, 2, 1, 3)
@@ -360,7 +362,9 @@ def test_block_recipe_all_zero_tensor_reports_defined_scale():
 # --- properties ------------------------------------------------------------------------------------
 
 finite_floats = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, width=32)
-values = st.lists(st.one_of(finite_floats, st.sampled_from([0.0, math.nan, math.inf, 2.0**-12])), min_size=1, max_size=60)
+values = st.lists(
+    st.one_of(finite_floats, st.sampled_from([0.0, math.nan, math.inf, 2.0**-12])), min_size=1, max_size=60
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -396,7 +400,9 @@ def test_all_reduce_partials_single_process_gloo(tmp_path):
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
-        p = torch.stack([partial_stats(torch.randn(50), "e4m3", 2.0), partial_stats(torch.randn(7), "e4m3", 2.0)])
+        p = torch.stack(
+            [partial_stats(torch.randn(50), "e4m3", 2.0), partial_stats(torch.randn(7), "e4m3", 2.0)]
+        )
         assert torch.equal(stats.all_reduce_partials(p), p)
     finally:
         dist.destroy_process_group()
@@ -558,5 +564,7 @@ def test_merging_into_an_accumulator_equals_merge_partials(mode):
 def test_inductor_options_this_torch_does_not_know_are_dropped(monkeypatch):
     """One unknown key makes torch.compile refuse the whole kernel (torch 2.11 lacks
     ``realize_cpu_opcount_threshold``): such keys are left out, known ones kept."""
-    monkeypatch.setattr(stats_kernel, "_INDUCTOR_OPTIONS", {"realize_reads_threshold": 7, "no_such_option_in_any_torch": 1})
+    monkeypatch.setattr(
+        stats_kernel, "_INDUCTOR_OPTIONS", {"realize_reads_threshold": 7, "no_such_option_in_any_torch": 1}
+    )
     assert stats_kernel._inductor_options() == {"realize_reads_threshold": 7}

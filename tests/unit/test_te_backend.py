@@ -73,7 +73,9 @@ def test_apply_fp8_te_keeps_ties_grads_names_and_reports_refused_shapes(te):
     assert model.out.weight.te_tag is True  # TE's parameter attributes carried onto the adopted one
     # Nothing is added to the modules or classes: TE's own default name, no flags, no recipe attribute.
     assert [model.get_submodule(n).name for n in ("inp", "odd", "tied")] == [None, None, None]
-    assert not any(hasattr(m, a) for m in model.modules() for a in ("fp8_recipe", "fp8track_bf16", "fp8track_report"))
+    assert not any(
+        hasattr(m, a) for m in model.modules() for a in ("fp8_recipe", "fp8track_bf16", "fp8track_report")
+    )
     bf16 = model.odd
     assert type(bf16).__name__ == "TEBF16Linear" and not hasattr(fake_te.Linear, "fp8track_bf16")
     te_b = get_backend("te")

@@ -49,7 +49,9 @@ def test_block_quantizers_follow_block_scaling_dim_and_fp32_scales():
     assert two_d["mse"] == pytest.approx(block_quant_stats(x, "block128x128", "e4m3")["mse"], rel=1e-12)
     # NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1: scale = 448 / amax exactly; the largest 128x128 tile
     # amax is the tensor's amax, so the smallest scale is 448 / amax(x).
-    fp32 = _stats(x, fake_te.Float8BlockQuantizer(block_scaling_dim=2, force_pow_2_scales=False), tensor="weight")
+    fp32 = _stats(
+        x, fake_te.Float8BlockQuantizer(block_scaling_dim=2, force_pow_2_scales=False), tensor="weight"
+    )
     assert fp32["scale"] == pytest.approx(448.0 / x.abs().max().item(), rel=1e-7)
     assert two_d["scale"] <= fp32["scale"] < 2 * two_d["scale"]  # power of two rounds down
     mx = _stats(x, fake_te.MXFP8Quantizer())
@@ -86,7 +88,11 @@ def test_native_te_layer_plan_resolves_after_its_first_forward(tmp_path):
     mon.step()
     mon.close()
     rows = {r.tensor: r.stats for r in RunReader(mon.run_dir).tensor_stats() if r.variant == "actual"}
-    assert rows["activation"]["scale"] == 2.0 and rows["weight"]["scale"] == 4.0 and rows["gradient"]["scale"] == 8.0
+    assert (
+        rows["activation"]["scale"] == 2.0
+        and rows["weight"]["scale"] == 4.0
+        and rows["gradient"]["scale"] == 8.0
+    )
     assert rows["activation"]["overflow_pct"] == pytest.approx(quant_stats(x, "e4m3", 2.0)["overflow_pct"])
     assert rows["activation"]["overflow_pct"] > 0  # delayed scale 2 is far too large for |x| ~ 300
 
@@ -140,11 +146,19 @@ def test_nvdlfw_feature_routes_every_gemm_to_the_monitor(generic_debug, tmp_path
     model = Net()
     assert te_capture.capture_live()
     mon = Monitor(model, MonitorConfig(every_n_steps=2, whatif=("mxfp8",)), log_dir=tmp_path).attach()
-    assert set(mon.captures) == {"blocks.0.mlp.fc1", "blocks.0.mlp.fc2", "blocks.1.mlp.fc1", "blocks.1.mlp.fc2", "head"}
+    assert set(mon.captures) == {
+        "blocks.0.mlp.fc1",
+        "blocks.0.mlp.fc2",
+        "blocks.1.mlp.fc1",
+        "blocks.1.mlp.fc2",
+        "head",
+    }
     debug_api.infer_and_assign_layer_names(model)  # TE's names gain a "model." prefix: still joined
     assert model.blocks[1].mlp.name == "model.blocks.1.mlp"
     # Schedule: TE asks inspect_tensor_enabled and caches (run, next_iter).
-    assert debug_api.inspect_tensor_enabled(layer_name="model.blocks.0.mlp.fc1", tensor_name="activation", iteration=1) == (
+    assert debug_api.inspect_tensor_enabled(
+        layer_name="model.blocks.0.mlp.fc1", tensor_name="activation", iteration=1
+    ) == (
         False,
         2,
     )
@@ -173,7 +187,9 @@ def test_nvdlfw_feature_routes_every_gemm_to_the_monitor(generic_debug, tmp_path
         quant_stats(w, "e4m3", 64.0)["mse"], rel=1e-6
     )
     mx = rows[(0, "blocks.1.mlp.fc2", "activation", "mxfp8")]  # what-if on the same tensors
-    assert mx["mse"] == pytest.approx(block_quant_stats(torch.cat([x1, x1 * 2]), "mxfp8", "e4m3")["mse"], rel=1e-6)
+    assert mx["mse"] == pytest.approx(
+        block_quant_stats(torch.cat([x1, x1 * 2]), "mxfp8", "e4m3")["mse"], rel=1e-6
+    )
     assert (0, "blocks.0.mlp.fc1", "weight", "actual") not in rows  # nothing recorded
     assert not any(k[0] == 1 for k in rows)  # step 1 was not sampled
 
@@ -190,7 +206,9 @@ def test_bridge_rows_join_monitor_rows_and_e8m0_codes_become_floats():
     got = []
     bridge = TEStatsBridge(got.append, model=model, training_recipe="mxfp8")
     bridge.log_scalar("model.blocks.0.mlp.fc2_activation_scale_inv_min", 124, 0)
-    bridge.log_scalar("model.blocks.0.mlp.fc2_activation_mxfp8_scale_inv_max_columnwise", torch.tensor(128.0), 0)
+    bridge.log_scalar(
+        "model.blocks.0.mlp.fc2_activation_mxfp8_scale_inv_max_columnwise", torch.tensor(128.0), 0
+    )
     bridge.log_scalar("model.blocks.0.mlp.fc2_activation_underflows%", 2.5, 0)
     bridge.flush()
     rows = {(r.layer, r.variant): r.stats for r in got[0].tensor_rows}

@@ -219,7 +219,9 @@ def test_replay_sends_only_missed_steps_then_clears_them(tmp_path):
     assert replay(tmp_path, still_flaky) == 1
     assert [b.step for b in still_flaky.got] == [1]
     assert still_flaky.got[0].metrics["loss"] == 9.0
-    assert still_flaky.started[0].recipe == {"name": "delayed"} and list(still_flaky.started[0].bf16_layers) == ["head"]
+    assert still_flaky.started[0].recipe == {"name": "delayed"} and list(
+        still_flaky.started[0].bf16_layers
+    ) == ["head"]
     assert missed_steps(tmp_path, "trk") == [3]
 
     fixed = Recorder(name="trk")

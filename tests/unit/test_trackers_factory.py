@@ -65,7 +65,10 @@ def test_auto_from_real_loggers(tmp_path):
     assert trackers[0].client is ml.experiment and trackers[0].heatmap is False
     assert not trackers[0].own_run  # Lightning owns the run and terminates it
     assert make_trackers("mlflow", [csv, ml])[0].run_id == ml.run_id
-    assert [type(t) for t in trackers_from_loggers([csv, CSVLogger(tmp_path)])] == [LoggerTracker, LoggerTracker]
+    assert [type(t) for t in trackers_from_loggers([csv, CSVLogger(tmp_path)])] == [
+        LoggerTracker,
+        LoggerTracker,
+    ]
     assert [t.name for t in trackers_from_loggers([csv, CSVLogger(tmp_path)])] == ["CSVLogger", "CSVLogger-1"]
 
 

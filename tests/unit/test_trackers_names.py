@@ -45,7 +45,9 @@ def test_sanitized_keys_pass_mlflow_validation():
 
 
 def test_flatten():
-    assert flatten("fp8.recipe", {"name": "delayed", "amax": {"len": 16, "algo": "max"}, "layers": ["a", "b"]}) == {
+    assert flatten(
+        "fp8.recipe", {"name": "delayed", "amax": {"len": 16, "algo": "max"}, "layers": ["a", "b"]}
+    ) == {
         "fp8.recipe.name": "delayed",
         "fp8.recipe.amax.len": "16",
         "fp8.recipe.amax.algo": "max",
@@ -73,7 +75,9 @@ def test_heatmap_matrix_hand_worked():
 
 
 def test_heatmap_figure_panels():
-    rows = [_row(s, f"l{i}", "weight", underflow_pct=float(i), mse=10.0 ** -i) for s in range(3) for i in range(4)]
+    rows = [
+        _row(s, f"l{i}", "weight", underflow_pct=float(i), mse=10.0**-i) for s in range(3) for i in range(4)
+    ]
     fig = heatmap_figure(rows)
     assert [ax.get_title() for ax in fig.axes if ax.get_title()] == [
         "underflow_pct by layer over steps",
@@ -87,11 +91,17 @@ def test_heatmap_figure_panels():
 @pytest.mark.parametrize(
     ("name", "parsed"),
     [
-        ("model.layers.3.mlp.fc1_gradient_underflows%", TEStat("model.layers.3.mlp.fc1", "gradient", "underflow_pct")),
+        (
+            "model.layers.3.mlp.fc1_gradient_underflows%",
+            TEStat("model.layers.3.mlp.fc1", "gradient", "underflow_pct"),
+        ),
         ("fc1_activation_overflows%", TEStat("fc1", "activation", "overflow_pct")),
         ("decoder.layernorm_qkv_activation_mse", TEStat("decoder.layernorm_qkv", "activation", "mse")),
         ("Layer_3_weight_cur_amax", TEStat("Layer_3", "weight", "amax")),
-        ("x_weight_proj_activation_dynamic_range", TEStat("x_weight_proj", "activation", "dynamic_range_log2")),
+        (
+            "x_weight_proj_activation_dynamic_range",
+            TEStat("x_weight_proj", "activation", "dynamic_range_log2"),
+        ),
         ("a_activation_fp8_delayed_scaling_overflows%", TEStat("a", "activation", "overflow_pct", "delayed")),
         ("a_gradient_fp8_current_scaling_underflows%", TEStat("a", "gradient", "underflow_pct", "current")),
         (
@@ -103,7 +113,9 @@ def test_heatmap_figure_panels():
         ("c_wgrad_max", TEStat("c", "wgrad", "max")),
         (
             "c_activation_max_blockwise_dynamic_range_block_size_32_dims_1_max_over_orientations",
-            TEStat("c", "activation", "max_blockwise_dynamic_range_block_size_32_dims_1_max_over_orientations"),
+            TEStat(
+                "c", "activation", "max_blockwise_dynamic_range_block_size_32_dims_1_max_over_orientations"
+            ),
         ),
     ],
 )

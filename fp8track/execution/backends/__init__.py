@@ -93,7 +93,11 @@ def fp8_format_for(module: nn.Module, tensor: str) -> str:
         raise invalid_choice("tensor kind", tensor, TENSOR_KINDS)
     b = backend_of(module)
     if b is None or not b.is_fp8(module):
-        raise invalid_choice("FP8 linear", type(module).__name__, ["EmulatedFP8Linear", "EmulatedFP8Conv1D", "Float8Linear", "te.Linear"])
+        raise invalid_choice(
+            "FP8 linear",
+            type(module).__name__,
+            ["EmulatedFP8Linear", "EmulatedFP8Conv1D", "Float8Linear", "te.Linear"],
+        )
     return b.format_for(module, tensor)
 
 

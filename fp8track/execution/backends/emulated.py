@@ -72,7 +72,14 @@ from fp8track.numerics.scaling import (
     unblockify,
 )
 
-__all__ = ["EmulatedBackend", "EmulatedFP8Conv1D", "EmulatedFP8Layer", "EmulatedFP8Linear", "block_fake_quantize"]
+__all__ = [
+    "EmulatedBackend",
+    "EmulatedFP8Conv1D",
+    "EmulatedFP8Layer",
+    "EmulatedFP8Linear",
+    "block_fake_quantize",
+]
+
 
 def block_fake_quantize(x2d: torch.Tensor, layout: str, fmt: FP8Format) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-quantise then dequantise a 2-D tensor along its last dimension.
@@ -117,7 +124,11 @@ def _fp8_mm(
     if _fits_scaled_mm(a, b_t):
         # _scaled_mm wants a row-major and b column-major; b_t.t() of a contiguous [N, K] is that.
         return torch._scaled_mm(
-            a.contiguous(), b_t.contiguous().t(), scale_a=sa.reciprocal(), scale_b=sb.reciprocal(), out_dtype=out_dtype
+            a.contiguous(),
+            b_t.contiguous().t(),
+            scale_a=sa.reciprocal(),
+            scale_b=sb.reciprocal(),
+            out_dtype=out_dtype,
         )
     return (dequantize(a, sa) @ dequantize(b_t, sb).t()).to(out_dtype)
 
@@ -182,9 +193,15 @@ class _Quantizers:
             self._waiting = [r for r in self._waiting if r() is not None and r() is not rec]
 
     def quantize(
-        self, kind: str, x: torch.Tensor, update: bool, rec: tuple[_ForwardScales | None, bool] = (None, False)
+        self,
+        kind: str,
+        x: torch.Tensor,
+        update: bool,
+        rec: tuple[_ForwardScales | None, bool] = (None, False),
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(fp8 tensor, scale used)`` for one tensor of kind ``kind``; ``rec`` from :meth:`begin_forward`."""
+        """``(fp8 tensor, scale used)`` for one tensor of kind ``kind``.
+
+        ``rec`` comes from :meth:`begin_forward`."""
         if self.delayed:
             scaler = self.delayed[kind]
             record, replay = rec
@@ -328,7 +345,8 @@ class EmulatedFP8Layer:
 
 
 class EmulatedFP8Linear(EmulatedFP8Layer, nn.Linear):
-    """An ``nn.Linear`` that runs its GEMMs in emulated FP8 under a :class:`~fp8track.execution.recipes.Recipe`.
+    """An ``nn.Linear`` that runs its GEMMs in emulated FP8 under a
+    :class:`~fp8track.execution.recipes.Recipe`.
 
     Example:
         >>> import torch
@@ -354,7 +372,13 @@ class EmulatedFP8Linear(EmulatedFP8Layer, nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Recipe | str) -> EmulatedFP8Linear:
         """Wrap ``linear``'s own ``weight``/``bias`` Parameters (identity kept, no copy)."""
-        new = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe=Recipe.parse(recipe), device="meta")
+        new = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            recipe=Recipe.parse(recipe),
+            device="meta",
+        )
         new.weight = linear.weight
         new.bias = linear.bias
         new.train(linear.training)
@@ -441,7 +465,9 @@ class EmulatedBackend(Backend):
         assert recipe is not None
         return ScaleRule(recipe.scaling, recipe.margin)
 
-    def convert(self, model: nn.Module, recipe: Recipe, names: Sequence[str], keep_bf16: Collection[str]) -> Converted:
+    def convert(
+        self, model: nn.Module, recipe: Recipe, names: Sequence[str], keep_bf16: Collection[str]
+    ) -> Converted:
         fp8 = []
         for n in names:
             if n in keep_bf16:

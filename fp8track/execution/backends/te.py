@@ -55,7 +55,9 @@ def import_te() -> tuple[Any, Any]:
         import transformer_engine.pytorch as te
         from transformer_engine.common import recipe as te_recipe
     except _IMPORT_ERRORS as exc:
-        raise ConfigError(f"Transformer Engine is not usable here ({type(exc).__name__}: {exc}); {INSTALL_HINT}") from None
+        raise ConfigError(
+            f"Transformer Engine is not usable here ({type(exc).__name__}: {exc}); {INSTALL_HINT}"
+        ) from None
     return te, te_recipe
 
 
@@ -194,8 +196,9 @@ def __getattr__(name: str) -> Any:  # PEP 562: build the TE subclass on first us
 def _adopt(new: nn.Module, attr: str, old: nn.Parameter, adopted: dict[int, nn.Parameter]) -> None:
     """Put ``old`` (or what it became earlier, for tied weights) in place of ``new.<attr>``.
 
-    TE tags its own parameters with attributes (tensor-parallel flags, ``set_tensor_model_parallel_attributes``);
-    those are copied onto the adopted parameter so TE sees what it expects.
+    TE tags its own parameters with attributes (tensor-parallel flags,
+    ``set_tensor_model_parallel_attributes``); those are copied onto the adopted parameter so TE
+    sees what it expects.
     """
     fresh = getattr(new, attr)
     param = adopted.get(id(old))
@@ -203,7 +206,9 @@ def _adopt(new: nn.Module, attr: str, old: nn.Parameter, adopted: dict[int, nn.P
         if old.device == fresh.device and old.dtype == fresh.dtype:
             param = old
         else:
-            param = nn.Parameter(old.detach().to(device=fresh.device, dtype=fresh.dtype), requires_grad=old.requires_grad)
+            param = nn.Parameter(
+                old.detach().to(device=fresh.device, dtype=fresh.dtype), requires_grad=old.requires_grad
+            )
         for k, v in vars(fresh).items():
             if not hasattr(param, k):
                 setattr(param, k, v)
@@ -279,7 +284,9 @@ def lightning_precision(recipe: Recipe, weights_dtype: torch.dtype = torch.float
         if weights_dtype == torch.float32:
             return Precision()
         return HalfPrecision("bf16-true" if weights_dtype == torch.bfloat16 else "16-true")
-    return TransformerEnginePrecision(weights_dtype=weights_dtype, recipe=to_te_recipe(recipe), replace_layers=False)
+    return TransformerEnginePrecision(
+        weights_dtype=weights_dtype, recipe=to_te_recipe(recipe), replace_layers=False
+    )
 
 
 # --- questions the monitor asks (duck-typed: no TE import) ------------------------------------------
@@ -353,7 +360,9 @@ def te_scale_rule(module: nn.Module, scaling: str) -> tuple[int, bool | None]:
     meta = getattr(module, "fp8_meta", None)
     te_rec = meta.get("recipe") if isinstance(meta, dict) else None
     margin = int(getattr(te_rec, "margin", 0)) if scaling == "delayed" else 0
-    return scale_rule(Recipe(scaling if scaling in ("delayed", "current", "mxfp8", "block") else "current", margin=margin))
+    return scale_rule(
+        Recipe(scaling if scaling in ("delayed", "current", "mxfp8", "block") else "current", margin=margin)
+    )
 
 
 def te_format(module: nn.Module, tensor: str) -> str:
@@ -410,7 +419,9 @@ class TEBackend(Backend):
     def used_scales(self, module: nn.Module) -> dict[str, torch.Tensor] | None:
         return te_delayed_scales(module)
 
-    def convert(self, model: nn.Module, recipe: Recipe, names: Sequence[str], keep_bf16: Collection[str]) -> Converted:
+    def convert(
+        self, model: nn.Module, recipe: Recipe, names: Sequence[str], keep_bf16: Collection[str]
+    ) -> Converted:
         refuse_conv1d(self.name, model, names, keep_bf16, recipe)
         linears = [n for n in names if not is_hf_conv1d(model.get_submodule(n))]
         fp8, refused = convert(model, recipe, linears, keep_bf16)

@@ -66,14 +66,20 @@ def torchao_config(recipe: Recipe, device_type: str = "cpu") -> Any:
     cfg = float8.Float8LinearConfig.from_recipe_name(recipe.variant)
     if recipe.variant == "tensorwise" and recipe.fp8_format == "e4m3":
         e4m3 = CastConfig(target_dtype=torch.float8_e4m3fn)
-        cfg = dataclasses.replace(cfg, cast_config_grad_output=e4m3, cast_config_grad_output_for_grad_weight=e4m3)
+        cfg = dataclasses.replace(
+            cfg, cast_config_grad_output=e4m3, cast_config_grad_output_for_grad_weight=e4m3
+        )
     if device_type != "cuda" or recipe.name == "fp8_input_bf16_gemm":
         cfg = dataclasses.replace(cfg, emulate=True)
     return cfg
 
 
 def convert(
-    model: nn.Module, recipe: Recipe, names: Collection[str], keep_bf16: Collection[str], device_type: str = "cpu"
+    model: nn.Module,
+    recipe: Recipe,
+    names: Collection[str],
+    keep_bf16: Collection[str],
+    device_type: str = "cpu",
 ) -> list[str]:
     """Convert the ``nn.Linear`` layers ``names`` not in ``keep_bf16`` to torchao's ``Float8Linear``.
 
@@ -126,7 +132,9 @@ class TorchaoBackend(Backend):
         # monitor (a documented approximation).
         return ScaleRule("current", 0)
 
-    def convert(self, model: nn.Module, recipe: Recipe, names: Sequence[str], keep_bf16: Collection[str]) -> Converted:
+    def convert(
+        self, model: nn.Module, recipe: Recipe, names: Sequence[str], keep_bf16: Collection[str]
+    ) -> Converted:
         refuse_conv1d(self.name, model, names, keep_bf16, recipe)
         if not recipe.quantizes:
             return Converted(())

@@ -27,7 +27,9 @@ class Regressor(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(D_IN, D_HID), torch.nn.GELU(), torch.nn.Linear(D_HID, D_OUT))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(D_IN, D_HID), torch.nn.GELU(), torch.nn.Linear(D_HID, D_OUT)
+        )
 
     def training_step(self, batch, batch_idx):
         x, y = batch

@@ -28,7 +28,9 @@ if mode == "tp_hang":
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
     parallelize_module(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), {"0": ColwiseParallel()})
-monitor = Monitor(model, MonitorConfig(every_n_steps=1, collective_timeout_s=5.0), log_dir=f"{out}/runs").attach()
+monitor = Monitor(
+    model, MonitorConfig(every_n_steps=1, collective_timeout_s=5.0), log_dir=f"{out}/runs"
+).attach()
 done, error, t0 = [], None, time.monotonic()
 try:
     for step in range(8):

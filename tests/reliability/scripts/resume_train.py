@@ -39,7 +39,9 @@ class Net(pl.LightningModule):
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(1)
-        return DataLoader(TensorDataset(torch.randn(20, 8, generator=g), torch.randn(20, 4, generator=g)), batch_size=4)
+        return DataLoader(
+            TensorDataset(torch.randn(20, 8, generator=g), torch.randn(20, 4, generator=g)), batch_size=4
+        )
 
 
 class KillAt(Callback):
@@ -51,13 +53,17 @@ class KillAt(Callback):
 
 run_id_file = out / "mlflow_run_id.txt"
 logger = MLFlowLogger(
-    experiment_name="resume", tracking_uri=f"sqlite:///{out}/mlflow.db", artifact_location=(out / "art").as_uri(),
+    experiment_name="resume", tracking_uri=f"sqlite:///{out}/mlflow.db",
+    artifact_location=(out / "art").as_uri(),
     run_id=run_id_file.read_text() if mode == "resume" else None,
 )  # fmt: skip
 monitor = FP8Monitor(every_n_steps=2, log_dir=out / "fp8", trackers="auto")
 trainer = pl.Trainer(
     accelerator="cpu", max_steps=20, logger=logger, enable_progress_bar=False, enable_model_summary=False,
-    callbacks=[monitor, KillAt(), ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=5, save_last=True, save_top_k=-1)],
+    callbacks=[
+        monitor, KillAt(),
+        ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=5, save_last=True, save_top_k=-1),
+    ],
     log_every_n_steps=1, default_root_dir=out,
 )  # fmt: skip
 if mode != "resume":
