@@ -69,7 +69,9 @@ def false_positives(streams: int, steps: int, rng: np.random.Generator) -> dict:
     return out
 
 
-def planted_spikes(n: int, steps: int, rng: np.random.Generator, lo: int = 1000, hi: int | None = None) -> dict:
+def planted_spikes(
+    n: int, steps: int, rng: np.random.Generator, lo: int = 1000, hi: int | None = None
+) -> dict:
     """One spike per stream at a random step in [lo, hi) (default [1000, steps - 1000)), height
     10-100%, rise 1-5 steps, decay 2-100 steps; found = an event starting within [-2, rise + 3] of
     the plant. ``lo=70, hi=300`` plants them while the loss is still falling fast."""

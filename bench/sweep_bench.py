@@ -49,25 +49,37 @@ def main() -> None:
                             "and tags.`fp8track.role` = 'trial'")
     every = mlflow.search_runs(experiment_ids=[exp_id], filter_string=f"tags.mlflow.parentRunId = '{parent}'")
     run = client.get_run(parent)
-    result.update({
-        "parent_run_id": parent,
-        "trial_children": len(df),
-        "program_runs_by_role": every["tags.fp8track.role"].value_counts().to_dict(),
-        "states": df["tags.fp8track.state"].value_counts().to_dict(),
-        "trials": [
-            {"trial": int(r["tags.fp8track.trial"]), "recipe": r["params.recipe"], "bf16_layers": r["params.bf16_layers"],
-             "fp8_flop_share": r.get("metrics.fp8_flop_share"), "gap": r.get("metrics.gap_vs_bf16"),
-             "state": r["tags.fp8track.state"], "reused": bool(r.get("tags.fp8track.reused_from"))}
-            for _, r in df.sort_values("tags.fp8track.trial").iterrows()
-        ],
-        "control_spread": run.data.metrics.get("control/spread"),
-        "recommendation": {k: v for k, v in run.data.tags.items() if k.startswith("fp8track.recommendation")},
-        "noise_band": run.data.metrics.get("recommendation/band"),
-        "mean_gap": run.data.metrics.get("recommendation/mean_gap"),
-        "parent_artifacts": sorted(a.path for a in client.list_artifacts(parent)),
-        # parent start (before the control) to the last child's end
-        "parent_to_last_child_s": round(every["end_time"].max().timestamp() - run.info.start_time / 1000, 1),
-    })
+    result.update(
+        {
+            "parent_run_id": parent,
+            "trial_children": len(df),
+            "program_runs_by_role": every["tags.fp8track.role"].value_counts().to_dict(),
+            "states": df["tags.fp8track.state"].value_counts().to_dict(),
+            "trials": [
+                {
+                    "trial": int(r["tags.fp8track.trial"]),
+                    "recipe": r["params.recipe"],
+                    "bf16_layers": r["params.bf16_layers"],
+                    "fp8_flop_share": r.get("metrics.fp8_flop_share"),
+                    "gap": r.get("metrics.gap_vs_bf16"),
+                    "state": r["tags.fp8track.state"],
+                    "reused": bool(r.get("tags.fp8track.reused_from")),
+                }
+                for _, r in df.sort_values("tags.fp8track.trial").iterrows()
+            ],
+            "control_spread": run.data.metrics.get("control/spread"),
+            "recommendation": {
+                k: v for k, v in run.data.tags.items() if k.startswith("fp8track.recommendation")
+            },
+            "noise_band": run.data.metrics.get("recommendation/band"),
+            "mean_gap": run.data.metrics.get("recommendation/mean_gap"),
+            "parent_artifacts": sorted(a.path for a in client.list_artifacts(parent)),
+            # parent start (before the control) to the last child's end
+            "parent_to_last_child_s": round(
+                every["end_time"].max().timestamp() - run.info.start_time / 1000, 1
+            ),
+        }
+    )
     print(json.dumps(result, indent=1, default=str))
 
 

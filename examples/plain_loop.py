@@ -25,8 +25,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--bf16-layers", default="none", help="fallback spec: none, first_last, re:lm_head, ...")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--every-n-steps", type=int, default=10)
-    p.add_argument("--config", default=None, help="an fp8track.MonitorConfig YAML file (thresholds, tensors, ...)")
-    p.add_argument("--log-dir", default=DEFAULT_LOG_DIR, help="parent of the run directory (default ./fp8track-runs)")
+    p.add_argument(
+        "--config", default=None, help="an fp8track.MonitorConfig YAML file (thresholds, tensors, ...)"
+    )
+    p.add_argument(
+        "--log-dir", default=DEFAULT_LOG_DIR, help="parent of the run directory (default ./fp8track-runs)"
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 

@@ -29,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     from fp8track.execution.backends import te as te_backend
 
     if not torch.cuda.is_available() or not te_backend.available():
-        print("examples/te_gpu.py needs a CUDA GPU and Transformer Engine (pip install 'fp8track[te]'); skipping.")
+        print(
+            "examples/te_gpu.py needs a CUDA GPU and Transformer Engine (pip install 'fp8track[te]'); skipping."
+        )
         return 0
 
     import lightning as L

@@ -29,8 +29,10 @@ def check_tracking_uri(option: str, uri: str | None) -> None:
     scheme = uri.split("://", 1)[0].split("+", 1)[0].lower() if "://" in uri else ""
     if scheme not in MLFLOW_URI_SCHEMES:
         valid = ", ".join(f"{s}://" for s in MLFLOW_URI_SCHEMES)
-        raise ConfigError(f"{option} {uri!r} is not an MLflow tracking URI fp8track can use; valid schemes are: {valid} "
-                          "(e.g. sqlite:///mlflow.db or http://127.0.0.1:5000)")
+        raise ConfigError(
+            f"{option} {uri!r} is not an MLflow tracking URI fp8track can use; valid schemes are: {valid} "
+            "(e.g. sqlite:///mlflow.db or http://127.0.0.1:5000)"
+        )
 
 
 def check_out_dir(option: str, path: str | None) -> None:
@@ -107,7 +109,9 @@ def _cmd_check_inference(args: argparse.Namespace) -> int:
     console.print(table)
     worst = sorted((r for r in res.layers if r.variant == "fp8_trained_scales"), key=lambda r: r.sqnr_db)[:5]
     for r in worst:
-        console.print(f"  {r.layer}: output SQNR vs BF16 {r.sqnr_db:.1f} dB, cos {r.cos:.5f} (trained scales)")
+        console.print(
+            f"  {r.layer}: output SQNR vs BF16 {r.sqnr_db:.1f} dB, cos {r.cos:.5f} (trained scales)"
+        )
     console.print("checkpoint restores weights and scaling state exactly" if not res.checkpoint
                   else f"[red]checkpoint differs in {len(res.checkpoint)} entries[/red]")
     for p in res.problems:
@@ -130,13 +134,17 @@ def integrations_root() -> Path:
     for candidate in (package / "integrations", package.parent / "integrations"):
         if candidate.is_dir():
             return candidate
-    raise FileNotFoundError(f"fp8track's integrations/ folder is missing (looked in {package} and its parent)")
+    raise FileNotFoundError(
+        f"fp8track's integrations/ folder is missing (looked in {package} and its parent)"
+    )
 
 
 def integration_files(root: Path | None = None) -> list[Path]:
     """Every file under ``integrations/``, as paths relative to it, sorted."""
     root = root or integrations_root()
-    return sorted(p.relative_to(root) for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    return sorted(
+        p.relative_to(root) for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+    )
 
 
 def _cmd_integrations(args: argparse.Namespace) -> int:
@@ -150,8 +158,10 @@ def _cmd_integrations(args: argparse.Namespace) -> int:
     dest = Path(args.copy)
     clashes = [rel for rel in files if (dest / rel).exists()]
     if clashes and not args.force:
-        print(f"not copying: {len(clashes)} file(s) exist in {dest} ({clashes[0].as_posix()}, ...); use --force",
-              file=sys.stderr)
+        print(
+            f"not copying: {len(clashes)} file(s) exist in {dest} ({clashes[0].as_posix()}, ...); use --force",
+            file=sys.stderr,
+        )
         return 1
     for rel in files:
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -207,28 +217,48 @@ def build_parser() -> argparse.ArgumentParser:
     from fp8track.trackers.replay import add_subparser as add_sync
 
     add_demo(sub)
-    p = sub.add_parser("diagnose", description="Diagnose an FP8 run against its BF16 control: findings, the layer "
-                       "ranking, diagnosis.json and report.html. Runs that do not belong together (swapped, the same "
-                       "run twice, other layers, too few common steps) are refused with one line and exit status 2.")
-    p.add_argument("fp8_run", metavar="FP8_RUN", help="run directory, mlflow:<run_id> or W&B offline run directory")
+    p = sub.add_parser(
+        "diagnose",
+        description="Diagnose an FP8 run against its BF16 control: findings, the layer "
+        "ranking, diagnosis.json and report.html. Runs that do not belong together (swapped, the same "
+        "run twice, other layers, too few common steps) are refused with one line and exit status 2.",
+    )
+    p.add_argument(
+        "fp8_run", metavar="FP8_RUN", help="run directory, mlflow:<run_id> or W&B offline run directory"
+    )
     p.add_argument("--baseline", required=True, metavar="BF16_RUN", help="the BF16 control, same forms")
     p.add_argument("--out", default="fp8track-diagnosis", help="output folder (default ./fp8track-diagnosis)")
-    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI for mlflow: runs (else MLFLOW_TRACKING_URI)")
+    p.add_argument(
+        "--tracking-uri", default=None, help="MLflow tracking URI for mlflow: runs (else MLFLOW_TRACKING_URI)"
+    )
     p.set_defaults(func=_cmd_diagnose)
     add_sweep(sub)
     add_sync(sub)
-    p = sub.add_parser("check-inference", description="FP8 inference with the trained scales, with fresh scales "
-                       "and BF16 inference of a checkpoint on the same batches; checks that it reloads exactly.")
-    p.add_argument("checkpoint", help="a checkpoint written by fp8track.inference.save_checkpoint (the demo writes one)")
+    p = sub.add_parser(
+        "check-inference",
+        description="FP8 inference with the trained scales, with fresh scales "
+        "and BF16 inference of a checkpoint on the same batches; checks that it reloads exactly.",
+    )
+    p.add_argument(
+        "checkpoint", help="a checkpoint written by fp8track.inference.save_checkpoint (the demo writes one)"
+    )
     p.add_argument("--batches", type=int, default=8, help="validation batches to evaluate (default 8)")
     p.add_argument("--out", default=None, help="folder for inference.json")
     p.set_defaults(func=_cmd_check_inference)
-    p = sub.add_parser("stats", description="Quantisation statistics of a real tensor (a seeded linear layer's "
-                       "weights and its activations on text bytes) under each FP8 format, as JSON.")
+    p = sub.add_parser(
+        "stats",
+        description="Quantisation statistics of a real tensor (a seeded linear layer's "
+        "weights and its activations on text bytes) under each FP8 format, as JSON.",
+    )
     p.set_defaults(func=_cmd_stats)
-    p = sub.add_parser("integrations", description="List the files fp8track hands to other tools (LightningCLI "
-                       "config, TE debug API YAML, W&B sweep YAML), or copy them into a folder.")
-    p.add_argument("--copy", metavar="DIR", default=None, help="copy every file into DIR, keeping its folders")
+    p = sub.add_parser(
+        "integrations",
+        description="List the files fp8track hands to other tools (LightningCLI "
+        "config, TE debug API YAML, W&B sweep YAML), or copy them into a folder.",
+    )
+    p.add_argument(
+        "--copy", metavar="DIR", default=None, help="copy every file into DIR, keeping its folders"
+    )
     p.add_argument("--force", action="store_true", help="overwrite files that exist in DIR")
     p.set_defaults(func=_cmd_integrations)
     return parser

@@ -45,7 +45,15 @@ from fp8track.errors import ConfigError
 PLANT_LAYER = "blocks.1.mlp.fc"
 PLANT_AMAX = 1e6
 PLANT_FRACTION = 0.6
-QUIET_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning", "mlflow", "alembic", "wandb")
+QUIET_LOGGERS = (
+    "lightning",
+    "lightning.pytorch",
+    "lightning.fabric",
+    "pytorch_lightning",
+    "mlflow",
+    "alembic",
+    "wandb",
+)
 
 
 @dataclass(frozen=True)
@@ -189,10 +197,21 @@ def run_one(
         # for the whole process); reinit="create_new" gives every training run its own W&B run.
         # The run is opened here and handed to the logger: WandbLogger's own wandb.init passes
         # anonymous=None, which W&B 0.31 answers with a deprecation line on the console.
-        run = wandb.init(project="fp8track-demo", name=name, dir=str(out), mode="offline", reinit="create_new",
-                         settings=wandb.Settings(silent=True))
+        run = wandb.init(
+            project="fp8track-demo",
+            name=name,
+            dir=str(out),
+            mode="offline",
+            reinit="create_new",
+            settings=wandb.Settings(silent=True),
+        )
         loggers.append(WandbLogger(experiment=run, save_dir=str(out)))
-    monitor = FP8Monitor(every_n_steps=every_n_steps, log_dir=out / DEFAULT_LOG_DIR, baseline=baseline, config={"run_name": name})
+    monitor = FP8Monitor(
+        every_n_steps=every_n_steps,
+        log_dir=out / DEFAULT_LOG_DIR,
+        baseline=baseline,
+        config={"run_name": name},
+    )
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=steps,
@@ -254,12 +273,19 @@ def run_demo(
 
     parsed = Recipe.parse(recipe)  # a bad recipe fails here, before any training
     if plant and parsed.scaling != "delayed":
-        raise ConfigError(f"the planted problem needs a delayed-scaling recipe, got {recipe!r}; or pass --no-plant")
+        raise ConfigError(
+            f"the planted problem needs a delayed-scaling recipe, got {recipe!r}; or pass --no-plant"
+        )
     if steps < 10:
         raise ConfigError(f"steps must be >= 10, got {steps!r}")
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    common: dict[str, Any] = {"steps": steps, "every_n_steps": every_n_steps, "use_wandb": use_wandb, "progress": progress}
+    common: dict[str, Any] = {
+        "steps": steps,
+        "every_n_steps": every_n_steps,
+        "use_wandb": use_wandb,
+        "progress": progress,
+    }
     plan: list[tuple[str, str, dict[str, Any]]] = [
         ("bf16-control", "bf16", {"baseline": None}),
         (f"fp8-{recipe.split(':')[0]}", recipe, {"checkpoint": out / "fp8.ckpt"}),
@@ -289,7 +315,9 @@ def check_example_checkpoint(path: str | Path, batches: int = 8) -> Any:
     ckpt = read_checkpoint(path)
     build = dict(ckpt.get("build") or {})
     if build.pop("example", None) != "gpt":
-        raise ConfigError(f"{path}: check-inference rebuilds the example GPT only; this checkpoint names {build!r}")
+        raise ConfigError(
+            f"{path}: check-inference rebuilds the example GPT only; this checkpoint names {build!r}"
+        )
     module, data, _ = build_example(**build)
     load_checkpoint(module, path)
     data.setup()
@@ -317,13 +345,28 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         for run in runs[1:]:
             label = "planted" if run.name == "fp8-planted" else "fp8"
             wandb_run = ("fp8track-demo", run.wandb_run_id, out) if args.wandb and run.wandb_run_id else None
-            results[label] = diagnose_runs(run.run_dir, control.run_dir, out / f"diagnosis-{label}",
-                                           tracking_uri=uri, mlflow_run_id=run.mlflow_run_id, wandb_run=wandb_run)
+            results[label] = diagnose_runs(
+                run.run_dir,
+                control.run_dir,
+                out / f"diagnosis-{label}",
+                tracking_uri=uri,
+                mlflow_run_id=run.mlflow_run_id,
+                wandb_run=wandb_run,
+            )
         url = compare_url(uri, [r.mlflow_run_id for r in runs if r.mlflow_run_id])
     summary = {
-        "runs": [{"name": r.name, "recipe": r.recipe, "run_dir": str(r.run_dir), "mlflow_run_id": r.mlflow_run_id,
-                  "wandb_run_id": r.wandb_run_id, "final_loss": r.final_loss, "seconds": round(r.seconds, 1)}
-                 for r in runs],
+        "runs": [
+            {
+                "name": r.name,
+                "recipe": r.recipe,
+                "run_dir": str(r.run_dir),
+                "mlflow_run_id": r.mlflow_run_id,
+                "wandb_run_id": r.wandb_run_id,
+                "final_loss": r.final_loss,
+                "seconds": round(r.seconds, 1),
+            }
+            for r in runs
+        ],
         "final_loss_gap": runs[1].final_loss - runs[0].final_loss,
         "findings": {k: [f.kind for f in v.diagnosis.findings] for k, v in results.items()},
     }
@@ -334,20 +377,28 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print(f"Compare the runs:          {url}")
     print(f"Inference chain:           fp8track check-inference {out / 'fp8.ckpt'}")
     if args.wandb:
-        print(f"W&B offline runs:          {out / 'wandb'}  (upload: wandb sync {out / 'wandb'}/offline-run-*)")
+        print(
+            f"W&B offline runs:          {out / 'wandb'}  (upload: wandb sync {out / 'wandb'}/offline-run-*)"
+        )
     print(f"Summary (JSON):            {out / SUMMARY_FILE}")
     by_name = {r.name: r for r in runs}
     for label, res in results.items():
         print(f"\n== {label} run vs the BF16 control ==")
         if label == "planted":
-            print(f"planted problem: from step {int(PLANT_FRACTION * args.steps)}, an outlier of {PLANT_AMAX:g} "
-                  f"enters the activation amax history of {PLANT_LAYER} every step")
+            print(
+                f"planted problem: from step {int(PLANT_FRACTION * args.steps)}, an outlier of {PLANT_AMAX:g} "
+                f"enters the activation amax history of {PLANT_LAYER} every step"
+            )
         print_diagnosis(res.diagnosis, res.html_path, runs=(run_label(res.fp8), run_label(res.control)))
     print("\n== answers ==")
     for res in results.values():
         d = res.diagnosis
         name = run_name(res.fp8)
-        loss = f"final loss {by_name[name].final_loss:.3f} vs {control.final_loss:.3f}" if name in by_name else ""
+        loss = (
+            f"final loss {by_name[name].final_loss:.3f} vs {control.final_loss:.3f}"
+            if name in by_name
+            else ""
+        )
         top = f"; top-ranked layer {d.layer_ranking[0].layer}" if d.layer_ranking else ""
         print(f"{name}: {d.top.kind} ({d.top.severity}): {d.top.title} ({loss}{top})")
     return 0
@@ -358,12 +409,18 @@ SUMMARY_FILE = "demo.json"
 
 
 def add_subparser(sub: Any) -> argparse.ArgumentParser:
-    p = sub.add_parser("demo", help="BF16 control, emulated FP8 and a planted problem on the example GPT, diagnosed")
+    p = sub.add_parser(
+        "demo", help="BF16 control, emulated FP8 and a planted problem on the example GPT, diagnosed"
+    )
     p.add_argument("--out", default="fp8track-demo", help="output folder (default ./fp8track-demo)")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default 300)")
-    p.add_argument("--recipe", default="delayed:hybrid:h16:max", help="FP8 recipe (fp8track.execution.recipes grammar)")
+    p.add_argument(
+        "--recipe", default="delayed:hybrid:h16:max", help="FP8 recipe (fp8track.execution.recipes grammar)"
+    )
     p.add_argument("--every-n-steps", type=int, default=10, help="monitor sampling interval")
-    p.add_argument("--wandb", action="store_true", help="also log to W&B in offline mode (one run per training run)")
+    p.add_argument(
+        "--wandb", action="store_true", help="also log to W&B in offline mode (one run per training run)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plant", action="store_true", help="skip the planted-problem run")
     p.set_defaults(func=_cmd_demo)

@@ -134,7 +134,11 @@ class FP8Monitor(Callback, FrontendResults):
     # the first step, so a bad selector still fails before training.
 
     def _build_monitor(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Monitor:
-        log_dir = Path(self.log_dir) if self.log_dir is not None else Path(trainer.default_root_dir) / DEFAULT_LOG_DIR
+        log_dir = (
+            Path(self.log_dir)
+            if self.log_dir is not None
+            else Path(trainer.default_root_dir) / DEFAULT_LOG_DIR
+        )
         trackers: list[Any] = []
         baseline = None
         if trainer.is_global_zero:  # trackers and the control feed rank-0 work only
@@ -179,14 +183,18 @@ class FP8Monitor(Callback, FrontendResults):
         self.monitor.begin_step(trainer.global_step)
 
     # -- per step -----------------------------------------------------------------------------------
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.monitor is None:
             return
         if self._micro_batches == 0:  # first micro-batch of an optimizer step
             self.monitor.begin_step(trainer.global_step)
         self._step_at_batch_start = trainer.global_step
 
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
         # Gradients are final (accumulated, AMP-unscaled) here and not yet clipped.
         if self.monitor is not None and self.monitor.config.track_grad_norm and self.monitor.sampling:
             self._grad_norm = total_grad_norm(pl_module)
@@ -217,14 +225,17 @@ class FP8Monitor(Callback, FrontendResults):
         if self.monitor is None:
             return
         opened = any(
-            e.kind in ("spike", "nonfinite") and e.data.get("status") == "open" for e in self.monitor.last_events
+            e.kind in ("spike", "nonfinite") and e.data.get("status") == "open"
+            for e in self.monitor.last_events
         )
         if not trainer.strategy.reduce_boolean_decision(opened, all=False):
             return
         if self.on_spike == "stop":
             trainer.should_stop = True
         else:
-            path = Path(trainer.default_root_dir) / "fp8track-spikes" / f"spike-step{trainer.global_step}.ckpt"
+            path = (
+                Path(trainer.default_root_dir) / "fp8track-spikes" / f"spike-step{trainer.global_step}.ckpt"
+            )
             trainer.save_checkpoint(path)
 
     def _describe_precision(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -237,7 +248,11 @@ class FP8Monitor(Callback, FrontendResults):
             return
         strategy = trainer.strategy
         offload = getattr(strategy, "cpu_offload", None)
-        ds_zero = (getattr(strategy, "config", None) or {}).get("zero_optimization", {}) if hasattr(strategy, "config") else {}
+        ds_zero = (
+            (getattr(strategy, "config", None) or {}).get("zero_optimization", {})
+            if hasattr(strategy, "config")
+            else {}
+        )
         setup = precision_setup(
             pl_module,
             trainer.optimizers,
@@ -257,13 +272,17 @@ class FP8Monitor(Callback, FrontendResults):
             return
         from fp8track.monitoring.monitor import select_eval_metrics
 
-        self.monitor.record_eval(trainer.global_step, select_eval_metrics(trainer.callback_metrics, self.eval_metrics))
+        self.monitor.record_eval(
+            trainer.global_step, select_eval_metrics(trainer.callback_metrics, self.eval_metrics)
+        )
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.monitor is not None:
             self.monitor.close()
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         # Another rank may be dead or waiting in a different collective: close without reducing.
         if self.monitor is not None:
             self.monitor.close(reduce=False)

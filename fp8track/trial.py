@@ -107,7 +107,9 @@ class TrialSettings:
             self.record_layers(report, costs, tokens_per_step)
         return report
 
-    def record_layers(self, report: Any, costs: Sequence[LayerCost], tokens_per_step: int | None = None) -> None:
+    def record_layers(
+        self, report: Any, costs: Sequence[LayerCost], tokens_per_step: int | None = None
+    ) -> None:
         """Write the layer table of ``report`` into the trial's run (no-op outside a sweep): metrics
         ``fp8_flop_share`` and ``n_bf16_layers``, tag ``fp8track.bf16_layer_names``, artifact
         ``fp8track_layers.json``; with ``tokens_per_step`` also ``gemm_tflop_per_step`` (forward and
@@ -121,10 +123,19 @@ def add_trial_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
     Defaults are ``None`` so :func:`trial_settings` can tell "not given" from a value.
     """
-    parser.add_argument("--recipe", default=None, help="FP8 recipe string, e.g. delayed:hybrid:h16:max (default delayed)")
-    parser.add_argument("--bf16_layers", "--bf16-layers", dest="bf16_layers", default=None,
-                        help="layers kept in BF16: none, first:N, last:N, first_last, re:REGEX, auto:K (default none)")
-    parser.add_argument("--control", default=None, help="control run: run directory, mlflow:<run_id> or W&B offline run")
+    parser.add_argument(
+        "--recipe", default=None, help="FP8 recipe string, e.g. delayed:hybrid:h16:max (default delayed)"
+    )
+    parser.add_argument(
+        "--bf16_layers",
+        "--bf16-layers",
+        dest="bf16_layers",
+        default=None,
+        help="layers kept in BF16: none, first:N, last:N, first_last, re:REGEX, auto:K (default none)",
+    )
+    parser.add_argument(
+        "--control", default=None, help="control run: run directory, mlflow:<run_id> or W&B offline run"
+    )
     return parser
 
 
@@ -179,7 +190,12 @@ def trial_settings(
     cli, _unknown = add_trial_arguments(argparse.ArgumentParser(add_help=False)).parse_known_args(argv)
     path = os.environ.get(PARAM_PATH_ENV) if param_path is None else (param_path or None)
     from_file = read_param_file(path) if path else {}
-    values: dict[str, Any] = {"recipe": "delayed", "bf16_layers": "none", "control": None, **dict(defaults or {})}
+    values: dict[str, Any] = {
+        "recipe": "delayed",
+        "bf16_layers": "none",
+        "control": None,
+        **dict(defaults or {}),
+    }
     if os.environ.get(CONTROL_ENV):
         values["control"] = os.environ[CONTROL_ENV]
     values.update({k: v for k, v in from_file.items() if v is not None})
@@ -189,7 +205,9 @@ def trial_settings(
         try:
             ranking = tuple(str(n) for n in json.loads(Path(os.environ[RANKING_ENV]).read_text()))
         except (OSError, ValueError) as err:
-            raise ConfigError(f"cannot read the auto:K ranking {os.environ[RANKING_ENV]} ({RANKING_ENV}): {err}") from err
+            raise ConfigError(
+                f"cannot read the auto:K ranking {os.environ[RANKING_ENV]} ({RANKING_ENV}): {err}"
+            ) from err
     return TrialSettings(
         recipe=Recipe.parse(values["recipe"]),
         bf16_layers=FallbackSpec.parse(values["bf16_layers"]),
@@ -269,7 +287,9 @@ def fp8_flop_share(costs: Sequence[LayerCost], fp8_layers: Sequence[str]) -> flo
     return sum(c.macs_per_token for c in costs if c.name in fp8) / total if total else math.nan
 
 
-def _record_layers(settings: TrialSettings, report: Any, costs: Sequence[LayerCost], tokens_per_step: int | None) -> None:
+def _record_layers(
+    settings: TrialSettings, report: Any, costs: Sequence[LayerCost], tokens_per_step: int | None
+) -> None:
     """Write the layer table into the trial's run; a tracker failure never stops training."""
     import warnings
 
@@ -289,11 +309,19 @@ def _record_layers(settings: TrialSettings, report: Any, costs: Sequence[LayerCo
         if tokens_per_step:
             total = 6.0 * tokens_per_step * sum(c.macs_per_token for c in costs)
             metrics.append(Metric("gemm_tflop_per_step", total / 1e12, now, 0))
-        client.log_batch(settings.run_id, metrics=metrics,
-                         tags=[RunTag("fp8track.bf16_layer_names", ",".join(bf16)[:8000] or "none")], synchronous=True)
-        client.log_dict(settings.run_id, {"layers": rows, "tokens_per_step": tokens_per_step}, LAYERS_ARTIFACT)
+        client.log_batch(
+            settings.run_id,
+            metrics=metrics,
+            tags=[RunTag("fp8track.bf16_layer_names", ",".join(bf16)[:8000] or "none")],
+            synchronous=True,
+        )
+        client.log_dict(
+            settings.run_id, {"layers": rows, "tokens_per_step": tokens_per_step}, LAYERS_ARTIFACT
+        )
     except Exception as err:  # noqa: BLE001 - the run must go on without its layer table
-        warnings.warn(f"fp8track: could not record the layer table in MLflow run {settings.run_id}: {err}", stacklevel=3)
+        warnings.warn(
+            f"fp8track: could not record the layer table in MLflow run {settings.run_id}: {err}", stacklevel=3
+        )
 
 
 # --- shared, cached results ----------------------------------------------------------------------
@@ -375,7 +403,9 @@ def ranking_table(ranking: Sequence[LayerRisk]) -> list[dict[str, Any]]:
         st = r.stats.get(r.tensor, {})
         row: dict[str, Any] = {"rank": i + 1, "layer": r.layer, "score": num(r.score), "tensor": r.tensor}
         row.update({f"z_{s}": num(r.z.get(s)) for s in SIGNALS})
-        row.update({k: num(st.get(k)) for k in ("sqnr_db", "underflow_pct", "overflow_pct", "abs_drift_log2")})
+        row.update(
+            {k: num(st.get(k)) for k in ("sqnr_db", "underflow_pct", "overflow_pct", "abs_drift_log2")}
+        )
         rows.append(row)
     return rows
 

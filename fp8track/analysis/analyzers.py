@@ -132,7 +132,11 @@ class DriftAnalyzer:
         worst_whatif = 0.0
         if self.whatif is not None:
             main = [r for r in rows if r.variant in ("actual", "shadow")]
-            whatifs = self.whatif.observe_many(main[0].step, {(r.layer, r.tensor): r.stats["amax"] for r in main}) if main else {}
+            whatifs = (
+                self.whatif.observe_many(main[0].step, {(r.layer, r.tensor): r.stats["amax"] for r in main})
+                if main
+                else {}
+            )
             for r in main:
                 w = whatifs[(r.layer, r.tensor)]
                 if math.isfinite(w.drift_log2):

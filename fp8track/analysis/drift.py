@@ -182,7 +182,13 @@ class DriftTracker:
         def run(r: Any) -> tuple[tuple[str, str], list[Any]]:
             if not isinstance(r, Mapping):  # version 1: [layer, tensor, sign, count, start, peak, fired]
                 r = dict(zip(("layer", "tensor", *_RUN_FIELDS), r, strict=True))
-            values = [int(r["sign"]), int(r["count"]), int(r["start_step"]), float(r["peak"]), bool(r["fired"])]
+            values = [
+                int(r["sign"]),
+                int(r["count"]),
+                int(r["start_step"]),
+                float(r["peak"]),
+                bool(r["fired"]),
+            ]
             return (r["layer"], r["tensor"]), values
 
         errors.restore_state(
@@ -304,14 +310,18 @@ class WhatIfDelayed:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output (:func:`fp8track.errors.restore_state`: missing keys keep
         their current value, a newer version is a ConfigError)."""
-        errors.restore_state(self, state, {"scalers": lambda rows: [self._load_scaler(r) for r in rows]}, version=2)
+        errors.restore_state(
+            self, state, {"scalers": lambda rows: [self._load_scaler(r) for r in rows]}, version=2
+        )
 
     def _load_scaler(self, row: Any) -> None:
         if not isinstance(row, Mapping):  # version 1: [layer, tensor, history, scale, seen]
             row = dict(zip(("layer", "tensor", "history", "scale", "seen"), row, strict=True))
         hist_t = torch.as_tensor(row["history"], dtype=torch.float32)
         if hist_t.numel() != self.history_len:
-            raise ConfigError(f"checkpointed what-if history has length {hist_t.numel()}, expected {self.history_len}")
+            raise ConfigError(
+                f"checkpointed what-if history has length {hist_t.numel()}, expected {self.history_len}"
+            )
         batch = self._batch(row["tensor"])
         i = batch.column((row["layer"], row["tensor"]))
         batch.history[:, i] = hist_t

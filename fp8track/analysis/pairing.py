@@ -57,7 +57,9 @@ class Mismatch:
 
     def __post_init__(self) -> None:
         if self.kind not in MISMATCH_KINDS:
-            raise ConfigError(f"unknown mismatch kind {self.kind!r}; valid values are: {', '.join(MISMATCH_KINDS)}")
+            raise ConfigError(
+                f"unknown mismatch kind {self.kind!r}; valid values are: {', '.join(MISMATCH_KINDS)}"
+            )
         if "\n" in self.message or not self.message:
             raise ConfigError("a Mismatch message is one non-empty line")
 
@@ -81,7 +83,11 @@ def run_recipe(run: RunData) -> str | None:
             return str(recipe["name"])
     if isinstance(recipe, str) and recipe:
         return recipe
-    precision = (run.meta.get("config") or {}).get("precision") if isinstance(run.meta.get("config"), Mapping) else None
+    precision = (
+        (run.meta.get("config") or {}).get("precision")
+        if isinstance(run.meta.get("config"), Mapping)
+        else None
+    )
     text = precision.get("recipe") if isinstance(precision, Mapping) else None
     return str(text) if text else None
 
@@ -185,7 +191,9 @@ def _preview(names: Iterable[str], limit: int = 3) -> str:
     return ", ".join(names[:limit]) + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
-def _same_run(fp8: RunData, control: RunData, fl: Mapping[int, float] | None, cl: Mapping[int, float] | None) -> str | None:
+def _same_run(
+    fp8: RunData, control: RunData, fl: Mapping[int, float] | None, cl: Mapping[int, float] | None
+) -> str | None:
     ids = (fp8.meta.get("run_id"), control.meta.get("run_id"))
     if ids[0] and ids[0] == ids[1]:
         return f"run id {ids[0]}"
@@ -227,12 +235,17 @@ def check_pairing(fp8: RunData, control: RunData) -> Mismatch | None:
                                     "pass the BF16 control as the baseline")
     fp, cp = run_precision(fp8), run_precision(control)
     if fp == "bf16" and cp == "fp8":
-        return Mismatch("swapped", f"the runs are swapped: the FP8 run {f_label} ran in BF16 and the control "
-                                   f"{c_label} in FP8; pass the FP8 run first and the BF16 control as the baseline")
+        return Mismatch(
+            "swapped",
+            f"the runs are swapped: the FP8 run {f_label} ran in BF16 and the control "
+            f"{c_label} in FP8; pass the FP8 run first and the BF16 control as the baseline",
+        )
     if fp == "bf16":
         return Mismatch("not_fp8", f"the FP8 run {f_label} ran in BF16: nothing to diagnose; pass an FP8 run")
     if cp == "fp8":
-        return Mismatch("control_not_bf16", f"the control {c_label} ran in FP8; the diagnosis needs a BF16 control")
+        return Mismatch(
+            "control_not_bf16", f"the control {c_label} ran in FP8; the diagnosis needs a BF16 control"
+        )
     a, b = layer_alignment(fp8, control)
     sa, sb = set(a.values()), set(b.values())
     if sa and sb and sa != sb:
@@ -240,22 +253,31 @@ def check_pairing(fp8: RunData, control: RunData) -> Mismatch | None:
         what = "no layer in common" if not sa & sb else (
             f"{len(only_f)} layer(s) only in the FP8 run ({_preview(only_f) or 'none'}), "
             f"{len(only_c)} only in the control ({_preview(only_c) or 'none'})")
-        return Mismatch("layers", f"the FP8 run {f_label} and the control {c_label} monitored different layers "
-                                  f"({what}): not the same model")
+        return Mismatch(
+            "layers",
+            f"the FP8 run {f_label} and the control {c_label} monitored different layers "
+            f"({what}): not the same model",
+        )
     wf, wc = _weight_numel(fp8, a), _weight_numel(control, b)
     differ = sorted(n for n in set(wf) & set(wc) if wf[n] != wc[n])
     if differ:
         n = differ[0]
-        return Mismatch("shapes", f"the FP8 run {f_label} and the control {c_label} have layers of other sizes "
-                                  f"({len(differ)} layer(s); {n}: weight of {wf[n]:.0f} vs {wc[n]:.0f} elements): "
-                                  "not the same model")
+        return Mismatch(
+            "shapes",
+            f"the FP8 run {f_label} and the control {c_label} have layers of other sizes "
+            f"({len(differ)} layer(s); {n}: weight of {wf[n]:.0f} vs {wc[n]:.0f} elements): "
+            "not the same model",
+        )
     if fl is not None and cl is not None:
         common = len(set(fl) & set(cl))
         shorter = min(len(fl), len(cl))
         if common < MIN_COMMON_STEPS or common < MIN_STEP_SHARE * shorter:
-            return Mismatch("steps", f"the FP8 run {f_label} and the control {c_label} share {common} logged loss "
-                                     f"steps of {len(fl)} and {len(cl)}: too few to compare (at least "
-                                     f"{MIN_COMMON_STEPS} and half of the shorter run's)")
+            return Mismatch(
+                "steps",
+                f"the FP8 run {f_label} and the control {c_label} share {common} logged loss "
+                f"steps of {len(fl)} and {len(cl)}: too few to compare (at least "
+                f"{MIN_COMMON_STEPS} and half of the shorter run's)",
+            )
     return None
 
 

@@ -182,7 +182,9 @@ class TrendWindow:
             if not self.steps:
                 return math.nan
             m, slope, c = self._fit()
-            r = np.asarray(self.values, dtype=np.float64) - (m + slope * (np.asarray(self.steps, dtype=np.float64) - c))
+            r = np.asarray(self.values, dtype=np.float64) - (
+                m + slope * (np.asarray(self.steps, dtype=np.float64) - c)
+            )
             self._sigma = MAD_TO_SIGMA * float(np.median(np.abs(r - np.median(r))))
         return self._sigma
 

@@ -163,7 +163,9 @@ class GPTLightningModule(L.LightningModule):
     ) -> None:
         super().__init__()
         cfg = config if isinstance(config, GPTConfig) else GPTConfig(**dict(config or {}))
-        self.save_hyperparameters({"config": asdict(cfg), "lr": lr, "weight_decay": weight_decay, "betas": list(betas)})
+        self.save_hyperparameters(
+            {"config": asdict(cfg), "lr": lr, "weight_decay": weight_decay, "betas": list(betas)}
+        )
         self.model = GPT(cfg)
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
 
@@ -183,7 +185,9 @@ class GPTLightningModule(L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay, betas=self.betas)
+        return torch.optim.AdamW(
+            self.parameters(), lr=self.lr, weight_decay=self.weight_decay, betas=self.betas
+        )
 
 
 def stdlib_text(max_bytes: int = 1_000_000) -> bytes:
@@ -292,7 +296,9 @@ class CharDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         self.setup()
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+        return DataLoader(
+            self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers
+        )
 
 
 def build_example(
@@ -321,7 +327,9 @@ def build_example(
     cfg = GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=n_head, block_size=block_size)
     module = GPTLightningModule(cfg, lr=lr)
     report = apply_fp8(module, recipe, bf16_layers=bf16_layers, backend=backend, ranking=ranking)
-    data = CharDataModule(data_path, block_size=block_size, batch_size=batch_size, max_bytes=max_bytes, seed=seed)
+    data = CharDataModule(
+        data_path, block_size=block_size, batch_size=batch_size, max_bytes=max_bytes, seed=seed
+    )
     return module, data, report
 
 
@@ -371,7 +379,11 @@ def train_loop(
             with ctx():
                 val.append(float(module.model.loss(x, y)))
     module.train()
-    return {"train_loss": losses, "val_loss": sum(val) / len(val), "seconds_per_step": elapsed / max(steps, 1)}
+    return {
+        "train_loss": losses,
+        "val_loss": sum(val) / len(val),
+        "seconds_per_step": elapsed / max(steps, 1),
+    }
 
 
 def contextlib_null() -> Any:

@@ -102,13 +102,27 @@ class TrainConfig:
     probe_steps: int = 30
 
     def __post_init__(self) -> None:
-        for name, low in (("steps", 1), ("eval_every", 0), ("eval_batches", 1), ("seed", 0), ("n_layer", 1),
-                          ("n_embd", 16), ("n_head", 1), ("block_size", 1), ("batch_size", 1), ("max_bytes", 1),
-                          ("every_n_steps", 1), ("control_seeds", 1), ("probe_steps", 1)):
+        for name, low in (
+            ("steps", 1),
+            ("eval_every", 0),
+            ("eval_batches", 1),
+            ("seed", 0),
+            ("n_layer", 1),
+            ("n_embd", 16),
+            ("n_head", 1),
+            ("block_size", 1),
+            ("batch_size", 1),
+            ("max_bytes", 1),
+            ("every_n_steps", 1),
+            ("control_seeds", 1),
+            ("probe_steps", 1),
+        ):
             check_int(name, getattr(self, name), low)
         check_float("lr", self.lr, 0.0, strict=True)
         if self.precision not in ("bf16-mixed", "32-true"):
-            raise ConfigError(f"unknown precision {self.precision!r}; valid values are: 'bf16-mixed', '32-true'")
+            raise ConfigError(
+                f"unknown precision {self.precision!r}; valid values are: 'bf16-mixed', '32-true'"
+            )
 
     def control_key(self) -> dict[str, Any]:
         """What the control depends on: model, data, seed(s), steps, evaluation schedule."""
@@ -168,7 +182,9 @@ def plant_outlier(model: nn.Module, layer: str, value: float = OUTLIER_VALUE) ->
     modules = dict(model.named_modules())
     if layer not in modules or not hasattr(modules[layer], "weight"):
         linears = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
-        raise ConfigError(f"plant_outlier names no linear layer {layer!r}; linear layers: {', '.join(linears)}")
+        raise ConfigError(
+            f"plant_outlier names no linear layer {layer!r}; linear layers: {', '.join(linears)}"
+        )
     target = modules[layer]
     with torch.no_grad():
         target.weight[:, 0] = 0.0
@@ -288,12 +304,25 @@ def train(
         settings.record_layers(report, layer_costs(module), tokens_per_step=cfg.batch_size * cfg.block_size)
     held_out = HeldOutEval(data, cfg.eval_every, cfg.eval_batches, cfg.steps,
                            control["val_loss"] if control else None, cfg.precision, on_eval)
-    monitor = FP8Monitor(every_n_steps=cfg.every_n_steps, trackers="auto" if loggers else "none", log_dir=log_dir,
-                         baseline=control["run_dir"] if control else None)
+    monitor = FP8Monitor(
+        every_n_steps=cfg.every_n_steps,
+        trackers="auto" if loggers else "none",
+        log_dir=log_dir,
+        baseline=control["run_dir"] if control else None,
+    )
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=cfg.steps, precision=cfg.precision, logger=list(loggers) or False,
-        callbacks=[monitor, held_out], enable_checkpointing=False, enable_model_summary=False,
-        enable_progress_bar=False, limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=cfg.every_n_steps,
+        accelerator="cpu",
+        devices=1,
+        max_steps=cfg.steps,
+        precision=cfg.precision,
+        logger=list(loggers) or False,
+        callbacks=[monitor, held_out],
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        log_every_n_steps=cfg.every_n_steps,
         default_root_dir=str(log_dir),
     )
     L.seed_everything(cfg.seed, verbose=False)
@@ -305,7 +334,9 @@ def train(
         raise RuntimeError("the monitor did not open a run directory")
     fp8 = tuple(report.fp8_layers)
     bf16 = tuple(n for n, _ in report.bf16_layers)
-    result = TrialResult(held_out.evals, held_out.pruned, Path(run_dir), elapsed / max(trainer.global_step, 1), fp8, bf16)
+    result = TrialResult(
+        held_out.evals, held_out.pruned, Path(run_dir), elapsed / max(trainer.global_step, 1), fp8, bf16
+    )
     result.metrics = run_metrics(RunReader(run_dir), result)
     return result
 
@@ -371,7 +402,9 @@ def control_run(cfg: TrainConfig, cache: JsonCache, log_dir: str | Path) -> tupl
     return result, cached
 
 
-def probe_ranking(cfg: TrainConfig, recipe: Any, cache: JsonCache, log_dir: str | Path) -> tuple[dict[str, Any], bool]:
+def probe_ranking(
+    cfg: TrainConfig, recipe: Any, cache: JsonCache, log_dir: str | Path
+) -> tuple[dict[str, Any], bool]:
     """The ``auto:K`` ranking under ``recipe``: a ``probe_steps``-step run with every linear in FP8
     and the monitor sampling every step, ranked by :func:`fp8track.analysis.ranking.rank_layers`.
     Cached per (control key, recipe, probe steps): ``({"ranking": [layer, ...], "table": rows}, cached)``."""
@@ -380,7 +413,9 @@ def probe_ranking(cfg: TrainConfig, recipe: Any, cache: JsonCache, log_dir: str 
     from fp8track.monitoring.records import RunReader
 
     r = Recipe.parse(recipe)
-    probe_cfg = dataclasses.replace(cfg, steps=cfg.probe_steps, eval_every=0, every_n_steps=max(1, cfg.probe_steps // 10))
+    probe_cfg = dataclasses.replace(
+        cfg, steps=cfg.probe_steps, eval_every=0, every_n_steps=max(1, cfg.probe_steps // 10)
+    )
 
     def compute() -> dict[str, Any]:
         res = train(probe_cfg, r, "none", log_dir=log_dir, run_name=f"probe-{r.name}")
@@ -400,7 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{f.name}", type=type(f.default), default=f.default)
     p.add_argument("--out", default="fp8track-train", help="output folder (run directories, cache)")
     p.add_argument("--cache_dir", default=None, help="control/probe cache (default <out>/cache)")
-    p.add_argument("--wandb", action="store_true", help="log to W&B (offline unless a sweep agent started us)")
+    p.add_argument(
+        "--wandb", action="store_true", help="log to W&B (offline unless a sweep agent started us)"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny GEMMs run best on 1)")
     return p
 

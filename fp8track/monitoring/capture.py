@@ -201,7 +201,9 @@ def select_layers(
             stacklevel=3,
         )
     if not candidates:
-        raise ConfigError(f"{type(model).__name__} has no linear layer to monitor ({'; '.join(GEMM_LAYER_KINDS)})")
+        raise ConfigError(
+            f"{type(model).__name__} has no linear layer to monitor ({'; '.join(GEMM_LAYER_KINDS)})"
+        )
     raw = [fqn for fqn, _ in candidates]
     names = canonical_layer_names(model, raw)
     canonical = dict(zip(raw, names, strict=True))
@@ -306,7 +308,11 @@ class LayerCapture:
     @property
     def whatif(self) -> tuple[str, ...]:
         plan = self.plan
-        return tuple(v for v in self._whatif_asked if not (v == "current" and plan.scaling == "per_tensor" and not plan.fp8))
+        return tuple(
+            v
+            for v in self._whatif_asked
+            if not (v == "current" and plan.scaling == "per_tensor" and not plan.fp8)
+        )
 
     def _observation_list(self) -> list[tuple[str, str | None]]:
         """``(variant, what-if scaling)`` pairs observed per tensor; built once the plan is resolved."""
@@ -382,7 +388,9 @@ class LayerCapture:
                 prev = partials.get(key)
                 partials[key] = actual if prev is None else merge_partials([prev, actual])
                 continue
-            partials[key] = tensor_partial(share.local, self.plan, tensor, scaling, share, into=partials.get(key))
+            partials[key] = tensor_partial(
+                share.local, self.plan, tensor, scaling, share, into=partials.get(key)
+            )
 
     def _forward_hook(self, module: nn.Module, args: tuple, output: object) -> None:
         # Under torch.compile dynamo traces this test and nothing else: it guards on ``self.active``
@@ -426,7 +434,9 @@ class LayerCapture:
         if "activation" in self.tensors and args and isinstance(args[0], torch.Tensor):
             self._add("activation", args[0])
         if "weight" in self.tensors and not self._weight_done:
-            weight = gemm_weight(module, observed_weight(getattr(module, "weight", None), self._resting_weight))
+            weight = gemm_weight(
+                module, observed_weight(getattr(module, "weight", None), self._resting_weight)
+            )
             if weight is not None and not (self.te and te_backend.is_quantized_tensor(weight)):
                 # (TE FP8 primary weights hold no high-precision copy: no row rather than statistics
                 # of a silent dequantisation.)
@@ -463,7 +473,9 @@ def plan_for(fqn: str, module: nn.Module, shadow_format: str = "hybrid") -> Laye
     formats = {t: backend.format_for(module, t) for t in TENSOR_KINDS}
     rule = backend.scale_rule(module)
     if rule.scaling in BLOCK_SCALINGS:
-        return LayerPlan(fqn, True, formats, scaling=rule.scaling, margin=rule.margin, power_2_scales=rule.power_2_scales)
+        return LayerPlan(
+            fqn, True, formats, scaling=rule.scaling, margin=rule.margin, power_2_scales=rule.power_2_scales
+        )
     scale_fns = backend.scale_fns(module) if rule.scaling == "delayed" else {}
     return LayerPlan(
         fqn, True, formats, scaling="per_tensor", scale_fns=scale_fns, margin=rule.margin,

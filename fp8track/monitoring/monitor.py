@@ -307,12 +307,16 @@ class Monitor:
                 non-empty mapping of JSON scalars.
         """
         if self._writer is not None or self._attached:
-            raise ConfigError("record_data must be called before the monitor attaches (before the first step)")
+            raise ConfigError(
+                "record_data must be called before the monitor attaches (before the first step)"
+            )
         if not isinstance(fingerprint, Mapping) or not fingerprint:
             raise ConfigError(f"data fingerprint must be a non-empty mapping, got {fingerprint!r}")
         bad = [k for k, v in fingerprint.items() if not isinstance(v, (str, int, float, bool, type(None)))]
         if bad:
-            raise ConfigError(f"data fingerprint values must be str/int/float/bool/None; bad keys: {', '.join(map(str, bad))}")
+            raise ConfigError(
+                f"data fingerprint values must be str/int/float/bool/None; bad keys: {', '.join(map(str, bad))}"
+            )
         self.meta = replace(self.meta, config={**dict(self.meta.config), "data": dict(fingerprint)})
 
     @property
@@ -332,12 +336,16 @@ class Monitor:
             self._layers_idle = not sampled
         self._sampled = sampled
 
-    def step(self, loss: torch.Tensor | float | None = None, grad_norm: torch.Tensor | float | None = None) -> None:
+    def step(
+        self, loss: torch.Tensor | float | None = None, grad_norm: torch.Tensor | float | None = None
+    ) -> None:
         """End the current optimizer step (plain-loop API): record, maybe flush, advance."""
         self.end_step(loss, grad_norm)
         self.begin_step(self.global_step)
 
-    def end_step(self, loss: torch.Tensor | float | None = None, grad_norm: torch.Tensor | float | None = None) -> None:
+    def end_step(
+        self, loss: torch.Tensor | float | None = None, grad_norm: torch.Tensor | float | None = None
+    ) -> None:
         """Record the step's loss (un-normalised, mean over micro-batches), flush if sampled, and
         advance the step counter (``global_step`` then names the next step, as Lightning's does).
 
@@ -466,7 +474,11 @@ class Monitor:
         return metrics, events
 
     def _reduce_to_host(
-        self, parts: Sequence[torch.Tensor], pending: Sequence[_PendingStep], device: torch.device, reduce: bool
+        self,
+        parts: Sequence[torch.Tensor],
+        pending: Sequence[_PendingStep],
+        device: torch.device,
+        reduce: bool,
     ) -> list[float] | None:
         """The logging step's numbers on the host, reduced over ranks: the partials' fields, then
         the pending losses (mean over ranks), then their grad norms (root mean square over ranks,
@@ -476,7 +488,11 @@ class Monitor:
         writer (they take part in the collectives only)."""
         losses = _stack_or_nan([p.loss for p in pending], device).to(torch.float64)
         gnorms = _stack_or_nan([p.grad_norm for p in pending], device).to(torch.float64)
-        stacked = torch.stack(parts) if parts else torch.zeros((0, PARTIAL_SIZE), dtype=torch.float64, device=device)
+        stacked = (
+            torch.stack(parts)
+            if parts
+            else torch.zeros((0, PARTIAL_SIZE), dtype=torch.float64, device=device)
+        )
         world = _dist_world() if reduce else 1
         if world > 1:
             import torch.distributed as dist
@@ -506,7 +522,9 @@ class Monitor:
             warnings.warn(f"fp8track: {name} failed at step {step} ({exc!r}); training goes on", stacklevel=2)
         events.append(EventRecord("analysis_error", step, {"analyzer": name, "error": repr(exc)}))
 
-    def _rows(self, step: int, keys: Sequence[tuple[str, str, str]], flat: Sequence[float]) -> list[TensorStatsRow]:
+    def _rows(
+        self, step: int, keys: Sequence[tuple[str, str, str]], flat: Sequence[float]
+    ) -> list[TensorStatsRow]:
         live = []
         for i, key in enumerate(keys):
             part = flat[i * PARTIAL_SIZE : (i + 1) * PARTIAL_SIZE]
@@ -517,7 +535,10 @@ class Monitor:
         plans = [self.captures[fqn].plan for (fqn, _, _), _ in live]
         fmts = [plan.formats[tensor] for plan, ((_, tensor, _), _) in zip(plans, live, strict=True)]
         stats = finalize_many([part for _, part in live], fmts, [plan.margin for plan in plans])
-        return [TensorStatsRow(step, fqn, tensor, s, variant) for ((fqn, tensor, variant), _), s in zip(live, stats, strict=True)]
+        return [
+            TensorStatsRow(step, fqn, tensor, s, variant)
+            for ((fqn, tensor, variant), _), s in zip(live, stats, strict=True)
+        ]
 
     def _scalars(self, rows: Sequence[TensorStatsRow]) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -655,14 +676,23 @@ def precision_setup(
     (``"fused"``/``"foreach"``/``None``), plus ``extra`` (the frontends add ``precision_plugin``,
     ``precision``, ``strategy``, ``cpu_offloading``).
     """
-    fp8_dtypes = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-                  if hasattr(torch, n)}
+    fp8_dtypes = {
+        getattr(torch, n)
+        for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+        if hasattr(torch, n)
+    }
     report = report if report is not None else applied_report(model)
-    fp8_weights = any(p.dtype in fp8_dtypes or "float8" in type(p.data).__name__.lower() for p in model.parameters())
-    checkpointing = any("checkpointwrapper" in type(m).__name__.lower() or getattr(m, "is_gradient_checkpointing", False)
-                        for m in model.modules())
-    compiled = any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
-                   for m in model.modules())
+    fp8_weights = any(
+        p.dtype in fp8_dtypes or "float8" in type(p.data).__name__.lower() for p in model.parameters()
+    )
+    checkpointing = any(
+        "checkpointwrapper" in type(m).__name__.lower() or getattr(m, "is_gradient_checkpointing", False)
+        for m in model.modules()
+    )
+    compiled = any(
+        type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
+        for m in model.modules()
+    )
     fused = None
     for opt in optimizers:
         defaults = getattr(opt, "defaults", {}) or {}
@@ -681,7 +711,9 @@ def precision_setup(
     return out
 
 
-def data_fingerprint(seed: int | None = None, order: Iterable[Any] | None = None, **extra: Any) -> dict[str, Any]:
+def data_fingerprint(
+    seed: int | None = None, order: Iterable[Any] | None = None, **extra: Any
+) -> dict[str, Any]:
     """What data a run saw, for :class:`Monitor`'s ``data_fingerprint``: two runs whose
     fingerprints are equal saw the same batches in the same order, and their losses compare step
     by step (:func:`fp8track.analysis.loss_gap.same_batches`).

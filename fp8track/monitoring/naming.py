@@ -154,8 +154,10 @@ _ROOT_WRAPPERS = ("_orig_mod", "_forward_module", "module")
 
 def _is_lightning_module(obj: Any) -> bool:
     # By class name, not isinstance: monitoring never imports Lightning (pytorch_lightning too).
-    return any(c.__name__ == "LightningModule" and c.__module__.split(".")[0] in ("lightning", "pytorch_lightning")
-               for c in type(obj).__mro__)
+    return any(
+        c.__name__ == "LightningModule" and c.__module__.split(".")[0] in ("lightning", "pytorch_lightning")
+        for c in type(obj).__mro__
+    )
 
 
 def holder_prefix(model: Any, names: Sequence[str]) -> str:
@@ -172,7 +174,10 @@ def holder_prefix(model: Any, names: Sequence[str]) -> str:
     root, seen = model, set()
     while not _is_lightning_module(root) and id(root) not in seen:
         seen.add(id(root))
-        inner = next((getattr(root, a) for a in _ROOT_WRAPPERS if hasattr(getattr(root, a, None), "named_modules")), None)
+        inner = next(
+            (getattr(root, a) for a in _ROOT_WRAPPERS if hasattr(getattr(root, a, None), "named_modules")),
+            None,
+        )
         if inner is None:
             break
         root = inner

@@ -5,4 +5,11 @@ from fp8track.report.html import render_report, write_report
 from fp8track.report.publish import log_report_to_mlflow, log_report_to_wandb
 from fp8track.report.run import DiagnosisOutput, diagnose_runs
 
-__all__ = ["render_report", "write_report", "log_report_to_mlflow", "log_report_to_wandb", "diagnose_runs", "DiagnosisOutput"]
+__all__ = [
+    "render_report",
+    "write_report",
+    "log_report_to_mlflow",
+    "log_report_to_wandb",
+    "diagnose_runs",
+    "DiagnosisOutput",
+]

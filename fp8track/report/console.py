@@ -12,7 +12,9 @@ TABLE_WIDTH = 80
 COLORS = {"high": "red", "medium": "yellow", "low": "cyan", "info": "green"}
 
 
-def print_diagnosis(d: Any, html_path: Any = None, console: Any = None, runs: Sequence[str] | None = None) -> None:
+def print_diagnosis(
+    d: Any, html_path: Any = None, console: Any = None, runs: Sequence[str] | None = None
+) -> None:
     """A short summary of a diagnosis on the terminal: which runs, the findings (a table at most
     :data:`TABLE_WIDTH` wide), the first next experiment, the top-ranked layer, the report's path.
     ``runs``: how to name the FP8 run and the control (:func:`fp8track.analysis.pairing.run_label`)."""
@@ -33,15 +35,21 @@ def print_diagnosis(d: Any, html_path: Any = None, console: Any = None, runs: Se
     table.add_column("conf.", justify="right", no_wrap=True)
     for f in d.findings:
         c = COLORS[f.severity]
-        table.add_row(f"[{c}]{f.severity}[/{c}]", f"[bold]{f.kind}[/bold]\n{f.title}", "\n".join(f.layers[:3]),
-                      f"{f.confidence:.2f}")
+        table.add_row(
+            f"[{c}]{f.severity}[/{c}]",
+            f"[bold]{f.kind}[/bold]\n{f.title}",
+            "\n".join(f.layers[:3]),
+            f"{f.confidence:.2f}",
+        )
     console.print(table)
     if d.top.next_experiments:
         console.print(f"[bold]Next for {d.top.kind}:[/bold] " + d.top.next_experiments[0], highlight=False)
     if d.layer_ranking:
         top = d.layer_ranking[0]
-        console.print(f"[bold]Top-ranked layer:[/bold] {top.layer} ({top.tensor}, risk score {top.score:.1f})",
-                      highlight=False)
+        console.print(
+            f"[bold]Top-ranked layer:[/bold] {top.layer} ({top.tensor}, risk score {top.score:.1f})",
+            highlight=False,
+        )
     if html_path is not None:
         console.print(f"[bold]Report:[/bold] {html_path}", highlight=False, soft_wrap=True)
 

@@ -58,7 +58,10 @@ def loss_figure(d: Diagnosis) -> Figure:
     ax.plot(steps, lc.control, color=CONTROL_COLOR, lw=1, label="BF16 control")
     ax.plot(steps, lc.fp8, color=FP8_COLOR, lw=1, alpha=0.85, label="FP8")
     index = {s: i for i, s in enumerate(lc.steps)}
-    for events, color, label in ((d.fp8_spikes, FP8_COLOR, "FP8 spike"), (d.control_spikes, CONTROL_COLOR, "control spike")):
+    for events, color, label in (
+        (d.fp8_spikes, FP8_COLOR, "FP8 spike"),
+        (d.control_spikes, CONTROL_COLOR, "control spike"),
+    ):
         xs = [e.peak_step for e in events if e.peak_step in index]
         ys = [lc.fp8[index[s]] if color == FP8_COLOR else lc.control[index[s]] for s in xs]
         if xs:
@@ -68,15 +71,33 @@ def loss_figure(d: Diagnosis) -> Figure:
             a.axvline(lc.onset, color=BAD_COLOR, ls="--", lw=1.2)
         # In axes height, on the side of the line with more room: the label stays inside the plot.
         right_half = lc.onset > (steps[0] + steps[-1]) / 2
-        ax.text(lc.onset, 0.97, f" gap opens (step {lc.onset}, {lc.phase}) " if right_half else
-                f" gap opens (step {lc.onset}, {lc.phase})", transform=ax.get_xaxis_transform(), color=BAD_COLOR,
-                ha="right" if right_half else "left", va="top", fontsize=8, clip_on=True)
+        ax.text(
+            lc.onset,
+            0.97,
+            f" gap opens (step {lc.onset}, {lc.phase}) "
+            if right_half
+            else f" gap opens (step {lc.onset}, {lc.phase})",
+            transform=ax.get_xaxis_transform(),
+            color=BAD_COLOR,
+            ha="right" if right_half else "left",
+            va="top",
+            fontsize=8,
+            clip_on=True,
+        )
     ax.set_ylabel("training loss")
     ax.set_title("Training loss: FP8 vs BF16 control (triangles: detected spikes)")
     ax.legend(fontsize=8)
     finite = np.isfinite(np.array(lc.smooth_gap))
-    gx.plot(steps, 100 * np.where(np.isfinite(lc.rel_gap), lc.rel_gap, np.nan), color="grey", lw=0.6, label="per step")
-    gx.plot(steps[finite], 100 * np.array(lc.smooth_gap)[finite], color=FP8_COLOR, lw=1.5, label="running median")
+    gx.plot(
+        steps,
+        100 * np.where(np.isfinite(lc.rel_gap), lc.rel_gap, np.nan),
+        color="grey",
+        lw=0.6,
+        label="per step",
+    )
+    gx.plot(
+        steps[finite], 100 * np.array(lc.smooth_gap)[finite], color=FP8_COLOR, lw=1.5, label="running median"
+    )
     gx.axhspan(-100 * lc.tolerance, 100 * lc.tolerance, color=CONTROL_COLOR, alpha=0.15,
                label=f"±{100 * lc.tolerance:.2f}% (control noise x k)")
     gx.axhline(0, color="black", lw=0.5)
@@ -136,8 +157,14 @@ def heatmap_figure(rows: Sequence[Any], stat: str, title: str, mark: Sequence[st
             tick.set_fontweight("bold")
     ticks = np.linspace(0, len(steps) - 1, num=min(len(steps), 10)).round().astype(int)
     ax.set_xticks(ticks, [str(steps[i]) for i in ticks], fontsize=8)
-    ax.set_xlabel("step" + (" (step 0, the warm-up, is left out of the colour scale)" if 0 in steps[:1] and len(steps) > 1
-                            else ""))
+    ax.set_xlabel(
+        "step"
+        + (
+            " (step 0, the warm-up, is left out of the colour scale)"
+            if 0 in steps[:1] and len(steps) > 1
+            else ""
+        )
+    )
     finite = m[np.isfinite(m)]
     extend = {(False, False): "neither", (True, False): "min", (False, True): "max", (True, True): "both"}[
         (bool(finite.size and finite.min() < vmin), bool(finite.size and finite.max() > vmax))]
@@ -193,7 +220,11 @@ def all_figures(d: Diagnosis, fp8: RunData, control: RunData) -> list[tuple[str,
         if fig is not None:
             out.append((fig_id, caption, to_png_base64(fig)))
 
-    add("fig-loss", "Training loss of the FP8 run and its BF16 control, and the gap between them.", loss_figure(d))
+    add(
+        "fig-loss",
+        "Training loss of the FP8 run and its BF16 control, and the gap between them.",
+        loss_figure(d),
+    )
     add("fig-eval", "Validation / downstream metrics per evaluation.", eval_figure(fp8, control))
     add("fig-ranking", "Layer risk scores.", ranking_figure(d))
     mark = [r.layer for r in d.layer_ranking[:3]]

@@ -47,8 +47,11 @@ def _run_cell(run: RunData, source: str) -> str:
     """A run as a person knows it: its name and recipe, then where it was read from (small)."""
     e = html.escape
     recipe = run_recipe(run)
-    return (f'<b class="run-name">{e(run_name(run))}</b>' + (f' <span class="kind">{e(recipe)}</span>' if recipe else "")
-            + f'<br><span class="source">{e(source)}</span>')
+    return (
+        f'<b class="run-name">{e(run_name(run))}</b>'
+        + (f' <span class="kind">{e(recipe)}</span>' if recipe else "")
+        + f'<br><span class="source">{e(source)}</span>'
+    )
 
 
 def _finding_html(f: Finding) -> str:

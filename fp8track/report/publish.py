@@ -13,7 +13,9 @@ from fp8track.optional import require
 ARTIFACT_DIR = "fp8track-diagnosis"
 
 
-def log_report_to_mlflow(run_id: str, tracking_uri: str, files: Sequence[str | os.PathLike[str]]) -> list[str]:
+def log_report_to_mlflow(
+    run_id: str, tracking_uri: str, files: Sequence[str | os.PathLike[str]]
+) -> list[str]:
     """Log ``files`` (report.html, diagnosis.json) as artifacts of MLflow run ``run_id`` under
     ``fp8track-diagnosis/``; returns their artifact paths."""
     require("mlflow", "logging the report to MLflow")
@@ -28,8 +30,15 @@ def log_report_to_mlflow(run_id: str, tracking_uri: str, files: Sequence[str | o
     return out
 
 
-def log_report_to_wandb(report: str | os.PathLike[str], *, project: str, run_id: str, dir: str | os.PathLike[str],
-                        mode: str = "offline", key: str = "fp8track/report") -> Any:
+def log_report_to_wandb(
+    report: str | os.PathLike[str],
+    *,
+    project: str,
+    run_id: str,
+    dir: str | os.PathLike[str],
+    mode: str = "offline",
+    key: str = "fp8track/report",
+) -> Any:
     """Add ``report`` as a ``wandb.Html`` panel (``key``) to W&B run ``run_id`` (resumed with
     ``resume="allow"``; offline runs merge on ``wandb sync``); returns the finished run's directory."""
     wandb = require("wandb", "logging the report to W&B")

@@ -65,9 +65,15 @@ def diagnose_runs(
         try:
             from fp8track.report.publish import log_report_to_mlflow
 
-            logged += [f"mlflow:{run_id}/{p}" for p in log_report_to_mlflow(run_id, uri, [html_path, json_path])]
+            logged += [
+                f"mlflow:{run_id}/{p}" for p in log_report_to_mlflow(run_id, uri, [html_path, json_path])
+            ]
         except Exception as exc:  # the files exist; a tracker problem must not lose the diagnosis
-            warnings.warn(f"fp8track: could not log the report to MLflow run {run_id}: {exc!r}", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"fp8track: could not log the report to MLflow run {run_id}: {exc!r}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     if wandb_run is not None:
         try:
             from fp8track.report.publish import log_report_to_wandb
@@ -75,7 +81,11 @@ def diagnose_runs(
             project, wid, wdir = wandb_run
             logged.append(f"wandb:{log_report_to_wandb(html_path, project=project, run_id=wid, dir=wdir)}")
         except Exception as exc:
-            warnings.warn(f"fp8track: could not log the report to W&B run {wandb_run[1]}: {exc!r}", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"fp8track: could not log the report to W&B run {wandb_run[1]}: {exc!r}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     return DiagnosisOutput(d, json_path, html_path, fp8, control, tuple(logged))
 
 

@@ -52,28 +52,51 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     print(json.dumps(report, indent=1, default=str))
     print(f"Look at it: mlflow ui --backend-store-uri {options.mlflow_uri}")
     if options.wandb:
-        print(f"W&B offline runs: {options.out / 'wandb'}  (upload: wandb sync {options.out / 'wandb'}/offline-run-*)")
+        print(
+            f"W&B offline runs: {options.out / 'wandb'}  (upload: wandb sync {options.out / 'wandb'}/offline-run-*)"
+        )
     return 0
 
 
 def add_subparser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("sweep", help="run a W&B sweep YAML locally with Optuna into MLflow parent/child runs")
     p.add_argument("sweep", help="the sweep YAML (e.g. integrations/wandb/fp8_sweep.yaml)")
-    p.add_argument("--trials", type=int, default=None, help="finished trials the sweep needs (default: run_cap or the grid)")
+    p.add_argument(
+        "--trials",
+        type=int,
+        default=None,
+        help="finished trials the sweep needs (default: run_cap or the grid)",
+    )
     p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///<out>/mlflow.db)")
     p.add_argument("--storage", default=None, help="Optuna RDB URL shared by workers (default sqlite:///<out>/optuna.db)")
-    p.add_argument("--wandb", action="store_true", help="programs that use W&B log offline, grouped by the sweep name")
-    p.add_argument("--summary", action="store_true", help="print the summary and recommendation from the store, run nothing")
+    p.add_argument(
+        "--wandb", action="store_true", help="programs that use W&B log offline, grouped by the sweep name"
+    )
+    p.add_argument(
+        "--summary",
+        action="store_true",
+        help="print the summary and recommendation from the store, run nothing",
+    )
     p.add_argument("--out", default=None, help="output folder (default ./fp8track-sweep/<sweep name>)")
     p.add_argument("--seed", type=int, default=0, help="sampler seed")
     p.add_argument("--tolerance-factor", type=float, default=1.0, help="noise band = factor x seed spread")
-    p.add_argument("--tolerance-floor", type=float, default=0.01, help="smallest noise band, in the metric's units")
-    p.add_argument("--control-seeds", type=int, default=2, help="seeds of the BF16 control and the finalists' reruns")
-    p.add_argument("--finalists", type=int, default=2, help="trials rerun on every control seed before recommending")
+    p.add_argument(
+        "--tolerance-floor", type=float, default=0.01, help="smallest noise band, in the metric's units"
+    )
+    p.add_argument(
+        "--control-seeds", type=int, default=2, help="seeds of the BF16 control and the finalists' reruns"
+    )
+    p.add_argument(
+        "--finalists", type=int, default=2, help="trials rerun on every control seed before recommending"
+    )
     p.add_argument("--seed-param", default="seed", help="the sweep parameter that is the program's seed")
-    p.add_argument("--kill-grace", type=float, default=10.0, help="seconds from SIGTERM to SIGKILL for a pruned trial")
+    p.add_argument(
+        "--kill-grace", type=float, default=10.0, help="seconds from SIGTERM to SIGKILL for a pruned trial"
+    )
     p.add_argument("--heartbeat", type=int, default=5, help="Optuna heartbeat interval, seconds")
-    p.add_argument("--grace", type=int, default=20, help="seconds without heartbeat before a trial counts as dead")
+    p.add_argument(
+        "--grace", type=int, default=20, help="seconds without heartbeat before a trial counts as dead"
+    )
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each trial's program")
     p.add_argument("--no-progress", action="store_true", help="no live display")
     p.set_defaults(func=_cmd_sweep)

@@ -46,7 +46,9 @@ def check_command(command: Sequence[Any], where: str) -> tuple[str, ...]:
     words = tuple(str(c) for c in command)
     for w in words:
         if w.startswith("${") and w.endswith("}") and not ENVVAR_RE.fullmatch(w) and w[2:-1] not in MACROS:
-            raise invalid_choice(f"{where}: command macro", w, tuple(f"${{{m}}}" for m in MACROS) + ("${envvar:NAME}",))
+            raise invalid_choice(
+                f"{where}: command macro", w, tuple(f"${{{m}}}" for m in MACROS) + ("${envvar:NAME}",)
+            )
     return words
 
 
@@ -67,7 +69,9 @@ def expand(command: Sequence[str], program: str, params: Mapping[str, Any], json
         "program": [program],
         "args": [f"--{k}={v}" for k, v in params.items()],
         "args_no_hyphens": [f"{k}={v}" for k, v in params.items()],
-        "args_no_boolean_flags": [f"--{k}" if v is True else f"--{k}={v}" for k, v in params.items() if v is not False],
+        "args_no_boolean_flags": [
+            f"--{k}" if v is True else f"--{k}={v}" for k, v in params.items() if v is not False
+        ],
         "args_json": [as_json],
         "args_json_file": [str(json_file)] if json_file else [],
     }
@@ -105,7 +109,9 @@ def program_hash(program: str, command: Sequence[str], cwd: Path) -> str:
     """
     src = program_source(program, cwd)
     if src is None:
-        raise ConfigError(f"program {program!r} is neither a file (relative to {cwd}) nor an importable module")
+        raise ConfigError(
+            f"program {program!r} is neither a file (relative to {cwd}) nor an importable module"
+        )
     h = hashlib.sha256(src.read_bytes())
     h.update(json.dumps([program, list(command)]).encode())
     return h.hexdigest()[:16]

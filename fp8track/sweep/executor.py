@@ -310,10 +310,16 @@ class _Sweep:
             self.experiment_id = self._experiment()
             with _experimental_ok():
                 storage = optuna.storages.RDBStorage(
-                    options.storage_url, heartbeat_interval=options.heartbeat_s, grace_period=options.grace_s,
-                    heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=options.max_retry),
+                    options.storage_url,
+                    heartbeat_interval=options.heartbeat_s,
+                    grace_period=options.grace_s,
+                    heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
+                        max_retry=options.max_retry
+                    ),
                     # SQLite: several worker processes wait for the write lock instead of failing.
-                    engine_kwargs={"connect_args": {"timeout": 120}} if options.storage_url.startswith("sqlite") else None,
+                    engine_kwargs={"connect_args": {"timeout": 120}}
+                    if options.storage_url.startswith("sqlite")
+                    else None,
                 )
             sampler, pruner = seeded_sampler(spec, options.seed), _pruner(spec)
             try:
@@ -322,7 +328,9 @@ class _Sweep:
                 self.parent_run_id = self._create_parent()
                 self.study.set_user_attr(PARENT_ATTR, self.parent_run_id)
             except optuna.exceptions.DuplicatedStudyError:
-                self.study = optuna.load_study(study_name=spec.name, storage=storage, sampler=sampler, pruner=pruner)
+                self.study = optuna.load_study(
+                    study_name=spec.name, storage=storage, sampler=sampler, pruner=pruner
+                )
                 self.parent_run_id = self._wait_for_parent()
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
         self.progress: SweepProgress | None = None
@@ -338,7 +346,9 @@ class _Sweep:
             local = self.options.mlflow_uri.startswith("sqlite:")
             try:
                 exp_id = self.client.create_experiment(
-                    self.spec.name, artifact_location=(self.options.out / "mlartifacts").as_uri() if local else None)
+                    self.spec.name,
+                    artifact_location=(self.options.out / "mlartifacts").as_uri() if local else None,
+                )
             except MlflowException:  # another worker created it first
                 exp = self.client.get_experiment_by_name(self.spec.name)
                 if exp is None:
@@ -353,15 +363,27 @@ class _Sweep:
         run = self.client.create_run(self.experiment_id, run_name=self.spec.name, tags={
             "fp8track.sweep": self.spec.name, "fp8track.role": "parent", "fp8track.method": self.spec.method})
         rid = run.info.run_id
-        params = {"method": self.spec.method, "metric": self.spec.metric, "goal": self.spec.goal,
-                  "program": self.spec.program, "program_hash": self.program_hash, "trials": self.options.trials,
-                  "seed": self.options.seed, "control_seeds": self.options.control_seeds,
-                  "finalists": self.options.finalists, "tolerance_factor": self.options.tolerance_factor,
-                  "tolerance_floor": self.options.tolerance_floor}
-        params.update({f"sweep.{p.name}": p.value if p.kind == "constant" else p.values for p in self.spec.params})
+        params = {
+            "method": self.spec.method,
+            "metric": self.spec.metric,
+            "goal": self.spec.goal,
+            "program": self.spec.program,
+            "program_hash": self.program_hash,
+            "trials": self.options.trials,
+            "seed": self.options.seed,
+            "control_seeds": self.options.control_seeds,
+            "finalists": self.options.finalists,
+            "tolerance_factor": self.options.tolerance_factor,
+            "tolerance_floor": self.options.tolerance_floor,
+        }
+        params.update(
+            {f"sweep.{p.name}": p.value if p.kind == "constant" else p.values for p in self.spec.params}
+        )
         from mlflow.entities import Param
 
-        self.client.log_batch(rid, params=[Param(k, _param_text(v)[:6000]) for k, v in params.items()], synchronous=True)
+        self.client.log_batch(
+            rid, params=[Param(k, _param_text(v)[:6000]) for k, v in params.items()], synchronous=True
+        )
         self.client.log_dict(rid, dict(self.spec.raw), "sweep.yaml")
         return rid
 
@@ -372,8 +394,10 @@ class _Sweep:
             if rid:
                 return str(rid)
             if time.monotonic() - t0 > timeout_s:
-                raise RuntimeError(f"study {self.spec.name!r} has no {PARENT_ATTR} after {timeout_s:.0f} s; "
-                                   "its creator died before writing it: delete the study or set the attribute")
+                raise RuntimeError(
+                    f"study {self.spec.name!r} has no {PARENT_ATTR} after {timeout_s:.0f} s; "
+                    "its creator died before writing it: delete the study or set the attribute"
+                )
             time.sleep(1.0)
             self.study = self.optuna.load_study(study_name=self.spec.name, storage=self.study._storage,
                                                 sampler=self.study.sampler, pruner=self.study.pruner)
@@ -397,8 +421,9 @@ class _Sweep:
             if out.state != "COMPLETE":
                 raise RuntimeError(f"the BF16 control failed ({out.error or out.state}); see {self.logs}")
             self.controls[key] = out
-            self.client.set_tag(self.parent_run_id, f"fp8track.control.seed{seed if seed is not None else ''}",
-                                out.run_id)
+            self.client.set_tag(
+                self.parent_run_id, f"fp8track.control.seed{seed if seed is not None else ''}", out.run_id
+            )
         return self.controls[key]
 
     def ranking(self, params: Mapping[str, Any]) -> Path:
@@ -408,7 +433,9 @@ class _Sweep:
         from fp8track.analysis.ranking import rank_layers
 
         pparams = {**params, "bf16_layers": "none"}
-        path = self.options.out / "rankings" / f"{cache_key({'p': self.program_hash, 'params': pparams})}.json"
+        path = (
+            self.options.out / "rankings" / f"{cache_key({'p': self.program_hash, 'params': pparams})}.json"
+        )
         if path.is_file():
             return path
         self._status(f"auto:K: all-FP8 run under {params['recipe']}")
@@ -418,8 +445,10 @@ class _Sweep:
         rows = load_run(f"mlflow:{out.run_id}", self.options.mlflow_uri).tensor_rows
         table = ranking_table(rank_layers(rows))
         if not table:
-            raise ConfigError("auto:K needs the monitor's per-layer statistics in the program's MLflow run: add "
-                              "FP8Monitor to the program's Trainer with the logger of trial_settings().mlflow_logger()")
+            raise ConfigError(
+                "auto:K needs the monitor's per-layer statistics in the program's MLflow run: add "
+                "FP8Monitor to the program's Trainer with the logger of trial_settings().mlflow_logger()"
+            )
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps([r["layer"] for r in table]))
@@ -438,8 +467,12 @@ class _Sweep:
         with file_lock(lock):
             hit = self.cache.get("run", key)
             if hit is not None and self._exists(hit["run_id"]):
-                cached = RunOutcome(hit["run_id"], hit.get("state", "COMPLETE"), [float(v) for v in hit["values"]],
-                                    float(hit["seconds"]))
+                cached = RunOutcome(
+                    hit["run_id"],
+                    hit.get("state", "COMPLETE"),
+                    [float(v) for v in hit["values"]],
+                    float(hit["seconds"]),
+                )
                 if role != "trial":
                     if cached.state == "COMPLETE":
                         return cached
@@ -451,8 +484,11 @@ class _Sweep:
                         return self._copy(cached, params, role, name, trial, pruned)
             out = self._launch(params, role, name, trial)
             if out.state in FINISHED_STATES:
-                self.cache.put("run", key, {"run_id": out.run_id, "values": out.values, "seconds": out.seconds,
-                                            "state": out.state})
+                self.cache.put(
+                    "run",
+                    key,
+                    {"run_id": out.run_id, "values": out.values, "seconds": out.seconds, "state": out.state},
+                )
             return out
 
     @staticmethod
@@ -472,7 +508,9 @@ class _Sweep:
         except MlflowException:
             return False
 
-    def _child(self, params: Mapping[str, Any], role: str, name: str, trial: Any, extra: Mapping[str, str] = ()) -> str:
+    def _child(
+        self, params: Mapping[str, Any], role: str, name: str, trial: Any, extra: Mapping[str, str] = ()
+    ) -> str:
         from mlflow.entities import Param, RunTag
 
         tags = {"fp8track.sweep": self.spec.name, "fp8track.role": role, "fp8track.state": "RUNNING",
@@ -482,14 +520,19 @@ class _Sweep:
         seed = self._seed_of(params)
         if seed is not None:
             tags["fp8track.seed"] = str(seed)
-        run = self.client.create_run(self.experiment_id, run_name=name[:250], tags={"mlflow.parentRunId": self.parent_run_id})
+        run = self.client.create_run(
+            self.experiment_id, run_name=name[:250], tags={"mlflow.parentRunId": self.parent_run_id}
+        )
         rid = run.info.run_id
         # Only what varies and the FP8 choice: the compare view opens on these (constants: the parent).
         shown = [*FP8_PARAMS, *(p.name for p in _varying(self.spec) if p.name not in FP8_PARAMS)]
         if role != "trial" and self.options.seed_param in params:
             shown.append(self.options.seed_param)
-        self.client.log_batch(rid, params=[Param(k, _param_text(params[k])) for k in dict.fromkeys(shown) if k in params],
-                              synchronous=True)
+        self.client.log_batch(
+            rid,
+            params=[Param(k, _param_text(params[k])) for k in dict.fromkeys(shown) if k in params],
+            synchronous=True,
+        )
         # Tags last: a run tagged with its role always has its parameters.
         self.client.log_batch(rid, tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)
         return rid
@@ -535,8 +578,18 @@ class _Sweep:
             trial.report(v, i)
             return bool(trial.should_prune())
 
-        res = run_program(argv, env, self.client, rid, self.spec.metric, on_value, log=self.logs / f"{rid}.log",
-                          cwd=self.options.cwd, poll_s=self.options.poll_s, grace_s=self.options.kill_grace_s)
+        res = run_program(
+            argv,
+            env,
+            self.client,
+            rid,
+            self.spec.metric,
+            on_value,
+            log=self.logs / f"{rid}.log",
+            cwd=self.options.cwd,
+            poll_s=self.options.poll_s,
+            grace_s=self.options.kill_grace_s,
+        )
         with contextlib.suppress(Exception):
             self.client.log_artifact(rid, str(res.log))
         if res.pruned:
@@ -575,7 +628,11 @@ class _Sweep:
         history = self.client.get_metric_history(src.run_id, self.spec.metric)
         metrics = [Metric(k, v, now, 0) for k, v in run.data.metrics.items() if k != self.spec.metric]
         metrics += [Metric(m.key, m.value, m.timestamp, m.step) for m in history]
-        tags = [RunTag(k, v) for k, v in run.data.tags.items() if k in ("fp8track.bf16_layer_names", "fp8track.command")]
+        tags = [
+            RunTag(k, v)
+            for k, v in run.data.tags.items()
+            if k in ("fp8track.bf16_layer_names", "fp8track.command")
+        ]
         for i in range(0, len(metrics), 900):
             self.client.log_batch(rid, metrics=metrics[i:i + 900], synchronous=True)
         if tags:
@@ -584,7 +641,12 @@ class _Sweep:
             layers = self.client.download_artifacts(src.run_id, LAYERS_ARTIFACT, str(self.logs))
             self.client.log_artifact(rid, layers)
         state = "PRUNED" if pruned else "COMPLETE"
-        self._finish(rid, state, "KILLED" if pruned else "FINISHED", name=f"{name} (reused) [pruned]" if pruned else None)
+        self._finish(
+            rid,
+            state,
+            "KILLED" if pruned else "FINISHED",
+            name=f"{name} (reused) [pruned]" if pruned else None,
+        )
         return RunOutcome(rid, state, src.values, 0.0, reused_from=src.run_id)
 
     # -- the loop ------------------------------------------------------------------------------------
@@ -611,13 +673,17 @@ class _Sweep:
                     continue
                 # A failed program fails its trial (RuntimeError); refused input (ConfigError, e.g. the
                 # metric never logged) stops the sweep.
-                self.study.optimize(self.objective, n_trials=1, catch=(RuntimeError, OSError), gc_after_trial=True)
+                self.study.optimize(
+                    self.objective, n_trials=1, catch=(RuntimeError, OSError), gc_after_trial=True
+                )
                 last = self._my_last_trial()
                 if last is None or last.user_attrs.get("surplus"):
                     continue
                 failures = failures + 1 if last.state.name == "FAIL" else 0
                 if failures >= 3:
-                    raise RuntimeError(f"three trials in a row failed; see the child runs' fp8track.error tags and {self.logs}")
+                    raise RuntimeError(
+                        f"three trials in a row failed; see the child runs' fp8track.error tags and {self.logs}"
+                    )
         finally:
             self.progress.close()
         outcome = SweepOutcome(self.parent_run_id, ran=list(self.ran))
@@ -633,16 +699,22 @@ class _Sweep:
     def close_dead_children(self) -> None:
         """Mark FAILED the child run of every failed trial that is still RUNNING (its executor was
         killed; found by the trial tag, since it may die before noting the run id)."""
-        failed = {str(t.number) for t in self.study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.FAIL,))}
+        failed = {
+            str(t.number)
+            for t in self.study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.FAIL,))
+        }
         if not failed:
             return
         running = self.client.search_runs(
             [self.experiment_id],
-            filter_string=f"tags.mlflow.parentRunId = '{self.parent_run_id}' and attributes.status = 'RUNNING'")
+            filter_string=f"tags.mlflow.parentRunId = '{self.parent_run_id}' and attributes.status = 'RUNNING'",
+        )
         for run in running:
             if run.data.tags.get("fp8track.trial") in failed:
                 rid = run.info.run_id
-                self.client.set_tag(rid, "fp8track.error", "executor died mid-trial (heartbeat went stale); retried")
+                self.client.set_tag(
+                    rid, "fp8track.error", "executor died mid-trial (heartbeat went stale); retried"
+                )
                 self._finish(rid, "FAIL", "FAILED")
 
     def _status(self, text: str) -> None:
@@ -651,9 +723,13 @@ class _Sweep:
 
     def objective(self, trial: Any) -> float:
         TrialState = self.optuna.trial.TrialState
-        ahead = [t for t in self.study.get_trials(deepcopy=False,
-                                                  states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING))
-                 if t.number < trial.number]
+        ahead = [
+            t
+            for t in self.study.get_trials(
+                deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
+            )
+            if t.number < trial.number
+        ]
         trial.set_user_attr("worker", self.worker)
         if len(ahead) >= self.options.trials:
             trial.set_user_attr("surplus", True)
@@ -667,7 +743,9 @@ class _Sweep:
         out = self.execute(params, "trial", name, trial)
         trial.set_user_attr("mlflow_run_id", out.run_id)
         if out.values and math.isfinite(control.final):
-            self.client.log_metric(out.run_id, GAP_METRIC, signed_gap(out.final, control.final, self.spec.goal))
+            self.client.log_metric(
+                out.run_id, GAP_METRIC, signed_gap(out.final, control.final, self.spec.goal)
+            )
         done, _ = self.counts()
         if self.progress is not None:
             self.progress.trial_finished(trial.number, out.final, time.perf_counter() - t0, done + 1)
@@ -680,8 +758,10 @@ class _Sweep:
     # -- finalists and summary -------------------------------------------------------------------------
     def rows(self) -> list[TrialRow]:
         runs = self.client.search_runs(
-            [self.experiment_id], max_results=50000,
-            filter_string=f"tags.mlflow.parentRunId = '{self.parent_run_id}' and tags.`fp8track.role` = 'trial'")
+            [self.experiment_id],
+            max_results=50000,
+            filter_string=f"tags.mlflow.parentRunId = '{self.parent_run_id}' and tags.`fp8track.role` = 'trial'",
+        )
         varying = [p.name for p in _varying(self.spec)]
         return sorted((row_from_run(r, self.spec.metric, varying) for r in runs), key=lambda r: r.trial)
 
@@ -691,7 +771,11 @@ class _Sweep:
         seed0 = next((self._seed_of(self._params_of(r)) for r in rows if r.finished), None)
         seeds = [seed0] if seed0 is None else [seed0 + i for i in range(self.options.control_seeds)]
         base = next((self._params_of(r) for r in rows if r.finished), None)
-        finals = {s: self.control(base if s is None else self._with_seed(base, s)).final for s in seeds} if base else {}
+        finals = (
+            {s: self.control(base if s is None else self._with_seed(base, s)).final for s in seeds}
+            if base
+            else {}
+        )
         cspread = spread(list(finals.values()))
         tol = tolerance(cspread, self.options.tolerance_factor, self.options.tolerance_floor)
         judged = []
@@ -704,7 +788,9 @@ class _Sweep:
                 if out.state == "COMPLETE":
                     gaps[s] = signed_gap(out.final, finals[s], self.spec.goal)
                     self.client.log_metric(out.run_id, GAP_METRIC, gaps[s])
-            judged.append(judge(r, gaps, cspread, self.options.tolerance_factor, self.options.tolerance_floor))
+            judged.append(
+                judge(r, gaps, cspread, self.options.tolerance_factor, self.options.tolerance_floor)
+            )
         layers = {j.row.run_id: self._layers(j.row.run_id) for j in judged}
         rec = recommend(judged, cspread, self.options.tolerance_factor, self.options.tolerance_floor, layers)
         self._write_summary(rows, rec)
@@ -718,8 +804,11 @@ class _Sweep:
                 params[p.name] = p.value
             else:
                 text = row.params.get(p.name, "")
-                params[p.name] = next((v for v in p.values if str(v) == text), text) if p.kind == "categorical" \
+                params[p.name] = (
+                    next((v for v in p.values if str(v) == text), text)
+                    if p.kind == "categorical"
                     else (int(text) if p.kind == "int_uniform" else float(text))
+                )
         return params
 
     def _layers(self, run_id: str) -> list[dict[str, Any]]:
@@ -762,9 +851,17 @@ def row_from_run(run: Any, metric: str, varying: list[str] | None = None) -> Tri
     bf16 = tuple(n for n in names.split(",") if n and n != "none")
     n_bf16 = int(m["n_bf16_layers"]) if "n_bf16_layers" in m else (len(bf16) if names else -1)
     return TrialRow(
-        trial=int(t.get("fp8track.trial", -1)), state=t.get("fp8track.state", "FAIL"), recipe=p.get("recipe", ""),
-        bf16_layers=p.get("bf16_layers", ""), n_bf16=n_bf16, gap=f(GAP_METRIC), fp8_flop_share=f(FLOP_SHARE_METRIC),
-        bf16_names=bf16, value=f(metric), step_time_s=f("fp8/step_time_s"), run_id=run.info.run_id,
+        trial=int(t.get("fp8track.trial", -1)),
+        state=t.get("fp8track.state", "FAIL"),
+        recipe=p.get("recipe", ""),
+        bf16_layers=p.get("bf16_layers", ""),
+        n_bf16=n_bf16,
+        gap=f(GAP_METRIC),
+        fp8_flop_share=f(FLOP_SHARE_METRIC),
+        bf16_names=bf16,
+        value=f(metric),
+        step_time_s=f("fp8/step_time_s"),
+        run_id=run.info.run_id,
         params={k: p[k] for k in (varying or [*FP8_PARAMS]) if k in p},
     )
 

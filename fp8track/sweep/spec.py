@@ -139,7 +139,9 @@ def program_options() -> set[str]:
     return {"recipe", "bf16_layers"} | {f.name for f in dataclasses.fields(TrainConfig)}
 
 
-def load_sweep(source: str | os.PathLike[str] | Mapping[str, Any], *, require_schema: bool = False) -> SweepSpec:
+def load_sweep(
+    source: str | os.PathLike[str] | Mapping[str, Any], *, require_schema: bool = False
+) -> SweepSpec:
     """Load and validate a sweep (module docstring); every problem raises :class:`ConfigError`
     naming it, before any training."""
     raw = dict(source) if isinstance(source, Mapping) else read_yaml(source)
@@ -150,7 +152,9 @@ def load_sweep(source: str | os.PathLike[str] | Mapping[str, Any], *, require_sc
         raise invalid_choice(f"{where}: method", method, METHODS, hint)
     metric = raw.get("metric")
     if not isinstance(metric, Mapping) or not metric.get("name"):
-        raise ConfigError(f"{where}: metric must be a mapping with a name, e.g. {{name: fp8/val_loss_gap, goal: minimize}}")
+        raise ConfigError(
+            f"{where}: metric must be a mapping with a name, e.g. {{name: fp8/val_loss_gap, goal: minimize}}"
+        )
     goal = metric.get("goal", "minimize")
     if goal not in GOALS:
         raise invalid_choice(f"{where}: metric goal", goal, GOALS)
@@ -164,7 +168,9 @@ def load_sweep(source: str | os.PathLike[str] | Mapping[str, Any], *, require_sc
     if method == "grid":
         loose = [p.name for p in params if p.kind not in ("constant", "categorical")]
         if loose:
-            raise ConfigError(f"{where}: method 'grid' needs a values list for every parameter; not for: {', '.join(loose)}")
+            raise ConfigError(
+                f"{where}: method 'grid' needs a values list for every parameter; not for: {', '.join(loose)}"
+            )
     hyperband = _hyperband(raw.get("early_terminate"), where)
     # Our rules first (their messages name the parameter), then the W&B schema for the rest.
     violations = schema_violations(raw)
@@ -193,12 +199,18 @@ def _params(section: Any, where: str, example: bool) -> tuple[Param, ...]:
         if not NAME_RE.match(name):
             raise ConfigError(f"{where}: parameter name {name!r} must match {NAME_RE.pattern}")
         if not isinstance(body, Mapping):
-            raise ConfigError(f"{where}: parameter {name!r} must be a mapping (value, values or min/max), got {body!r}")
+            raise ConfigError(
+                f"{where}: parameter {name!r} must be a mapping (value, values or min/max), got {body!r}"
+            )
         if "parameters" in body:
-            raise ConfigError(f"{where}: parameter {name!r} is nested; the sweeps engine drops nested parameters "
-                              "silently, use flat names (recipe, bf16_layers)")
+            raise ConfigError(
+                f"{where}: parameter {name!r} is nested; the sweeps engine drops nested parameters "
+                "silently, use flat names (recipe, bf16_layers)"
+            )
         if options is not None and name not in options:
-            raise invalid_choice(f"{where}: parameter (not an option of the sweep program)", name, sorted(options))
+            raise invalid_choice(
+                f"{where}: parameter (not an option of the sweep program)", name, sorted(options)
+            )
         out.append(_param(name, body, where, example))
     names = {p.name for p in out}
     for required in ("recipe", "bf16_layers"):
@@ -227,8 +239,13 @@ def _param(name: str, body: Mapping[str, Any], where: str, example: bool) -> Par
         p = Param(name, "categorical", values=tuple(values))
     else:
         low, high = body.get("min"), body.get("max")
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (low, high)) or not low < high:
-            raise ConfigError(f"{where}: parameter {name!r} needs numbers min < max, got min={low!r} max={high!r}")
+        if (
+            not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (low, high))
+            or not low < high
+        ):
+            raise ConfigError(
+                f"{where}: parameter {name!r} needs numbers min < max, got min={low!r} max={high!r}"
+            )
         default = "int_uniform" if isinstance(low, int) and isinstance(high, int) else "uniform"
         dist = body.get("distribution", default)
         if dist not in DISTRIBUTIONS[2:]:
@@ -278,8 +295,12 @@ def _hyperband(section: Any, where: str) -> Hyperband | None:
     eta = section.get("eta", 3)
     min_iter, max_iter, s = section.get("min_iter"), section.get("max_iter"), section.get("s")
     for key, v in (("eta", eta), ("min_iter", min_iter), ("max_iter", max_iter), ("s", s)):
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < (2 if key == "eta" else 1)):
-            raise ConfigError(f"{where}: early_terminate {key} must be an integer >= {2 if key == 'eta' else 1}, got {v!r}")
+        if v is not None and (
+            not isinstance(v, int) or isinstance(v, bool) or v < (2 if key == "eta" else 1)
+        ):
+            raise ConfigError(
+                f"{where}: early_terminate {key} must be an integer >= {2 if key == 'eta' else 1}, got {v!r}"
+            )
     if min_iter is None:
         if max_iter is None or s is None:
             raise ConfigError(f"{where}: hyperband needs min_iter, or max_iter together with s")
@@ -287,4 +308,13 @@ def _hyperband(section: Any, where: str) -> Hyperband | None:
     return Hyperband(min_iter=min_iter, eta=eta, max_iter=max_iter)
 
 
-__all__ = ["METHODS", "EXAMPLE_PROGRAMS", "Param", "Hyperband", "SweepSpec", "load_sweep", "read_yaml", "schema_violations"]
+__all__ = [
+    "METHODS",
+    "EXAMPLE_PROGRAMS",
+    "Param",
+    "Hyperband",
+    "SweepSpec",
+    "load_sweep",
+    "read_yaml",
+    "schema_violations",
+]

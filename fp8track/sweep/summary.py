@@ -183,7 +183,9 @@ def judge(row: TrialRow, gaps: Mapping[int, float], control_spread: float, facto
     """
     vals = [g for g in gaps.values() if math.isfinite(g)]
     mean = statistics.fmean(vals) if vals else math.nan
-    band = tolerance(max(control_spread if math.isfinite(control_spread) else 0.0, spread(vals)), factor, floor)
+    band = tolerance(
+        max(control_spread if math.isfinite(control_spread) else 0.0, spread(vals)), factor, floor
+    )
     verdict = VERDICTS[0] if mean > band else VERDICTS[2] if mean < -band else VERDICTS[1]
     return Judged(row, dict(gaps), mean, band, verdict)
 
@@ -217,8 +219,13 @@ def apply_call(row: TrialRow) -> str:
     return f'apply_fp8(model, "{row.recipe}", bf16_layers={spec}, backend="auto")'
 
 
-def recommend(judged: Sequence[Judged], control_spread: float, factor: float = 1.0, floor: float = DEFAULT_FLOOR,
-              layers: Mapping[str, Sequence[Mapping[str, Any]]] | None = None) -> Recommendation:
+def recommend(
+    judged: Sequence[Judged],
+    control_spread: float,
+    factor: float = 1.0,
+    floor: float = DEFAULT_FLOOR,
+    layers: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
+) -> Recommendation:
     """The cheapest finalist not worse than BF16 beyond noise (module docstring). ``layers`` maps a
     run id to its layer table (for the torchao information)."""
     tol = tolerance(control_spread, factor, floor)
@@ -227,7 +234,9 @@ def recommend(judged: Sequence[Judged], control_spread: float, factor: float = 1
         closest = min(judged, key=lambda j: j.mean_gap, default=None)
         reason = ("every finalist is worse than the BF16 control beyond the noise band"
                   if judged else "no trial finished") + "; keep more layers in BF16 or try other recipes"
-        return Recommendation(None, tol, control_spread, reason, closest.row if closest else None, tuple(judged))
+        return Recommendation(
+            None, tol, control_spread, reason, closest.row if closest else None, tuple(judged)
+        )
     best = ok[0]
     r = best.row
     seeds = len(best.gaps)
@@ -240,10 +249,24 @@ def recommend(judged: Sequence[Judged], control_spread: float, factor: float = 1
     if table:
         small = torchao_small(table, r.recipe)
         if small:
-            info = (f"information: torchao's auto filter would also keep {len(small)} of the FP8 layers in BF16 "
-                    f"as too small to run faster in FP8 on H100: {', '.join(small[:6])}{' ...' if len(small) > 6 else ''}",)
-    return Recommendation(r, tol, control_spread, reason, None, tuple(judged), best.verdict, best.mean_gap, best.band,
-                          apply_call(r), {"recipe": r.recipe, "bf16_layers": r.bf16_layers}, info)
+            info = (
+                f"information: torchao's auto filter would also keep {len(small)} of the FP8 layers in BF16 "
+                f"as too small to run faster in FP8 on H100: {', '.join(small[:6])}{' ...' if len(small) > 6 else ''}",
+            )
+    return Recommendation(
+        r,
+        tol,
+        control_spread,
+        reason,
+        None,
+        tuple(judged),
+        best.verdict,
+        best.mean_gap,
+        best.band,
+        apply_call(r),
+        {"recipe": r.recipe, "bf16_layers": r.bf16_layers},
+        info,
+    )
 
 
 def pareto_front(rows: Sequence[TrialRow]) -> list[TrialRow]:
@@ -254,12 +277,27 @@ def pareto_front(rows: Sequence[TrialRow]) -> list[TrialRow]:
     def cost(r: TrialRow) -> float:
         return -r.fp8_flop_share if math.isfinite(r.fp8_flop_share) else float(r.n_bf16)
 
-    front = [r for r in done
-             if not any(cost(o) <= cost(r) and o.gap <= r.gap and (cost(o) < cost(r) or o.gap < r.gap) for o in done)]
+    front = [
+        r
+        for r in done
+        if not any(
+            cost(o) <= cost(r) and o.gap <= r.gap and (cost(o) < cost(r) or o.gap < r.gap) for o in done
+        )
+    ]
     return sorted(front, key=lambda r: (cost(r), r.gap))
 
 
-TABLE_COLUMNS = ("trial", "state", "recipe", "bf16_layers", "fp8_flop_share", "gap", "n_bf16", "value", "run_id")
+TABLE_COLUMNS = (
+    "trial",
+    "state",
+    "recipe",
+    "bf16_layers",
+    "fp8_flop_share",
+    "gap",
+    "n_bf16",
+    "value",
+    "run_id",
+)
 
 
 def summary_table(rows: Sequence[TrialRow]) -> dict[str, list[Any]]:
@@ -300,10 +338,24 @@ def pareto_figure(rows: Sequence[TrialRow], rec: Recommendation) -> Any:
     if len(front) > 1:
         ax.plot([x(r) for r in front], [r.gap for r in front], "k--", lw=1, label="Pareto front", zorder=2)
     for r in done + pruned:
-        ax.annotate(f"{r.trial}: {r.bf16_layers}", (x(r), r.gap), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.annotate(
+            f"{r.trial}: {r.bf16_layers}",
+            (x(r), r.gap),
+            textcoords="offset points",
+            xytext=(4, 4),
+            fontsize=7,
+        )
     if rec.trial is not None:
-        ax.scatter([x(rec.trial)], [rec.trial.gap], s=260, facecolors="none", edgecolors="red", lw=2, zorder=4,
-                   label=f"recommended: trial {rec.trial.trial}")
+        ax.scatter(
+            [x(rec.trial)],
+            [rec.trial.gap],
+            s=260,
+            facecolors="none",
+            edgecolors="red",
+            lw=2,
+            zorder=4,
+            label=f"recommended: trial {rec.trial.trial}",
+        )
     if use_share:
         ax.set_xlabel("GEMM FLOPs in FP8 (%)")
     else:
@@ -334,8 +386,10 @@ def format_text(rows: Sequence[TrialRow], rec: Recommendation) -> str:
         lines.append("Finalists (paired gaps on the control's seeds):")
         for j in rec.finalists:
             gaps = ", ".join(f"seed {s}: {g:+.4f}" for s, g in sorted(j.gaps.items()))
-            lines.append(f"  trial {j.row.trial} {j.row.recipe} / {j.row.bf16_layers}: mean {j.mean_gap:+.4f} "
-                         f"(+-{j.band:.4f}) -> {j.verdict}  [{gaps}]")
+            lines.append(
+                f"  trial {j.row.trial} {j.row.recipe} / {j.row.bf16_layers}: mean {j.mean_gap:+.4f} "
+                f"(+-{j.band:.4f}) -> {j.verdict}  [{gaps}]"
+            )
     if rec.trial is not None:
         t = rec.trial
         lines.append(f"Recommendation: recipe {t.recipe}, bf16_layers {t.bf16_layers} (trial {t.trial})")

@@ -74,15 +74,24 @@ def validate_tracker_spec(spec: Any) -> None:
     if spec is None or (isinstance(spec, str) and spec in ("auto", "none", *TRACKER_NAMES)):
         return
     if isinstance(spec, str):
-        raise invalid_choice("tracker spec", spec, ("auto", "none", *TRACKER_NAMES), "Or pass a list of names / Tracker objects")
+        raise invalid_choice(
+            "tracker spec",
+            spec,
+            ("auto", "none", *TRACKER_NAMES),
+            "Or pass a list of names / Tracker objects",
+        )
     if not isinstance(spec, Sequence):
-        raise ConfigError(f"tracker spec must be 'auto', 'none' or a list of names / Tracker objects, got {spec!r}")
+        raise ConfigError(
+            f"tracker spec must be 'auto', 'none' or a list of names / Tracker objects, got {spec!r}"
+        )
     for item in spec:
         if not isinstance(item, Tracker) and (not isinstance(item, str) or item not in TRACKER_NAMES):
             raise invalid_choice("tracker", item, TRACKER_NAMES, "Or pass a Tracker object")
 
 
-def make_trackers(spec: str | Sequence[str | Tracker] | None, loggers: Sequence[Any] = (), **options: Any) -> list[Tracker]:
+def make_trackers(
+    spec: str | Sequence[str | Tracker] | None, loggers: Sequence[Any] = (), **options: Any
+) -> list[Tracker]:
     """Resolve a tracker spec.
 
     Args:
@@ -106,7 +115,10 @@ def make_trackers(spec: str | Sequence[str | Tracker] | None, loggers: Sequence[
     wanted = {i for i in items if isinstance(i, str)}
     for name in sorted(wanted):
         if not any(logger_kind(lg) == name for lg in loggers):
-            logger_cls, tracker_cls = {"wandb": ("WandbLogger", "WandbTracker"), "mlflow": ("MLFlowLogger", "MLflowTracker")}[name]
+            logger_cls, tracker_cls = {
+                "wandb": ("WandbLogger", "WandbTracker"),
+                "mlflow": ("MLFlowLogger", "MLflowTracker"),
+            }[name]
             raise ConfigError(
                 f"tracker {name!r} was requested but trainer.loggers has no {logger_cls}; add one to the "
                 f"Trainer, or pass a tracker object such as fp8track.trackers.{name}.{tracker_cls}(...)"

@@ -79,7 +79,12 @@ def rows_from_scalars(metrics: Mapping[str, Mapping[int, float]]) -> list[Tensor
     cells: dict[tuple[int, str, str], dict[str, float]] = {}
     for name, series in metrics.items():
         parts = name.split("/")
-        if len(parts) < 4 or parts[0] != naming.PREFIX or parts[-2] not in TENSOR_KINDS or parts[-1] not in STAT_NAMES:
+        if (
+            len(parts) < 4
+            or parts[0] != naming.PREFIX
+            or parts[-2] not in TENSOR_KINDS
+            or parts[-1] not in STAT_NAMES
+        ):
             continue
         layer = "/".join(parts[1:-2])
         for step, v in series.items():
@@ -460,13 +465,20 @@ class TrackerFanout:
             what = "tables"
         elif isinstance(exc, ScalarsNotWritten):
             what = "scalars"
-        entry = {"step": step, "what": what, "error": redact(f"{type(exc).__name__}: {exc}")[:2000], "time": time.time()}
+        entry = {
+            "step": step,
+            "what": what,
+            "error": redact(f"{type(exc).__name__}: {exc}")[:2000],
+            "time": time.time(),
+        }
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(entry) + "\n")
         except OSError as os_exc:  # even the local record failed: say so, still never raise
-            warnings.warn(f"fp8track: could not record a missed step in {path}: {os_exc}", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"fp8track: could not record a missed step in {path}: {os_exc}", RuntimeWarning, stacklevel=3
+            )
         if tracker.name not in self._warned:
             self._warned.add(tracker.name)
             warnings.warn(

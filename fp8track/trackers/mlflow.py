@@ -119,7 +119,9 @@ class HeatmapSummary:
         self._fill = 0  # sampled steps in the last column so far
         self._last = -1  # largest step seen
         self.labels: dict[str, None] = {}
-        self.cells: dict[tuple[str, str, int], tuple[int, float]] = {}  # (stat, label, start) -> (step, value)
+        self.cells: dict[
+            tuple[str, str, int], tuple[int, float]
+        ] = {}  # (stat, label, start) -> (step, value)
 
     def _column(self, step: int) -> int:
         """The start of the column ``step`` belongs to (opening or merging columns as needed)."""
@@ -252,7 +254,10 @@ class TableSpool:
                 with self.path.open(encoding="utf-8") as src:
                     shutil.copyfileobj(src, out)
         tmp.replace(self.path)
-        self._widths = [(0, 0), *((first + n, w) for first, w in self._widths)]  # prepended rows: parsed on export
+        self._widths = [
+            (0, 0),
+            *((first + n, w) for first, w in self._widths),
+        ]  # prepended rows: parsed on export
         self.rows += n
         self.written += n
 
@@ -473,11 +478,15 @@ class MLflowTracker(QueuedTracker):
         self._keys: dict[str, str] = {}  # raw name -> sanitised key (names repeat every step)
         self._heatmap = HeatmapSummary(self.heatmap_stats, heatmap_columns)
         self._own_spool_dir = spool_dir is None
-        self._spool_dir = Path(tempfile.mkdtemp(prefix="fp8track-mlflow-") if spool_dir is None else spool_dir)
+        self._spool_dir = Path(
+            tempfile.mkdtemp(prefix="fp8track-mlflow-") if spool_dir is None else spool_dir
+        )
         if self._own_spool_dir:  # removed by finish, else when the tracker is collected or at exit
             weakref.finalize(self, shutil.rmtree, self._spool_dir, True)
         self._stats_table = TableSpool(self._spool_dir, f"{naming.TABLE_TENSOR_STATS}.json")
-        self._event_tables = {key: TableSpool(self._spool_dir, f"{key}.json", EVENT_COLUMNS) for key in EVENT_TABLES.values()}
+        self._event_tables = {
+            key: TableSpool(self._spool_dir, f"{key}.json", EVENT_COLUMNS) for key in EVENT_TABLES.values()
+        }
         # Tables an existing run may already hold (rows logged before a resume or by a replay),
         # read once before the first write; a run this tracker creates has none.
         self._unseeded = set() if self.own_run else {t.name for t in self._tables()}
@@ -589,7 +598,9 @@ class MLflowTracker(QueuedTracker):
             # The step's scalars arrived; its rows and events stay buffered and go out with the next
             # table write (a failure of the final one, in finish, is recorded per step). Re-sending
             # the step would duplicate them, so this is a notice, not a failure.
-            self._notice(f"table write at step {step} failed ({type(exc).__name__}: {str(exc)[:300]}); rows stay buffered")
+            self._notice(
+                f"table write at step {step} failed ({type(exc).__name__}: {str(exc)[:300]}); rows stay buffered"
+            )
 
     def _tag_worst(self, ev: EventRecord) -> None:
         d = ev.data
@@ -603,7 +614,9 @@ class MLflowTracker(QueuedTracker):
         from mlflow.entities import RunTag
 
         self.client.log_batch(
-            self._ensure_run(), tags=[RunTag(k, redact(v)[:MAX_TAG_VALUE_LEN]) for k, v in tags.items()], synchronous=True
+            self._ensure_run(),
+            tags=[RunTag(k, redact(v)[:MAX_TAG_VALUE_LEN]) for k, v in tags.items()],
+            synchronous=True,
         )
 
     def _spool_tensor_rows(self, rows: Sequence[TensorStatsRow]) -> None:
@@ -690,7 +703,11 @@ def _table_rows(client: Any, run_id: str) -> list[TensorStatsRow]:
         d = dict(zip(cols, row, strict=False))
         stats = {k: float(v) for k, v in d.items() if k not in TENSOR_KEY_COLUMNS
                  and isinstance(v, (int, float)) and not isinstance(v, bool)}
-        out.append(TensorStatsRow(int(d["step"]), str(d["layer"]), str(d["tensor"]), stats, str(d.get("variant", "actual"))))
+        out.append(
+            TensorStatsRow(
+                int(d["step"]), str(d["layer"]), str(d["tensor"]), stats, str(d.get("variant", "actual"))
+            )
+        )
     return out
 
 

@@ -74,7 +74,9 @@ TE_RECIPE_VARIANTS = {
 
 _NAME_RE = re.compile(r"^(?P<layer>.+)_(?P<tensor>" + "|".join(TE_TENSORS) + r")_(?P<stat>.+)$")
 # Longest prefix first: "fp8_delayed_scaling" must not be read as an unprefixed stat.
-_PREFIX_RE = re.compile(r"^(?P<recipe>" + "|".join(sorted(TE_RECIPE_VARIANTS, key=len, reverse=True)) + r")_(?P<rest>.+)$")
+_PREFIX_RE = re.compile(
+    r"^(?P<recipe>" + "|".join(sorted(TE_RECIPE_VARIANTS, key=len, reverse=True)) + r")_(?P<rest>.+)$"
+)
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,9 @@ def step_batches(run_dir: str | os.PathLike[str]) -> dict[int, StepBatch]:
         events.setdefault(int(ev.step), []).append(ev)
     steps = sorted(set(metrics) | set(rows) | set(events))
     return {
-        s: StepBatch(step=s, metrics=metrics.get(s, {}), tensor_rows=rows.get(s, ()), events=events.get(s, ()))
+        s: StepBatch(
+            step=s, metrics=metrics.get(s, {}), tensor_rows=rows.get(s, ()), events=events.get(s, ())
+        )
         for s in steps
         if s >= 0
     }
@@ -141,7 +143,10 @@ def _rewrite_missed(
     """Keep old entries not attempted now, plus this replay's failures; remove the file if empty."""
     keep = [e for e in old if e.get("step") is not None and int(e["step"]) not in attempted]
     now = time.time()
-    keep += [{"step": s, "what": "replay", "error": err, "time": now} for s, err in sorted(failed.items(), key=lambda kv: -1 if kv[0] is None else kv[0])]
+    keep += [
+        {"step": s, "what": "replay", "error": err, "time": now}
+        for s, err in sorted(failed.items(), key=lambda kv: -1 if kv[0] is None else kv[0])
+    ]
     path = missed_path(run_dir, name)
     if not keep:
         path.unlink(missing_ok=True)
@@ -206,7 +211,11 @@ def _cmd_sync(args: argparse.Namespace) -> int:
             run_id=args.wandb_run_id, tracker_name=args.wandb_name, background=False,
         )
         n = replay(run_dir, tracker, only_missed=args.wandb_run_id is not None and not args.all)
-        report["wandb"] = {"run_dir": str(tracker.run.dir), "steps": n, "still_missed": missed_steps(run_dir, tracker.name)}
+        report["wandb"] = {
+            "run_dir": str(tracker.run.dir),
+            "steps": n,
+            "still_missed": missed_steps(run_dir, tracker.name),
+        }
     print(json.dumps(report, indent=2))
     return 0
 
@@ -220,12 +229,18 @@ def add_subparser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("run_dir", help="fp8track run directory (holds meta.json, metrics.jsonl, ...)")
     p.add_argument("--mlflow-uri", help="MLflow tracking URI, e.g. sqlite:///mlflow.db or http://127.0.0.1:5000")
-    p.add_argument("--mlflow-run-id", help="existing run to complete (default: the run already tagged with this "
-                   "run directory's fp8track.run_id, else a new run with every step)")
+    p.add_argument(
+        "--mlflow-run-id",
+        help="existing run to complete (default: the run already tagged with this "
+        "run directory's fp8track.run_id, else a new run with every step)",
+    )
     p.add_argument("--mlflow-experiment", default="fp8track", help="experiment for a new MLflow run")
     p.add_argument("--mlflow-name", default="mlflow", help="tracker name whose missed file to read")
     p.add_argument("--wandb-dir", help="directory for a new W&B run (upload it later with `wandb sync`)")
-    p.add_argument("--wandb-run-id", help="existing online run to resume and complete (default: a new run with every step)")
+    p.add_argument(
+        "--wandb-run-id",
+        help="existing online run to resume and complete (default: a new run with every step)",
+    )
     p.add_argument("--wandb-project", default="fp8track")
     p.add_argument("--wandb-mode", default="offline", choices=("online", "offline"))
     p.add_argument("--wandb-name", default="wandb", help="tracker name whose missed file to read")

@@ -207,7 +207,9 @@ class WandbTracker(QueuedTracker):
         table = self._table(naming.TABLE_TENSOR_STATS, [*TENSOR_KEY_COLUMNS, *self._stat_columns])
         for r in rows:
             stats = r.stats
-            table.add_data(int(r.step), r.layer, r.tensor, r.variant, *(_num(stats.get(c)) for c in self._stat_columns))
+            table.add_data(
+                int(r.step), r.layer, r.tensor, r.variant, *(_num(stats.get(c)) for c in self._stat_columns)
+            )
         self._pending.add(naming.TABLE_TENSOR_STATS)
 
     def _add_events(self, events: Sequence[EventRecord]) -> None:
@@ -231,7 +233,9 @@ class WandbTracker(QueuedTracker):
             level = str(d.get("level", "WARN")).upper()
             if level not in ALERT_LEVELS:
                 level = "WARN"
-            self._ensure_run().alert(title=title, text=str(d.get("text", title)), level=level, wait_duration=self.alert_wait_s)
+            self._ensure_run().alert(
+                title=title, text=str(d.get("text", title)), level=level, wait_duration=self.alert_wait_s
+            )
             self._last_alert[title] = now
             self.alerts_sent += 1
 
@@ -415,4 +419,6 @@ def read_wandb_run(wandb_file: Path, step_metric: str = DEFAULT_STEP_METRIC) -> 
             value = _history_value(v)
             if not k.startswith("_") and value is not None and k != step_metric:
                 metrics.setdefault(k, {})[int(step)] = value
-    return StoredRun(str(wandb_file.parent), metrics, rows_from_scalars(metrics), _run_config(wandb_file, records))
+    return StoredRun(
+        str(wandb_file.parent), metrics, rows_from_scalars(metrics), _run_config(wandb_file, records)
+    )

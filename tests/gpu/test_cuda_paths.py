@@ -105,7 +105,12 @@ def test_monitor_on_a_torchao_model_records_what_the_reference_computes(tmp_path
     mon.close()
     rows = list(RunReader(mon.run_dir).tensor_stats())
     assert sorted({r.step for r in rows}) == [0, 2, 4]
-    expected = {(s, layer, t) for s in (0, 2, 4) for layer in report.fp8_layers for t in ("activation", "weight", "gradient")}
+    expected = {
+        (s, layer, t)
+        for s in (0, 2, 4)
+        for layer in report.fp8_layers
+        for t in ("activation", "weight", "gradient")
+    }
     assert {(r.step, r.layer, r.tensor) for r in rows} == expected
     assert {r.variant for r in rows} == {"actual"}
     row = next(r for r in rows if r.step == 2 and r.layer == "0" and r.tensor == "activation")

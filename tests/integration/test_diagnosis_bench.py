@@ -20,7 +20,12 @@ import diagnosis_bench as bench  # noqa: E402
 def test_ci_subset_plants_materialise_and_are_scored(tmp_path, record_property):
     result = bench.run("ci", cache=tmp_path / "cache", jobs=2)
     rows = result["scenarios"]
-    assert {r["expected_kind"] for r in rows} >= {"healthy", "shared_spikes", "fp8_only_spikes", "mid_training_gap"}
+    assert {r["expected_kind"] for r in rows} >= {
+        "healthy",
+        "shared_spikes",
+        "fp8_only_spikes",
+        "mid_training_gap",
+    }
     for r in rows:
         gt = r["ground_truth"]
         # The ground truth: every planted phenomenon happened, and the plant left the BF16 model alone.
@@ -48,5 +53,7 @@ def test_ci_subset_plants_materialise_and_are_scored(tmp_path, record_property):
     print(json.dumps({k: t[k] for k in t if k != "by_kind"}, indent=1))
     # A rerun reads every run back from the cache and diagnoses again: the same answers.
     again = bench.run("ci", cache=tmp_path / "cache", jobs=1)
-    assert [r["diagnosis"]["findings"] for r in again["scenarios"]] == [r["diagnosis"]["findings"] for r in rows]
+    assert [r["diagnosis"]["findings"] for r in again["scenarios"]] == [
+        r["diagnosis"]["findings"] for r in rows
+    ]
     assert again["seconds"]["train_or_cache"] < result["seconds"]["train_or_cache"]

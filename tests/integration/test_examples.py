@@ -20,7 +20,9 @@ def _load(name: str):
 
 
 def test_plain_loop_with_monitor(tmp_path):
-    summary = _load("plain_loop").main(["--steps", "4", "--every-n-steps", "2", "--log-dir", str(tmp_path / "runs")])
+    summary = _load("plain_loop").main(
+        ["--steps", "4", "--every-n-steps", "2", "--log-dir", str(tmp_path / "runs")]
+    )
     reader = RunReader(summary["run_dir"])
     assert sorted(reader.series()) == [0, 1, 2, 3]
     assert summary["final_loss"] == reader.series()[3]
@@ -34,7 +36,9 @@ def test_lightning_with_wandb_and_mlflow(tmp_path, capfd):
     from mlflow import MlflowClient
 
     out = tmp_path / "runs"
-    summary = _load("lightning_wandb_mlflow").main(["--steps", "4", "--every-n-steps", "2", "--out", str(out)])
+    summary = _load("lightning_wandb_mlflow").main(
+        ["--steps", "4", "--every-n-steps", "2", "--out", str(out)]
+    )
     printed = capfd.readouterr()
     assert printed.out.startswith("recipe=") and '"worst_layers"' in printed.out  # fp8track's output
     for chatter in ("GPU available", "Tip:", "wandb:", "alembic", "anonymous"):  # not the libraries'

@@ -36,8 +36,15 @@ class _Manual(L.LightningModule):
 
 def test_manual_optimisation_without_a_loss_is_no_alarm_and_does_not_stop(tmp_path):
     mon = FP8Monitor(every_n_steps=5, trackers="none", log_dir=tmp_path, on_spike="stop")
-    trainer = L.Trainer(accelerator="cpu", max_steps=STEPS, logger=False, callbacks=[mon], enable_checkpointing=False,
-                        enable_model_summary=False, enable_progress_bar=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=STEPS,
+        logger=False,
+        callbacks=[mon],
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+    )
     trainer.fit(_Manual())
     assert trainer.global_step == STEPS  # on_spike="stop" did not stop it
     reader = RunReader(mon.run_dir)

@@ -35,7 +35,9 @@ def _plain(tmp_path, name, model, recipe, loss_fn, vocab):
     """A plain loop: apply_fp8, fp8track.Monitor, STEPS optimizer steps; returns the run directory."""
     torch.manual_seed(0)
     fp8track.apply_fp8(model, recipe)
-    mon = fp8track.Monitor(model, {"every_n_steps": EVERY}, log_dir=tmp_path / name, meta=run_meta_for(model, name)).attach()
+    mon = fp8track.Monitor(
+        model, {"every_n_steps": EVERY}, log_dir=tmp_path / name, meta=run_meta_for(model, name)
+    ).attach()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for x, y in _batches(vocab):
         loss = loss_fn(model, x, y)
@@ -56,14 +58,34 @@ def _hf(tmp_path, name, family, recipe):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     if family == "llama":
-        cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ)
+        cfg = transformers.LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+        )
         model = transformers.LlamaForCausalLM(cfg)
     else:
-        cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=2, max_position_embeddings=SEQ)
+        cfg = transformers.BertConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=SEQ,
+        )
         model = transformers.BertForMaskedLM(cfg)
-    return _plain(tmp_path, name, model, recipe, lambda m, x, y: m(input_ids=x.contiguous(), labels=y.contiguous()).loss, 64)
+    return _plain(
+        tmp_path,
+        name,
+        model,
+        recipe,
+        lambda m, x, y: m(input_ids=x.contiguous(), labels=y.contiguous()).loss,
+        64,
+    )
 
 
 def _lightning(tmp_path, name, recipe):
@@ -102,10 +124,30 @@ def test_swapped_runs_are_refused_saying_so(runs):
     d = diagnose(ctl, fp8)  # from Python: one mismatched_runs finding, never a verdict
     assert d.kinds() == ["mismatched_runs"] and d.top.text == m.message and d.layer_ranking == ()
     # both in FP8, or both in BF16: the one that is wrong is named
-    assert check_pairing(fp8, dataclasses.replace(fp8, source="other", meta={**fp8.meta, "run_id": "x"},
-                                                  metrics={"loss": {0: 1.0, 1: 2.0, 2: 3.0}})).kind == "control_not_bf16"
-    assert check_pairing(ctl, dataclasses.replace(ctl, source="other", meta={**ctl.meta, "run_id": "x"},
-                                                  metrics={"loss": {0: 1.0, 1: 2.0, 2: 3.0}})).kind == "not_fp8"
+    assert (
+        check_pairing(
+            fp8,
+            dataclasses.replace(
+                fp8,
+                source="other",
+                meta={**fp8.meta, "run_id": "x"},
+                metrics={"loss": {0: 1.0, 1: 2.0, 2: 3.0}},
+            ),
+        ).kind
+        == "control_not_bf16"
+    )
+    assert (
+        check_pairing(
+            ctl,
+            dataclasses.replace(
+                ctl,
+                source="other",
+                meta={**ctl.meta, "run_id": "x"},
+                metrics={"loss": {0: 1.0, 1: 2.0, 2: 3.0}},
+            ),
+        ).kind
+        == "not_fp8"
+    )
 
 
 def test_the_same_run_twice_is_refused(runs, tmp_path):
@@ -150,7 +192,9 @@ def test_a_lightning_run_pairs_with_a_plain_loop_control(runs):
     assert "blocks.0.attn.qkv" in {r.layer for r in lit.tensor_rows}
     assert check_pairing(lit, ctl) is None
     # records written before the names were canonical (a `model.` prefix) are aligned by the pairing
-    old = dataclasses.replace(lit, tensor_rows=[dataclasses.replace(r, layer="model." + r.layer) for r in lit.tensor_rows])
+    old = dataclasses.replace(
+        lit, tensor_rows=[dataclasses.replace(r, layer="model." + r.layer) for r in lit.tensor_rows]
+    )
     assert check_pairing(old, ctl) is None
     a, c = align_runs(old, ctl)
     assert {r.layer for r in a.tensor_rows} == {r.layer for r in c.tensor_rows}
@@ -160,9 +204,25 @@ def test_a_lightning_run_pairs_with_a_plain_loop_control(runs):
 
 
 def test_cli_prints_one_line_and_exits_2_on_a_mismatch(runs, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "fp8track.cli", "diagnose", str(runs["control"]), "--baseline",
-                           str(runs["fp8"]), "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fp8track.cli",
+            "diagnose",
+            str(runs["control"]),
+            "--baseline",
+            str(runs["fp8"]),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("fp8track diagnose: error: the runs are swapped"), proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("fp8track diagnose: error: the runs are swapped"), (
+        proc.stderr
+    )
     assert not (tmp_path / "out" / "report.html").exists()

@@ -43,8 +43,15 @@ def _eager_stats(monkeypatch) -> None:
 
 
 def sweep_yaml(tmp_path: Path, name: str, program: Path = QUAD, method: str = "grid", **params) -> Path:
-    body = {"name": name, "program": str(program), "method": method, "metric": {"name": "val/loss", "goal": "minimize"},
-            "parameters": {k: ({"values": v} if isinstance(v, list) else {"value": v}) for k, v in params.items()}}
+    body = {
+        "name": name,
+        "program": str(program),
+        "method": method,
+        "metric": {"name": "val/loss", "goal": "minimize"},
+        "parameters": {
+            k: ({"values": v} if isinstance(v, list) else {"value": v}) for k, v in params.items()
+        },
+    }
     p = tmp_path / f"{name}.yaml"
     p.write_text(yaml.safe_dump(body, sort_keys=False))
     return p
@@ -63,7 +70,9 @@ def runs(out: Path, name: str, role: str = "trial"):
 
     client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
     exp_id, parent = find_parent(client, name)
-    found = client.search_runs([exp_id], filter_string=f"tags.mlflow.parentRunId = '{parent}' and tags.`fp8track.role` = '{role}'")
+    found = client.search_runs(
+        [exp_id], filter_string=f"tags.mlflow.parentRunId = '{parent}' and tags.`fp8track.role` = '{role}'"
+    )
     return client, exp_id, parent, sorted(found, key=lambda r: int(r.data.tags.get("fp8track.trial", -1)))
 
 
@@ -78,8 +87,12 @@ def test_program_runs_as_subprocesses_reproducibly_and_reuses_results(tmp_path: 
     """Same YAML and --seed twice: the same trials and recommendation. The program (not the
     executor) wrote each child run's metric. A second sweep of the same program and parameters in
     the same store trains nothing: every trial and the control come from the cache."""
-    params = dict(recipe=["current", "mxfp8", "delayed"], bf16_layers=["none", "first:1", "last:1", "first_last"],
-                  steps=3, seed=0)
+    params = dict(
+        recipe=["current", "mxfp8", "delayed"],
+        bf16_layers=["none", "first:1", "last:1", "first_last"],
+        steps=3,
+        seed=0,
+    )
     path = sweep_yaml(tmp_path, "repro", method="random", **params)
     args = ["--trials", "3", "--seed", "5", "--finalists", "1", "--control-seeds", "2"]
     assert cli(str(path), "--out", str(tmp_path / "a"), *args) == 0
@@ -92,9 +105,16 @@ def test_program_runs_as_subprocesses_reproducibly_and_reuses_results(tmp_path: 
     assert client.get_experiment(exp_id).tags["mlflow.experimentKind"] == "custom_model_development"
     for r in found:
         history = client.get_metric_history(r.info.run_id, "val/loss")
-        assert [m.step for m in sorted(history, key=lambda m: m.step)] == [0, 1, 2]  # the program's three values
+        assert [m.step for m in sorted(history, key=lambda m: m.step)] == [
+            0,
+            1,
+            2,
+        ]  # the program's three values
         assert str(QUAD) in r.data.tags["fp8track.command"] and r.info.status == "FINISHED"
-        assert sorted(r.data.params) == ["bf16_layers", "recipe"]  # only what varies: constants are the parent's
+        assert sorted(r.data.params) == [
+            "bf16_layers",
+            "recipe",
+        ]  # only what varies: constants are the parent's
     controls = runs(tmp_path / "a", "repro", "control")[3]
     assert sorted(r.data.params["seed"] for r in controls) == ["0", "1"]
     logs = sorted((tmp_path / "a" / "logs").glob("*.log"))
@@ -109,7 +129,15 @@ def test_program_runs_as_subprocesses_reproducibly_and_reuses_results(tmp_path: 
 
 
 def test_a_metric_the_program_never_logs_is_one_error_after_the_first_run(tmp_path: Path, capsys) -> None:
-    path = sweep_yaml(tmp_path, "nometric", recipe=["current"], bf16_layers=["none", "last:1"], steps=2, metric="none", seed=0)
+    path = sweep_yaml(
+        tmp_path,
+        "nometric",
+        recipe=["current"],
+        bf16_layers=["none", "last:1"],
+        steps=2,
+        metric="none",
+        seed=0,
+    )
     out = tmp_path / "out"
     assert cli(str(path), "--trials", "2", "--out", str(out)) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
@@ -124,9 +152,20 @@ def test_pruned_trial_stops_its_program_and_shows_as_pruned(tmp_path: Path) -> N
     SIGTERM, so the executor SIGKILLs it; its run is KILLED, tagged PRUNED, named [pruned]."""
     pids = tmp_path / "pids"
     pids.mkdir()
-    path = sweep_yaml(tmp_path, "prune", recipe=["current", "delayed"], bf16_layers=["none", "last:1"], steps=6,
-                      sleep=0.6, hang=True, pid_dir=str(pids), seed=0)
-    cfg = yaml.safe_load(path.read_text()) | {"early_terminate": {"type": "hyperband", "min_iter": 1, "eta": 2, "max_iter": 4}}
+    path = sweep_yaml(
+        tmp_path,
+        "prune",
+        recipe=["current", "delayed"],
+        bf16_layers=["none", "last:1"],
+        steps=6,
+        sleep=0.6,
+        hang=True,
+        pid_dir=str(pids),
+        seed=0,
+    )
+    cfg = yaml.safe_load(path.read_text()) | {
+        "early_terminate": {"type": "hyperband", "min_iter": 1, "eta": 2, "max_iter": 4}
+    }
     path.write_text(yaml.safe_dump(cfg))
     out = tmp_path / "out"
     assert cli(str(path), "--trials", "4", "--out", str(out), "--control-seeds", "1", "--finalists", "1",
@@ -148,11 +187,37 @@ def test_pruned_trial_stops_its_program_and_shows_as_pruned(tmp_path: Path) -> N
 
 def two_workers(tmp_path: Path, name: str, storage: str | None) -> Path:
     """Two ``fp8track sweep`` processes on one study: every trial once, none failed."""
-    path = sweep_yaml(tmp_path, name, recipe=["current", "mxfp8"], bf16_layers=["none", "last:1"], steps=3, sleep=0.3, seed=0)
+    path = sweep_yaml(
+        tmp_path,
+        name,
+        recipe=["current", "mxfp8"],
+        bf16_layers=["none", "last:1"],
+        steps=3,
+        sleep=0.3,
+        seed=0,
+    )
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "fp8track.cli", "sweep", str(path), "--trials", "4", "--out", str(out), "--no-progress",
-           "--finalists", "1", "--heartbeat", "2", "--grace", "60"] + (["--storage", storage] if storage else [])
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fp8track.cli",
+        "sweep",
+        str(path),
+        "--trials",
+        "4",
+        "--out",
+        str(out),
+        "--no-progress",
+        "--finalists",
+        "1",
+        "--heartbeat",
+        "2",
+        "--grace",
+        "60",
+    ] + (["--storage", storage] if storage else [])
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)
+    ]
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     import optuna
@@ -165,8 +230,9 @@ def two_workers(tmp_path: Path, name: str, storage: str | None) -> Path:
     workers = {t.user_attrs["worker"] for t in study.get_trials() if t.state.name == "COMPLETE"}
     assert len(workers) == 2, workers  # both took part
     found = runs(out, name)[3]
-    assert sorted(r.data.tags["fp8track.trial"] for r in found) == sorted(str(t.number) for t in study.get_trials()
-                                                                         if t.state.name == "COMPLETE")
+    assert sorted(r.data.tags["fp8track.trial"] for r in found) == sorted(
+        str(t.number) for t in study.get_trials() if t.state.name == "COMPLETE"
+    )
     return out
 
 
@@ -180,8 +246,16 @@ def test_users_llama_lightning_script_is_swept(tmp_path: Path) -> None:
     """Acceptance: a script outside the package (HF Llama from a config, Lightning, FP8Monitor)
     leaves a parent and one child run per trial written by that program, auto:1 resolved from the
     sweep's own ranking, and a recommendation naming its BF16 layers."""
-    path = sweep_yaml(tmp_path, "llama", program=LLAMA, recipe=["current"], bf16_layers=["none", "auto:1", "last:1"],
-                      steps=8, val_every=4, seed=0)
+    path = sweep_yaml(
+        tmp_path,
+        "llama",
+        program=LLAMA,
+        recipe=["current"],
+        bf16_layers=["none", "auto:1", "last:1"],
+        steps=8,
+        val_every=4,
+        seed=0,
+    )
     out = tmp_path / "out"
     assert cli(str(path), "--trials", "3", "--out", str(out), "--finalists", "1") == 0
     client, _, parent, found = runs(out, "llama")
@@ -243,11 +317,17 @@ def postgres() -> Iterator[str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     db = data / "db"
-    subprocess.run([*as_user, initdb, "-D", str(db), "-U", "postgres", "--auth=trust", "-E", "UTF8"], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [*as_user, initdb, "-D", str(db), "-U", "postgres", "--auth=trust", "-E", "UTF8"],
+        check=True,
+        capture_output=True,
+    )
     opts = f"-p {port} -k {data} -c listen_addresses=127.0.0.1 -c max_connections=50"
-    subprocess.run([*as_user, pg_ctl, "-D", str(db), "-o", opts, "-l", str(data / "log"), "-w", "-t", "60", "start"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [*as_user, pg_ctl, "-D", str(db), "-o", opts, "-l", str(data / "log"), "-w", "-t", "60", "start"],
+        check=True,
+        capture_output=True,
+    )
     pid = int((db / "postmaster.pid").read_text().split()[0])
     try:
         yield f"postgresql+psycopg2://postgres@127.0.0.1:{port}/postgres"

@@ -64,7 +64,10 @@ def _train(tmp_path, name: str, fp8: bool, uri: str) -> dict:
 def test_run_dir_mlflow_and_wandb_give_the_same_losses_and_findings(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     refs = {"fp8": _train(tmp_path, "fp8", True, uri), "control": _train(tmp_path, "control", False, uri)}
-    runs = {src: {k: load_run(r[src], tracking_uri=uri) for k, r in refs.items()} for src in ("dir", "mlflow", "wandb")}
+    runs = {
+        src: {k: load_run(r[src], tracking_uri=uri) for k, r in refs.items()}
+        for src in ("dir", "mlflow", "wandb")
+    }
 
     ref_loss = {k: runs["dir"][k].metrics["fp8/loss"] for k in refs}
     for k in refs:
@@ -83,7 +86,10 @@ def test_run_dir_mlflow_and_wandb_give_the_same_losses_and_findings(tmp_path):
     # healthy steps of the pair agree within 0.5 %; the plant shows from step 30's loss on
     assert judged["dir"].lasting and 29 <= judged["dir"].onset_step <= 33, judged["dir"].to_dict()
     for src in ("mlflow", "wandb"):
-        assert (judged[src].lasting, judged[src].onset_step) == (judged["dir"].lasting, judged["dir"].onset_step)
+        assert (judged[src].lasting, judged[src].onset_step) == (
+            judged["dir"].lasting,
+            judged["dir"].onset_step,
+        )
 
     kinds = {src: diagnose(r["fp8"], r["control"]).kinds() for src, r in runs.items()}
     assert kinds["mlflow"] == kinds["dir"] == kinds["wandb"], kinds

@@ -25,7 +25,14 @@ pytestmark = pytest.mark.slow
 
 def _train(out: Path, mode: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, str(SCRIPT), str(out), mode], env=env, capture_output=True, text=True, timeout=400, cwd=out)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), str(out), mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=out,
+    )
 
 
 def _run_dir(out: Path) -> Path:
@@ -80,7 +87,9 @@ def test_sigkill_and_resume_logs_every_step_once_and_detectors_continue(tmp_path
     # under their own steps): the same points as the uninterrupted run's MLflow run.
     def history(root: Path, key: str) -> Counter[int]:
         client = mlflow.MlflowClient(f"sqlite:///{root}/mlflow.db")
-        return Counter(m.step for m in client.get_metric_history((root / "mlflow_run_id.txt").read_text(), key))
+        return Counter(
+            m.step for m in client.get_metric_history((root / "mlflow_run_id.txt").read_text(), key)
+        )
 
     for key in ("fp8/loss", "fp8/worst/mse"):
         counts = history(out, key)

@@ -79,7 +79,11 @@ def test_nonfinite_tensors_are_counted_and_the_rest_measured_over_finite_element
     assert rows[(1, "0", "weight")]["nonfinite_pct"] == 0.0
     assert rows[(2, "0", "activation")]["nonfinite_pct"] == 0.0
     # and the run-level worst reports it
-    worst = {r.step: r.metrics["fp8/worst/nonfinite_pct"] for r in RunReader(monitor.run_dir).metrics() if "fp8/worst/nonfinite_pct" in r.metrics}
+    worst = {
+        r.step: r.metrics["fp8/worst/nonfinite_pct"]
+        for r in RunReader(monitor.run_dir).metrics()
+        if "fp8/worst/nonfinite_pct" in r.metrics
+    }
     # (layer 1's input at step 1 holds the NaN/inf rows that layer 0 passed on: 3 of 4 rows)
     assert rows[(1, "1", "activation")]["nonfinite_pct"] == 75.0
     assert worst[1] == 75.0 and worst[0] == 0.0

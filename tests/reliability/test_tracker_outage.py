@@ -58,11 +58,17 @@ def test_mlflow_server_killed_and_restarted_heals_without_sync(tmp_path, monkeyp
     server = MlflowServer(tmp_path, free_port()).start()
     try:
         tracker = MLflowTracker(
-            tracking_uri=server.uri, experiment_name="outage", retry_for_s=300, retry_initial_s=0.2, retry_max_s=2,
+            tracking_uri=server.uri,
+            experiment_name="outage",
+            retry_for_s=300,
+            retry_initial_s=0.2,
+            retry_max_s=2,
             heatmap=False,
         )
         model = _model()
-        monitor = Monitor(model, MonitorConfig(every_n_steps=1), log_dir=tmp_path / "runs", trackers=[tracker])
+        monitor = Monitor(
+            model, MonitorConfig(every_n_steps=1), log_dir=tmp_path / "runs", trackers=[tracker]
+        )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             monitor.attach()
@@ -92,7 +98,9 @@ def test_mlflow_server_killed_and_restarted_heals_without_sync(tmp_path, monkeyp
             expected = [r.step for r in local if key in r.metrics]
             assert len(expected) == 30
             assert sorted(steps) == expected and set(steps.values()) == {1}, (key, steps)
-            assert {m.step: m.value for m in history} == pytest.approx({r.step: r.metrics[key] for r in local})
+            assert {m.step: m.value for m in history} == pytest.approx(
+                {r.step: r.metrics[key] for r in local}
+            )
     finally:
         server.stop()
 
@@ -133,7 +141,11 @@ def test_wandb_init_failure_leaves_training_running_and_steps_replayable(tmp_pat
     again = WandbTracker.create(project="p", dir=str(tmp_path / "second"), mode="offline", background=False)
     assert replay(monitor.run_dir, again) == 10
     assert read_missed(monitor.run_dir, "wandb") == []
-    got = Counter(h["trainer/global_step"] for h in history(inspect(_wandb_run_dir(tmp_path / "second"))) if "fp8/loss" in h)
+    got = Counter(
+        h["trainer/global_step"]
+        for h in history(inspect(_wandb_run_dir(tmp_path / "second")))
+        if "fp8/loss" in h
+    )
     local = RunReader(monitor.run_dir).series("fp8/loss")
     assert sorted(local) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
     assert got == dict.fromkeys(range(10), 1)  # every step's loss once
@@ -159,7 +171,11 @@ def test_wandb_log_failure_never_duplicates_table_rows(tmp_path, monkeypatch):
     monkeypatch.setattr(tracker.run, "log", flaky_log)
     model = _model()
     monitor = Monitor(
-        model, MonitorConfig(every_n_steps=2), log_dir=tmp_path / "runs", trackers=[tracker], meta=RunMeta(name="flaky")
+        model,
+        MonitorConfig(every_n_steps=2),
+        log_dir=tmp_path / "runs",
+        trackers=[tracker],
+        meta=RunMeta(name="flaky"),
     )
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")

@@ -65,9 +65,17 @@ def main() -> None:
 
     L.seed_everything(args.seed, verbose=False)
     vocab = 128
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.seq))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=args.hidden,
+            intermediate_size=2 * args.hidden,
+            num_hidden_layers=args.layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=args.seq,
+        )
+    )
     settings.apply(model, backend="emulated", tokens_per_step=args.batch * args.seq)
 
     train = torch.utils.data.TensorDataset(tokens(args.steps * args.batch, args.seq, vocab, seed=args.seed))

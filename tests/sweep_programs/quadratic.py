@@ -52,9 +52,14 @@ def main() -> None:
     kept = [] if args.recipe == "bf16" else KEEP[args.bf16_layers]
     fp8 = [k for k in LAYERS if k not in kept] if args.recipe != "bf16" else []
     now = int(time.time() * 1000)
-    client.log_batch(rid, metrics=[Metric("fp8_flop_share", sum(LAYERS[k] for k in fp8) / sum(LAYERS.values()), now, 0),
-                                   Metric("n_bf16_layers", float(len(kept)), now, 0)],
-                     tags=[RunTag("fp8track.bf16_layer_names", ",".join(kept) or "none")])
+    client.log_batch(
+        rid,
+        metrics=[
+            Metric("fp8_flop_share", sum(LAYERS[k] for k in fp8) / sum(LAYERS.values()), now, 0),
+            Metric("n_bf16_layers", float(len(kept)), now, 0),
+        ],
+        tags=[RunTag("fp8track.bf16_layer_names", ",".join(kept) or "none")],
+    )
     final = final_value(args.recipe, args.bf16_layers, args.seed)
     for n in range(args.steps):
         if args.metric != "none":

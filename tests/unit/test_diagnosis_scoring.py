@@ -43,7 +43,11 @@ def test_naive_rules_rank_layers_by_their_largest_actual_value():
 
 
 def test_rank_of_compares_canonical_names_and_counts_each_layer_once():
-    ranking = ["model.layers.1.mlp.up_proj", "layers.1.mlp.up_proj", "_orig_mod.model.layers.0.self_attn.q_proj"]
+    ranking = [
+        "model.layers.1.mlp.up_proj",
+        "layers.1.mlp.up_proj",
+        "_orig_mod.model.layers.0.self_attn.q_proj",
+    ]
     assert bench.rank_of(ranking, "layers.0.self_attn.q_proj") == 2  # the duplicate is one layer
     assert bench.rank_of(ranking, "model.layers.1.mlp.up_proj") == 1
     assert bench.rank_of(ranking, "lm_head") is None
@@ -58,7 +62,9 @@ def test_false_alarm_is_a_non_healthy_high_or_medium_finding():
     assert not bench.false_alarm([_finding("healthy", "info")])
     assert not bench.false_alarm([_finding("layer_outlier", "low"), _finding("healthy", "info")])
     assert bench.false_alarm([_finding("layer_outlier", "medium")])
-    assert bench.finding_layers([_finding("healthy", "info"), _finding("mid_training_gap", "high", ["x", "y"])]) == ["x", "y"]
+    assert bench.finding_layers(
+        [_finding("healthy", "info"), _finding("mid_training_gap", "high", ["x", "y"])]
+    ) == ["x", "y"]
 
 
 def test_score_row_and_totals():
@@ -110,8 +116,12 @@ def test_ground_truth_of_a_mid_training_gap(late, materialised):
 def test_ground_truth_fails_when_the_plant_reaches_the_bf16_model_or_never_acted():
     ctl = [3.0] * 100
     fp8 = [3.0] * 50 + [3.6] * 50
-    assert not ds.ground_truth(_gap_scenario(), {"loss": fp8, "plant_touches": 3}, {"loss": ctl}, {"ok": False})["materialised"]
-    assert not ds.ground_truth(_gap_scenario(), {"loss": fp8, "plant_touches": 0}, {"loss": ctl}, {"ok": True})["materialised"]
+    assert not ds.ground_truth(
+        _gap_scenario(), {"loss": fp8, "plant_touches": 3}, {"loss": ctl}, {"ok": False}
+    )["materialised"]
+    assert not ds.ground_truth(
+        _gap_scenario(), {"loss": fp8, "plant_touches": 0}, {"loss": ctl}, {"ok": True}
+    )["materialised"]
 
 
 def test_ground_truth_of_fp8_only_spikes_needs_a_calm_control():
@@ -128,14 +138,22 @@ def test_ground_truth_of_fp8_only_spikes_needs_a_calm_control():
         "accepted_kinds"] == ["fp8_only_spikes", "mid_training_gap"]
     both = list(ctl)
     both[42] = 2.8  # the control spiked there too: not FP8-only
-    assert not ds.ground_truth(sc, {"loss": fp8, "plant_touches": 4}, {"loss": both}, {"ok": True})["materialised"]
+    assert not ds.ground_truth(sc, {"loss": fp8, "plant_touches": 4}, {"loss": both}, {"ok": True})[
+        "materialised"
+    ]
 
 
 def test_scenario_set_covers_every_kind_three_families_and_both_scalings():
     scs = ds.scenarios()
     kinds = {s.expected_kind for s in scs}
-    assert kinds == {"healthy", "shared_spikes", "fp8_only_spikes", "divergence_from_start", "mid_training_gap",
-                     "downstream_drop_with_normal_loss"}
+    assert kinds == {
+        "healthy",
+        "shared_spikes",
+        "fp8_only_spikes",
+        "divergence_from_start",
+        "mid_training_gap",
+        "downstream_drop_with_normal_loss",
+    }
     assert sum(s.expected_kind == "healthy" for s in scs) >= 4
     assert {s.fp8.family for s in scs} == set(ds.FAMILIES)
     assert {s.fp8.recipe.split(":")[0] for s in scs} == {"delayed", "current"}

@@ -34,7 +34,9 @@ def _pair(seed: int, gap: float = 0.0, start: int = 180, paired: bool = True, si
 
 def test_step_noise_hand_worked() -> None:
     # diffs 1, -1, 3, 0: median 0.5, |dev| 0.5 1.5 2.5 0.5 -> MAD 1.0
-    assert step_noise(np.array([0.0, 1.0, 0.0, 3.0, 3.0]), relative=False) == pytest.approx(1.4826 / math.sqrt(2))
+    assert step_noise(np.array([0.0, 1.0, 0.0, 3.0, 3.0]), relative=False) == pytest.approx(
+        1.4826 / math.sqrt(2)
+    )
     # relative changes of 1 -> 2 -> 1 -> 2: +1, -0.5, +1: median 1, |dev| 0, 1.5, 0 -> MAD 0
     assert step_noise(np.array([1.0, 2.0, 1.0, 2.0]), relative=True) == 0.0
     assert math.isnan(step_noise(np.array([1.0, math.nan]), relative=True))
@@ -147,10 +149,20 @@ def test_fp8monitor_records_the_data_modules_fingerprint(tmp_path):
     text.write_bytes(bytes(range(256)) * 8)
     metas = []
     for name in ("a", "b"):
-        module, data, _ = build_example(n_layer=1, n_embd=16, n_head=2, block_size=16, batch_size=4, data_path=text)
+        module, data, _ = build_example(
+            n_layer=1, n_embd=16, n_head=2, block_size=16, batch_size=4, data_path=text
+        )
         mon = FP8Monitor(every_n_steps=2, trackers="none", log_dir=tmp_path / name)
-        trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, callbacks=[mon], enable_checkpointing=False,
-                            enable_model_summary=False, enable_progress_bar=False, limit_val_batches=0)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            max_steps=3,
+            logger=False,
+            callbacks=[mon],
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            enable_progress_bar=False,
+            limit_val_batches=0,
+        )
         trainer.fit(module, datamodule=data)
         metas.append(load_run(mon.run_dir).meta)
     assert metas[0]["config"]["data"] == data.data_fingerprint()

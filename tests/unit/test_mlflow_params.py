@@ -15,7 +15,10 @@ from fp8track.trackers.mlflow import applicable_recipe_fields
     ("recipe", "keys"),
     [
         ("bf16", {"name"}),
-        ("delayed:hybrid:h16:max", {"name", "fp8_format", "amax_history_len", "amax_compute_algo", "margin", "gemm"}),
+        (
+            "delayed:hybrid:h16:max",
+            {"name", "fp8_format", "amax_history_len", "amax_compute_algo", "margin", "gemm"},
+        ),
         ("current", {"name", "fp8_format", "margin", "gemm", "variant"}),
         ("mxfp8", {"name", "fp8_format", "gemm"}),
         ("block", {"name", "fp8_format", "gemm"}),
@@ -38,7 +41,9 @@ def test_monitor_run_params_in_mlflow(tmp_path: Path) -> None:
     names = [f"model.blocks.{i}.mlp.fc" for i in range(6)]
     for recipe, bf16, fp8 in (("bf16", names, []), ("current", names[:1], names[1:])):
         t = MLflowTracker(tracking_uri=uri, experiment_name="p", background=False, heatmap=False)
-        t.start(RunMeta(run_id=recipe, recipe=Recipe.parse(recipe).to_dict(), bf16_layers=bf16, fp8_layers=fp8))
+        t.start(
+            RunMeta(run_id=recipe, recipe=Recipe.parse(recipe).to_dict(), bf16_layers=bf16, fp8_layers=fp8)
+        )
         run = MlflowClient(uri).get_run(t.run_id)
         p, tags = run.data.params, run.data.tags
         assert "fp8.fp8_layers" not in p and tags["fp8.fp8_layers"] == (",".join(fp8) or "none")

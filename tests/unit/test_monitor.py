@@ -175,8 +175,11 @@ def _events_after_run(tmp_path, losses, stop_at=None):
         model(torch.randn(2, 16))
         mon.step(loss=float(loss))
     mon.close()
-    return [(e.kind, e.step, e.data.get("status"), e.data.get("peak_step")) for e in RunReader(mon.run_dir).events()
-            if e.kind in ("spike", "nonfinite", "divergence")]
+    return [
+        (e.kind, e.step, e.data.get("status"), e.data.get("peak_step"))
+        for e in RunReader(mon.run_dir).events()
+        if e.kind in ("spike", "nonfinite", "divergence")
+    ]
 
 
 def test_resume_mid_spike_gives_the_same_events(tmp_path):

@@ -9,7 +9,10 @@ MLFLOW_OK = re.compile(r"^[A-Za-z0-9_\-. /]+$")
 
 
 def test_exact_names():
-    assert metric_name("blocks.0.attn.qkv", "activation", "underflow_pct") == "fp8/blocks.0.attn.qkv/activation/underflow_pct"
+    assert (
+        metric_name("blocks.0.attn.qkv", "activation", "underflow_pct")
+        == "fp8/blocks.0.attn.qkv/activation/underflow_pct"
+    )
     assert metric_name("lm_head", "gradient", "underflows%") == "fp8/lm_head/gradient/underflows_pct"
     assert metric_name("", "weight", "mse") == "fp8/model/weight/mse"
     assert run_metric("spikes", "count") == "fp8/spikes/count"
@@ -57,8 +60,14 @@ WRAPPED = [
     ("_forward_module.module.blocks.0.attn.qkv", "blocks.0.attn.qkv"),  # Fabric + DDP
     ("_fsdp_wrapped_module.blocks.0._fsdp_wrapped_module.attn.qkv", "blocks.0.attn.qkv"),  # FSDP1 per block
     ("blocks.0._checkpoint_wrapped_module.attn.qkv", "blocks.0.attn.qkv"),  # checkpoint_wrapper
-    ("base_model.model.model.layers.0.self_attn.q_proj.base_layer", "model.layers.0.self_attn.q_proj"),  # peft LoRA
-    ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default", "model.layers.0.self_attn.q_proj.lora_A.default"),
+    (
+        "base_model.model.model.layers.0.self_attn.q_proj.base_layer",
+        "model.layers.0.self_attn.q_proj",
+    ),  # peft LoRA
+    (
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default",
+        "model.layers.0.self_attn.q_proj.lora_A.default",
+    ),
     ("_orig_mod", ""),  # a compiled single Linear: the root's own name
     ("", ""),
 ]
@@ -78,9 +87,17 @@ def test_user_names_that_look_like_wrappers_inside_a_model_are_kept():
     assert canonical_layer_name("module") == "module"  # a layer registered as `self.module`
     # model. is a holder only when the caller says so (HF models name their own `model.` child)
     assert canonical_layer_name("model.layers.0.mlp.up_proj") == "model.layers.0.mlp.up_proj"
-    assert canonical_layer_name("model.model.layers.0.mlp.up_proj", holder="model") == "model.layers.0.mlp.up_proj"
+    assert (
+        canonical_layer_name("model.model.layers.0.mlp.up_proj", holder="model")
+        == "model.layers.0.mlp.up_proj"
+    )
     assert canonical_layer_name("model", holder="model") == "model"  # never to an empty name
-    assert set(WRAPPER_SEGMENTS) >= {"_orig_mod", "_forward_module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
+    assert set(WRAPPER_SEGMENTS) >= {
+        "_orig_mod",
+        "_forward_module",
+        "_fsdp_wrapped_module",
+        "_checkpoint_wrapped_module",
+    }
 
 
 class _Net(nn.Module):
@@ -123,7 +140,12 @@ def test_lightning_holder_and_plain_loop_give_the_same_names():
     assert canonical_layer_names(torch.compile(net), _gemm_names(torch.compile(net))) == plain
     own = _OwnLayers()
     assert holder_prefix(own, _gemm_names(own)) == ""
-    assert canonical_layer_names(own, _gemm_names(own)) == ["model.blocks.0", "model.blocks.2", "model.head", "extra"]
+    assert canonical_layer_names(own, _gemm_names(own)) == [
+        "model.blocks.0",
+        "model.blocks.2",
+        "model.head",
+        "extra",
+    ]
     # a plain (non-Lightning) module holding a model keeps its names: only Lightning's holder is known
     wrapper = nn.ModuleDict({"model": _Net()})
     assert canonical_layer_names(wrapper, _gemm_names(wrapper))[0] == "model.blocks.0"

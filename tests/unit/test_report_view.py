@@ -26,7 +26,9 @@ from test_diagnose import _pair, _rows  # noqa: E402
 def _loss(onset: int | None, n: int = 200) -> LossComparison:
     steps = tuple(range(n))
     ctl = tuple(3.0 - s / n for s in steps)
-    fp8 = tuple(c * (1.05 if onset is not None and s >= onset else 1.0) for s, c in zip(steps, ctl, strict=True))
+    fp8 = tuple(
+        c * (1.05 if onset is not None and s >= onset else 1.0) for s, c in zip(steps, ctl, strict=True)
+    )
     gap = tuple(f / c - 1 for f, c in zip(fp8, ctl, strict=True))
     return LossComparison(steps, fp8, ctl, gap, gap, 0.01, 0.02, onset, "mid" if onset else None, 5)
 
@@ -57,8 +59,13 @@ def test_colour_limits_leave_out_the_step_0_warm_up():
 
 
 def test_heatmap_rows_are_readable_and_step_0_does_not_set_the_scale():
-    rows = [TensorStatsRow(s, f"blocks.{i}.mlp.fc", "activation",
-                           {"underflow_pct": (99.0 if s == 0 else 1.0 + i + s / 100)}) for s in (0, 10, 20) for i in range(3)]
+    rows = [
+        TensorStatsRow(
+            s, f"blocks.{i}.mlp.fc", "activation", {"underflow_pct": (99.0 if s == 0 else 1.0 + i + s / 100)}
+        )
+        for s in (0, 10, 20)
+        for i in range(3)
+    ]
     fig = heatmap_figure(rows, "underflow_pct", "underflow")
     ax = fig.axes[0]
     labels = ax.get_yticklabels()
@@ -66,7 +73,9 @@ def test_heatmap_rows_are_readable_and_step_0_does_not_set_the_scale():
     px = labels[0].get_fontsize() * DPI / 72  # points -> pixels of the PNG, shown at its own size
     assert labels[0].get_fontsize() == LABEL_PT and px >= 10
     assert fig.get_figwidth() * DPI <= 1100  # the report's column at 1400 px: no down-scaling
-    assert ax.images[0].get_clim() == pytest.approx((1.1, 3.2))  # steps 10 and 20 only; 99 % at step 0 is off-scale
+    assert ax.images[0].get_clim() == pytest.approx(
+        (1.1, 3.2)
+    )  # steps 10 and 20 only; 99 % at step 0 is off-scale
 
 
 def test_the_report_header_names_the_runs(tmp_path):
@@ -90,10 +99,18 @@ def _printed(d: Diagnosis, width: int, **kw) -> list[str]:
 
 @pytest.mark.parametrize("width", [80, 200])
 def test_the_console_table_fits_80_columns(width):
-    long = Finding("layer_outlier", "high", 0.99, "Layer model.transformer.h.11.attn.c_attn (activation) stands out "
-                   "from step 180 with a title that goes on and on", "t",
-                   layers=("model.transformer.h.11.attn.c_attn", "model.transformer.h.10.mlp.c_fc"))
-    lines = _printed(_diagnosis(_loss(None), (long,)), width, runs=("fp8-delayed (delayed)", "bf16-control (bf16)"))
+    long = Finding(
+        "layer_outlier",
+        "high",
+        0.99,
+        "Layer model.transformer.h.11.attn.c_attn (activation) stands out "
+        "from step 180 with a title that goes on and on",
+        "t",
+        layers=("model.transformer.h.11.attn.c_attn", "model.transformer.h.10.mlp.c_fc"),
+    )
+    lines = _printed(
+        _diagnosis(_loss(None), (long,)), width, runs=("fp8-delayed (delayed)", "bf16-control (bf16)")
+    )
     table = [x for x in lines if x.startswith(("severity", "high", " ", "─"))]
     assert table and max(len(x) for x in table) <= TABLE_WIDTH
     assert lines[0] == "fp8-delayed (delayed) against the control bf16-control (bf16)"

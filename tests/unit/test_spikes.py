@@ -281,7 +281,9 @@ def test_planted_spikes_found_while_the_loss_falls(noise):
     for i in range(12):
         x = _falling(100 + i, noise)
         start, rise = int(rng.integers(70, 300)), int(rng.integers(1, 4))
-        x = sl.plant_spike(x, start, float(rng.uniform(0.25, 1.0)), rise=rise, decay=float(rng.uniform(2, 40)))
+        x = sl.plant_spike(
+            x, start, float(rng.uniform(0.25, 1.0)), rise=rise, decay=float(rng.uniform(2, 40))
+        )
         events = [e for e in detect_spikes(dict(enumerate(x.tolist()))) if e.kind == "spike"]
         hits = [e for e in events if start - 2 <= e.start_step <= start + rise + 3]
         found += bool(hits)
@@ -301,7 +303,9 @@ def test_peak_early_in_a_short_run_is_found():
     the shortened window the diagnosis uses (window 40, warm-up 32)."""
     cfg = SpikeConfig(window=40, warmup=32)
     for seed in range(10):
-        x = sl.healthy(sl.Curve(start=10, floor=3, tau=30, alpha=0.8, sigma=0.02), 160, np.random.default_rng(seed))
+        x = sl.healthy(
+            sl.Curve(start=10, floor=3, tau=30, alpha=0.8, sigma=0.02), 160, np.random.default_rng(seed)
+        )
         x[55] *= 2.6
         x[56] *= 1.8
         events = detect_spikes(dict(enumerate(x.tolist())), cfg)

@@ -17,18 +17,45 @@ PARAMS = {"recipe": "delayed:hybrid:h16:max", "lr": 0.001, "compile": False, "am
 
 def test_default_command_is_wandbs_and_args_are_str_of_each_value() -> None:
     argv = expand(DEFAULT_COMMAND, "train.py", PARAMS)
-    assert argv == ["/usr/bin/env", sys.executable, "train.py", "--recipe=delayed:hybrid:h16:max", "--lr=0.001",
-                    "--compile=False", "--amp=True"]
+    assert argv == [
+        "/usr/bin/env",
+        sys.executable,
+        "train.py",
+        "--recipe=delayed:hybrid:h16:max",
+        "--lr=0.001",
+        "--compile=False",
+        "--amp=True",
+    ]
 
 
 def test_every_macro(tmp_path: Path) -> None:
-    cmd = ["torchrun", "--nproc_per_node=2", "${program}", "${args_no_hyphens}", "--", "${args_no_boolean_flags}",
-           "${args_json_file}", "--tag=${envvar:MY_TAG}-x"]
+    cmd = [
+        "torchrun",
+        "--nproc_per_node=2",
+        "${program}",
+        "${args_no_hyphens}",
+        "--",
+        "${args_no_boolean_flags}",
+        "${args_json_file}",
+        "--tag=${envvar:MY_TAG}-x",
+    ]
     jf = tmp_path / "args.json"
     argv = expand(cmd, "train.py", PARAMS, json_file=jf, env={"MY_TAG": "t1"})
-    assert argv == ["torchrun", "--nproc_per_node=2", "train.py", "recipe=delayed:hybrid:h16:max", "lr=0.001",
-                    "compile=False", "amp=True", "--", "--recipe=delayed:hybrid:h16:max", "--lr=0.001", "--amp",
-                    str(jf), "--tag=t1-x"]
+    assert argv == [
+        "torchrun",
+        "--nproc_per_node=2",
+        "train.py",
+        "recipe=delayed:hybrid:h16:max",
+        "lr=0.001",
+        "compile=False",
+        "amp=True",
+        "--",
+        "--recipe=delayed:hybrid:h16:max",
+        "--lr=0.001",
+        "--amp",
+        str(jf),
+        "--tag=t1-x",
+    ]
     assert json.loads(jf.read_text()) == PARAMS
     assert expand(["${args_json}"], "p", {"a": 1}) == ['{"a": 1}']
 

@@ -32,10 +32,25 @@ def test_shipped_sweeps_pass_the_wandb_schema_and_our_rules() -> None:
     assert spec.schema_checked
     assert (spec.method, spec.metric, spec.goal) == ("bayes", "fp8/val_loss", "minimize")
     assert spec.command == ("${env}", "${interpreter}", "-m", "${program}", "${args}")
-    assert spec.param("recipe").values == ("delayed:hybrid:h16:max", "delayed:hybrid:h1024:max", "current", "mxfp8",
-                                           "block", "fp8_input_bf16_gemm")
-    assert spec.param("bf16_layers").values == ("none", "first:1", "last:1", "first_last", "first:2", "last:2",
-                                                "auto:1", "auto:2", "auto:4")
+    assert spec.param("recipe").values == (
+        "delayed:hybrid:h16:max",
+        "delayed:hybrid:h1024:max",
+        "current",
+        "mxfp8",
+        "block",
+        "fp8_input_bf16_gemm",
+    )
+    assert spec.param("bf16_layers").values == (
+        "none",
+        "first:1",
+        "last:1",
+        "first_last",
+        "first:2",
+        "last:2",
+        "auto:1",
+        "auto:2",
+        "auto:4",
+    )
     assert spec.hyperband is not None and (spec.hyperband.min_iter, spec.hyperband.eta) == (2, 2)
     grid = load_sweep(GRID, require_schema=True)
     assert grid.method == "grid" and grid.grid_size == 6 * 9
@@ -53,24 +68,54 @@ def test_the_sweeps_package_itself_rejects_a_bad_method() -> None:
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (lambda c: c.update(method="annealing"), r"unknown .*method 'annealing'; valid values are: 'grid', 'random', 'bayes'"),
+        (
+            lambda c: c.update(method="annealing"),
+            r"unknown .*method 'annealing'; valid values are: 'grid', 'random', 'bayes'",
+        ),
         (lambda c: c.update(method="custom"), r"'custom' needs a W&B server"),
-        (lambda c: c["parameters"]["bf16_layers"].update(values=[]), r"parameter 'bf16_layers' has no values"),
-        (lambda c: c["parameters"].update(lr={"distribution": "uniform"}), r"parameter 'lr' needs exactly one of value, values or min/max"),
-        (lambda c: c["parameters"]["recipe"]["values"].append("delayed:h16:fancy"),
-         r"parameter 'recipe' value 'delayed:h16:fancy' does not parse: cannot parse token 'fancy'"),
-        (lambda c: c["parameters"]["recipe"]["values"].append("fp4"), r"value 'fp4' does not parse: unknown recipe name 'fp4'"),
-        (lambda c: c["parameters"]["bf16_layers"]["values"].append("auto:0"),
-         r"value 'auto:0' does not parse: bf16_layers term 'auto:0' needs a positive integer count"),
-        (lambda c: c["parameters"].update(lerning_rate={"values": [1e-3]}),
-         r"parameter \(not an option of the sweep program\) 'lerning_rate'"),
-        (lambda c: c["parameters"].update(fp8={"parameters": {"recipe": {"values": ["current"]}}}), r"nested|fp8"),
-        (lambda c: c["parameters"].update(steps={"value": 0}), r"parameter 'steps' value 0 is invalid: steps must be an integer >= 1"),
+        (
+            lambda c: c["parameters"]["bf16_layers"].update(values=[]),
+            r"parameter 'bf16_layers' has no values",
+        ),
+        (
+            lambda c: c["parameters"].update(lr={"distribution": "uniform"}),
+            r"parameter 'lr' needs exactly one of value, values or min/max",
+        ),
+        (
+            lambda c: c["parameters"]["recipe"]["values"].append("delayed:h16:fancy"),
+            r"parameter 'recipe' value 'delayed:h16:fancy' does not parse: cannot parse token 'fancy'",
+        ),
+        (
+            lambda c: c["parameters"]["recipe"]["values"].append("fp4"),
+            r"value 'fp4' does not parse: unknown recipe name 'fp4'",
+        ),
+        (
+            lambda c: c["parameters"]["bf16_layers"]["values"].append("auto:0"),
+            r"value 'auto:0' does not parse: bf16_layers term 'auto:0' needs a positive integer count",
+        ),
+        (
+            lambda c: c["parameters"].update(lerning_rate={"values": [1e-3]}),
+            r"parameter \(not an option of the sweep program\) 'lerning_rate'",
+        ),
+        (
+            lambda c: c["parameters"].update(fp8={"parameters": {"recipe": {"values": ["current"]}}}),
+            r"nested|fp8",
+        ),
+        (
+            lambda c: c["parameters"].update(steps={"value": 0}),
+            r"parameter 'steps' value 0 is invalid: steps must be an integer >= 1",
+        ),
         (lambda c: c.update(early_terminate={"type": "envelope"}), r"early_terminate type 'envelope'"),
-        (lambda c: c.update(early_terminate={"type": "hyperband"}), r"hyperband needs min_iter, or max_iter together with s"),
+        (
+            lambda c: c.update(early_terminate={"type": "hyperband"}),
+            r"hyperband needs min_iter, or max_iter together with s",
+        ),
         (lambda c: c.update(metric={"goal": "minimize"}), r"metric must be a mapping with a name"),
         (lambda c: c.pop("program"), r"program is missing"),
-        (lambda c: c.update(command=["${env}", "${interpreter}", "${progam}"]), r"command macro '\$\{progam\}'"),
+        (
+            lambda c: c.update(command=["${env}", "${interpreter}", "${progam}"]),
+            r"command macro '\$\{progam\}'",
+        ),
     ],
 )
 def test_bad_sweeps_are_refused_naming_the_problem(tmp_path: Path, mutate, message: str) -> None:
@@ -96,13 +141,26 @@ def test_users_program_may_take_any_parameter(tmp_path: Path) -> None:
     assert spec.program == "my_train.py" and spec.param("lerning_rate").values == (1e-3, 3e-3)
 
 
-def test_spec_that_does_not_fit_the_model_is_refused_by_the_program_before_training(tmp_path: Path, capsys) -> None:
+def test_spec_that_does_not_fit_the_model_is_refused_by_the_program_before_training(
+    tmp_path: Path, capsys
+) -> None:
     """The example program refuses ``first:3`` on its two-block GPT: one line, exit 2, no run."""
     from fp8track.examples.train import main
 
     out = tmp_path / "out"
-    rc = main(["--recipe=current", "--bf16_layers=first:3", "--steps=1", "--n_embd=16", "--n_head=1",
-               "--block_size=8", "--max_bytes=20000", "--control=" + str(_control_file(tmp_path)), f"--out={out}"])
+    rc = main(
+        [
+            "--recipe=current",
+            "--bf16_layers=first:3",
+            "--steps=1",
+            "--n_embd=16",
+            "--n_head=1",
+            "--block_size=8",
+            "--max_bytes=20000",
+            "--control=" + str(_control_file(tmp_path)),
+            f"--out={out}",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1
     assert "'first:3' asks for 3 blocks but stack 'model.blocks' has 2" in err[0]

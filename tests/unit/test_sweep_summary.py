@@ -44,7 +44,9 @@ def test_gap_sign_follows_the_goal_and_tolerance_has_a_floor() -> None:
     assert signed_gap(2.5, 2.4, "minimize") == pytest.approx(0.1)
     assert signed_gap(0.7, 0.8, "maximize") == pytest.approx(0.1)   # lower accuracy is worse
     assert tolerance(0.02, factor=2.0) == pytest.approx(0.04)
-    assert tolerance(0.001) == pytest.approx(0.01) and tolerance(math.nan, floor=0.003) == pytest.approx(0.003)
+    assert tolerance(0.001) == pytest.approx(0.01) and tolerance(math.nan, floor=0.003) == pytest.approx(
+        0.003
+    )
 
 
 def test_finalists_are_the_cheapest_within_tolerance_one_per_parameter_set() -> None:
@@ -59,7 +61,11 @@ def test_judged_in_the_noise_a_negative_gap_is_no_win() -> None:
     r = ROWS[3]
     # paired gaps -0.02 and +0.01 around a control spread of 0.05: inside the band
     j = judge(r, {0: -0.02, 1: 0.01}, control_spread=0.05)
-    assert (j.mean_gap, j.band, j.verdict) == (pytest.approx(-0.005), pytest.approx(0.05), "no measurable difference")
+    assert (j.mean_gap, j.band, j.verdict) == (
+        pytest.approx(-0.005),
+        pytest.approx(0.05),
+        "no measurable difference",
+    )
     # the paired gaps' own spread widens the band: max(0.01, 0.3 - 0.1) = 0.2
     assert judge(r, {0: 0.1, 1: 0.3}, control_spread=0.01).band == pytest.approx(0.2)
     assert judge(r, {0: 0.30, 1: 0.28}, control_spread=0.05).verdict == VERDICTS[0]
@@ -69,8 +75,13 @@ def test_judged_in_the_noise_a_negative_gap_is_no_win() -> None:
 def test_recommendation_is_the_cheapest_finalist_not_worse_and_names_its_layers() -> None:
     worse = judge(ROWS[4], {0: 0.2, 1: 0.25}, 0.01)              # cheapest but worse beyond noise
     ok = judge(ROWS[3], {0: 0.002, 1: -0.001}, 0.01)
-    layers = {"r3": [{"layer": "l1", "in": 64, "out": 64, "fp8": True}, {"layer": "head", "in": 4096, "out": 8192, "fp8": True},
-                     {"layer": "l0", "in": 64, "out": 64, "fp8": False}]}
+    layers = {
+        "r3": [
+            {"layer": "l1", "in": 64, "out": 64, "fp8": True},
+            {"layer": "head", "in": 4096, "out": 8192, "fp8": True},
+            {"layer": "l0", "in": 64, "out": 64, "fp8": False},
+        ]
+    }
     rec = recommend([worse, ok], control_spread=0.01, layers=layers)
     assert rec.trial.trial == 3 and rec.verdict == "no measurable difference"
     assert rec.apply_call == "apply_fp8(model, \"current\", bf16_layers=['l0'], backend=\"auto\")"
@@ -114,12 +125,16 @@ def test_pareto_plot_is_readable() -> None:
     axes_box = ax.get_window_extent()
     assert legend.x0 >= axes_box.x1  # entirely right of the axes
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert any(lab.startswith("pruned (1)") for lab in labels) and any("recommended: trial 3" in lab for lab in labels)
+    assert any(lab.startswith("pruned (1)") for lab in labels) and any(
+        "recommended: trial 3" in lab for lab in labels
+    )
     assert len(ax.texts) == 7  # one label per plotted trial (6 finished + 1 pruned)
     # right edge of the legend inside the figure: nothing cut off
     assert legend.x1 <= fig.bbox.x1 + 1
-    rows = [TrialRow(i, "COMPLETE", "current", s, n, g) for i, (s, n, g) in enumerate([("none", 0, 0.1), ("first:1", 4, 0.0),
-                                                                                         ("last:1", 1, 0.05)])]
+    rows = [
+        TrialRow(i, "COMPLETE", "current", s, n, g)
+        for i, (s, n, g) in enumerate([("none", 0, 0.1), ("first:1", 4, 0.0), ("last:1", 1, 0.05)])
+    ]
     fig2 = pareto_figure(rows, recommend([], 0.01))
     ax2 = fig2.axes[0]
     fig2.canvas.draw()

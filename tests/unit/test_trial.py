@@ -32,7 +32,9 @@ def test_command_line_wins_over_the_param_file(tmp_path: Path) -> None:
 
 
 def test_param_file_from_the_environment_on_ranks_without_wandb_config(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv("WANDB_SWEEP_PARAM_PATH", str(_param_file(tmp_path, recipe="block", bf16_layers="first_last")))
+    monkeypatch.setenv(
+        "WANDB_SWEEP_PARAM_PATH", str(_param_file(tmp_path, recipe="block", bf16_layers="first_last"))
+    )
     s = trial_settings([])
     assert (s.recipe.name, s.spec) == ("block", "first:1,last:1,head")
     assert read_param_file(_param_file(tmp_path, recipe="current")) == {"recipe": "current"}
@@ -56,7 +58,9 @@ def test_json_cache_computes_once_per_key(tmp_path: Path) -> None:
         return {"value": len(calls)}
 
     first, cached1 = cache.get_or_compute("control", {"seed": 0, "steps": 10}, compute)
-    again, cached2 = JsonCache(tmp_path).get_or_compute("control", {"steps": 10, "seed": 0}, compute)  # key order irrelevant
+    again, cached2 = JsonCache(tmp_path).get_or_compute(
+        "control", {"steps": 10, "seed": 0}, compute
+    )  # key order irrelevant
     other, cached3 = cache.get_or_compute("control", {"seed": 1, "steps": 10}, compute)
     assert (first["value"], again["value"], other["value"]) == (1, 1, 2)
     assert (cached1, cached2, cached3) == (False, True, False)
@@ -68,9 +72,22 @@ def test_ranking_table_follows_rank_layers() -> None:
     rows = []
     for step in range(3):
         for layer, sqnr, under in (("a", 30.0, 0.1), ("b", 31.0, 0.2), ("c", 8.0, 12.0), ("d", 30.5, 0.1)):
-            rows.append(TensorStatsRow(step, layer, "activation", {
-                "sqnr_db": sqnr, "cos": 0.999, "underflow_pct": under, "overflow_pct": 0.0, "scale_drift_log2": 0.0,
-                "mse": 1e-4, "amax": 1.0}))
+            rows.append(
+                TensorStatsRow(
+                    step,
+                    layer,
+                    "activation",
+                    {
+                        "sqnr_db": sqnr,
+                        "cos": 0.999,
+                        "underflow_pct": under,
+                        "overflow_pct": 0.0,
+                        "scale_drift_log2": 0.0,
+                        "mse": 1e-4,
+                        "amax": 1.0,
+                    },
+                )
+            )
     table = ranking_table(rank_layers(rows))
     assert [r["layer"] for r in table][0] == "c" and table[0]["rank"] == 1
     # rel_error_db = -sqnr: median of (-31, -30.5, -30, -8) is -30.25, MAD 0.5 -> 0.74 < floor 1 dB:
@@ -91,7 +108,12 @@ def test_sweep_environment_reaches_the_program(tmp_path: Path, monkeypatch) -> N
     monkeypatch.setenv("FP8TRACK_SWEEP_CONTROL", "mlflow:ctl")
     monkeypatch.setenv("FP8TRACK_SWEEP_RANKING", str(ranking))
     s = trial_settings(["--recipe=current", "--bf16_layers=auto:1"], param_path="")
-    assert (s.run_id, s.tracking_uri, s.control, s.in_sweep) == ("abc123", "sqlite:///x.db", "mlflow:ctl", True)
+    assert (s.run_id, s.tracking_uri, s.control, s.in_sweep) == (
+        "abc123",
+        "sqlite:///x.db",
+        "mlflow:ctl",
+        True,
+    )
     assert s.ranking == ("model.model.lm_head", "model.model.layers.0.q")
     logger = s.mlflow_logger()
     assert type(logger).__name__ == "MLFlowLogger" and logger._run_id == "abc123"
