@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> dict:
     L.seed_everything(args.seed, verbose=False)
     module, data, report = build_example(recipe=args.recipe, bf16_layers=args.bf16_layers, seed=args.seed)
     print(
-        f"recipe={report.recipe} fp8 layers={len(report.fp8_layers)} bf16={[n for n, _ in report.bf16_layers]}"
+        f"recipe={report.recipe} fp8 layers={len(report.fp8_layers)} "
+        f"bf16={[n for n, _ in report.bf16_layers]}"
     )
 
     # Library info logs and warnings (Lightning's tips, MLflow/alembic set-up, W&B banners) are

@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if not torch.cuda.is_available() or not te_backend.available():
         print(
-            "examples/te_gpu.py needs a CUDA GPU and Transformer Engine (pip install 'fp8track[te]'); skipping."
+            "examples/te_gpu.py needs a CUDA GPU and Transformer Engine (pip install 'fp8track[te]'); "
+            "skipping."
         )
         return 0
 

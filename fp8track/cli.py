@@ -159,7 +159,8 @@ def _cmd_integrations(args: argparse.Namespace) -> int:
     clashes = [rel for rel in files if (dest / rel).exists()]
     if clashes and not args.force:
         print(
-            f"not copying: {len(clashes)} file(s) exist in {dest} ({clashes[0].as_posix()}, ...); use --force",
+            f"not copying: {len(clashes)} file(s) exist in {dest} ({clashes[0].as_posix()}, ...); "
+            "use --force",
             file=sys.stderr,
         )
         return 1

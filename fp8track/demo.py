@@ -386,7 +386,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(f"\n== {label} run vs the BF16 control ==")
         if label == "planted":
             print(
-                f"planted problem: from step {int(PLANT_FRACTION * args.steps)}, an outlier of {PLANT_AMAX:g} "
+                f"planted problem: from step {int(PLANT_FRACTION * args.steps)}, "
+                f"an outlier of {PLANT_AMAX:g} "
                 f"enters the activation amax history of {PLANT_LAYER} every step"
             )
         print_diagnosis(res.diagnosis, res.html_path, runs=(run_label(res.fp8), run_label(res.control)))

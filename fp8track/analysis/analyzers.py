@@ -1,8 +1,9 @@
 """Analyzers the monitor runs on rank 0 at every flush: loss events and scale drift.
 
 They adapt the pure detectors (:mod:`fp8track.analysis.spikes`, :mod:`fp8track.analysis.divergence`,
-:mod:`fp8track.analysis.baseline`, :mod:`fp8track.analysis.drift`) to the monitor's :class:`StepAnalyzer` shape:
-``observe(losses, rows) -> (metrics, events)``, plus checkpointable state.
+:mod:`fp8track.analysis.baseline`, :mod:`fp8track.analysis.drift`) to the monitor's
+:class:`StepAnalyzer` shape: ``observe(losses, rows) -> (metrics, events)``, plus checkpointable
+state.
 
 Logged metrics:
     ``fp8/spikes/count`` (spikes opened so far), ``fp8/spikes/fp8_only`` and ``fp8/spikes/shared``

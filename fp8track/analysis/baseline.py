@@ -2,7 +2,8 @@
 
 A reference names the control in one of three forms (:func:`load_baseline`):
 
-* a local fp8track run directory (has ``meta.json``; read with :class:`fp8track.monitoring.records.RunReader`);
+* a local fp8track run directory (has ``meta.json``; read with
+  :class:`fp8track.monitoring.records.RunReader`);
 * ``mlflow:<run_id>``, read by :func:`fp8track.trackers.mlflow.read_mlflow_run` (beside the MLflow
   writer) where the tracking URI is the one given (e.g. the trainer's ``MLFlowLogger``), else
   ``MLFLOW_TRACKING_URI``;

@@ -164,7 +164,8 @@ class DivergenceEvent:
     def to_record(self) -> EventRecord:
         """``EventRecord(kind="divergence", step=detect_step)`` with an alert (level ``"ERROR"``)."""
         what = {
-            "rise": f"the loss rose {100 * self.magnitude:.1f}% (lower quartile of recent steps vs the steps before)",
+            "rise": f"the loss rose {100 * self.magnitude:.1f}% "
+            "(lower quartile of recent steps vs the steps before)",
             "gap": f"the loss is {100 * self.magnitude:.1f}% above the control (median over recent steps)",
             "nonfinite": f"the loss was non-finite for {int(self.magnitude)} consecutive steps",
         }[self.reason]

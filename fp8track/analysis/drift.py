@@ -105,7 +105,8 @@ class DriftTracker:
 
     Example:
         >>> tr = DriftTracker(DriftConfig(threshold_log2=1.0, consecutive=2))
-        >>> [e.direction for s, d in enumerate([0.2, 1.5, 1.2, 1.7, 0.1, -2.0, -2.5]) for e in tr.update(s, "fc1", "weight", d)]
+        >>> [e.direction for s, d in enumerate([0.2, 1.5, 1.2, 1.7, 0.1, -2.0, -2.5])
+        ...  for e in tr.update(s, "fc1", "weight", d)]
         ['overflow_risk', 'underflow_risk']
     """
 
@@ -237,7 +238,8 @@ class WhatIfDelayed:
 
     Example:
         >>> w = WhatIfDelayed("e4m3", history_len=4)
-        >>> [round(w.observe(s, "fc1", "activation", a).drift_log2, 3) for s, a in enumerate([1.0, 1.0, 4.0])][1:]
+        >>> [round(w.observe(s, "fc1", "activation", a).drift_log2, 3)
+        ...  for s, a in enumerate([1.0, 1.0, 4.0])][1:]
         [0.0, 2.0]
     """
 

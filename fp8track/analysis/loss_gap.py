@@ -172,7 +172,8 @@ def same_batches(fp8_meta: Mapping[str, Any] | None, control_meta: Mapping[str, 
 
     Example:
         >>> a = {"config": {"data": {"seed": 1, "order_sha256": "ab"}}}
-        >>> same_batches(a, a), same_batches(a, {"config": {"data": {"seed": 2, "order_sha256": "ab"}}}), same_batches(a, {})
+        >>> b = {"config": {"data": {"seed": 2, "order_sha256": "ab"}}}
+        >>> same_batches(a, a), same_batches(a, b), same_batches(a, {})
         (True, False, False)
     """
     a, b = data_fingerprint_of(fp8_meta), data_fingerprint_of(control_meta)
@@ -261,7 +262,8 @@ def judge_gap(
     steps = sorted(set(int(s) for s in fp8) & set(int(s) for s in control))
     if len(steps) < 3:
         raise ConfigError(
-            f"the FP8 run and the control share {len(steps)} logged loss steps; judging the gap needs at least 3"
+            f"the FP8 run and the control share {len(steps)} logged loss steps; "
+            "judging the gap needs at least 3"
         )
     f = np.array([float(fp8[s]) for s in steps], dtype=np.float64)
     c = np.array([float(control[s]) for s in steps], dtype=np.float64)

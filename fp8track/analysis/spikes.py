@@ -19,8 +19,9 @@ the host once per logging step; nothing here touches a device) and keeps ``O(win
   ``>= instant_rel``) opens at once, so one-batch spikes are caught too.
 * **Close**: ``recover_confirm_steps`` consecutive steps with ``loss <= median + max(recover_z *
   sigma, recover_tolerance * |median|)``, using the *pre-spike* median and sigma; ``end_step`` is
-  the first of them and ``recover_steps = end_step - start_step``. A spike still open after ``max_open_steps`` closes as
-  ``"not_recovered"`` and the window restarts (warm-up again) at the new loss level.
+  the first of them and ``recover_steps = end_step - start_step``. A spike still open after
+  ``max_open_steps`` closes as ``"not_recovered"`` and the window restarts (warm-up again) at the
+  new loss level.
 * **Non-finite** loss (NaN, ±inf) is its own event kind, one per run of consecutive non-finite
   steps, closed when a finite loss returns; no warm-up applies to it.
 * **Grad norm** (optional) has its own robust window; ``grad_norm_spiked`` says whether any grad
@@ -64,7 +65,8 @@ class SpikeConfig:
         confirm_steps: consecutive excursion steps that open a spike (2: one-step heavy-tailed
             noise does not open one; see ``instant_*`` for one-step spikes).
         instant_z, instant_rel: a single step with ``z >= instant_z`` and relative excess
-            ``>= instant_rel`` opens a spike at once (defaults 12 and 1.0: one step at twice the baseline; Lightning uses 3x).
+            ``>= instant_rel`` opens a spike at once (defaults 12 and 1.0: one step at twice the
+            baseline; Lightning uses 3x).
         recover_z, recover_tolerance: a loss is "back" when within
             ``max(recover_z * sigma, recover_tolerance * |median|)`` of the pre-spike median.
         recover_confirm_steps: consecutive steps back before the spike closes (3: a slowly

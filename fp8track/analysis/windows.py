@@ -177,7 +177,8 @@ class TrendWindow:
         return m + slope * (step - c)
 
     def sigma(self) -> float:
-        """``1.4826 * median(|r - median(r)|)`` of the residuals ``r`` about the trend line (NaN when empty)."""
+        """``1.4826 * median(|r - median(r)|)`` of the residuals ``r`` about the trend line (NaN when
+        empty)."""
         if self._sigma is None:
             if not self.steps:
                 return math.nan

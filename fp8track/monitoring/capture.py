@@ -196,7 +196,8 @@ def select_layers(
     hidden = hidden_gemms(model)
     if hidden:
         warnings.warn(
-            f"fp8track: {len(hidden)} attention modules ({preview_names(list(hidden), 4)}) are not monitored: "
+            f"fp8track: {len(hidden)} attention modules ({preview_names(list(hidden), 4)}) "
+            "are not monitored: "
             + next(iter(hidden.values())),
             stacklevel=3,
         )

@@ -109,9 +109,9 @@ class CaptureConfig:
         object.__setattr__(self, "tensors", validate_tensors(self.tensors))
         object.__setattr__(self, "whatif", validate_whatif(self.whatif))
         stats = tuple(self.scalar_stats)
-        for s in stats:
-            if s not in STAT_NAMES:
-                raise invalid_choice("statistic", s, STAT_NAMES)
+        for stat in stats:
+            if stat not in STAT_NAMES:
+                raise invalid_choice("statistic", stat, STAT_NAMES)
         object.__setattr__(self, "scalar_stats", stats)
         get_format_pair(self.shadow_format)
 
@@ -171,7 +171,8 @@ class Monitor:
         config: :class:`CaptureConfig`.
         layers: which layers (see :func:`fp8track.monitoring.capture.select_layers`).
         plans: per-layer :class:`LayerPlan` overrides keyed by fqn; other layers get
-            :func:`fp8track.monitoring.capture.plan_for` (their backend's scales, or shadow mode for BF16 layers).
+            :func:`fp8track.monitoring.capture.plan_for` (their backend's scales, or shadow mode
+            for BF16 layers).
         log_dir: parent of the run directory (rank 0 writes ``<log_dir>/<run_id>``).
         sink: factory called with the run directory once it exists, returning the
             :class:`StepSink` fed after the records are written (the frontends pass the tracker
@@ -191,8 +192,9 @@ class Monitor:
             that saw the same batches step by step (:meth:`record_data` sets it later).
 
     Logged metrics (per sampled step):
-        ``fp8/loss`` (the un-normalised training loss, every step); ``fp8/<layer>/<tensor>/<stat>`` for each stat in ``config.scalar_stats``
-        (units: ``_pct`` in percent of the finite elements, ``mse`` in squared tensor units,
+        ``fp8/loss`` (the un-normalised training loss, every step); ``fp8/<layer>/<tensor>/<stat>``
+        for each stat in ``config.scalar_stats`` (units: ``_pct`` in percent of the finite
+        elements, ``mse`` in squared tensor units,
         ``sqnr_db`` in dB, ``*_log2`` in binades); ``fp8/worst/<stat>`` (max over layers of
         underflow/overflow/mse/nonfinite, min of cos/sqnr_db, max |scale_drift_log2| as
         ``fp8/worst/abs_scale_drift_log2``); plus what analyzers add (``fp8/spikes/count``, ...).
@@ -239,8 +241,9 @@ class Monitor:
             )
         if te_unseen:
             warnings.warn(
-                f"fp8track: {len(te_unseen)} TE layers ({', '.join(te_unseen[:4])}...) quantise tensors no module hook "
-                "sees; call fp8track.monitoring.te_capture.initialize() before building the model to monitor them",
+                f"fp8track: {len(te_unseen)} TE layers ({', '.join(te_unseen[:4])}...) quantise tensors "
+                "no module hook sees; call fp8track.monitoring.te_capture.initialize() before building "
+                "the model to monitor them",
                 stacklevel=2,
             )
         self._te = te_capture.TECapture(te_bound, cfg.every_n_steps, cfg.steps) if te_bound else None
@@ -315,7 +318,8 @@ class Monitor:
         bad = [k for k, v in fingerprint.items() if not isinstance(v, (str, int, float, bool, type(None)))]
         if bad:
             raise ConfigError(
-                f"data fingerprint values must be str/int/float/bool/None; bad keys: {', '.join(map(str, bad))}"
+                "data fingerprint values must be str/int/float/bool/None; "
+                f"bad keys: {', '.join(map(str, bad))}"
             )
         self.meta = replace(self.meta, config={**dict(self.meta.config), "data": dict(fingerprint)})
 
@@ -475,7 +479,7 @@ class Monitor:
 
     def _reduce_to_host(
         self,
-        parts: Sequence[torch.Tensor],
+        parts: list[torch.Tensor],
         pending: Sequence[_PendingStep],
         device: torch.device,
         reduce: bool,

@@ -20,12 +20,14 @@ from fp8track.analysis.pairing import run_name, run_recipe
 from fp8track.report.figures import all_figures, finite_or, stats_line
 
 CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2rem auto;max-width:1100px;color:#222}
+body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2rem auto;
+max-width:1100px;color:#222}
 h1{font-size:1.6rem}h2{border-bottom:1px solid #ddd;padding-bottom:.2rem;margin-top:2rem}
 .finding{border-left:6px solid #999;padding:.5rem 1rem;margin:1rem 0;background:#fafafa}
 .finding.high{border-color:#d62728}.finding.medium{border-color:#ff7f0e}.finding.low{border-color:#bcbd22}
 .finding.info{border-color:#2ca02c}.kind{font-family:monospace;background:#eee;padding:0 .3rem}
-table{border-collapse:collapse;font-size:.85rem}td,th{border:1px solid #ddd;padding:.2rem .5rem;text-align:left}
+table{border-collapse:collapse;font-size:.85rem}
+td,th{border:1px solid #ddd;padding:.2rem .5rem;text-align:left}
 figure{margin:1rem 0}figure img{max-width:100%}figcaption{font-size:.85rem;color:#555}
 .source{font-size:.75rem;color:#777;font-family:monospace}
 pre{background:#f4f4f4;padding:.5rem;overflow-x:auto;font-size:.8rem}.method{font-size:.9rem;color:#444}
@@ -33,13 +35,14 @@ pre{background:#f4f4f4;padding:.5rem;overflow-x:auto;font-size:.8rem}.method{fon
 
 METHOD = (
     "No metric here has a universal threshold. The loss gap is measured in units of the BF16 control's own "
-    "step-to-step noise (1.4826 x MAD of its relative step-to-step differences / sqrt 2): the gap, smoothed by a "
-    "running median of w steps, counts when it stays above k standard errors of such a median (k x 1.2533 x "
-    "noise / sqrt w); spikes are judged by a robust rolling detector on each run and matched by "
+    "step-to-step noise (1.4826 x MAD of its relative step-to-step differences / sqrt 2): the gap, smoothed "
+    "by a running median of w steps, counts when it stays above k standard errors of such a median (k x "
+    "1.2533 x noise / sqrt w); spikes are judged by a robust rolling detector on each run and matched by "
     "step; evaluation metrics use the same noise unit (or the control's own evaluation noise). Layers are "
     "scored by robust z-scores against the model's other layers (relative error as -SQNR, 1 - cosine, "
-    "underflow, overflow, scale drift), flagged only where they stand out more than in the control, and their "
-    "onset is found against their own history. Metrics nominate candidate layers; controlled experiments decide."
+    "underflow, overflow, scale drift), flagged only where they stand out more than in the control, and "
+    "their onset is found against their own history. Metrics nominate candidate layers; controlled "
+    "experiments decide."
 )
 
 
@@ -115,7 +118,8 @@ def render_report(d: Diagnosis, fp8: RunData, control: RunData) -> str:
         f"<tr><th>final loss gap</th><td>{100 * lc.final_gap:+.2f}% (control noise {100 * lc.noise:.2f}%, "
         f"tolerance {100 * lc.tolerance:.2f}%)</td></tr>"
         f"<tr><th>top finding</th><td>{e(d.top.kind)}: {e(d.top.title)}</td></tr>"
-        f"<tr><th>top-ranked layer</th><td>{e(d.layer_ranking[0].layer) if d.layer_ranking else 'n/a'}</td></tr>"
+        "<tr><th>top-ranked layer</th>"
+        f"<td>{e(d.layer_ranking[0].layer) if d.layer_ranking else 'n/a'}</td></tr>"
         "</table>"
     )
     heatmaps = "".join(fig(fid) for fid in figs if fid.startswith("fig-heatmap-"))
@@ -132,7 +136,8 @@ def render_report(d: Diagnosis, fp8: RunData, control: RunData) -> str:
         f"<h1>fp8track diagnosis: {e(run_name(fp8))} vs {e(run_name(control))}</h1>{summary}"
         f'<h2>Findings</h2><div id="findings">{"".join(_finding_html(f) for f in d.findings)}</div>'
         f"<h2>Loss and gap</h2>{fig('fig-loss')}"
-        f"<h2>Validation and downstream metrics</h2>{evals or '<p>No evaluation metrics recorded in both runs.</p>'}"
+        "<h2>Validation and downstream metrics</h2>"
+        f"{evals or '<p>No evaluation metrics recorded in both runs.</p>'}"
         f"{fig('fig-eval')}"
         f"<h2>Layer ranking</h2>{_ranking_table(d)}{fig('fig-ranking')}"
         f"<h2>Per-layer heatmaps</h2>{heatmaps or '<p>No tensor statistics recorded.</p>'}"

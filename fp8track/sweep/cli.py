@@ -53,7 +53,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     print(f"Look at it: mlflow ui --backend-store-uri {options.mlflow_uri}")
     if options.wandb:
         print(
-            f"W&B offline runs: {options.out / 'wandb'}  (upload: wandb sync {options.out / 'wandb'}/offline-run-*)"
+            f"W&B offline runs: {options.out / 'wandb'}  "
+            f"(upload: wandb sync {options.out / 'wandb'}/offline-run-*)"
         )
     return 0
 

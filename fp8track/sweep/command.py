@@ -58,7 +58,8 @@ def expand(command: Sequence[str], program: str, params: Mapping[str, Any], json
     command asks for ``${args_json_file}``.
 
     Example:
-        >>> expand(["${env}", "${interpreter}", "${program}", "${args}"], "train.py", {"lr": 0.1, "amp": True})[2:]
+        >>> expand(["${env}", "${interpreter}", "${program}", "${args}"], "train.py",
+        ...        {"lr": 0.1, "amp": True})[2:]
         ['train.py', '--lr=0.1', '--amp=True']
     """
     env = os.environ if env is None else env

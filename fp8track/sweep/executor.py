@@ -93,7 +93,8 @@ GAP_METRIC = "gap_vs_bf16"
 """Child-run metric: the trial's final metric minus the control's at its seed, + = worse."""
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
-"""MLflow 3's experiment kind for classic training runs: the UI opens the runs table, not the GenAI overview."""
+"""MLflow 3's experiment kind for classic training runs: the UI opens the runs table, not the
+GenAI overview."""
 FP8_PARAMS = ("recipe", "bf16_layers")
 
 
@@ -682,7 +683,8 @@ class _Sweep:
                 failures = failures + 1 if last.state.name == "FAIL" else 0
                 if failures >= 3:
                     raise RuntimeError(
-                        f"three trials in a row failed; see the child runs' fp8track.error tags and {self.logs}"
+                        "three trials in a row failed; see the child runs' fp8track.error tags and "
+                        f"{self.logs}"
                     )
         finally:
             self.progress.close()
@@ -707,7 +709,9 @@ class _Sweep:
             return
         running = self.client.search_runs(
             [self.experiment_id],
-            filter_string=f"tags.mlflow.parentRunId = '{self.parent_run_id}' and attributes.status = 'RUNNING'",
+            filter_string=(
+                f"tags.mlflow.parentRunId = '{self.parent_run_id}' and attributes.status = 'RUNNING'"
+            ),
         )
         for run in running:
             if run.data.tags.get("fp8track.trial") in failed:
@@ -760,7 +764,9 @@ class _Sweep:
         runs = self.client.search_runs(
             [self.experiment_id],
             max_results=50000,
-            filter_string=f"tags.mlflow.parentRunId = '{self.parent_run_id}' and tags.`fp8track.role` = 'trial'",
+            filter_string=(
+                f"tags.mlflow.parentRunId = '{self.parent_run_id}' and tags.`fp8track.role` = 'trial'"
+            ),
         )
         varying = [p.name for p in _varying(self.spec)]
         return sorted((row_from_run(r, self.spec.metric, varying) for r in runs), key=lambda r: r.trial)

@@ -251,7 +251,8 @@ def recommend(
         if small:
             info = (
                 f"information: torchao's auto filter would also keep {len(small)} of the FP8 layers in BF16 "
-                f"as too small to run faster in FP8 on H100: {', '.join(small[:6])}{' ...' if len(small) > 6 else ''}",
+                f"as too small to run faster in FP8 on H100: {', '.join(small[:6])}"
+                f"{' ...' if len(small) > 6 else ''}",
             )
     return Recommendation(
         r,

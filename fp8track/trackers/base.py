@@ -70,8 +70,10 @@ def rows_from_scalars(metrics: Mapping[str, Mapping[int, float]]) -> list[Tensor
     tracker keeps when its tables are unavailable); variant ``"actual"``.
 
     Example:
-        >>> rows_from_scalars({"fp8/fc1/activation/mse": {3: 0.5}, "fp8/fc1/activation/amax": {3: 2.0}, "fp8/loss": {3: 1.0}})
-        [TensorStatsRow(step=3, layer='fc1', tensor='activation', stats={'mse': 0.5, 'amax': 2.0}, variant='actual')]
+        >>> rows_from_scalars({"fp8/fc1/activation/mse": {3: 0.5}, "fp8/fc1/activation/amax": {3: 2.0},
+        ...                    "fp8/loss": {3: 1.0}})  # doctest: +NORMALIZE_WHITESPACE
+        [TensorStatsRow(step=3, layer='fc1', tensor='activation', stats={'mse': 0.5, 'amax': 2.0},
+                        variant='actual')]
     """
     from fp8track.numerics.formats import TENSOR_KINDS
     from fp8track.numerics.stats import STAT_NAMES
@@ -425,9 +427,9 @@ def read_missed(run_dir: str | Path, tracker_name: str) -> list[dict[str, Any]]:
 class TrackerFanout:
     """Sends each step to every tracker; a failing tracker never stops training.
 
-    On the first failure or retry notice of a tracker it warns once (``RuntimeWarning``); every failure appends
-    ``{"step", "what", "error", "time"}`` to ``<run_dir>/sync/<name>.missed.jsonl`` (``step`` is
-    null for a failed ``start``/``finish``; ``what`` is ``"tables"`` when only the step's table
+    On the first failure or retry notice of a tracker it warns once (``RuntimeWarning``); every
+    failure appends ``{"step", "what", "error", "time"}`` to ``<run_dir>/sync/<name>.missed.jsonl``
+    (``step`` is null for a failed ``start``/``finish``; ``what`` is ``"tables"`` when only the step's table
     rows were lost, see :class:`TablesNotWritten`, ``"scalars"`` when only its scalars were, see
     :class:`ScalarsNotWritten`). Owned by one monitor instance; nothing global.
 
@@ -500,7 +502,8 @@ class TrackerFanout:
             if tracker.name not in self._warned:
                 self._warned.add(tracker.name)
                 warnings.warn(
-                    f"fp8track: tracker {tracker.name!r}: {redact(notice)}. Training continues; everything is in the "
+                    f"fp8track: tracker {tracker.name!r}: {redact(notice)}. Training continues; "
+                    "everything is in the "
                     f"run directory {self.run_dir}. Further problems of this tracker are recorded silently.",
                     RuntimeWarning,
                     stacklevel=3,

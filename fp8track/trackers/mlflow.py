@@ -599,7 +599,8 @@ class MLflowTracker(QueuedTracker):
             # table write (a failure of the final one, in finish, is recorded per step). Re-sending
             # the step would duplicate them, so this is a notice, not a failure.
             self._notice(
-                f"table write at step {step} failed ({type(exc).__name__}: {str(exc)[:300]}); rows stay buffered"
+                f"table write at step {step} failed ({type(exc).__name__}: {str(exc)[:300]}); "
+                "rows stay buffered"
             )
 
     def _tag_worst(self, ev: EventRecord) -> None:

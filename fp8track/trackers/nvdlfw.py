@@ -49,7 +49,8 @@ try:
     from nvdlfw_inspect.logging import BaseLogger
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "fp8track.trackers.nvdlfw needs nvdlfw_inspect (Transformer Engine's debug API): pip install nvdlfw-inspect"
+        "fp8track.trackers.nvdlfw needs nvdlfw_inspect (Transformer Engine's debug API): "
+        "pip install nvdlfw-inspect"
     ) from exc
 
 TE_TENSORS = ("activation", "gradient", "weight", "output", "dgrad", "wgrad")
@@ -97,8 +98,11 @@ def parse_te_stat_name(name: str) -> TEStat | None:
     Example:
         >>> parse_te_stat_name("model.layers.3.mlp.fc1_gradient_underflows%")
         TEStat(layer='model.layers.3.mlp.fc1', tensor='gradient', stat='underflow_pct', variant='actual')
-        >>> parse_te_stat_name("blocks.0.layernorm_qkv_activation_mxfp8_scale_inv_min_columnwise")
-        TEStat(layer='blocks.0.layernorm_qkv', tensor='activation', stat='scale_inv_min', variant='mxfp8_columnwise')
+        >>> parse_te_stat_name(
+        ...     "blocks.0.layernorm_qkv_activation_mxfp8_scale_inv_min_columnwise"
+        ... )  # doctest: +NORMALIZE_WHITESPACE
+        TEStat(layer='blocks.0.layernorm_qkv', tensor='activation', stat='scale_inv_min',
+               variant='mxfp8_columnwise')
     """
     m = _NAME_RE.match(name)
     if m is None:
@@ -232,7 +236,8 @@ class TEStatsBridge(BaseLogger):
                 if not self._warned_unparsed:
                     self._warned_unparsed = True
                     warnings.warn(
-                        f"fp8track: {name!r} is not a TE '<layer>_<tensor>_<stat>' name; kept as fp8/te/<name>",
+                        f"fp8track: {name!r} is not a TE '<layer>_<tensor>_<stat>' name; "
+                        "kept as fp8/te/<name>",
                         RuntimeWarning,
                         stacklevel=2,
                     )

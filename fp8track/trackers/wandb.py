@@ -8,7 +8,8 @@ plot against that step with ``min`` and ``max`` summaries. Per-layer rows go to 
 incremental table per kind. Once a table is logged its rows are in W&B's files and are dropped
 from the ``Table`` object, which wandb would otherwise keep for the whole run (memory then
 holds at most ``table_every_n_steps`` steps of rows, whatever the run's length). Events whose
-data has ``"alert": True`` raise ``run.alert``, throttled per title. The run config holds the recipe and the BF16 fallback set.
+data has ``"alert": True`` raise ``run.alert``, throttled per title. The run config holds the
+recipe and the BF16 fallback set.
 
 ``wandb`` is imported only when a tracker is built; this module never sets ``WANDB_MODE``.
 """
