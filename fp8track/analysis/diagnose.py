@@ -39,14 +39,27 @@ the cut gives low confidence, three times the cut about 0.86.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from fp8track.analysis.baseline import Baseline, RunData, classify_spike
-from fp8track.analysis.ranking import LayerRisk, history_shifts, outliers, rank_layers
+from fp8track.analysis.causes import known_causes
+from fp8track.analysis.ranking import (
+    MAIN_VARIANTS,
+    ROW_SIGNALS,
+    SIGNAL_FLOORS,
+    HistoryShift,
+    LayerRisk,
+    history_shifts,
+    outliers,
+    rank_layers,
+    robust_z,
+    row_signals,
+    separation,
+)
 from fp8track.analysis.spikes import SpikeConfig, SpikeEvent, detect_spikes
 from fp8track.analysis.windows import MAD_TO_SIGMA, centred_median
 from fp8track.errors import ConfigError, check_float, check_int
@@ -409,7 +422,90 @@ def compare_evals(
     return out
 
 
-# --- findings ------------------------------------------------------------------------------------
+# --- the evidence every rule reads ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What the rules judge, computed once per diagnosis.
+
+    Attributes:
+        fp8, control: the two runs.
+        cfg: the configuration.
+        loss: the step-aligned loss comparison.
+        fp8_spikes: spikes and non-finite events of the FP8 loss; ``control_base`` the control's.
+        fp8_rows, control_rows: tensor-statistics rows of both runs.
+        shifts: own-history shifts of the FP8 run's (layer, tensor) pairs, strongest first.
+        ranking: the layer ranking (:func:`fp8track.analysis.ranking.rank_layers`, against the control).
+        outs: its outliers.
+        named: the layers a numerics finding names: the outliers, else the top-ranked (with ties).
+        model_order: the FP8 run's layers in model order (FP8 layers, then BF16 ones).
+        evals: per evaluation metric, :func:`compare_evals`.
+        row_spacing: steps between two sampled steps of the tensor statistics.
+        causes: the known causes the run points to (:func:`fp8track.analysis.causes.known_causes`).
+    """
+
+    fp8: RunData
+    control: RunData
+    cfg: DiagnosisConfig
+    loss: LossComparison
+    fp8_spikes: tuple[SpikeEvent, ...]
+    control_base: Baseline
+    fp8_rows: tuple[Any, ...]
+    control_rows: tuple[Any, ...]
+    shifts: tuple[HistoryShift, ...]
+    ranking: tuple[LayerRisk, ...]
+    outs: tuple[LayerRisk, ...]
+    named: tuple[str, ...]
+    model_order: tuple[str, ...]
+    evals: Mapping[str, Mapping[str, Any]]
+    row_spacing: int
+    causes: Mapping[str, str]
+
+    @property
+    def nonfinite(self) -> list[SpikeEvent]:
+        return [e for e in self.fp8_spikes if e.kind == "nonfinite"]
+
+    @property
+    def gap_z(self) -> float:
+        """The largest smoothed gap in units of the control's noise."""
+        return self.loss.max_gap / self.loss.noise if self.loss.noise > 0 else math.inf
+
+    def loss_evidence(self) -> dict[str, Any]:
+        lc, i = self.loss, self.loss.steps.index(self.loss.onset) if self.loss.onset is not None else 0
+        return {"onset_step": lc.onset, "gap_rel_at_end": lc.final_gap, "max_gap_rel": lc.max_gap,
+                "control_noise_rel": lc.noise, "tolerance_rel": lc.tolerance, "gap_in_noise_units": self.gap_z,
+                "fp8_loss_at_onset": lc.fp8[i], "control_loss_at_onset": lc.control[i],
+                "fp8_final_loss": lc.fp8[-1], "control_final_loss": lc.control[-1],
+                "nonfinite_steps": [e.start_step for e in self.nonfinite]}
+
+
+def gather_evidence(fp8: RunData, control: RunData, cfg: DiagnosisConfig, loss_key: str | None = None) -> Evidence:
+    """Everything :data:`RULES` read: the loss comparison, spikes, rows, shifts, ranking, evaluations."""
+    fkey, ckey = fp8.loss_key(loss_key), control.loss_key(loss_key)
+    fl, cl = fp8.metrics[fkey], control.metrics[ckey]
+    loss = compare_loss(fl, cl, cfg)
+    steps = loss.steps
+    spacing = max(1, int(np.median(np.diff(steps)))) if len(steps) > 1 else 1
+    scfg = spike_config_for(len(steps))
+    fp8_spikes = detect_spikes({s: fl[s] for s in steps}, scfg)
+    ctl_base = Baseline.from_series(control.source, {s: cl[s] for s in steps}, scfg, key=ckey)
+    fp8_rows, ctl_rows = tuple(fp8.tensor_rows), tuple(control.tensor_rows)
+    ranking = tuple(rank_layers(fp8_rows, control=ctl_rows or None, events=fp8.events, history_z=cfg.history_z))
+    outs = tuple(outliers(ranking, cfg.outlier_z, cfg.outlier_min_score))
+    top = [r.layer for r in ranking if ranking and r.rank == ranking[0].rank]
+    named = tuple([r.layer for r in outs][: cfg.top_k] or [r.layer for r in ranking][: max(cfg.top_k, len(top))])
+    fp8_layers = list(fp8.meta.get("fp8_layers") or [])
+    model_order = tuple(fp8_layers + [n for n in (fp8.meta.get("bf16_layers") or []) if n not in fp8_layers])
+    evals = compare_evals(fp8.eval_metrics(), control.eval_metrics(), loss.noise, cfg.noise_k)
+    return Evidence(
+        fp8, control, cfg, loss, tuple(fp8_spikes), ctl_base, fp8_rows, ctl_rows, tuple(history_shifts(fp8_rows)),
+        ranking, outs, named, model_order, evals, _row_spacing(fp8_rows) or spacing,
+        known_causes(fp8.meta, fp8_rows),
+    )
+
+
+# --- the rules: one function per finding kind ----------------------------------------------------
 
 
 def _severity(z: float, cut: float) -> str:
@@ -421,8 +517,6 @@ def _severity(z: float, cut: float) -> str:
 def _layers_near(rows: Sequence[Any], step: int, spacing: int, history_z: float) -> list[tuple[str, str, str, float]]:
     """``(layer, tensor, signal, z)`` of (layer, tensor) pairs whose statistics at the sampled step
     nearest ``step`` (within ``spacing``) jump against their own other samples, strongest first."""
-    from fp8track.analysis.ranking import MAIN_VARIANTS, SIGNAL_FLOORS, SIGNALS, robust_z, row_signals
-
     by_key: dict[tuple[str, str], dict[int, dict[str, float]]] = {}
     for r in rows:
         if r.variant in MAIN_VARIANTS:
@@ -434,7 +528,7 @@ def _layers_near(rows: Sequence[Any], step: int, spacing: int, history_z: float)
             continue
         s0 = max(near)
         order = sorted(per_step)
-        for sig in SIGNALS:
+        for sig in ROW_SIGNALS:
             z = robust_z([per_step[s][sig] for s in order], SIGNAL_FLOORS[sig])[order.index(s0)]
             if math.isfinite(z) and z > history_z:
                 hits.append((layer, tensor, sig, float(z)))
@@ -445,66 +539,252 @@ def _layers_near(rows: Sequence[Any], step: int, spacing: int, history_z: float)
     return sorted(best.values(), key=lambda h: -h[3])
 
 
-def _spike_findings(
-    fp8_spikes: Sequence[SpikeEvent], control: Baseline, rows: Sequence[Any], cfg: DiagnosisConfig, spacing: int
-) -> list[Finding]:
+def _classified_spikes(ev: Evidence) -> tuple[list[Any], list[Any]]:
+    """FP8 spikes split into (shared with the control, FP8 only), each as ``(event, classification)``."""
     shared, only = [], []
-    for ev in fp8_spikes:
-        if ev.kind != "spike":
-            continue
-        cls = classify_spike(ev, control, cfg.classify_window)
-        (shared if cls.label == "shared" else only).append((ev, cls))
+    for e in ev.fp8_spikes:
+        if e.kind == "spike":
+            cls = classify_spike(e, ev.control_base, ev.cfg.classify_window)
+            (shared if cls.label == "shared" else only).append((e, cls))
+    return shared, only
+
+
+def rule_shared_spikes(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
+    """Path step 2: FP8 spikes with a control spike within ``classify_window`` steps."""
+    shared, _ = _classified_spikes(ev)
+    if not shared:
+        return []
+    zs = [e.z_score for e, _ in shared if math.isfinite(e.z_score)]
+    return [Finding(
+        "shared_spikes", "low", confidence(len(shared) + 1.0, 1.0),
+        f"{len(shared)} loss spike(s) also in the BF16 control: a general training problem, not FP8",
+        "The FP8 run spiked where the control did (within "
+        f"{ev.cfg.classify_window} steps). Look at data, learning rate and optimizer state first.",
+        steps=tuple(e.start_step for e, _ in shared),
+        evidence={"spikes": [{"start_step": e.start_step, "control_start_step": c.control_start_step,
+                              "rel_excess": e.rel_excess, "recover_steps": e.recover_steps,
+                              "control_recover_steps": c.control_recover_steps, "z": e.z_score}
+                             for e, c in shared], "max_z": max(zs) if zs else math.inf},
+        next_experiments=(
+            "inspect the batches at these steps (data quality, sequence lengths) and the learning-rate schedule",
+            "lower the learning rate or add warm-up / gradient clipping; the same change should help the control",
+            "only if FP8 recovers much more slowly than the control, treat them as FP8 spikes",
+        ),
+    )]
+
+
+def rule_fp8_only_spikes(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
+    """Path step 2: FP8 spikes without a control spike nearby; the layers that jump at them."""
+    _, only = _classified_spikes(ev)
+    if not only:
+        return []
+    cfg = ev.cfg
+    slow = [e for e, c in only if e.status == "not_recovered"]
+    ctl_rec = sorted(e.recover_steps for e in ev.control_base.spikes if e.recover_steps is not None)
+    fp8_rec = sorted(e.recover_steps for e, _ in only if e.recover_steps is not None)
+    zmax = max((e.z_score for e, _ in only if math.isfinite(e.z_score)), default=math.inf)
+    layer_hits: dict[tuple[str, str], float] = {}
+    for e, _ in only:
+        for layer, tensor, _sig, z in _layers_near(ev.fp8_rows, e.start_step, ev.row_spacing, cfg.history_z):
+            layer_hits[(layer, tensor)] = layer_hits.get((layer, tensor), 0.0) + z
+    hits = sorted(layer_hits.items(), key=lambda kv: -kv[1])
+    layers = tuple(dict.fromkeys(k[0] for k, _ in hits))[: cfg.top_k]
+    tensors = tuple(dict.fromkeys(k[1] for k, _ in hits if k[0] in layers))
+    sev = "high" if slow or len(only) >= 3 else "medium"
+    conf = confidence(zmax, 6.0) if len(only) == 1 else max(confidence(zmax, 6.0), 0.8)
+    return [Finding(
+        "fp8_only_spikes", sev, conf,
+        f"{len(only)} loss spike(s) only in FP8, first at step {only[0][0].start_step}",
+        f"The control did not spike within {cfg.classify_window} steps of these. Median FP8 recovery "
+        f"{_median_or_none(fp8_rec)} steps vs control spikes {_median_or_none(ctl_rec)}; "
+        f"{len(slow)} did not recover. "
+        + (f"Layers whose statistics jump at the spikes: {', '.join(layers)}." if layers else ""),
+        steps=tuple(e.start_step for e, _ in only), layers=layers, tensors=tensors,
+        evidence={"spikes": [{"start_step": e.start_step, "rel_excess": e.rel_excess, "z": e.z_score,
+                              "recover_steps": e.recover_steps, "status": e.status} for e, _ in only],
+                  "fp8_median_recover_steps": _median_or_none(fp8_rec),
+                  "control_median_recover_steps": _median_or_none(ctl_rec),
+                  "layer_jumps": [{"layer": k[0], "tensor": k[1], "z_sum": v} for k, v in hits[:10]],
+                  "known_causes": sorted(ev.causes)},
+        next_experiments=_numerics_experiments(layers, (), cfg) + tuple(ev.causes.values()),
+    )]
+
+
+def rule_divergence_from_start(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
+    """Path step 3: a lasting gap from the start; software first (what the FP8 run newly enabled)."""
+    lc = ev.loss
+    if lc.onset is None or lc.phase != "start":
+        return []
+    new = newly_enabled(ev.fp8.meta, ev.control.meta)
+    evidence = {**ev.loss_evidence(), "newly_enabled": new, "known_causes": sorted(ev.causes)}
+    exps = [f"switch off {OPTION_LABELS.get(k, k)} ({k}={v})" for k, v in new.items() if k != "recipe"]
+    exps.extend(ev.causes.values())
+    exps.append("re-enable the options one at a time and rerun the first steps against the control")
+    top = ev.ranking[0].layer if ev.ranking else "n/a"
+    exps.append(f"compare the first sampled step's tensor statistics (non-finite, overflow) layer by layer: "
+                f"top of the ranking is {top}")
+    if "recipe" in new:
+        exps.insert(0, f"keep everything as in the control except the FP8 recipe ({new['recipe']}): "
+                       "if that alone diverges, go to the numerics experiments")
+    return [Finding(
+        "divergence_from_start", "high", confidence(ev.gap_z, ev.cfg.noise_k),
+        f"FP8 diverges from the start (gap opens at step {lc.onset})",
+        f"The FP8 loss departs from the control from step {lc.onset} on and never comes back: "
+        f"{100 * lc.final_gap:+.1f}% at the end, {ev.gap_z:.0f}x the control's own noise "
+        f"({100 * lc.noise:.2f}%). Suspect software first. Newly enabled relative to the control: "
+        + (", ".join(f"{k}={v}" for k, v in new.items()) or "nothing recorded") + ".",
+        steps=(lc.onset,), layers=tuple(ev.named[:1]), evidence=evidence, next_experiments=tuple(exps),
+    )]
+
+
+def rule_mid_training_gap(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
+    """Path step 4: a lasting gap that opens later; the numerics experiments on the named layers."""
+    lc, cfg = ev.loss, ev.cfg
+    if lc.onset is None or lc.phase != "mid":
+        return []
+    named = ev.named
+    return [Finding(
+        "mid_training_gap", "high" if ev.gap_z >= 3 * cfg.noise_k else "medium", confidence(ev.gap_z, cfg.noise_k),
+        f"FP8 falls behind the control mid-training (from step {lc.onset})",
+        f"The FP8 loss tracked the control until step {lc.onset}, then stayed above it: "
+        f"{100 * lc.final_gap:+.1f}% at the end, {ev.gap_z:.0f}x the control's own noise "
+        f"({100 * lc.noise:.2f}%). Top-ranked layers: {', '.join(named)}.",
+        steps=(lc.onset,), layers=named,
+        tensors=tuple(dict.fromkeys(r.tensor for r in ev.ranking if r.layer in named)),
+        evidence={**ev.loss_evidence(), "known_causes": sorted(ev.causes)},
+        next_experiments=_numerics_experiments(named, ev.model_order, cfg) + tuple(ev.causes.values()),
+    )]
+
+
+def rule_downstream_drop(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
+    """Path step 5: an evaluation metric worse than the control's while the loss is normal."""
+    lc, cfg = ev.loss, ev.cfg
+    dropped = {k: v for k, v in ev.evals.items() if v["dropped"]}
+    if not dropped or lc.onset is not None or ev.nonfinite:
+        return []
+    worst_name, worst = max(dropped.items(), key=lambda kv: kv[1]["z"])
+    return [Finding(
+        "downstream_drop_with_normal_loss", "high" if worst["z"] >= 3 * cfg.noise_k else "medium",
+        confidence(worst["z"], cfg.noise_k),
+        f"Evaluation drops ({', '.join(dropped)}) while the training loss matches the control",
+        f"{worst_name}: {worst['fp8']:.4g} vs control {worst['control']:.4g} at step {worst['step']} "
+        f"({100 * worst['worse_rel']:.1f}% worse, {worst['z']:.0f}x the {worst['noise_source']}), while the "
+        f"training loss stays within {100 * lc.tolerance:.2f}% of the control. Loss alone misses "
+        "problems in the inference path: scaling factors, weight loading, precision mix.",
+        steps=(int(worst["step"]),), layers=tuple(ev.named[:1]),
+        evidence={"eval": dropped, "loss_final_gap_rel": lc.final_gap},
+        next_experiments=(
+            "check the inference chain: fp8track check-inference CKPT (trained vs fresh scales vs BF16, "
+            "per-layer output error, checkpoint reload of weights and amax histories)",
+            "verify inference loads the trained scaling state (amax histories, scales) and the final weights",
+            "use FP8 training + FP8 inference as the control: BF16 inference of an FP8-trained model can add error",
+        ),
+    )]
+
+
+TROUBLE_KINDS = ("fp8_only_spikes", "divergence_from_start", "mid_training_gap", "downstream_drop_with_normal_loss")
+ERROR_SIGNALS = ("rel_error_db", "cos_loss")
+CORROBORATE_Z = 2.0
+"""Robust z (against comparable tensors of the other layers) of a layer's relative error (incl. the
+error of its non-outlier elements) or cosine loss that makes an outlier a finding on its own,
+without loss or evaluation trouble."""
+
+CLEAR_SEPARATION = 2.0
+"""An outlier scoring less than this many times the best other layer is a near tie: at most
+``medium`` severity, whatever its score."""
+
+
+def _error_stands_out(r: LayerRisk) -> bool:
+    return any(math.isfinite(r.z.get(s, math.nan)) and r.z[s] >= CORROBORATE_Z for s in ERROR_SIGNALS)
+
+
+def _watch(ev: Evidence, found: Sequence[Finding]) -> list[LayerRisk]:
+    """Outliers on underflow/overflow/drift alone, with no error or loss trouble to show for it."""
+    trouble = any(f.kind in TROUBLE_KINDS for f in found)
+    return [r for r in ev.outs if not trouble and not _error_stands_out(r)]
+
+
+def _own_shift(ev: Evidence, layer: str, tensor: str) -> dict[str, Any] | None:
+    h = next((h for h in ev.shifts if h.layer == layer and h.tensor == tensor), None)
+    return h.to_dict() if h is not None and h.z > ev.cfg.history_z else None
+
+
+def rule_layer_outlier(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
+    """A layer that stands out against comparable tensors of the other layers (beyond the control),
+    corroborated by its error or by loss/evaluation trouble; its onset from its own history."""
+    cfg, watch = ev.cfg, _watch(ev, found)
     out = []
-    if shared:
-        z = max(e.z_score for e, _ in shared if math.isfinite(e.z_score)) if any(
-            math.isfinite(e.z_score) for e, _ in shared) else math.inf
+    for r in (r for r in ev.outs if r not in watch):
+        own = _own_shift(ev, r.layer, r.tensor)
+        st = r.stats.get(r.tensor, {})
+        sep = separation(r, ev.ranking, ev.outs)
+        sev = _severity(r.score, cfg.outlier_min_score)
+        if sep < CLEAR_SEPARATION and sev == "high":
+            sev = "medium"
+        worst_sig = max(r.z, key=lambda k: r.z[k] if math.isfinite(r.z[k]) else -math.inf)
+        base = "the control's same layer" if r.excess else "the model's other layers"
         out.append(Finding(
-            "shared_spikes", "low", confidence(len(shared) + 1.0, 1.0),
-            f"{len(shared)} loss spike(s) also in the BF16 control: a general training problem, not FP8",
-            "The FP8 run spiked where the control did (within "
-            f"{cfg.classify_window} steps). Look at data, learning rate and optimizer state first.",
-            steps=tuple(e.start_step for e, _ in shared),
-            evidence={"spikes": [{"start_step": e.start_step, "control_start_step": c.control_start_step,
-                                  "rel_excess": e.rel_excess, "recover_steps": e.recover_steps,
-                                  "control_recover_steps": c.control_recover_steps, "z": e.z_score}
-                                 for e, c in shared], "max_z": z},
+            "layer_outlier", sev, confidence(r.score, cfg.outlier_min_score) * (1.0 if sep >= CLEAR_SEPARATION else 0.5),
+            f"Layer {r.layer} ({r.tensor}) stands out" + (f" from step {own['step']}" if own else ""),
+            f"Risk score {r.score:.1f}, {sep:.1f}x the next layer's, against comparable {r.tensor} tensors "
+            f"({r.fmt}) of the other layers, as excess over {base}; worst signal {worst_sig} "
+            f"(z {r.z[worst_sig]:.1f}): SQNR {st.get('sqnr_db', math.nan):.1f} dB (without its largest element "
+            f"{st.get('bulk_sqnr_db', math.nan):.1f} dB), underflow {st.get('underflow_pct', math.nan):.2f}%, "
+            f"cos {st.get('cos', math.nan):.5f}, |drift| {st.get('abs_drift_log2', math.nan):.2f} binades."
+            + (f" Against its own history, {own['signal']} worsened from step {own['step']} (z {own['z']:.1f})."
+               if own else ""),
+            steps=(own["step"],) if own else (), layers=(r.layer,), tensors=(r.tensor,),
+            evidence={"score": r.score, "separation": sep, "rank": r.rank, "tied": list(r.tied), "z": dict(r.z),
+                      "stats": st, "own_history": own, "excess_over_control": r.excess},
             next_experiments=(
-                "inspect the batches at these steps (data quality, sequence lengths) and the learning-rate schedule",
-                "lower the learning rate or add warm-up / gradient clipping; the same change should help the control",
-                "only if FP8 recovers much more slowly than the control, treat them as FP8 spikes",
+                f"look for outlier features entering {r.layer}'s {r.tensor} (amax over steps)",
+                f"rerun with {r.layer} in BF16 (--bf16-layers {r.layer}) and compare the loss gap",
+                "try current or block scaling for this layer's tensors (what-if rows show the expected error)",
+                *ev.causes.values(),
             ),
         ))
-    if only:
-        slow = [e for e, c in only if e.status == "not_recovered"]
-        ctl_rec = sorted(e.recover_steps for e in control.spikes if e.recover_steps is not None)
-        fp8_rec = sorted(e.recover_steps for e, _ in only if e.recover_steps is not None)
-        zs = [e.z_score for e, _ in only]
-        zmax = max((z for z in zs if math.isfinite(z)), default=math.inf)
-        layer_hits: dict[tuple[str, str], float] = {}
-        for ev, _ in only:
-            for layer, tensor, _sig, z in _layers_near(rows, ev.start_step, spacing, cfg.history_z):
-                layer_hits[(layer, tensor)] = layer_hits.get((layer, tensor), 0.0) + z
-        named = sorted(layer_hits.items(), key=lambda kv: -kv[1])
-        layers = tuple(dict.fromkeys(k[0] for k, _ in named))[: cfg.top_k]
-        tensors = tuple(dict.fromkeys(k[1] for k, _ in named if k[0] in layers))
-        sev = "high" if slow or len(only) >= 3 else "medium"
-        out.append(Finding(
-            "fp8_only_spikes", sev, confidence(zmax, 6.0) if len(only) == 1 else max(confidence(zmax, 6.0), 0.8),
-            f"{len(only)} loss spike(s) only in FP8" + (f", first at step {only[0][0].start_step}" if only else ""),
-            "The control did not spike within "
-            f"{cfg.classify_window} steps of these. Median FP8 recovery "
-            f"{_median_or_none(fp8_rec)} steps vs control spikes {_median_or_none(ctl_rec)}; "
-            f"{len(slow)} did not recover. "
-            + (f"Layers whose statistics jump at the spikes: {', '.join(layers)}." if layers else ""),
-            steps=tuple(e.start_step for e, _ in only), layers=layers, tensors=tensors,
-            evidence={"spikes": [{"start_step": e.start_step, "rel_excess": e.rel_excess, "z": e.z_score,
-                                  "recover_steps": e.recover_steps, "status": e.status} for e, _ in only],
-                      "fp8_median_recover_steps": _median_or_none(fp8_rec),
-                      "control_median_recover_steps": _median_or_none(ctl_rec),
-                      "layer_jumps": [{"layer": k[0], "tensor": k[1], "z_sum": v} for k, v in named[:10]]},
-            next_experiments=_numerics_experiments(layers, (), cfg),
-        ))
     return out
+
+
+def rule_healthy(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
+    """None of the other rules fired; the layers to watch are noted."""
+    if found:
+        return []
+    lc, cfg, watch = ev.loss, ev.cfg, _watch(ev, found)
+    best = ev.ranking[0] if ev.ranking else None
+    ties = f", tied with {', '.join(best.tied)}" if best and best.tied else ""
+    return [Finding(
+        "healthy", "info", confidence(cfg.noise_k / max(abs(lc.max_gap) / lc.noise, 1e-9), 1.0),
+        "FP8 matches the BF16 control",
+        f"Loss gap {100 * lc.final_gap:+.2f}% at the end, within {cfg.noise_k:g}x the control's own noise "
+        f"({100 * lc.noise:.2f}%); no FP8-only spikes; no evaluation drop; no layer stands out "
+        f"against the others more than in the control with an error to show for it"
+        + (f" (highest risk score {best.score:.1f}, {best.layer}{ties})." if best else ".")
+        + (f" To watch: {', '.join(f'{r.layer} ({r.tensor}, worst signal {max(r.z, key=lambda k: r.z[k])})' for r in watch)}"
+           " stand out on underflow/overflow/drift alone, without a larger quantisation error or any loss impact."
+           if watch else ""),
+        evidence={"final_gap_rel": lc.final_gap, "max_gap_rel": lc.max_gap, "control_noise_rel": lc.noise,
+                  "tolerance_rel": lc.tolerance, "eval": ev.evals,
+                  "top_layer": best.layer if best else None, "top_score": best.score if best else None,
+                  "top_tied_with": list(best.tied) if best else [],
+                  "watch": [{"layer": r.layer, "tensor": r.tensor, "score": r.score, "z": dict(r.z)} for r in watch]},
+        next_experiments=("keep monitoring at a lower sampling rate; rerun the diagnosis after longer training",),
+    )]
+
+
+Rule = Callable[[Evidence, Sequence[Finding]], list[Finding]]
+
+RULES: Mapping[str, Rule] = {
+    "shared_spikes": rule_shared_spikes,
+    "fp8_only_spikes": rule_fp8_only_spikes,
+    "divergence_from_start": rule_divergence_from_start,
+    "mid_training_gap": rule_mid_training_gap,
+    "downstream_drop_with_normal_loss": rule_downstream_drop,
+    "layer_outlier": rule_layer_outlier,
+    "healthy": rule_healthy,
+}
+"""One rule per finding kind, run in :data:`KINDS` order; each sees the findings of the rules
+before it (``layer_outlier`` asks whether the loss showed trouble, ``healthy`` whether anything fired)."""
 
 
 def _median_or_none(xs: Sequence[int]) -> float | None:
@@ -530,186 +810,28 @@ def _numerics_experiments(top_layers: Sequence[str], all_layers: Sequence[str], 
     return tuple(exps)
 
 
-def _ranking_window(loss: LossComparison, shifts: Sequence[Any], cfg: DiagnosisConfig) -> int | None:
-    """Start of the steps the layer ranking should cover: the loss gap's onset (mid-training), else
-    the strongest own-history shift when it counts, else ``None`` (whole run)."""
-    if loss.onset is not None and loss.phase == "mid":
-        return loss.onset
-    if loss.onset is None and shifts and shifts[0].z > cfg.history_z:
-        return shifts[0].step
-    return None
-
-
 def diagnose(fp8: RunData, control: RunData, config: DiagnosisConfig | None = None,
              loss_key: str | None = None) -> Diagnosis:
-    """Diagnose ``fp8`` against its BF16 ``control`` (module docstring).
+    """Diagnose ``fp8`` against its BF16 ``control`` (module docstring): gather the evidence once,
+    run :data:`RULES` in the path's order, sort the findings by severity then path order.
 
     Raises:
         ConfigError: when the runs have no loss metric or fewer than 3 common loss steps.
     """
     cfg = config or DiagnosisConfig()
-    fkey, ckey = fp8.loss_key(loss_key), control.loss_key(loss_key)
-    fl, cl = fp8.metrics[fkey], control.metrics[ckey]
-    loss = compare_loss(fl, cl, cfg)
-    steps = loss.steps
-    spacing = max(1, int(np.median(np.diff(steps)))) if len(steps) > 1 else 1
-    scfg = spike_config_for(len(steps))
-    fp8_spikes = detect_spikes({s: fl[s] for s in steps}, scfg)
-    ctl_base = Baseline.from_series(control.source, {s: cl[s] for s in steps}, scfg, key=ckey)
-    fp8_rows = [r for r in fp8.tensor_rows]
-    ctl_rows = [r for r in control.tensor_rows]
-    shifts = history_shifts(fp8_rows)
-    row_spacing = _row_spacing(fp8_rows) or spacing
-
-    start = _ranking_window(loss, shifts, cfg)
-    window_rows = [r for r in fp8_rows if start is None or r.step >= start]
-    ranking = rank_layers(window_rows or fp8_rows)
-    ctl_ranking = rank_layers([r for r in ctl_rows if start is None or r.step >= start] or ctl_rows)
-    last_step = max((r.step for r in fp8_rows), default=steps[-1])
-    window = (start if start is not None else min((r.step for r in fp8_rows), default=steps[0]), last_step)
-    top = [r.layer for r in ranking]
-    model_order = list(fp8.meta.get("fp8_layers") or []) + [
-        n for n in (fp8.meta.get("bf16_layers") or []) if n not in (fp8.meta.get("fp8_layers") or [])]
-
-    outs = outliers(ranking, cfg.outlier_z, cfg.outlier_min_score, control=ctl_ranking)
-    # The layers a numerics finding names: those that stand out, else the top of the ranking.
-    named = [r.layer for r in outs][: cfg.top_k] or top[: cfg.top_k]
-
+    ev = gather_evidence(fp8, control, cfg, loss_key)
     findings: list[Finding] = []
-    findings.extend(_spike_findings(fp8_spikes, ctl_base, fp8_rows, cfg, row_spacing))
-    nonfinite = [e for e in fp8_spikes if e.kind == "nonfinite"]
-
-    gap_z = loss.max_gap / loss.noise if loss.noise > 0 else math.inf
-    if loss.onset is not None:
-        i = steps.index(loss.onset)
-        evidence = {"onset_step": loss.onset, "gap_rel_at_end": loss.final_gap, "max_gap_rel": loss.max_gap,
-                    "control_noise_rel": loss.noise, "tolerance_rel": loss.tolerance, "gap_in_noise_units": gap_z,
-                    "fp8_loss_at_onset": loss.fp8[i], "control_loss_at_onset": loss.control[i],
-                    "fp8_final_loss": loss.fp8[-1], "control_final_loss": loss.control[-1],
-                    "nonfinite_steps": [e.start_step for e in nonfinite]}
-        if loss.phase == "start":
-            new = newly_enabled(fp8.meta, control.meta)
-            evidence["newly_enabled"] = new
-            exps = [f"switch off {OPTION_LABELS.get(k, k)} ({k}={v})" for k, v in new.items() if k != "recipe"]
-            exps.append("re-enable the options one at a time and rerun the first steps against the control")
-            exps.append("compare the first sampled step's tensor statistics (non-finite, overflow) layer by layer: "
-                        f"top of the ranking is {top[0] if top else 'n/a'}")
-            if "recipe" in new:
-                exps.insert(0, f"keep everything as in the control except the FP8 recipe ({new['recipe']}): "
-                               "if that alone diverges, go to the numerics experiments")
-            findings.append(Finding(
-                "divergence_from_start", "high", confidence(gap_z, cfg.noise_k),
-                f"FP8 diverges from the start (gap opens at step {loss.onset})",
-                f"The FP8 loss departs from the control from step {loss.onset} on and never comes back: "
-                f"{100 * loss.final_gap:+.1f}% at the end, {gap_z:.0f}x the control's own noise "
-                f"({100 * loss.noise:.2f}%). Suspect software first. Newly enabled relative to the control: "
-                + (", ".join(f"{k}={v}" for k, v in new.items()) or "nothing recorded") + ".",
-                steps=(loss.onset,), layers=tuple(top[:1]), evidence=evidence, next_experiments=tuple(exps),
-            ))
-        else:
-            findings.append(Finding(
-                "mid_training_gap", "high" if gap_z >= 3 * cfg.noise_k else "medium", confidence(gap_z, cfg.noise_k),
-                f"FP8 falls behind the control mid-training (from step {loss.onset})",
-                f"The FP8 loss tracked the control until step {loss.onset}, then stayed above it: "
-                f"{100 * loss.final_gap:+.1f}% at the end, {gap_z:.0f}x the control's own noise "
-                f"({100 * loss.noise:.2f}%). Top-ranked layers since then: {', '.join(named)}.",
-                steps=(loss.onset,), layers=tuple(named),
-                tensors=tuple(dict.fromkeys(r.tensor for r in ranking if r.layer in named)),
-                evidence=evidence, next_experiments=_numerics_experiments(named, model_order, cfg),
-            ))
-
-    evals = compare_evals(fp8.eval_metrics(), control.eval_metrics(), loss.noise, cfg.noise_k)
-    dropped = {k: v for k, v in evals.items() if v["dropped"]}
-    loss_normal = loss.onset is None and not nonfinite
-    if dropped and loss_normal:
-        worst_name, worst = max(dropped.items(), key=lambda kv: kv[1]["z"])
-        findings.append(Finding(
-            "downstream_drop_with_normal_loss", "high" if worst["z"] >= 3 * cfg.noise_k else "medium",
-            confidence(worst["z"], cfg.noise_k),
-            f"Evaluation drops ({', '.join(dropped)}) while the training loss matches the control",
-            f"{worst_name}: {worst['fp8']:.4g} vs control {worst['control']:.4g} at step {worst['step']} "
-            f"({100 * worst['worse_rel']:.1f}% worse, {worst['z']:.0f}x the {worst['noise_source']}), while the "
-            f"training loss stays within {100 * loss.tolerance:.2f}% of the control. Loss alone misses "
-            "problems in the inference path: scaling factors, weight loading, precision mix.",
-            steps=(int(worst["step"]),), layers=tuple(top[:1]), evidence={"eval": dropped, "loss_final_gap_rel": loss.final_gap},
-            next_experiments=(
-                "check the inference chain: fp8track check-inference CKPT (trained vs fresh scales vs BF16, "
-                "per-layer output error, checkpoint reload of weights and amax histories)",
-                "verify inference loads the trained scaling state (amax histories, scales) and the final weights",
-                "use FP8 training + FP8 inference as the control: BF16 inference of an FP8-trained model can add error",
-            ),
-        ))
-
-    # Corroboration (the path: "a high underflow share in one layer is not by itself a reason to
-    # fall back"): an outlier is a finding when its quantisation error itself stands out (relative
-    # error or cosine at least CORROBORATE_Z above the typical layer) or the loss / evaluation shows
-    # trouble; otherwise it is only noted under `healthy` as a layer to watch.
-    trouble = any(f.kind in TROUBLE_KINDS for f in findings)
-    watch = [r for r in outs if not trouble and not _error_stands_out(r)]
-    ctl_scores = {r.layer: r.score for r in ctl_ranking}
-    shift_by_layer: dict[str, Any] = {}
-    for h in shifts:
-        shift_by_layer.setdefault(h.layer, h)
-    for r in (r for r in outs if r not in watch):
-        h = shift_by_layer.get(r.layer)
-        own = h.to_dict() if h is not None and h.z > cfg.history_z else None
-        st = r.stats.get(r.tensor, {})
-        worst_sig = max(r.z, key=lambda k: r.z[k] if math.isfinite(r.z[k]) else -math.inf)
-        findings.append(Finding(
-            "layer_outlier", _severity(r.score, cfg.outlier_min_score), confidence(r.score, cfg.outlier_min_score),
-            f"Layer {r.layer} ({r.tensor}) stands out" + (f" from step {own['step']}" if own else ""),
-            f"Risk score {r.score:.1f} (control {ctl_scores.get(r.layer, 0.0):.1f}) against the model's other layers; "
-            f"worst signal {worst_sig} (z {r.z[worst_sig]:.1f}): SQNR {st.get('sqnr_db', math.nan):.1f} dB, "
-            f"underflow {st.get('underflow_pct', math.nan):.2f}%, cos {st.get('cos', math.nan):.5f}, "
-            f"|drift| {st.get('abs_drift_log2', math.nan):.2f} binades."
-            + (f" Against its own history, {own['signal']} worsened from step {own['step']} (z {own['z']:.1f})." if own else ""),
-            steps=(own["step"],) if own else (), layers=(r.layer,), tensors=(r.tensor,),
-            evidence={"score": r.score, "control_score": ctl_scores.get(r.layer), "z": dict(r.z), "stats": st,
-                      "own_history": own},
-            next_experiments=(
-                f"look for outlier features entering {r.layer}'s {r.tensor} (amax over steps)",
-                f"rerun with {r.layer} in BF16 (--bf16-layers {r.layer}) and compare the loss gap",
-                "try current or block scaling for this layer's tensors (what-if rows show the expected error)",
-            ),
-        ))
-
-    if not findings:
-        best = ranking[0] if ranking else None
-        findings.append(Finding(
-            "healthy", "info", confidence(cfg.noise_k / max(abs(loss.max_gap) / loss.noise, 1e-9), 1.0),
-            "FP8 matches the BF16 control",
-            f"Loss gap {100 * loss.final_gap:+.2f}% at the end, within {cfg.noise_k:g}x the control's own noise "
-            f"({100 * loss.noise:.2f}%); no FP8-only spikes; no evaluation drop; no layer stands out "
-            f"against the others more than in the control with an error to show for it"
-            + (f" (highest risk score {best.score:.1f}, {best.layer})." if best else ".")
-            + (f" To watch: {', '.join(f'{r.layer} ({r.tensor}, worst signal {max(r.z, key=lambda k: r.z[k])})' for r in watch)}"
-               " stand out on underflow/overflow/drift alone, without a larger quantisation error or any loss impact."
-               if watch else ""),
-            evidence={"final_gap_rel": loss.final_gap, "max_gap_rel": loss.max_gap, "control_noise_rel": loss.noise,
-                      "tolerance_rel": loss.tolerance, "eval": evals,
-                      "top_layer": best.layer if best else None, "top_score": best.score if best else None,
-                      "watch": [{"layer": r.layer, "tensor": r.tensor, "score": r.score, "z": dict(r.z)} for r in watch]},
-            next_experiments=("keep monitoring at a lower sampling rate; rerun the diagnosis after longer training",),
-        ))
-
+    for kind in KINDS:
+        findings.extend(RULES[kind](ev, tuple(findings)))
     order = {k: i for i, k in enumerate(KINDS)}
     sev = {k: i for i, k in enumerate(SEVERITIES)}
     findings.sort(key=lambda f: (sev[f.severity], order[f.kind]))
+    steps = sorted({int(r.step) for r in ev.fp8_rows})
+    window = (steps[0], steps[-1]) if steps else None
     return Diagnosis(
-        fp8.source, control.source, tuple(findings), tuple(ranking), window if fp8_rows else None, loss,
-        tuple(fp8_spikes), tuple(ctl_base.spikes), evals,
+        fp8.source, control.source, tuple(findings), ev.ranking, window, ev.loss,
+        ev.fp8_spikes, tuple(ev.control_base.spikes), ev.evals,
     )
-
-
-TROUBLE_KINDS = ("fp8_only_spikes", "divergence_from_start", "mid_training_gap", "downstream_drop_with_normal_loss")
-ERROR_SIGNALS = ("rel_error_db", "cos_loss")
-CORROBORATE_Z = 2.0
-"""Robust z (against the other layers) of a layer's relative error or cosine loss that makes an
-outlier a finding on its own, without loss or evaluation trouble."""
-
-
-def _error_stands_out(r: LayerRisk) -> bool:
-    return any(math.isfinite(r.z.get(s, math.nan)) and r.z[s] >= CORROBORATE_Z for s in ERROR_SIGNALS)
 
 
 def _row_spacing(rows: Sequence[Any]) -> int | None:
@@ -721,11 +843,14 @@ def _row_spacing(rows: Sequence[Any]) -> int | None:
 
 __all__ = [
     "KINDS",
+    "RULES",
     "DiagnosisConfig",
     "Finding",
     "Diagnosis",
+    "Evidence",
     "LossComparison",
     "diagnose",
+    "gather_evidence",
     "compare_loss",
     "compare_evals",
     "newly_enabled",

@@ -87,7 +87,9 @@ def test_planted_outlier_layer_is_named_and_ranked_first(tmp_path):
     assert f.layers == (PLANTED,) and f.tensors == ("activation",)
     assert f.steps == (150,)  # the onset, found against the layer's own history
     assert d.layer_ranking[0].layer == PLANTED
-    assert d.ranking_window == (150, N - EVERY)  # the ranking covers the steps since the onset
+    # the planted layer is judged from its own onset on; the ranking spans every sampled step
+    assert d.layer_ranking[0].onset == 150 and d.ranking_window == (0, N - EVERY)
+    assert d.layer_ranking[0].stats["activation"]["steps"] == (N - 150) / EVERY
     assert f.evidence["stats"]["underflow_pct"] == pytest.approx(18.0, abs=0.5)
 
 
@@ -168,8 +170,16 @@ def test_a_layer_hard_in_the_control_too_is_not_an_fp8_outlier(tmp_path):
     ctl = _write(tmp_path, "control", control, _rows(rng, "shadow", planted_from=0), recipe="bf16")
     run = _write(tmp_path, "fp8", control * 1.0005, _rows(rng, planted_from=0))
     d = diagnose(run, ctl)
-    assert d.layer_ranking[0].layer == PLANTED  # still ranked first...
-    assert d.kinds() == ["healthy"]  # ...but the model's own property, not FP8's
+    # judged as excess over the same layer in the control, the planted layer is no worse than any other
+    planted = next(r for r in d.layer_ranking if r.layer == PLANTED)
+    assert all(r.excess for r in d.layer_ranking)
+    assert planted.score < 3.0 and planted.stats["activation"]["underflow_pct"] == pytest.approx(18.0, abs=0.5)
+    assert d.kinds() == ["healthy"]  # the model's own property, not FP8's
+    # without the control the same rows make it the clear outlier (the peer comparison alone)
+    from fp8track.analysis.ranking import rank_layers
+
+    alone = rank_layers(run.tensor_rows)
+    assert alone[0].layer == PLANTED and alone[0].score > 10 * alone[1].score
 
 
 def test_gap_is_judged_in_the_controls_noise_unit():
