@@ -713,13 +713,16 @@ def rule_layer_outlier(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
     """A layer that stands out against comparable tensors of the other layers (beyond the control),
     corroborated by its error or by loss/evaluation trouble; its onset from its own history."""
     cfg, watch = ev.cfg, _watch(ev, found)
+    trouble = any(f.kind in TROUBLE_KINDS for f in found)
     out = []
     for r in (r for r in ev.outs if r not in watch):
         own = _own_shift(ev, r.layer, r.tensor)
         st = r.stats.get(r.tensor, {})
         sep = separation(r, ev.ranking, ev.outs)
         sev = _severity(r.score, cfg.outlier_min_score)
-        if sep < CLEAR_SEPARATION and sev == "high":
+        # Statistics nominate, the loss decides: high only with loss/evaluation trouble, and never
+        # for a near tie.
+        if sev == "high" and (sep < CLEAR_SEPARATION or not trouble):
             sev = "medium"
         worst_sig = max(r.z, key=lambda k: r.z[k] if math.isfinite(r.z[k]) else -math.inf)
         base = "the control's same layer" if r.excess else "the model's other layers"

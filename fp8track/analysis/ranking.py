@@ -51,9 +51,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from fp8track.analysis.windows import MAD_TO_SIGMA
 from fp8track.errors import ConfigError
+from fp8track.numerics.formats import get_format
 
 SIGNALS: tuple[str, ...] = (
     "rel_error_db", "cos_loss", "underflow_pct", "overflow_pct", "abs_drift_log2", "own_shift", "drift_events",
@@ -67,7 +69,7 @@ SIGNAL_FLOORS: Mapping[str, float] = {
     "rel_error_db": 1.0,  # dB: SQNR differences under ~1 dB are within sampling noise
     "cos_loss": 0.25,  # decades of (1 - cos)
     "underflow_pct": 0.5,  # percentage points
-    "overflow_pct": 0.01,  # percentage points: any real saturation stands out
+    "overflow_pct": 0.5,  # percentage points, as underflow: delayed scaling saturates a few elements routinely
     "abs_drift_log2": 0.5,  # half a binade
     "own_shift": 2.0,  # a history z: shifts of a few own-noise units are ordinary training drift
     "drift_events": 1.0,  # severity is |peak drift| / threshold (>= 1 when an event fired)
@@ -137,30 +139,60 @@ def element_format(stats: Mapping[str, float]) -> str:
     return "e5m2" if math.log2(cur * amax) >= E5M2_MIN_LOG2 else "e4m3"
 
 
-def bulk_sqnr_db(stats: Mapping[str, float]) -> float:
-    """SQNR of the tensor without its largest element, in dB: ``10 log10((E - amax^2) / err)``.
+BULK_MIN_SHARE = 1e-5
+"""The energy without the largest element is trusted from this share of the total on: the kernel
+sums rows of squares in float32 (~1e-7 relative), so a smaller remainder is rounding."""
 
-    ``E`` (the energy, ``sum x^2``) and ``err`` (``sum (x - q(x))^2``) are recovered from the row's
-    ``mse`` (``err / n``), ``sqnr_db`` and ``numel`` (``n`` = finite elements). All of the error is
-    charged to the other elements: the largest one maps to the format's maximum under current
-    scaling and is exact there, so the estimate is tight where it matters; otherwise it errs on
-    the pessimistic side. NaN when a statistic is missing or nothing but the largest element is left.
+FLUSHED_MAJORITY_PCT = 50.0
+"""From this underflow share on, the tensor's median element is flushed (:func:`bulk_sqnr_db`)."""
+
+
+def largest_element_error(stats: Mapping[str, float]) -> float:
+    """Squared quantisation error of the tensor's largest element, ``(amax - q(amax))^2``, from the
+    row's ``amax``, ``scale`` and element format alone: the largest element *is* ``+-amax``, so its
+    rounding (saturating at the format's maximum, as the kernel does) can be redone exactly. NaN when
+    the row lacks one of them."""
+    amax, scale = float(stats.get("amax", math.nan)), float(stats.get("scale", math.nan))
+    fmt = element_format(stats)
+    if fmt == "?" or not (math.isfinite(amax) and math.isfinite(scale)) or scale <= 0:
+        return math.nan
+    f = get_format(fmt)
+    v = torch.tensor(amax, dtype=torch.float32) * torch.tensor(scale, dtype=torch.float32)
+    q = float(v.clamp(max=f.max).to(f.dtype).to(torch.float32)) / scale
+    return (amax - q) ** 2
+
+
+def bulk_sqnr_db(stats: Mapping[str, float]) -> float:
+    """SQNR of the tensor's ordinary elements, those besides its largest one, in dB; NaN when the
+    row does not tell.
+
+    * From the energies: ``10 log10((E - amax^2) / (err - e_max))``, with ``E = sum x^2`` and
+      ``err = sum (x - q(x))^2`` recovered from the row's ``mse`` (``err / n``), ``sqnr_db`` and
+      ``numel`` (``n`` = finite elements), and ``e_max`` the largest element's own error
+      (:func:`largest_element_error`; 0 when the row lacks its scale, which charges all of the
+      error to the others: pessimistic). Only when both remainders are at least
+      :data:`BULK_MIN_SHARE` of their totals (below, they are float32 rounding of the kernel's sums).
+    * When at least half of the elements are flushed (``underflow_pct >= 50``) the ordinary
+      element itself is gone, whatever an outlier does to the energies: ``10 log10(100 / u)`` dB,
+      the SQNR the ordinary elements have if the flushed share ``u`` carried its share of their
+      energy (3 dB at 50 %, 0.07 dB at 98.5 %).
+
+    The smaller of the two applies.
     """
     mse, sqnr, amax = (float(stats.get(k, math.nan)) for k in ("mse", "sqnr_db", "amax"))
-    numel = float(stats.get("numel", math.nan))
-    if not all(math.isfinite(v) for v in (mse, amax, numel)) or math.isnan(sqnr) or numel <= 1:
-        return math.nan
-    if math.isinf(sqnr):
-        return sqnr
-    n = numel * (1.0 - float(stats.get("nonfinite_pct", 0.0) or 0.0) / 100.0)
-    err = mse * n
-    if err <= 0:
-        return math.inf
-    bulk = err * 10.0 ** (sqnr / 10.0) - amax * amax
-    # Energies below float64 rounding of the total are no bulk at all.
-    if bulk <= 1e-12 * err * 10.0 ** (sqnr / 10.0):
-        return math.nan
-    return 10.0 * math.log10(bulk / err)
+    numel, under = float(stats.get("numel", math.nan)), float(stats.get("underflow_pct", math.nan))
+    flushed = 10.0 * math.log10(100.0 / under) if math.isfinite(under) and under >= FLUSHED_MAJORITY_PCT else math.nan
+    energy = math.nan
+    if all(math.isfinite(v) for v in (mse, amax, numel, sqnr)) and numel > 1 and mse > 0:
+        n = numel * (1.0 - float(stats.get("nonfinite_pct", 0.0) or 0.0) / 100.0)
+        err = mse * n
+        total = err * 10.0 ** (sqnr / 10.0)
+        own = largest_element_error(stats)
+        bulk, bulk_err = total - amax * amax, err - (own if math.isfinite(own) else 0.0)
+        if bulk >= BULK_MIN_SHARE * total and bulk_err >= BULK_MIN_SHARE * err:
+            energy = 10.0 * math.log10(bulk / bulk_err)
+    vals = [v for v in (energy, flushed) if not math.isnan(v)]
+    return min(vals) if vals else math.nan
 
 
 def row_signals(stats: Mapping[str, float]) -> dict[str, float]:
@@ -271,26 +303,32 @@ def _best_shift(key: Key, points: Sequence[_Point], min_segment: int) -> History
             if finite.size == 0:
                 continue
             v = np.clip(np.nan_to_num(v, nan=float(np.median(finite))), finite.min(), finite.max())
+        # The split is where the two segments fit their medians best (least absolute residual, the
+        # L1 change point); the z of the difference is judged there.
+        fits = []
         for k in range(min_segment, len(v) - min_segment + 1):
             a, b = v[:k], v[k:]
             ma, mb = float(np.median(a)), float(np.median(b))
             resid = np.concatenate([a - ma, b - mb])
-            scale = max(MAD_TO_SIGMA * float(np.median(np.abs(resid))), SIGNAL_FLOORS[sig])
-            z = (mb - ma) / scale
-            if best is None or z > best.z:
-                best = HistoryShift(key[0], key[1], sig, steps[k], ma, mb, z)
+            fits.append((float(np.abs(resid).sum()), k, ma, mb, resid))
+        _, k, ma, mb, resid = min(fits, key=lambda f: (f[0], f[1]))
+        scale = max(MAD_TO_SIGMA * float(np.median(np.abs(resid))), SIGNAL_FLOORS[sig])
+        z = (mb - ma) / scale
+        if best is None or z > best.z:
+            best = HistoryShift(key[0], key[1], sig, steps[k], ma, mb, z)
     return best
 
 
 def history_shifts(rows: Iterable[Any], min_segment: int = 3) -> list[HistoryShift]:
     """Per (layer, tensor), the strongest lasting worsening of a signal against its own history.
 
-    For each of :data:`ROW_SIGNALS`' per-step series (main rows, sorted by step) every split
-    leaving at least ``min_segment`` samples on each side is tried; the split's score is the
+    For each of :data:`ROW_SIGNALS`' per-step series (main rows, sorted by step) the split leaving
+    at least ``min_segment`` samples on each side where the two segments fit their medians best
+    (least total absolute residual; the earliest among equals) is the change point; its z is the
     difference of the segment medians over the pooled robust scale of the residuals around them
-    (floored by :data:`SIGNAL_FLOORS`, so a flat series cannot yield a huge z). The best split per
-    (layer, tensor) is returned, strongest first (equal z in model order); series shorter than
-    ``2 * min_segment`` are skipped.
+    (floored by :data:`SIGNAL_FLOORS`, so a flat series cannot yield a huge z). The signal with
+    the largest z per (layer, tensor) is returned, strongest first (equal z in model order);
+    series shorter than ``2 * min_segment`` are skipped.
     """
     out = [h for key, pts in _series(rows).items() if (h := _best_shift(key, pts, min_segment)) is not None]
     return sorted(out, key=lambda h: -h.z)
@@ -457,6 +495,7 @@ __all__ = [
     "HistoryShift",
     "element_format",
     "bulk_sqnr_db",
+    "largest_element_error",
     "row_signals",
     "robust_z",
     "peak",
