@@ -69,16 +69,17 @@ def false_positives(streams: int, steps: int, rng: np.random.Generator) -> dict:
     return out
 
 
-def planted_spikes(n: int, steps: int, rng: np.random.Generator) -> dict:
-    """One spike per stream at a random step in [1000, steps - 1000), height 10-100%, rise 1-5
-    steps, decay 2-100 steps; found = an event starting within [-2, rise + 3] of the plant."""
+def planted_spikes(n: int, steps: int, rng: np.random.Generator, lo: int = 1000, hi: int | None = None) -> dict:
+    """One spike per stream at a random step in [lo, hi) (default [1000, steps - 1000)), height
+    10-100%, rise 1-5 steps, decay 2-100 steps; found = an event starting within [-2, rise + 3] of
+    the plant. ``lo=70, hi=300`` plants them while the loss is still falling fast."""
     by_height: dict[str, list[int]] = {"0.10-0.25": [], "0.25-0.50": [], "0.50-1.00": []}
     start_err, peak_err = [], []
     extra = 0
     for i in range(n):
         kind = sl.NOISE_KINDS[i % len(sl.NOISE_KINDS)]
         x = sl.healthy(sl.random_curve(rng, kind), steps, rng)
-        start = int(rng.integers(1000, steps - 1000))
+        start = int(rng.integers(lo, steps - 1000 if hi is None else hi))
         height = float(rng.uniform(0.10, 1.0))
         rise = int(rng.integers(1, 6))
         x = sl.plant_spike(x, start, height, rise=rise, decay=float(rng.uniform(2, 100)))
@@ -157,6 +158,7 @@ def main() -> None:
         },
         "false_positives": false_positives(a.streams, a.steps, rng),
         "planted_spikes": planted_spikes(a.planted, a.steps, rng),
+        "planted_spikes_falling_loss": planted_spikes(a.planted, a.steps, rng, lo=70, hi=300),
         "planted_divergences": planted_divergences(a.planted, a.steps, rng),
         "throughput": throughput(100_000, rng),
     }

@@ -182,6 +182,11 @@ class FP8Monitor(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.monitor is None or self.monitor.closed:
             self.monitor = self._build_monitor(trainer, pl_module)  # a new run for every fit
+            # A data module that says what it feeds (seed, batch order): recorded in the run metadata
+            # so the diagnosis compares two runs on the same batches step by step (analysis/loss_gap.py).
+            fingerprint = getattr(getattr(trainer, "datamodule", None), "data_fingerprint", None)
+            if callable(fingerprint):
+                self.monitor.record_data(fingerprint())
         if self._restored is not None:
             self.monitor.load_state_dict(self._restored)
             self._restored = None

@@ -3,12 +3,13 @@
 A reference names the control in one of three forms (:func:`load_baseline`):
 
 * a local fp8track run directory (has ``meta.json``; read with :class:`fp8track.monitoring.records.RunReader`);
-* ``mlflow:<run_id>``, read with ``MlflowClient(tracking_uri).get_metric_history`` where the URI is
-  the one given (e.g. the trainer's ``MLFlowLogger``), else ``MLFLOW_TRACKING_URI``;
+* ``mlflow:<run_id>``, read by :func:`fp8track.trackers.mlflow.read_mlflow_run` (beside the MLflow
+  writer) where the tracking URI is the one given (e.g. the trainer's ``MLFlowLogger``), else
+  ``MLFLOW_TRACKING_URI``;
 * a W&B offline run directory (``.../wandb/offline-run-<ts>-<id>``, its ``run-<id>.wandb`` file, or
-  a ``wandb`` directory holding exactly one run), read with ``wandb leet inspect <path> --json``
-  (W&B 0.31 has no Python reader for offline runs). The step is ``trainer/global_step`` when logged
-  (Lightning's ``WandbLogger``), else W&B's ``_step``.
+  a ``wandb`` directory holding exactly one run), read by
+  :func:`fp8track.trackers.wandb.read_wandb_run` (beside the W&B writer). The step is
+  ``trainer/global_step`` when logged (Lightning's ``WandbLogger``), else W&B's ``_step``.
 
 The loss metric is the first of :data:`LOSS_KEYS` present unless ``key`` is given. The control's
 spikes are found by running :class:`fp8track.analysis.spikes.SpikeDetector` over its loss.
@@ -17,11 +18,8 @@ spikes are found by running :class:`fp8track.analysis.spikes.SpikeDetector` over
 from __future__ import annotations
 
 import bisect
-import json
 import math
 import os
-import subprocess
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -31,6 +29,9 @@ from typing import Any
 from fp8track.analysis.spikes import SpikeClassification, SpikeConfig, SpikeEvent, detect_spikes
 from fp8track.errors import ConfigError, check_int
 from fp8track.monitoring.naming import LOSS_METRIC
+from fp8track.trackers.base import StoredRun, rows_from_scalars
+from fp8track.trackers.mlflow import read_mlflow_run
+from fp8track.trackers.wandb import find_wandb_run, read_wandb_history, read_wandb_run
 
 # fp8track's own loss first (a run directory or a tracker run fp8track wrote), then the bare
 # ``loss`` of run directories written before it moved under ``fp8/``, then common user spellings.
@@ -249,24 +250,6 @@ EVAL_PREFIX = "fp8/eval/"
 """Prefix of the validation/downstream metrics the monitor records per evaluation."""
 
 
-def rows_from_scalars(metrics: Mapping[str, Mapping[int, float]]) -> list[Any]:
-    """Rebuild tensor-statistics rows from per-layer scalars ``fp8/<layer>/<tensor>/<stat>``
-    (what a tracker keeps when its tables are unavailable); variant ``"actual"``."""
-    from fp8track.monitoring.records import TensorStatsRow
-    from fp8track.numerics.formats import TENSOR_KINDS
-    from fp8track.numerics.stats import STAT_NAMES
-
-    cells: dict[tuple[int, str, str], dict[str, float]] = {}
-    for name, series in metrics.items():
-        parts = name.split("/")
-        if len(parts) < 4 or parts[0] != "fp8" or parts[-2] not in TENSOR_KINDS or parts[-1] not in STAT_NAMES:
-            continue
-        layer = "/".join(parts[1:-2])
-        for step, v in series.items():
-            cells.setdefault((int(step), layer, parts[-2]), {})[parts[-1]] = float(v)
-    return [TensorStatsRow(s, layer, t, stats) for (s, layer, t), stats in sorted(cells.items())]
-
-
 def _load_run_dir(path: Path) -> RunData:
     from fp8track.monitoring.records import RunReader
 
@@ -280,52 +263,6 @@ def _load_run_dir(path: Path) -> RunData:
     return RunData(str(path), metrics, list(reader.tensor_stats()), reader.meta(), events)
 
 
-def _mlflow_table_rows(client: Any, run_id: str) -> list[Any]:
-    """Rows of the ``fp8_tensor_stats.json`` table artifact (``[]`` when absent)."""
-    import tempfile
-
-    from fp8track.monitoring.records import TensorStatsRow
-
-    try:
-        names = {a.path for a in client.list_artifacts(run_id)}
-        if "fp8_tensor_stats.json" not in names:
-            return []
-        with tempfile.TemporaryDirectory() as tmp:
-            local = client.download_artifacts(run_id, "fp8_tensor_stats.json", tmp)
-            table = json.loads(Path(local).read_text())
-    except Exception:  # an unreadable artifact store: fall back to the per-layer scalars
-        return []
-    cols = table.get("columns", [])
-    out = []
-    for row in table.get("data", []):
-        d = dict(zip(cols, row, strict=False))
-        stats = {k: float(v) for k, v in d.items() if k not in ("step", "layer", "tensor", "variant")
-                 and isinstance(v, (int, float)) and not isinstance(v, bool)}
-        out.append(TensorStatsRow(int(d["step"]), str(d["layer"]), str(d["tensor"]), stats, str(d.get("variant", "actual"))))
-    return out
-
-
-def _unflatten(flat: Mapping[str, str], prefix: str) -> dict[str, Any]:
-    """``{"a.b": "1"}`` under ``prefix`` -> ``{"a": {"b": 1}}`` (values parsed as JSON when they are)."""
-    out: dict[str, Any] = {}
-    for k, v in flat.items():
-        if not k.startswith(prefix + "."):
-            continue
-        node = out
-        *parents, leaf = k[len(prefix) + 1 :].split(".")
-        for p in parents:
-            nxt = node.setdefault(p, {})
-            if not isinstance(nxt, dict):
-                break
-            node = nxt
-        else:
-            try:
-                node[leaf] = json.loads(v)
-            except ValueError:
-                node[leaf] = v
-    return out
-
-
 def _load_mlflow(run_id: str, tracking_uri: str | None) -> RunData:
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not uri:
@@ -333,109 +270,11 @@ def _load_mlflow(run_id: str, tracking_uri: str | None) -> RunData:
             f"run 'mlflow:{run_id}' needs a tracking URI: pass tracking_uri / --tracking-uri (the trainer's "
             "MLFlowLogger has one) or set MLFLOW_TRACKING_URI, e.g. sqlite:///mlflow.db"
         )
-    try:
-        from mlflow.exceptions import MlflowException
-        from mlflow.tracking import MlflowClient
-    except ImportError as err:
-        raise ConfigError("an mlflow: run needs MLflow: pip install 'fp8track[mlflow]'") from err
-    client = MlflowClient(tracking_uri=uri)
-    try:
-        run = client.get_run(run_id)
-    except MlflowException as err:
-        raise ConfigError(f"run 'mlflow:{run_id}': no such run at {uri} ({err})") from err
-    metrics: dict[str, dict[int, float]] = {}
-    for k in run.data.metrics:
-        # Several values at one step (e.g. a resumed run): the latest write wins.
-        history = sorted(client.get_metric_history(run_id, k), key=lambda m: (m.step, m.timestamp))
-        metrics[k] = {int(m.step): float(m.value) for m in history}
-    params = dict(run.data.params)
-    meta = {"run_id": run.data.tags.get("fp8track.run_id", run_id), "name": run.info.run_name,
-            "recipe": _unflatten(params, "fp8.recipe") or None, "config": _unflatten(params, "fp8track.config"),
-            "mlflow_run_id": run_id}
-    rows = _mlflow_table_rows(client, run_id) or rows_from_scalars(metrics)
-    return RunData(f"mlflow:{run_id}", metrics, rows, meta)
+    return _from_stored(read_mlflow_run(run_id, uri))
 
 
-def find_wandb_run(path: Path) -> Path | None:
-    """The ``run-*.wandb`` file that ``path`` designates, ``None`` if it is not a W&B run.
-
-    Raises:
-        ConfigError: when ``path`` holds several W&B runs.
-    """
-    if path.is_file() and path.suffix == ".wandb":
-        return path
-    if not path.is_dir():
-        return None
-    files = sorted(path.glob("run-*.wandb"))
-    if len(files) == 1:
-        return files[0]
-    runs = sorted(p for pat in ("*run-*/run-*.wandb", "wandb/*run-*/run-*.wandb") for p in path.glob(pat))
-    if len(runs) > 1:
-        raise ConfigError(
-            f"{path} holds {len(runs)} W&B runs; pass one run directory: "
-            + ", ".join(str(p.parent) for p in runs[:5])
-        )
-    return runs[0] if runs else None
-
-
-def read_wandb_history(wandb_file: Path) -> list[dict[str, Any]]:
-    """History rows of an offline W&B run via ``wandb leet inspect --json`` (NaN/inf restored)."""
-    cmd = [sys.executable, "-m", "wandb", "leet", "inspect", str(wandb_file), "--json"]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise ConfigError(f"could not read W&B run {wandb_file}: {err}") from err
-    if proc.returncode != 0:
-        raise ConfigError(
-            f"could not read W&B run {wandb_file} with `wandb leet inspect` (needs wandb>=0.31: "
-            f"pip install 'fp8track[wandb]'): {proc.stderr.strip()[-500:]}"
-        )
-    rows = []
-    for line in proc.stdout.splitlines():
-        if not line.startswith("{"):
-            continue
-        rec = json.loads(line)
-        if rec.get("type") == "history":
-            rows.append(rec["history"]["item"])
-    return rows
-
-
-def _as_float(v: Any) -> float | None:
-    if isinstance(v, bool):
-        return None
-    if isinstance(v, (int, float)):
-        return float(v)
-    if isinstance(v, str) and v in ("NaN", "Infinity", "-Infinity"):
-        return float(v)
-    return None
-
-
-def _wandb_config(wandb_file: Path) -> dict[str, Any]:
-    """``config["fp8track"]`` of an offline W&B run (its ``files/config.yaml``), ``{}`` if absent."""
-    import yaml
-
-    path = wandb_file.parent / "files" / "config.yaml"
-    try:
-        cfg = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return {}
-    entry = cfg.get("fp8track", {})
-    value = entry.get("value", entry) if isinstance(entry, dict) else {}
-    return value if isinstance(value, dict) else {}
-
-
-def _load_wandb(wandb_file: Path) -> RunData:
-    rows = read_wandb_history(wandb_file)
-    metrics: dict[str, dict[int, float]] = {}
-    for r in rows:
-        step = _as_float(r.get("trainer/global_step", r.get("_step")))
-        if step is None or not math.isfinite(step):
-            continue
-        for k, v in r.items():
-            value = _as_float(v)
-            if not k.startswith("_") and value is not None and k != "trainer/global_step":
-                metrics.setdefault(k, {})[int(step)] = value
-    return RunData(str(wandb_file.parent), metrics, rows_from_scalars(metrics), _wandb_config(wandb_file))
+def _from_stored(run: StoredRun) -> RunData:
+    return RunData(run.source, run.metrics, list(run.tensor_rows), run.meta)
 
 
 def load_run(ref: str | os.PathLike[str], tracking_uri: str | None = None) -> RunData:
@@ -462,7 +301,7 @@ def load_run(ref: str | os.PathLike[str], tracking_uri: str | None = None) -> Ru
     wandb_file = find_wandb_run(path)
     if wandb_file is None:
         raise ConfigError(f"run reference {text!r} is not a run; give one of: {'; '.join(REF_FORMS)}")
-    return _load_wandb(wandb_file)
+    return _from_stored(read_wandb_run(wandb_file))
 
 
 def load_baseline(

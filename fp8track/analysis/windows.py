@@ -108,6 +108,77 @@ class HalvesWindow:
         return sorted_quantile(self._older, q), sorted_quantile(self._newer, q)
 
 
+class TrendWindow:
+    """The last ``size`` ``(step, value)`` pairs with a robust local linear trend and the spread of
+    the values around it (a falling loss's own trend is not noise).
+
+    The trend is the line through the medians of the older and the newer half (each at the centre
+    of its steps): ``trend(s) = m_new + slope * (s - c_new)``, ``slope = (m_new - m_old) / (c_new -
+    c_old)``. Medians ignore spikes; the line removes the drift that made a plain median/MAD window
+    count a falling loss's trend as noise. :meth:`sigma` is ``1.4826 * MAD`` of the residuals about
+    the line (computed on demand, cached until the next append). With fewer than 4 values the trend
+    is flat (the median).
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._halves = HalvesWindow(size)
+        self.steps: deque[int] = deque()
+        self._line: tuple[float, float, float] | None = None  # (m_new, slope, c_new)
+        self._sigma: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    @property
+    def values(self) -> deque[float]:
+        return self._halves.values
+
+    def append(self, step: int, value: float) -> None:
+        self.steps.append(int(step))
+        self._halves.append(value)
+        if len(self.steps) > self.size:
+            self.steps.popleft()
+        self._line = self._sigma = None
+
+    def clear(self) -> None:
+        self._halves = HalvesWindow(self.size)
+        self.steps.clear()
+        self._line = self._sigma = None
+
+    def _fit(self) -> tuple[float, float, float]:
+        if self._line is None:
+            n = len(self.steps)
+            m_old, m_new = self._halves.medians()
+            n_old = n - n // 2
+            if n < 4:
+                med = sorted_median(sorted(self.values))
+                self._line = (med, 0.0, float(self.steps[-1]) if n else 0.0)
+            else:
+                c_old = 0.5 * (self.steps[0] + self.steps[n_old - 1])
+                c_new = 0.5 * (self.steps[n_old] + self.steps[-1])
+                slope = (m_new - m_old) / (c_new - c_old) if c_new > c_old else 0.0
+                self._line = (m_new, slope, c_new)
+        return self._line
+
+    def trend(self, step: int) -> float:
+        """The trend line's value at ``step`` (NaN when empty)."""
+        if not self.steps:
+            return math.nan
+        m, slope, c = self._fit()
+        return m + slope * (step - c)
+
+    def sigma(self) -> float:
+        """``1.4826 * median(|r - median(r)|)`` of the residuals ``r`` about the trend line (NaN when empty)."""
+        if self._sigma is None:
+            if not self.steps:
+                return math.nan
+            m, slope, c = self._fit()
+            r = np.asarray(self.values, dtype=np.float64) - (m + slope * (np.asarray(self.steps, dtype=np.float64) - c))
+            self._sigma = MAD_TO_SIGMA * float(np.median(np.abs(r - np.median(r))))
+        return self._sigma
+
+
 def sorted_quantile(s: list[float], q: float) -> float:
     """``q``-quantile of an ascending list, linear interpolation as numpy (NaN when empty)."""
     n = len(s)
@@ -145,6 +216,7 @@ __all__ = [
     "MAD_TO_SIGMA",
     "RobustWindow",
     "HalvesWindow",
+    "TrendWindow",
     "centred_median",
     "filled",
     "sorted_median",

@@ -270,6 +270,26 @@ class CharDataModule(L.LightningDataModule):
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, generator=gen,
                           drop_last=True, num_workers=self.num_workers)
 
+    def data_fingerprint(self) -> dict[str, Any]:
+        """What this data module feeds (:func:`fp8track.monitoring.monitor.data_fingerprint`): the
+        shuffle seed, the first epoch's sample order (the same ``RandomSampler`` draw
+        :meth:`train_dataloader` makes), the text's hash and the batch shape. Two runs with equal
+        fingerprints saw the same batches, so their losses compare step by step. ``FP8Monitor``
+        records it in the run metadata."""
+        import hashlib
+
+        from torch.utils.data import RandomSampler
+
+        from fp8track.monitoring.monitor import data_fingerprint
+
+        self.setup()
+        assert self.train_set is not None
+        order = RandomSampler(self.train_set, generator=torch.Generator().manual_seed(self.seed))
+        return data_fingerprint(
+            seed=self.seed, order=list(order), text_sha256=hashlib.sha256(self.text()).hexdigest(),
+            block_size=self.block_size, batch_size=self.batch_size,
+        )
+
     def val_dataloader(self) -> DataLoader:
         self.setup()
         return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from fp8track.errors import check_float, check_int, invalid_choice
+from fp8track.errors import ConfigError, check_float, check_int, invalid_choice
 from fp8track.execution.backends.te import te_gemm_class
 from fp8track.monitoring import te_capture
 from fp8track.monitoring.capture import (
@@ -182,6 +182,9 @@ class Monitor:
         sharding: the device mesh of a sharded run and its data-parallel dimensions
             (:class:`fp8track.monitoring.sharding.ShardSpec`, docs/sharding.md); ``None`` works
             for DDP, FSDP2 and DTensor tensor parallelism on one root mesh.
+        data_fingerprint: what data the run saw, from :func:`data_fingerprint` (data seed, batch
+            order hash); recorded as ``meta.config["data"]`` so the diagnosis compares two runs
+            that saw the same batches step by step (:meth:`record_data` sets it later).
 
     Logged metrics (per sampled step):
         ``fp8/loss`` (the un-normalised training loss, every step); ``fp8/<layer>/<tensor>/<stat>`` for each stat in ``config.scalar_stats``
@@ -204,6 +207,7 @@ class Monitor:
         analyzers: Sequence[StepAnalyzer] = (),
         is_writer: bool | None = None,
         sharding: ShardSpec | None = None,
+        data_fingerprint: Mapping[str, Any] | None = None,
     ) -> None:
         self.model = model
         self.config = cfg = config or CaptureConfig()
@@ -238,6 +242,8 @@ class Monitor:
         self._warned: set[str] = set()
         self.is_writer = (_dist_rank() == 0) if is_writer is None else is_writer
         self.meta = meta or run_meta_for(model)
+        if data_fingerprint is not None:
+            self.record_data(data_fingerprint)
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self._sink_factory = sink
         self._writer: RunWriter | None = None
@@ -282,6 +288,24 @@ class Monitor:
         for cap in self.captures.values():
             cap.detach()
         self._attached = False
+
+    def record_data(self, fingerprint: Mapping[str, Any]) -> None:
+        """Record the data fingerprint (:func:`data_fingerprint`) in the run metadata, as
+        ``meta.config["data"]``. Call before the first step: ``meta.json`` and the trackers' run
+        configuration are written when the monitor attaches.
+
+        Raises:
+            ConfigError: after the run directory was opened, or for a fingerprint that is not a
+                non-empty mapping of JSON scalars.
+        """
+        if self._writer is not None or self._attached:
+            raise ConfigError("record_data must be called before the monitor attaches (before the first step)")
+        if not isinstance(fingerprint, Mapping) or not fingerprint:
+            raise ConfigError(f"data fingerprint must be a non-empty mapping, got {fingerprint!r}")
+        bad = [k for k, v in fingerprint.items() if not isinstance(v, (str, int, float, bool, type(None)))]
+        if bad:
+            raise ConfigError(f"data fingerprint values must be str/int/float/bool/None; bad keys: {', '.join(map(str, bad))}")
+        self.meta = replace(self.meta, config={**dict(self.meta.config), "data": dict(fingerprint)})
 
     @property
     def sampling(self) -> bool:
@@ -366,52 +390,39 @@ class Monitor:
 
     def flush(self, with_stats: bool = True, reduce: bool = True) -> None:
         """Reduce pending partials and losses across ranks (unless ``reduce`` is False: this rank's
-        values only), then write on the writer rank."""
-        device = self._device()
+        values only), then write on the writer rank.
+
+        The steps: :meth:`_reduce_to_host` (one SUM and one MAX collective, one host copy), then on
+        the writer :meth:`_loss_series` (which steps had a loss), :meth:`_rows` (finalised
+        statistics), the analyzers, and :meth:`_emit` once per step that has something to record.
+        """
         keys: list[tuple[str, str, str]] = []
         parts: list[torch.Tensor] = []
+        device = self._device()
         if with_stats:
             for fqn, cap in self.captures.items():
                 keys.extend((fqn, t, v) for t, v in cap.keys())
                 parts.extend(cap.take(device))
         pending, self._pending = self._pending, []
-        losses = _stack_or_nan([p.loss for p in pending], device)
-        gnorms = _stack_or_nan([p.grad_norm for p in pending], device)
-        stacked = torch.stack(parts) if parts else torch.zeros((0, PARTIAL_SIZE), dtype=torch.float64, device=device)
-        world = _dist_world() if reduce else 1
-        if world > 1:
-            import torch.distributed as dist
-
-            from fp8track.numerics.stats import all_reduce_partials, wait_collectives
-
-            # Bounded waits: a rank that died or hangs stops this one with a RankFailure.
-            timeout = self.config.collective_timeout_s
-            if len(parts):
-                stacked = all_reduce_partials(stacked, timeout_s=timeout)
-            # Mean loss and root-mean-square grad norm over ranks (the global norm for sharded
-            # gradients, see total_grad_norm): every rank takes part in the same SUM collective.
-            scalars = torch.cat([losses.to(torch.float64), gnorms.to(torch.float64).square()])
-            wait_collectives([dist.all_reduce(scalars, op=dist.ReduceOp.SUM, async_op=True)], timeout, "the loss all-reduce")
-            scalars = scalars / world
-            losses, gnorms = scalars[: len(pending)], scalars[len(pending) :].sqrt()
-        if not self.is_writer:
+        host = self._reduce_to_host(parts, pending, device, reduce)
+        if host is None:
             return
-        # The one host copy of this logging step.
-        host = torch.cat([stacked.reshape(-1), losses.to(torch.float64), gnorms.to(torch.float64)]).cpu().tolist()
         n = len(keys) * PARTIAL_SIZE
         step = pending[-1].step if pending else self.global_step
         rows = self._rows(step, keys, host[:n])
-        loss_vals = host[n : n + len(pending)]
-        gnorm_vals = host[n + len(pending) :]
-        series = [
-            (p.step, loss_vals[i], None if math.isnan(gnorm_vals[i]) else gnorm_vals[i]) for i, p in enumerate(pending)
-        ]
-        for s, loss, gnorm in series[:-1]:
-            if not math.isnan(loss) and self._writer is not None:
-                self._writer.write_metrics(MetricsRecord(s, _loss_metrics(loss, gnorm)))
+        series = _loss_series(pending, host[n : n + len(pending)], host[n + len(pending) :])
+        # Every earlier step's loss goes to the records and the trackers under its own step number
+        # (trackers then hold the loss of every optimizer step, not only of the sampled ones).
+        for s, loss, gnorm in series:
+            if s != step:
+                self._emit(s, _loss_metrics(loss, gnorm), [], [])
         metrics: dict[str, float] = {}
-        if series and not math.isnan(series[-1][1]):
-            metrics.update(_loss_metrics(series[-1][1], series[-1][2]))
+        if pending and pending[-1].step == step:
+            last = pending[-1]
+            i = len(pending) - 1
+            loss_v = host[n + i] if last.loss is not None else None
+            gnorm_v = host[n + len(pending) + i]
+            metrics.update(_loss_metrics(loss_v, None if math.isnan(gnorm_v) else gnorm_v))
         metrics.update(self._scalars(rows))
         events: list[EventRecord] = []
         for a in self.analyzers:
@@ -424,6 +435,40 @@ class Monitor:
             events.extend(ev)
         self.last_events = events
         self._emit(step, metrics, rows, events)
+
+    def _reduce_to_host(
+        self, parts: Sequence[torch.Tensor], pending: Sequence[_PendingStep], device: torch.device, reduce: bool
+    ) -> list[float] | None:
+        """The logging step's numbers on the host, reduced over ranks: the partials' fields, then
+        the pending losses (mean over ranks), then their grad norms (root mean square over ranks,
+        the global norm for sharded gradients, see :func:`total_grad_norm`). One SUM collective
+        carries the partials' summed fields, the losses and the squared grad norms; one MAX
+        collective the partials' max fields; then one host copy. ``None`` on other ranks than the
+        writer (they take part in the collectives only)."""
+        losses = _stack_or_nan([p.loss for p in pending], device).to(torch.float64)
+        gnorms = _stack_or_nan([p.grad_norm for p in pending], device).to(torch.float64)
+        stacked = torch.stack(parts) if parts else torch.zeros((0, PARTIAL_SIZE), dtype=torch.float64, device=device)
+        world = _dist_world() if reduce else 1
+        if world > 1:
+            import torch.distributed as dist
+
+            from fp8track.numerics.stats import wait_collectives
+
+            sums = torch.cat([stacked[:, :NUM_SUM].reshape(-1), losses, gnorms.square()])
+            maxes = stacked[:, NUM_SUM:].contiguous()
+            works = [dist.all_reduce(sums, op=dist.ReduceOp.SUM, async_op=True)]
+            if maxes.numel():  # every rank has the same layers, so every rank skips it alike
+                works.append(dist.all_reduce(maxes, op=dist.ReduceOp.MAX, async_op=True))
+            # Bounded waits: a rank that died or hangs stops this one with a RankFailure.
+            wait_collectives(works, self.config.collective_timeout_s, "the logging step's all-reduce")
+            n_sum = stacked.shape[0] * NUM_SUM
+            stacked = torch.cat([sums[:n_sum].reshape(-1, NUM_SUM), maxes], dim=1)
+            scalars = sums[n_sum:] / world
+            losses, gnorms = scalars[: len(pending)], scalars[len(pending) :].sqrt()
+        if not self.is_writer:
+            return None
+        # The one host copy of this logging step.
+        return torch.cat([stacked.reshape(-1), losses, gnorms]).cpu().tolist()
 
     def _analysis_failed(self, analyzer: Any, exc: Exception, step: int, events: list[EventRecord]) -> None:
         name = type(analyzer).__name__
@@ -600,8 +645,62 @@ def precision_setup(model: nn.Module, optimizers: Sequence[Any] = (), **extra: A
     return out
 
 
-def _loss_metrics(loss: float, grad_norm: float | None) -> dict[str, float]:
-    out = {LOSS_METRIC: loss}
+def data_fingerprint(seed: int | None = None, order: Iterable[Any] | None = None, **extra: Any) -> dict[str, Any]:
+    """What data a run saw, for :class:`Monitor`'s ``data_fingerprint``: two runs whose
+    fingerprints are equal saw the same batches in the same order, and their losses compare step
+    by step (:func:`fp8track.analysis.loss_gap.same_batches`).
+
+    Args:
+        seed: the data seed (shuffling, sampling).
+        order: the sample indices (or batch ids) in the order the run consumes them, e.g.
+            ``list(sampler)`` for the first epoch; hashed (SHA-256 of their ``repr``), so a long
+            order costs 64 characters in the metadata. Tensors are hashed from their values.
+        extra: other JSON scalars that identify the data (dataset name, sequence length).
+
+    Raises:
+        ConfigError: when neither ``seed`` nor ``order`` is given.
+
+    Example:
+        >>> data_fingerprint(seed=0, order=[2, 0, 1])["n_order"]
+        3
+    """
+    import hashlib
+
+    if seed is None and order is None:
+        raise ConfigError("data_fingerprint needs the data seed, the batch order, or both")
+    out: dict[str, Any] = {}
+    if seed is not None:
+        out["seed"] = int(seed)
+    if order is not None:
+        h = hashlib.sha256()
+        n = 0
+        for item in order:
+            value = item.detach().cpu().tolist() if isinstance(item, torch.Tensor) else item
+            h.update(repr(value).encode())
+            h.update(b"\x00")
+            n += 1
+        out["order_sha256"] = h.hexdigest()
+        out["n_order"] = n
+    out.update(extra)
+    return out
+
+
+def _loss_series(
+    pending: Sequence[_PendingStep], losses: Sequence[float], gnorms: Sequence[float]
+) -> list[tuple[int, float, float | None]]:
+    """``(step, loss, grad norm or None)`` of the pending steps that had a loss. A step given no
+    loss (manual optimisation returning nothing, ``step()`` without ``loss=``) has none: no
+    record, nothing for the analyzers, so no false non-finite alarm. A NaN loss that was given is
+    kept (it is the problem the analyzers look for)."""
+    return [
+        (p.step, losses[i], None if math.isnan(gnorms[i]) else gnorms[i])
+        for i, p in enumerate(pending)
+        if p.loss is not None
+    ]
+
+
+def _loss_metrics(loss: float | None, grad_norm: float | None) -> dict[str, float]:
+    out = {LOSS_METRIC: loss} if loss is not None else {}
     if grad_norm is not None:
         out[run_metric("grad_norm")] = grad_norm
     return out
@@ -658,4 +757,5 @@ __all__ = [
     "DEFAULT_SCALAR_STATS",
     "precision_setup",
     "select_eval_metrics",
+    "data_fingerprint",
 ]

@@ -18,6 +18,7 @@ import time
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,48 @@ EVENT_COLUMNS: tuple[str, ...] = ("step", "kind", "layer", "tensor", "severity",
 
 TENSOR_KEY_COLUMNS: tuple[str, ...] = ("step", "layer", "tensor", "variant")
 """Leading columns of the long-format tensor statistics table; one column per statistic follows."""
+
+
+@dataclass(frozen=True)
+class StoredRun:
+    """What a tracker's reader found of one run (plain data; the analysis builds its ``RunData``
+    from it).
+
+    Attributes:
+        source: the reference it was read from (``mlflow:<id>``, a W&B run directory).
+        metrics: scalar name -> ``{step: value}``.
+        tensor_rows: per (step, layer, tensor, variant) statistics: the tracker's tensor table when
+            it has one, else rebuilt from the per-layer scalars (:func:`rows_from_scalars`).
+        meta: run metadata in the shape of ``meta.json`` (``run_id``, ``name``, ``recipe``,
+            ``config``...).
+    """
+
+    source: str
+    metrics: Mapping[str, Mapping[int, float]]
+    tensor_rows: Sequence[TensorStatsRow] = ()
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+
+def rows_from_scalars(metrics: Mapping[str, Mapping[int, float]]) -> list[TensorStatsRow]:
+    """Rebuild tensor-statistics rows from per-layer scalars ``fp8/<layer>/<tensor>/<stat>`` (what a
+    tracker keeps when its tables are unavailable); variant ``"actual"``.
+
+    Example:
+        >>> rows_from_scalars({"fp8/fc1/activation/mse": {3: 0.5}, "fp8/fc1/activation/amax": {3: 2.0}, "fp8/loss": {3: 1.0}})
+        [TensorStatsRow(step=3, layer='fc1', tensor='activation', stats={'mse': 0.5, 'amax': 2.0}, variant='actual')]
+    """
+    from fp8track.numerics.formats import TENSOR_KINDS
+    from fp8track.numerics.stats import STAT_NAMES
+
+    cells: dict[tuple[int, str, str], dict[str, float]] = {}
+    for name, series in metrics.items():
+        parts = name.split("/")
+        if len(parts) < 4 or parts[0] != naming.PREFIX or parts[-2] not in TENSOR_KINDS or parts[-1] not in STAT_NAMES:
+            continue
+        layer = "/".join(parts[1:-2])
+        for step, v in series.items():
+            cells.setdefault((int(step), layer, parts[-2]), {})[parts[-1]] = float(v)
+    return [TensorStatsRow(s, layer, t, stats) for (s, layer, t), stats in sorted(cells.items())]
 
 
 class ScalarsNotWritten(Exception):

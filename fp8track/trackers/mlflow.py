@@ -39,10 +39,12 @@ from fp8track.trackers.base import (
     TENSOR_KEY_COLUMNS,
     QueuedTracker,
     StepBatch,
+    StoredRun,
     TablesNotWritten,
     call_with_backoff,
     event_row,
     event_severity,
+    rows_from_scalars,
     scalar_metrics,
     tensor_stat_columns,
 )
@@ -644,3 +646,85 @@ class MLflowTracker(QueuedTracker):
                 self.client.log_figure(run_id, fig, HEATMAP_FILE)
         if self.own_run:
             self.client.set_terminated(run_id, "FINISHED")
+
+
+# --- reading a run back (the reader beside its writer) -------------------------------------------
+
+
+def _table_rows(client: Any, run_id: str) -> list[TensorStatsRow]:
+    """Rows of the tensor statistics table artifact :class:`MLflowTracker` writes
+    (``fp8_tensor_stats.json``); ``[]`` when absent or unreadable."""
+    name = f"{naming.TABLE_TENSOR_STATS}.json"
+    try:
+        if name not in {a.path for a in client.list_artifacts(run_id)}:
+            return []
+        with tempfile.TemporaryDirectory() as tmp:
+            table = json.loads(Path(client.download_artifacts(run_id, name, tmp)).read_text())
+    except Exception:  # an unreadable artifact store: the caller falls back to the per-layer scalars
+        return []
+    cols = table.get("columns", [])
+    out = []
+    for row in table.get("data", []):
+        d = dict(zip(cols, row, strict=False))
+        stats = {k: float(v) for k, v in d.items() if k not in TENSOR_KEY_COLUMNS
+                 and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        out.append(TensorStatsRow(int(d["step"]), str(d["layer"]), str(d["tensor"]), stats, str(d.get("variant", "actual"))))
+    return out
+
+
+def unflatten(flat: Mapping[str, str], prefix: str) -> dict[str, Any]:
+    """Inverse of :func:`flatten` for the params under ``prefix``: ``{"p.a.b": "1"}`` ->
+    ``{"a": {"b": 1}}`` (values parsed as JSON when they are).
+
+    Example:
+        >>> unflatten({"fp8.recipe.name": "delayed", "fp8.recipe.margin": "0", "other": "x"}, "fp8.recipe")
+        {'name': 'delayed', 'margin': 0}
+    """
+    out: dict[str, Any] = {}
+    for k, v in flat.items():
+        if not k.startswith(prefix + "."):
+            continue
+        node = out
+        *parents, leaf = k[len(prefix) + 1 :].split(".")
+        for p in parents:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                break
+            node = nxt
+        else:
+            try:
+                node[leaf] = json.loads(v)
+            except ValueError:
+                node[leaf] = v
+    return out
+
+
+def read_mlflow_run(run_id: str, tracking_uri: str) -> StoredRun:
+    """Read back a run :class:`MLflowTracker` (or any MLflow logger) wrote: every metric's full
+    history (several values at one step, e.g. a resumed run: the latest write wins), the tensor
+    table (else rows rebuilt from the per-layer scalars), and the metadata from the params and
+    tags :meth:`MLflowTracker.start` wrote.
+
+    Raises:
+        ConfigError: MLflow is not installed, or there is no such run at ``tracking_uri``.
+    """
+    try:
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+    except ImportError as err:
+        raise ConfigError("an mlflow: run needs MLflow: pip install 'fp8track[mlflow]'") from err
+    client = MlflowClient(tracking_uri=tracking_uri)
+    try:
+        run = client.get_run(run_id)
+    except MlflowException as err:
+        raise ConfigError(f"run 'mlflow:{run_id}': no such run at {tracking_uri} ({err})") from err
+    metrics: dict[str, dict[int, float]] = {}
+    for k in run.data.metrics:
+        history = sorted(client.get_metric_history(run_id, k), key=lambda m: (m.step, m.timestamp))
+        metrics[k] = {int(m.step): float(m.value) for m in history}
+    params = dict(run.data.params)
+    meta = {"run_id": run.data.tags.get("fp8track.run_id", run_id), "name": run.info.run_name,
+            "recipe": unflatten(params, "fp8.recipe") or None, "config": unflatten(params, "fp8track.config"),
+            "mlflow_run_id": run_id}
+    rows = _table_rows(client, run_id) or rows_from_scalars(metrics)
+    return StoredRun(f"mlflow:{run_id}", metrics, rows, meta)

@@ -16,9 +16,13 @@ data has ``"alert": True`` raise ``run.alert``, throttled per title. The run con
 from __future__ import annotations
 
 import json
+import math
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fp8track.errors import ConfigError, check_int, invalid_choice
@@ -32,8 +36,10 @@ from fp8track.trackers.base import (
     QueuedTracker,
     ScalarsNotWritten,
     StepBatch,
+    StoredRun,
     TablesNotWritten,
     event_row,
+    rows_from_scalars,
     scalar_metrics,
     tensor_stat_columns,
 )
@@ -305,3 +311,108 @@ def _num(v: Any) -> float | None:
         return float(v)
     except (TypeError, ValueError):
         return None
+
+
+# --- reading an offline run back (the reader beside its writer) ----------------------------------
+
+
+def find_wandb_run(path: Path) -> Path | None:
+    """The ``run-*.wandb`` file that ``path`` designates (the file, its run directory, or a
+    ``wandb`` directory or its parent holding exactly one run); ``None`` if it is not a W&B run.
+
+    Raises:
+        ConfigError: when ``path`` holds several W&B runs.
+    """
+    if path.is_file() and path.suffix == ".wandb":
+        return path
+    if not path.is_dir():
+        return None
+    files = sorted(path.glob("run-*.wandb"))
+    if len(files) == 1:
+        return files[0]
+    runs = sorted(p for pat in ("*run-*/run-*.wandb", "wandb/*run-*/run-*.wandb") for p in path.glob(pat))
+    if len(runs) > 1:
+        raise ConfigError(
+            f"{path} holds {len(runs)} W&B runs; pass one run directory: "
+            + ", ".join(str(p.parent) for p in runs[:5])
+        )
+    return runs[0] if runs else None
+
+
+def _inspect(wandb_file: Path) -> list[dict[str, Any]]:
+    """The records of an offline W&B run via ``wandb leet inspect --json`` (W&B 0.31 has no Python
+    reader for offline runs)."""
+    cmd = [sys.executable, "-m", "wandb", "leet", "inspect", str(wandb_file), "--json"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise ConfigError(f"could not read W&B run {wandb_file}: {err}") from err
+    if proc.returncode != 0:
+        raise ConfigError(
+            f"could not read W&B run {wandb_file} with `wandb leet inspect` (needs wandb>=0.31: "
+            f"pip install 'fp8track[wandb]'): {proc.stderr.strip()[-500:]}"
+        )
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def _history(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [rec["history"]["item"] for rec in records if rec.get("type") == "history"]
+
+
+def read_wandb_history(wandb_file: Path) -> list[dict[str, Any]]:
+    """History rows of an offline W&B run (``wandb leet inspect --json``); NaN/inf are the strings
+    ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` there (:func:`read_wandb_run` restores them)."""
+    return _history(_inspect(wandb_file))
+
+
+def _history_value(v: Any) -> float | None:
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, str) and v in ("NaN", "Infinity", "-Infinity"):
+        return float(v)
+    return None
+
+
+def _run_config(wandb_file: Path, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """``config["fp8track"]`` that :meth:`WandbTracker.start` wrote: the run's config updates in
+    its records (an offline run has no ``files/config.yaml`` until it is synced), else that file;
+    ``{}`` if absent."""
+    found: Any = None
+    for rec in records:
+        body = rec.get("config") if rec.get("type") == "config" else (rec.get("run") or {}).get("config")
+        update = body.get("update") if isinstance(body, dict) else None
+        if isinstance(update, dict) and "fp8track" in update:
+            found = update["fp8track"]
+    if found is None:
+        import yaml
+
+        try:
+            cfg = yaml.safe_load((wandb_file.parent / "files" / "config.yaml").read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            return {}
+        entry = cfg.get("fp8track", {})
+        found = entry.get("value", entry) if isinstance(entry, dict) else {}
+    return found if isinstance(found, dict) else {}
+
+
+def read_wandb_run(wandb_file: Path, step_metric: str = DEFAULT_STEP_METRIC) -> StoredRun:
+    """Read back an offline run :class:`WandbTracker` (or Lightning's ``WandbLogger``) wrote: every
+    numeric history key per step (the step is ``step_metric`` when logged, else W&B's ``_step``),
+    rows rebuilt from the per-layer scalars, and ``config["fp8track"]`` as metadata.
+
+    Raises:
+        ConfigError: the run cannot be read (see :func:`read_wandb_history`).
+    """
+    records = _inspect(wandb_file)
+    metrics: dict[str, dict[int, float]] = {}
+    for r in _history(records):
+        step = _history_value(r.get(step_metric, r.get("_step")))
+        if step is None or not math.isfinite(step):
+            continue
+        for k, v in r.items():
+            value = _history_value(v)
+            if not k.startswith("_") and value is not None and k != step_metric:
+                metrics.setdefault(k, {})[int(step)] = value
+    return StoredRun(str(wandb_file.parent), metrics, rows_from_scalars(metrics), _run_config(wandb_file, records))

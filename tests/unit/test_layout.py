@@ -11,7 +11,8 @@ import fp8track
 ROOT = Path(fp8track.__file__).parent
 
 # Lower number = lower layer. A module may import its own subpackage and any lower layer;
-# analysis and trackers are siblings (both read records) and must not import each other.
+# trackers sit below analysis: the analysis reads runs back through the trackers' readers
+# (beside their writers), the trackers never import the analysis.
 LAYERS = {
     "errors": 0,
     "optional": 0,
@@ -19,7 +20,7 @@ LAYERS = {
     "execution": 20,
     "monitoring": 30,
     "analysis": 40,
-    "trackers": 40,
+    "trackers": 35,
     "report": 50,  # the HTML report: reads records and analysis
     "inference": 55,  # the inference-chain check: runs models, reads analysis
     "config": 65,  # frontend-level configuration (capture + analysis thresholds)

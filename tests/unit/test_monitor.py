@@ -207,3 +207,108 @@ def test_evaluation_forwards_do_not_leak_into_statistics(tmp_path):
     assert [r.step for r in rows] == [0, 1]
     for r in rows:
         assert r.stats == pytest.approx(quant_stats(x, "e4m3"))
+
+
+# --- every step's loss reaches the sink; a step without a loss records nothing; one SUM + one MAX ---
+
+
+class _ListSink:
+    """A StepSink keeping what it is sent (the tracker fan-out's interface)."""
+
+    def __init__(self) -> None:
+        self.batches = []
+
+    def start(self, meta, recorded_before_resume=None) -> None:
+        self.meta = meta
+
+    def log(self, batch) -> None:
+        self.batches.append(batch)
+
+    def finish(self) -> None:
+        pass
+
+
+def _train(mon, model, steps, loss_at=lambda s: True):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses = {}
+    for step in range(steps):
+        loss = model(torch.randn(8, 16)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        if loss_at(step):
+            losses[step] = loss.item()
+            mon.step(loss=loss)
+        else:
+            mon.step()
+        opt.zero_grad()
+    mon.close()
+    return losses
+
+
+def test_the_sink_gets_the_loss_of_every_step_under_its_own_step(tmp_path):
+    from fp8track.monitoring.monitor import CaptureConfig
+    from fp8track.monitoring.monitor import Monitor as Core
+
+    sink = _ListSink()
+    model = _mlp()
+    mon = Core(model, CaptureConfig(every_n_steps=5), log_dir=tmp_path, sink=lambda run_dir: sink).attach()
+    losses = _train(mon, model, 12)
+    sent = {b.step: b.metrics["fp8/loss"] for b in sink.batches if "fp8/loss" in b.metrics}
+    assert sent == pytest.approx(losses, rel=1e-6)  # all 12 steps, not only 0, 5, 10
+    assert RunReader(mon.run_dir).series("fp8/loss") == pytest.approx(losses, rel=1e-6)
+    steps = [b.step for b in sink.batches]
+    assert steps == sorted(steps)  # step-ordered trackers see increasing steps
+
+
+def test_a_step_without_a_loss_records_none_and_raises_no_alarm(tmp_path):
+    model = _mlp()
+    mon = Monitor(model, MonitorConfig(every_n_steps=3), log_dir=tmp_path).attach()
+    losses = _train(mon, model, 10, loss_at=lambda s: s in (1, 4, 5))
+    reader = RunReader(mon.run_dir)
+    assert reader.series("fp8/loss") == pytest.approx(losses, rel=1e-6)
+    kinds = [e.kind for e in reader.events()]
+    assert kinds == ["run_end"], kinds  # no non-finite loss, no spike, no analysis error
+    # the sampled steps without a loss still have their statistics and grad norm
+    assert {r.step for r in reader.tensor_stats()} == {0, 3, 6, 9}
+    assert set(reader.series("fp8/grad_norm")) == {0, 3, 6, 9}
+
+
+def test_a_given_nan_loss_is_still_an_alarm(tmp_path):
+    model = _mlp()
+    mon = Monitor(model, MonitorConfig(every_n_steps=2), log_dir=tmp_path).attach()
+    for step in range(4):
+        mon.step(loss=float("nan") if step == 2 else 1.0)
+    mon.close()
+    events = [e for e in RunReader(mon.run_dir).events() if e.kind == "nonfinite"]
+    assert events and events[0].step == 2
+
+
+def test_one_sum_and_one_max_collective_per_logging_step(tmp_path, monkeypatch):
+    """The partials' summed fields, the losses and the squared grad norms share one SUM all-reduce;
+    the partials' max fields one MAX (README, docs/sharding.md). A one-process gloo group stands in
+    for the world of 2 the monitor is told it has, so the collectives really run."""
+    import torch.distributed as dist
+
+    from fp8track.monitoring import monitor as core
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        calls = []
+        real = dist.all_reduce
+
+        def counting(tensor, op=dist.ReduceOp.SUM, *args, **kwargs):
+            calls.append(op)
+            return real(tensor, op, *args, **kwargs)
+
+        monkeypatch.setattr(dist, "all_reduce", counting)
+        monkeypatch.setattr(core, "_dist_world", lambda: 2)
+        model = _mlp()
+        mon = Monitor(model, MonitorConfig(every_n_steps=4), log_dir=tmp_path).attach()
+        losses = _train(mon, model, 8)  # sampled: 0, 4; flush at close: 5, 6, 7
+        assert calls == [dist.ReduceOp.SUM, dist.ReduceOp.MAX] * 2 + [dist.ReduceOp.SUM], calls
+        # one process summed, divided by the 2 ranks it was told about: half of each loss
+        got = RunReader(mon.run_dir).series("fp8/loss")
+        assert got == pytest.approx({s: v / 2 for s, v in losses.items()}, rel=1e-6)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,157 @@
+"""The loss gap judged in the right noise unit: paired (same batches) or the control's noise."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from fp8track.analysis.loss_gap import GapConfig, change_point, judge_gap, same_batches, step_noise
+from fp8track.analysis.synthetic_loss import Curve, noise, trend
+from fp8track.errors import ConfigError
+
+N = 300
+
+
+def _pair(seed: int, gap: float = 0.0, start: int = 180, paired: bool = True, sigma: float = 0.03,
+          wander: float = 0.005) -> tuple[dict[int, float], dict[int, float]]:
+    """A control and an FP8 run. Paired: the same batch noise in both, the FP8/control ratio wanders
+    by ``wander`` (fast) plus a slow systematic bias within ~1 %, as healthy FP8 runs do. Unpaired:
+    independent batch noise. ``gap`` multiplies the FP8 loss from ``start`` on."""
+    rng = np.random.default_rng(seed)
+    base = trend(Curve(sigma=sigma), N)
+    batch = 1 + sigma * noise("gaussian", N, rng)
+    ctl = base * batch
+    if paired:
+        slow = 0.008 * np.sin(np.arange(N) / 40.0 + rng.uniform(0, 6))
+        fp8 = ctl * (1 + slow + wander * rng.standard_normal(N))
+    else:
+        fp8 = base * (1 + sigma * noise("gaussian", N, rng))
+    fp8 = fp8 * np.where(np.arange(N) >= start, 1 + gap, 1.0)
+    return dict(enumerate(fp8.tolist())), dict(enumerate(ctl.tolist()))
+
+
+def test_step_noise_hand_worked() -> None:
+    # diffs 1, -1, 3, 0: median 0.5, |dev| 0.5 1.5 2.5 0.5 -> MAD 1.0
+    assert step_noise(np.array([0.0, 1.0, 0.0, 3.0, 3.0]), relative=False) == pytest.approx(1.4826 / math.sqrt(2))
+    # relative changes of 1 -> 2 -> 1 -> 2: +1, -0.5, +1: median 1, |dev| 0, 1.5, 0 -> MAD 0
+    assert step_noise(np.array([1.0, 2.0, 1.0, 2.0]), relative=True) == 0.0
+    assert math.isnan(step_noise(np.array([1.0, math.nan]), relative=True))
+
+
+def test_change_point_hand_worked() -> None:
+    assert change_point(np.array([0.0, 0.0, 0.0, 1.0, 1.0])) == 3
+    assert change_point(np.array([1.0, 1.0, 0.0, 0.0])) == 0  # only a later, *higher* segment counts
+    assert change_point(np.array([0.5] * 6)) == 0
+
+
+def test_same_batches_needs_equal_recorded_fingerprints() -> None:
+    fp = {"seed": 3, "order_sha256": "c0ffee"}
+    assert same_batches({"config": {"data": fp}}, {"config": {"data": dict(fp)}})
+    assert not same_batches({"config": {"data": fp}}, {"config": {"data": {**fp, "seed": 4}}})
+    assert not same_batches({"config": {}}, {"config": {}})  # nothing recorded: not paired
+    assert not same_batches(None, {"config": {"data": fp}})
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_paired_healthy_is_no_gap(seed: int) -> None:
+    fp8, ctl = _pair(seed)
+    j = judge_gap(fp8, ctl, paired=True)
+    assert j.unit == "paired" and not j.lasting and j.severity == "none" and j.onset_step is None
+    # the healthy ratio stays inside the band the cut never goes below
+    assert max(abs(g) for g in j.smooth_gap) < j.tolerance
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_paired_lasting_gap_found_with_its_onset(seed: int) -> None:
+    fp8, ctl = _pair(seed, gap=0.055, start=180)
+    j = judge_gap(fp8, ctl, paired=True)
+    assert j.lasting and j.unit == "paired"
+    assert abs(j.onset_step - 180) <= 6, j.onset_step
+    assert j.phase == "mid"
+    assert j.level == pytest.approx(0.055, abs=0.012)
+    assert j.z == pytest.approx(j.level / j.noise)
+    assert j.severity == "high"  # 5.5 % against a ~0.5 % paired noise
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_same_gap_in_control_noise_units(seed: int) -> None:
+    """Different batches: noisier, judged in the control's noise; a big lasting gap is still found
+    near its true onset and a healthy pair is not flagged."""
+    fp8, ctl = _pair(seed, gap=0.12, start=180, paired=False)
+    j = judge_gap(fp8, ctl, paired=False)
+    assert j.unit == "control_noise" and j.lasting
+    assert abs(j.onset_step - 180) <= 12, j.onset_step
+    assert j.z > 2 * j.z_cut and j.severity == "high"
+    fp8, ctl = _pair(seed, paired=False)
+    assert not judge_gap(fp8, ctl, paired=False).lasting
+
+
+def test_gap_from_the_start_and_nonfinite() -> None:
+    fp8, ctl = _pair(0, gap=0.3, start=0)
+    j = judge_gap(fp8, ctl, paired=True)
+    assert j.lasting and j.onset_step is not None and j.onset_step <= 10 and j.phase == "start"
+    fp8, ctl = _pair(1)
+    fp8 = {s: (v if s < 200 else math.nan) for s, v in fp8.items()}
+    j = judge_gap(fp8, ctl, paired=True)
+    assert j.lasting and abs(j.onset_step - 200) <= 3 and j.severity == "high" and math.isinf(j.z)
+
+
+def test_intermittent_or_short_gap_is_not_lasting() -> None:
+    fp8, ctl = _pair(2)
+    bumped = {s: v * (1.08 if 100 <= s < 160 else 1.0) for s, v in fp8.items()}  # closes again
+    assert not judge_gap(bumped, ctl, paired=True).lasting
+    late = {s: v * (1.08 if s >= N - 3 else 1.0) for s, v in fp8.items()}  # 3 steps at the end
+    assert not judge_gap(late, ctl, paired=True).lasting
+
+
+def test_config_and_input_errors() -> None:
+    with pytest.raises(ConfigError, match="share 2"):
+        judge_gap({0: 1.0, 1: 1.0}, {0: 1.0, 1: 1.0, 2: 1.0}, paired=False)
+    with pytest.raises(ConfigError, match="sustain"):
+        GapConfig(sustain=1.5)
+    j = judge_gap(*_pair(0, gap=0.055), paired=True, config=GapConfig(min_gap=0.1))
+    assert not j.lasting and j.tolerance == pytest.approx(0.1)  # the cut never goes below min_gap
+    d = judge_gap(*_pair(0, gap=0.055), paired=True).to_dict()
+    assert d["unit"] == "paired" and d["lasting"] and "same batches" in d["unit_label"]
+
+
+def test_example_data_module_fingerprint_is_its_first_epoch_order(tmp_path):
+    """The example GPT's data module says what it feeds: the same seed gives the same fingerprint,
+    another seed another; the order hashed is the one its DataLoader really draws."""
+    from fp8track.examples.gpt import CharDataModule
+    from fp8track.monitoring.monitor import data_fingerprint
+
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(range(256)) * 8)
+    a, b, c = (CharDataModule(text, block_size=16, batch_size=4, seed=s) for s in (0, 0, 1))
+    fa = a.data_fingerprint()
+    assert fa == b.data_fingerprint() and fa != c.data_fingerprint()
+    drawn = list(a.train_dataloader().sampler)  # the sampler of a fresh loader: epoch 0's order
+    assert data_fingerprint(seed=0, order=drawn)["order_sha256"] == fa["order_sha256"]
+    assert fa["n_order"] == len(drawn)
+
+
+@pytest.mark.slow
+def test_fp8monitor_records_the_data_modules_fingerprint(tmp_path):
+    """Lightning: FP8Monitor puts the data module's fingerprint in the run metadata, so two runs on
+    the same data are judged as paired."""
+    import lightning as L
+
+    from fp8track.analysis.baseline import load_run
+    from fp8track.examples.gpt import build_example
+    from fp8track.lightning import FP8Monitor
+
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(range(256)) * 8)
+    metas = []
+    for name in ("a", "b"):
+        module, data, _ = build_example(n_layer=1, n_embd=16, n_head=2, block_size=16, batch_size=4, data_path=text)
+        mon = FP8Monitor(every_n_steps=2, trackers="none", log_dir=tmp_path / name)
+        trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, callbacks=[mon], enable_checkpointing=False,
+                            enable_model_summary=False, enable_progress_bar=False, limit_val_batches=0)
+        trainer.fit(module, datamodule=data)
+        metas.append(load_run(mon.run_dir).meta)
+    assert metas[0]["config"]["data"] == data.data_fingerprint()
+    assert same_batches(metas[0], metas[1])
