@@ -1,0 +1,595 @@
+"""Planted-fault scenarios for the diagnosis benchmark (bench/diagnosis_bench.py, docs/diagnosis.md).
+
+One scenario = an FP8 run and its BF16 control: the same model, initial weights, batches and batch
+order, both recorded by the real :class:`fp8track.Monitor` into run directories. A fault is planted
+in the FP8 run's quantisation only, so the BF16 model is untouched by construction, and that is
+checked too (:func:`bf16_unaffected`).
+
+Plants (:class:`Plant`), all acting on FP8 quantisation state or on what one layer's quantiser sees:
+
+* ``amax`` (delayed scaling): the layer's amax history of one tensor kind gets a value ``2**log2``
+  times its largest entry at every step of the plant's windows, as a corrupted history (or one
+  outlier step) would leave it; the scale computed from it is ``2**log2`` too small, so the tensor
+  underflows for the window plus one history length. Activation, weight and gradient alike.
+* ``outlier`` (any per-tensor scaling, activation only): one extra batch element carrying a single
+  huge value joins the layer's input and its output row is dropped again; per-tensor scaling of the
+  layer's input is set by that value and the real activations underflow. The BF16 GEMM's rows are
+  independent, so the BF16 model computes the same thing.
+* ``scale`` (any per-tensor scaling): every FP8 layer quantises one tensor kind with its scale
+  times ``2**-log2`` (a software fault such as a scale applied twice), from step 0.
+
+Data spikes (shared by both runs: a batch of uniformly random tokens) and a broken inference path
+(evaluation through weights quantised with a scale ``2**-log2`` too small) complete the kinds of the
+troubleshooting path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FAMILIES = ("gpt", "llama", "gpt2")
+POSITIONS = ("first", "middle", "last")
+TENSORS = ("activation", "weight", "gradient")
+VOCAB = 256
+BLOCK = 64
+BATCH = 16
+LR = 3e-3
+EVAL_BATCHES = 4
+OUTLIER = 1e6
+
+
+# --- configuration -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plant:
+    """A fault in the FP8 run's quantisation.
+
+    Attributes:
+        mechanism: ``"amax"``, ``"outlier"`` or ``"scale"`` (module docstring).
+        tensor: tensor kind it damages.
+        position: ``"first"``, ``"middle"``, ``"last"`` FP8 layer in forward order, or ``"all"``.
+        windows: ``(start, stop)`` step ranges (stop exclusive) where the plant acts.
+        log2: strength, binades.
+    """
+
+    mechanism: str
+    tensor: str
+    position: str
+    windows: tuple[tuple[int, int], ...]
+    log2: float = 20.0
+
+    def __post_init__(self) -> None:
+        if self.mechanism not in ("amax", "outlier", "scale"):
+            raise ValueError(f"unknown plant mechanism {self.mechanism!r}")
+        if self.tensor not in TENSORS or self.position not in (*POSITIONS, "all"):
+            raise ValueError(f"bad plant {self.tensor!r} at {self.position!r}")
+        if self.mechanism == "outlier" and self.tensor != "activation":
+            raise ValueError("the outlier plant damages activations only")
+
+    def active(self, step: int) -> bool:
+        return any(a <= step < b for a, b in self.windows)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run: what the run-directory cache is keyed by."""
+
+    family: str
+    recipe: str
+    seed: int
+    steps: int
+    every_n: int
+    eval_every: int
+    data_spikes: tuple[int, ...] = ()
+    plant: Plant | None = None
+    eval_fault_log2: float = 0.0
+
+    def key(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A planted case: the FP8 run, its BF16 control and what the diagnosis should say.
+
+    Attributes:
+        name: unique id.
+        expected_kind: the finding kind a correct diagnosis puts first (diagnose.KINDS).
+        fp8: the FP8 run; the control is the same spec under the ``bf16`` recipe without the plant
+            and the inference fault (:meth:`control`).
+        ci: part of the ``--subset ci`` selection.
+    """
+
+    name: str
+    expected_kind: str
+    fp8: RunSpec
+    ci: bool = False
+    tags: tuple[str, ...] = field(default_factory=tuple)
+
+    def control(self) -> RunSpec:
+        return replace(self.fp8, recipe="bf16", plant=None, eval_fault_log2=0.0)
+
+    @property
+    def scores_layer(self) -> bool:
+        """Whether the planted fault sits in one layer (layer top-1/top-3 are scored)."""
+        return self.fp8.plant is not None and self.fp8.plant.position != "all"
+
+
+# --- models and data -----------------------------------------------------------------------------
+
+
+def build_model(family: str, seed: int) -> nn.Module:
+    """A tiny model of ``family`` with seeded random weights (no download)."""
+    torch.manual_seed(seed)
+    if family == "gpt":
+        from fp8track.examples.gpt import GPT, GPTConfig
+
+        return GPT(GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=BLOCK))
+    import transformers
+
+    if family == "llama":
+        cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=4, vocab_size=VOCAB,
+                                       max_position_embeddings=BLOCK)
+        return transformers.LlamaForCausalLM(cfg)
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=BLOCK,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return transformers.GPT2LMHeadModel(cfg)
+    raise ValueError(f"unknown family {family!r}; valid: {', '.join(FAMILIES)}")
+
+
+def model_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, nats (float32)."""
+    out = model(x)
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+_TOKENS: torch.Tensor | None = None
+
+
+def _tokens() -> torch.Tensor:
+    global _TOKENS
+    if _TOKENS is None:
+        from fp8track.examples.gpt import stdlib_text
+
+        _TOKENS = torch.frombuffer(bytearray(stdlib_text(600_000)), dtype=torch.uint8).to(torch.long)
+    return _TOKENS
+
+
+def batches(seed: int, steps: int, data_spikes: Sequence[int] = ()) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` training batches in a seeded order (the same list for an FP8 run and its control);
+    at ``data_spikes`` steps a batch of uniformly random tokens (a data spike both runs see)."""
+    tok = _tokens()
+    split = int(len(tok) * 0.9)
+    n = (split - 1) // BLOCK
+    g = torch.Generator().manual_seed(1000 + seed)
+    out = []
+    for step in range(steps):
+        if step in data_spikes:
+            x = torch.randint(0, VOCAB, (BATCH, BLOCK + 1), generator=torch.Generator().manual_seed(step))
+        else:
+            idx = torch.randint(0, n, (BATCH,), generator=g)
+            x = torch.stack([tok[i * BLOCK: i * BLOCK + BLOCK + 1] for i in idx.tolist()])
+        out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
+    return out
+
+
+def val_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Fixed held-out batches (the tail 10 % of the text)."""
+    tok = _tokens()
+    start = int(len(tok) * 0.9)
+    out = []
+    for b in range(EVAL_BATCHES):
+        rows = [tok[start + (b * BATCH + i) * BLOCK: start + (b * BATCH + i) * BLOCK + BLOCK + 1] for i in range(BATCH)]
+        x = torch.stack(rows)
+        out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
+    return out
+
+
+# --- plants --------------------------------------------------------------------------------------
+
+
+def target_layers(fp8_layers: Sequence[str], position: str) -> list[str]:
+    """The layers a plant acts on, by position in forward (module) order."""
+    if position == "all":
+        return list(fp8_layers)
+    i = {"first": 0, "middle": len(fp8_layers) // 2, "last": len(fp8_layers) - 1}[position]
+    return [fp8_layers[i]]
+
+
+class PlantHandle:
+    """A plant attached to a model; :meth:`before_step` is called before each step's forward."""
+
+    def __init__(self, model: nn.Module, plant: Plant, layers: Sequence[str]) -> None:
+        self.model, self.plant, self.layers = model, plant, list(layers)
+        self.step = -1
+        self.touched = 0  # number of FP8 state changes made (0 on a model without FP8 state)
+        self._handles: list[Any] = []
+        self._restore: list[Callable[[], None]] = []
+        self._ref: dict[str, float] = {}
+
+    def attach(self) -> PlantHandle:
+        if self.plant.mechanism == "outlier":
+            for name in self.layers:
+                self._attach_outlier(self.model.get_submodule(name))
+        elif self.plant.mechanism == "scale":
+            for name in self.layers:
+                self._restore.append(scale_fault(self.model.get_submodule(name), self.plant.tensor, self.plant.log2))
+        return self
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        for r in self._restore:
+            r()
+        self._handles, self._restore = [], []
+
+    def before_step(self, step: int) -> None:
+        self.step = step
+        if self.plant.mechanism != "amax" or not self.plant.active(step):
+            return
+        for name in self.layers:
+            scaler = (getattr(self.model.get_submodule(name), "delayed_scalers", None) or {}).get(self.plant.tensor)
+            if scaler is None:  # not an FP8 delayed-scaling layer (the BF16 control): nothing to corrupt
+                continue
+            # The reference amax is the history's largest entry before the plant first acted, so
+            # a lasting plant injects the same value every step instead of compounding it.
+            ref = self._ref.setdefault(name, float(scaler.amax_history.max()))
+            if ref > 0 and math.isfinite(ref):
+                with torch.no_grad():
+                    scaler.amax_history[0] = ref * 2.0 ** self.plant.log2
+                self.touched += 1
+
+    def _attach_outlier(self, layer: nn.Module) -> None:
+        def pre(_m: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+            if not (self.plant.active(self.step) and torch.is_grad_enabled() and _m.training):
+                return None
+            x = args[0]
+            extra = torch.zeros_like(x[:1])
+            extra.view(-1)[0] = OUTLIER
+            return (torch.cat([x, extra], dim=0), *args[1:])
+
+        def post(_m: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor | None:
+            if out.shape[0] == args[0].shape[0] and self.plant.active(self.step) and _m.training \
+                    and torch.is_grad_enabled() and args[0].shape[0] > 1 and _is_padded(args[0]):
+                self.touched += 1
+                return out[:-1]
+            return None
+
+        self._handles.append(layer.register_forward_pre_hook(pre))
+        self._handles.append(layer.register_forward_hook(post))
+
+
+def _is_padded(x: torch.Tensor) -> bool:
+    last = x[-1].reshape(-1)
+    return bool(last[0] == OUTLIER) and bool((last[1:] == 0).all())
+
+
+def scale_fault(layer: nn.Module, tensor: str, log2: float) -> Callable[[], None]:
+    """Make an emulated FP8 layer quantise ``tensor`` with its scale times ``2**-log2`` (the scale
+    it reports as used is the faulty one). Returns the undo. A layer without FP8 quantisers (BF16)
+    is left alone."""
+    from fp8track.numerics.scaling import quantize
+
+    q = getattr(layer, "_quantizers", None)
+    if q is None or not getattr(layer, "fp8_recipe", None) or not layer.fp8_recipe.quantizes:
+        return lambda: None
+    orig = q.quantize
+    factor = 2.0 ** -log2
+
+    def faulty(kind: str, x: torch.Tensor, update: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        qx, s = orig(kind, x, update)
+        if kind != tensor:
+            return qx, s
+        s = s * factor
+        return quantize(x, q.fmt[kind], s), s
+
+    q.quantize = faulty
+    return lambda: setattr(q, "quantize", orig)
+
+
+@contextlib.contextmanager
+def broken_inference(model: nn.Module, log2: float) -> Iterator[None]:
+    """Evaluation through a wrong weight scale (``2**-log2`` too small) in every FP8 layer."""
+    from fp8track.execution.backends.emulated import EmulatedFP8Layer
+
+    undo = [scale_fault(m, "weight", log2) for m in model.modules() if isinstance(m, EmulatedFP8Layer)]
+    try:
+        yield
+    finally:
+        for u in undo:
+            u()
+
+
+# --- training ------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    was = model.training
+    model.eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        v = sum(float(model_loss(model, x, y)) for x, y in data) / len(data)
+    model.train(was)
+    return v
+
+
+def train_run(spec: RunSpec, log_dir: Path) -> dict[str, Any]:
+    """Train ``spec`` with the real :class:`fp8track.Monitor` writing under ``log_dir``.
+
+    Returns plain data (kept next to the run directory): ``run_dir``, ``fp8_layers``, ``loss``
+    (every step, float, as the training loop saw it), ``eval`` (``{step: recorded val_loss}``),
+    ``eval_clean`` (``{step: val_loss through the correct path}``), ``planted_layers``, ``seconds``.
+    """
+    import fp8track
+    from fp8track.monitoring.monitor import run_meta_for
+
+    model = build_model(spec.family, spec.seed)
+    report = fp8track.apply_fp8(model, spec.recipe, backend="emulated")
+    fp8_layers = list(report.fp8_layers) or [n for n, _ in report.bf16_layers]
+    data = batches(spec.seed, spec.steps, spec.data_spikes)
+    val = val_batches()
+    meta = run_meta_for(model, name=f"{spec.family}-{spec.recipe}-s{spec.seed}",
+                        config={"data_seed": spec.seed, "data_order": f"bench-{spec.seed}-{spec.steps}",
+                                "family": spec.family})
+    mon = fp8track.Monitor(model, fp8track.MonitorConfig(every_n_steps=spec.every_n), log_dir=log_dir,
+                           meta=meta).attach()
+    planted = target_layers(fp8_layers, spec.plant.position) if spec.plant else []
+    plant = PlantHandle(model, spec.plant, planted).attach() if spec.plant else None
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
+    losses: list[float] = []
+    evals: dict[int, float] = {}
+    clean: dict[int, float] = {}
+    t0 = time.perf_counter()
+    for step, (x, y) in enumerate(data):
+        if plant is not None:
+            plant.before_step(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model_loss(model, x, y)
+        loss.backward()
+        opt.step()
+        mon.step(loss=loss.detach())
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        if spec.eval_every and ((step + 1) % spec.eval_every == 0 or step == spec.steps - 1):
+            clean[step] = evaluate(model, val)
+            if spec.eval_fault_log2:
+                with broken_inference(model, spec.eval_fault_log2):
+                    evals[step] = evaluate(model, val)
+            else:
+                evals[step] = clean[step]
+            mon.record_eval(step, {"val_loss": evals[step]})
+    mon.close()
+    if plant is not None:
+        plant.detach()
+    return {"run_dir": str(mon.run_dir), "fp8_layers": fp8_layers, "loss": losses, "eval": evals,
+            "eval_clean": clean, "planted_layers": planted, "plant_touches": plant.touched if plant else 0,
+            "seconds": time.perf_counter() - t0}
+
+
+def bf16_unaffected(spec: RunSpec, steps: int = 4) -> dict[str, Any]:
+    """Train the BF16 model ``steps`` steps with the plant acting on every step and without it,
+    from the same weights and batches: the plant must change nothing. ``max_loss_diff`` and
+    ``max_param_diff`` are the largest absolute differences; ``ok`` when both are 0 up to float
+    rounding of the same GEMMs (1e-6 relative)."""
+    import fp8track
+
+    if spec.plant is None:
+        return {"ok": True, "max_loss_diff": 0.0, "max_param_diff": 0.0, "note": "no plant"}
+    always = replace(spec.plant, windows=((0, steps),))
+    data = batches(spec.seed, steps)
+    outs = []
+    for planted in (False, True):
+        model = build_model(spec.family, spec.seed)
+        report = fp8track.apply_fp8(model, "bf16", backend="emulated")
+        layers = target_layers([n for n, _ in report.bf16_layers], always.position)
+        handle = PlantHandle(model, always, layers).attach() if planted else None
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95))
+        losses = []
+        for step, (x, y) in enumerate(data):
+            if handle is not None:
+                handle.before_step(step)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model_loss(model, x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+        if handle is not None:
+            handle.detach()
+        outs.append((losses, [p.detach().clone() for p in model.parameters()]))
+    (l0, p0), (l1, p1) = outs
+    loss_diff = max(abs(a - b) for a, b in zip(l0, l1, strict=True))
+    param_diff = max(float((a - b).abs().max()) for a, b in zip(p0, p1, strict=True))
+    scale = max(abs(v) for v in l0)
+    return {"ok": loss_diff <= 1e-6 * scale and param_diff <= 1e-6, "max_loss_diff": loss_diff,
+            "max_param_diff": param_diff}
+
+
+# --- the scenario set ----------------------------------------------------------------------------
+
+STEPS = 160
+EVERY = 5
+EVAL_EVERY = 20
+DELAYED = "delayed:hybrid:h16:max"
+CURRENT = "current"
+
+
+def _spec(family: str, recipe: str, seed: int = 0, **kw: Any) -> RunSpec:
+    return RunSpec(family, recipe, seed, kw.pop("steps", STEPS), EVERY, EVAL_EVERY, **kw)
+
+
+def _layer_plant(recipe: str, tensor: str, position: str, lasting: bool) -> Plant:
+    windows = ((48, STEPS),) if lasting else ((64, 68), (112, 116))
+    mech = "amax" if recipe.startswith("delayed") else "outlier"
+    log2 = 30.0 if tensor == "gradient" else 20.0
+    return Plant(mech, tensor, position, windows, log2)
+
+
+def scenarios() -> list[Scenario]:
+    """The full set: every kind of the troubleshooting path on three model families."""
+    out: list[Scenario] = []
+    # healthy pairs: FP8 against its control, no plant; different families, recipes, seeds
+    for fam, recipe, seed, ci in (("gpt", DELAYED, 0, True), ("llama", CURRENT, 1, False),
+                                  ("gpt2", DELAYED, 2, False), ("gpt", CURRENT, 3, False),
+                                  ("llama", DELAYED, 4, False)):
+        out.append(Scenario(f"healthy-{fam}-{recipe.split(':')[0]}-s{seed}", "healthy", _spec(fam, recipe, seed), ci))
+    # shared spikes: random-token batches both runs see
+    for fam, recipe, ci in (("gpt", DELAYED, True), ("llama", CURRENT, False)):
+        out.append(Scenario(f"shared_spikes-{fam}-{recipe.split(':')[0]}", "shared_spikes",
+                            _spec(fam, recipe, data_spikes=(56, 57, 112, 113)), ci))
+    # divergence from the start: a software-style wrong scale in every FP8 layer from step 0
+    for fam, recipe, tensor, ci in (("gpt", CURRENT, "weight", False), ("llama", DELAYED, "activation", False),
+                                    ("gpt2", CURRENT, "activation", False)):
+        plant = Plant("scale", tensor, "all", ((0, STEPS),), 16.0)
+        out.append(Scenario(f"divergence-{fam}-{recipe.split(':')[0]}-{tensor}", "divergence_from_start",
+                            _spec(fam, recipe, plant=plant), ci))
+    # one damaged layer: activation/weight/gradient x first/middle/last x lasting/intermittent
+    layer_cases = (
+        ("gpt", DELAYED, "activation", "middle", True, False),
+        ("gpt", DELAYED, "weight", "last", True, True),
+        ("gpt", DELAYED, "gradient", "first", True, False),
+        ("llama", DELAYED, "activation", "last", True, False),
+        ("llama", DELAYED, "weight", "middle", True, False),
+        ("gpt2", DELAYED, "gradient", "middle", True, False),
+        ("gpt2", CURRENT, "activation", "first", True, False),
+        ("llama", CURRENT, "activation", "middle", True, False),
+        ("gpt", DELAYED, "activation", "first", False, False),
+        ("gpt", DELAYED, "weight", "middle", False, False),
+        ("llama", DELAYED, "gradient", "last", False, False),
+        ("gpt2", DELAYED, "weight", "first", False, False),
+        ("gpt2", DELAYED, "activation", "last", False, False),
+        ("gpt", CURRENT, "activation", "last", False, True),
+        ("llama", CURRENT, "activation", "first", False, False),
+    )
+    for fam, recipe, tensor, pos, lasting, ci in layer_cases:
+        kind = "mid_training_gap" if lasting else "fp8_only_spikes"
+        name = f"{'gap' if lasting else 'spikes'}-{fam}-{recipe.split(':')[0]}-{tensor}-{pos}"
+        out.append(Scenario(name, kind, _spec(fam, recipe, plant=_layer_plant(recipe, tensor, pos, lasting)), ci,
+                            tags=("lasting" if lasting else "intermittent",)))
+    # loss normal, evaluation through a broken inference path worse
+    for fam, recipe, ci in (("gpt", DELAYED, False), ("gpt2", CURRENT, False)):
+        out.append(Scenario(f"downstream-{fam}-{recipe.split(':')[0]}", "downstream_drop_with_normal_loss",
+                            _spec(fam, recipe, eval_fault_log2=14.0), ci))
+    return out
+
+
+def select(subset: str = "full", families: Sequence[str] | None = None) -> list[Scenario]:
+    """Scenarios of ``subset`` (``"full"`` or ``"ci"``) restricted to ``families``."""
+    if subset not in ("full", "ci"):
+        raise ValueError(f"unknown subset {subset!r}; valid: full, ci")
+    fams = set(families or FAMILIES)
+    bad = fams - set(FAMILIES)
+    if bad:
+        raise ValueError(f"unknown families {sorted(bad)}; valid: {', '.join(FAMILIES)}")
+    return [s for s in scenarios() if s.fp8.family in fams and (subset == "full" or s.ci)]
+
+
+# --- ground truth, independent of the diagnosis ----------------------------------------------------
+
+RATIO_SMOOTH = 5
+"""Centred running-median width applied to the per-step FP8/control loss ratio."""
+GAP_MIN = 1.05
+"""A lasting gap: the smoothed FP8/control loss ratio at least this (5 %; healthy pairs stay near 1 %)."""
+TRACK_MAX = 1.03
+"""Tracking the control: the median ratio at most this."""
+SPIKE_MIN = 1.10
+"""An FP8-only spike: the raw per-step ratio reaches this inside a plant window."""
+DATA_SPIKE_MIN = 1.3
+"""A data spike: the loss at least this times the median of the 10 steps before, in both runs."""
+EVAL_DROP_MIN = 1.05
+"""A downstream drop: the broken-path evaluation loss at least this times the control's."""
+
+
+def _running_median(v: Sequence[float], w: int) -> list[float]:
+    h = w // 2
+    return [float(torch.tensor(v[max(0, i - h): i + h + 1]).median()) for i in range(len(v))]
+
+
+def _median(v: Sequence[float]) -> float:
+    return float(torch.tensor(list(v)).median()) if len(v) else math.nan
+
+
+def loss_ratio(fp8: Sequence[float], control: Sequence[float]) -> list[float]:
+    """Per-step FP8/control training-loss ratio (same batches, so the noise largely cancels)."""
+    return [f / c if math.isfinite(f) else math.inf for f, c in zip(fp8, control, strict=True)]
+
+
+def ground_truth(sc: Scenario, fp8: Mapping[str, Any], control: Mapping[str, Any],
+                 bf16_check: Mapping[str, Any]) -> dict[str, Any]:
+    """Whether the scenario's phenomenon materialised, from the training loop's own losses and
+    evaluations (never from the diagnosis). ``checks`` maps each condition to a bool;
+    ``materialised`` is their conjunction; the numbers behind them come along."""
+    spec = sc.fp8
+    n = spec.steps
+    ratio = loss_ratio(fp8["loss"], control["loss"])
+    sm = _running_median(ratio, RATIO_SMOOTH)
+    tail = sm[int(0.8 * n):]
+    out: dict[str, Any] = {"final_ratio_smoothed": sm[-1], "max_ratio_smoothed": max(sm[10:])}
+    checks: dict[str, bool] = {"bf16_unaffected": bool(bf16_check["ok"])}
+    if spec.plant is not None:
+        checks["plant_acted"] = fp8["plant_touches"] > 0 or spec.plant.mechanism == "scale"
+    kind = sc.expected_kind
+    out["ratio_tail"] = _median(tail)
+    if kind == "healthy":
+        checks["tracks_control"] = out["ratio_tail"] <= TRACK_MAX and out["max_ratio_smoothed"] <= SPIKE_MIN
+    elif kind == "shared_spikes":
+        starts = [s for s in spec.data_spikes if s - 1 not in spec.data_spikes]
+        rises = []
+        for s in starts:
+            rises.append({"step": s, "fp8": fp8["loss"][s] / _median(fp8["loss"][s - 10:s]),
+                          "control": control["loss"][s] / _median(control["loss"][s - 10:s])})
+        out["data_spikes"] = rises
+        checks["spikes_in_both"] = all(r["fp8"] >= DATA_SPIKE_MIN and r["control"] >= DATA_SPIKE_MIN for r in rises)
+        checks["no_lasting_gap"] = out["ratio_tail"] <= TRACK_MAX
+    elif kind == "divergence_from_start":
+        early = _median(ratio[5: int(0.2 * n)])
+        out.update(early_ratio=early, late_ratio=_median(tail))
+        checks["gap_from_start"] = early >= GAP_MIN
+        checks["gap_lasts"] = _median(tail) >= GAP_MIN
+    elif kind == "mid_training_gap":
+        start = spec.plant.windows[0][0]
+        before = _median(ratio[10:start])
+        out.update(ratio_before=before, ratio_late=_median(tail), plant_start=start)
+        checks["tracks_before_plant"] = before <= TRACK_MAX
+        checks["gap_after_plant"] = _median(tail) >= GAP_MIN
+    elif kind == "fp8_only_spikes":
+        lag = int(spec.recipe.split(":h")[1].split(":")[0]) if spec.plant.mechanism == "amax" else 0
+        peaks = []
+        for a, b in spec.plant.windows:
+            seg = range(a, min(n, b + lag + 2))
+            i = max(seg, key=lambda t: ratio[t])
+            ctl_rise = control["loss"][i] / _median(control["loss"][max(0, i - 10):i])
+            peaks.append({"window": [a, b], "peak_step": i, "peak_ratio": ratio[i], "control_rise": ctl_rise})
+        out["spikes"] = peaks
+        checks["fp8_spike"] = any(p["peak_ratio"] >= SPIKE_MIN for p in peaks)
+        checks["control_calm"] = all(p["control_rise"] < DATA_SPIKE_MIN for p in peaks)
+    elif kind == "downstream_drop_with_normal_loss":
+        last = max(int(k) for k in fp8["eval"])
+        ev = {int(k): v for k, v in fp8["eval"].items()}
+        clean = {int(k): v for k, v in fp8["eval_clean"].items()}
+        ctl = {int(k): v for k, v in control["eval"].items()}
+        out.update(eval_broken=ev[last], eval_clean=clean[last], eval_control=ctl[last],
+                   ratio_second_half=_median(ratio[n // 2:]))
+        checks["loss_normal"] = _median(ratio[n // 2:]) <= TRACK_MAX
+        checks["eval_dropped"] = ev[last] >= EVAL_DROP_MIN * ctl[last]
+        checks["clean_eval_normal"] = clean[last] <= TRACK_MAX * ctl[last]
+    out["checks"] = checks
+    out["materialised"] = all(checks.values())
+    return out

@@ -1,0 +1,52 @@
+"""The diagnosis benchmark's CI subset end to end: real FP8 and BF16 runs recorded by the Monitor,
+every planted phenomenon checked independently of the diagnosis, then the public diagnosis scored.
+
+The diagnosis's accuracy is recorded (printed, and as pytest properties), not asserted: the
+thresholds of issue #19 are asserted once the improved ranking and loss evidence are merged."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import diagnosis_bench as bench  # noqa: E402
+
+
+@pytest.mark.slow
+def test_ci_subset_plants_materialise_and_are_scored(tmp_path, record_property):
+    result = bench.run("ci", cache=tmp_path / "cache", jobs=2)
+    rows = result["scenarios"]
+    assert {r["expected_kind"] for r in rows} >= {"healthy", "shared_spikes", "fp8_only_spikes", "mid_training_gap"}
+    for r in rows:
+        gt = r["ground_truth"]
+        # The ground truth: every planted phenomenon happened, and the plant left the BF16 model alone.
+        assert gt["materialised"], (r["name"], gt)
+        assert gt["checks"]["bf16_unaffected"], r["name"]
+        assert r["verified"]
+        assert r["diagnosis"]["findings"], r["name"]
+    by = {r["expected_kind"]: r for r in rows}
+    # A lasting gap means the FP8 loss stays >= 5 % above the control after the plant, not before.
+    gap = by["mid_training_gap"]["ground_truth"]
+    assert gap["ratio_before"] <= 1.03 and gap["ratio_late"] >= 1.05
+    spikes = by["fp8_only_spikes"]["ground_truth"]["spikes"]
+    assert any(s["peak_ratio"] >= 1.10 for s in spikes)
+    # Single-layer plants are scored on the layer; the naive rules see the planted layer's rows.
+    for r in rows:
+        if r["plant"] and r["plant"]["position"] != "all":
+            for key in bench.LAYER_KEYS:
+                assert key + "_top1" in r["score"], (r["name"], key)
+            assert r["score"]["naive_underflow_rank"] is not None and r["score"]["naive_mse_rank"] is not None
+    t = result["totals"]
+    assert t["verified"] == t["scenarios"] == len(rows)
+    for key in ("kind_top", "kind_among", "false_alarms", "diagnosis_top1", "diagnosis_top3",
+                "naive_underflow_top1", "naive_mse_top1"):
+        record_property(key, json.dumps(t[key]))
+    print(json.dumps({k: t[k] for k in t if k != "by_kind"}, indent=1))
+    # A rerun reads every run back from the cache and diagnoses again: the same answers.
+    again = bench.run("ci", cache=tmp_path / "cache", jobs=1)
+    assert [r["diagnosis"]["findings"] for r in again["scenarios"]] == [r["diagnosis"]["findings"] for r in rows]
+    assert again["seconds"]["train_or_cache"] < result["seconds"]["train_or_cache"]

@@ -1,0 +1,145 @@
+"""bench/diagnosis_bench.py scoring and bench/diagnosis_scenarios.py ground truth, on constructed
+inputs whose answers are worked out by hand."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from fp8track.analysis.diagnose import Finding
+from fp8track.monitoring.records import TensorStatsRow
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import diagnosis_bench as bench  # noqa: E402
+import diagnosis_scenarios as ds  # noqa: E402
+
+
+def _row(step, layer, tensor, variant="actual", **stats):
+    return TensorStatsRow(step, layer, tensor, stats, variant)
+
+
+ROWS = [
+    # layer a: max underflow 40 (weight, step 10), max mse 0.5
+    _row(0, "a", "activation", underflow_pct=10.0, mse=0.5),
+    _row(10, "a", "weight", underflow_pct=40.0, mse=0.1),
+    # layer b: max underflow 90 (gradient), max mse 0.2; a what-if row with 100 % must be ignored
+    _row(0, "b", "gradient", underflow_pct=90.0, mse=0.2),
+    _row(0, "b", "activation", "current", underflow_pct=100.0, mse=9.0),
+    # layer c: underflow NaN at one step (ignored), 40 at another (ties with a), mse 3.0
+    _row(0, "c", "activation", underflow_pct=math.nan, mse=3.0),
+    _row(10, "c", "activation", underflow_pct=40.0, mse=1.0),
+]
+
+
+def test_naive_rules_rank_layers_by_their_largest_actual_value():
+    # underflow: b 90 > a 40 = c 40 (tie kept in name order)
+    assert bench.naive_ranking(ROWS, "underflow_pct") == ["b", "a", "c"]
+    # mse: c 3.0 > a 0.5 > b 0.2 (b's what-if 9.0 does not count)
+    assert bench.naive_ranking(ROWS, "mse") == ["c", "a", "b"]
+    assert bench.naive_ranking(ROWS, "sqnr_db") == []
+
+
+def test_rank_of_compares_canonical_names_and_counts_each_layer_once():
+    ranking = ["model.layers.1.mlp.up_proj", "layers.1.mlp.up_proj", "_orig_mod.model.layers.0.self_attn.q_proj"]
+    assert bench.rank_of(ranking, "layers.0.self_attn.q_proj") == 2  # the duplicate is one layer
+    assert bench.rank_of(ranking, "model.layers.1.mlp.up_proj") == 1
+    assert bench.rank_of(ranking, "lm_head") is None
+    assert bench.canonical("base_model.model.module.blocks.0.attn.qkv") == "blocks.0.attn.qkv"
+
+
+def _finding(kind, severity, layers=()):
+    return Finding(kind, severity, 0.5, "t", "x", layers=tuple(layers))
+
+
+def test_false_alarm_is_a_non_healthy_high_or_medium_finding():
+    assert not bench.false_alarm([_finding("healthy", "info")])
+    assert not bench.false_alarm([_finding("layer_outlier", "low"), _finding("healthy", "info")])
+    assert bench.false_alarm([_finding("layer_outlier", "medium")])
+    assert bench.finding_layers([_finding("healthy", "info"), _finding("mid_training_gap", "high", ["x", "y"])]) == ["x", "y"]
+
+
+def test_score_row_and_totals():
+    layers = {"diagnosis": ["b", "planted", "c"], "finding": ["planted"], "naive_underflow": ["planted"],
+              "naive_mse": ["a", "b", "c", "planted"]}
+    s = bench.score_row("mid_training_gap", ["layer_outlier", "mid_training_gap"], layers, "planted", False)
+    assert (s["kind_top"], s["kind_among"]) == (False, True)
+    assert (s["diagnosis_rank"], s["diagnosis_top1"], s["diagnosis_top3"]) == (2, False, True)
+    assert (s["naive_mse_rank"], s["naive_mse_top3"]) == (4, False)
+    assert s["finding_top1"] and s["naive_underflow_top1"]
+    assert "false_alarm" not in s
+    healthy = bench.score_row("healthy", ["layer_outlier", "healthy"], None, None, True)
+    assert healthy == {"kind_top": False, "kind_among": True, "false_alarm": True}
+
+    rows = [
+        {"name": "g", "verified": True, "expected_kind": "mid_training_gap", "score": s},
+        {"name": "h", "verified": True, "expected_kind": "healthy", "score": healthy},
+        {"name": "u", "verified": False, "expected_kind": "healthy",
+         "score": bench.score_row("healthy", ["healthy"], None, None, False)},
+    ]
+    t = bench.totals(rows)
+    assert (t["scenarios"], t["verified"], t["not_materialised"]) == (3, 2, ["u"])
+    assert t["kind_top"] == {"n": 2, "hits": 0, "share": 0.0}
+    assert t["kind_among"] == {"n": 2, "hits": 2, "share": 1.0}
+    assert t["false_alarms"] == {"n": 1, "hits": 1, "share": 1.0}
+    assert t["diagnosis_top1"]["hits"] == 0 and t["diagnosis_top3"] == {"n": 1, "hits": 1, "share": 1.0}
+    assert t["naive_underflow_top1"]["share"] == 1.0 and t["naive_mse_top3"]["share"] == 0.0
+
+
+def _gap_scenario():
+    plant = ds.Plant("amax", "activation", "middle", ((50, 100),))
+    return ds.Scenario("g", "mid_training_gap", ds.RunSpec("gpt", ds.DELAYED, 0, 100, 5, 0, plant=plant))
+
+
+@pytest.mark.parametrize(("late", "materialised"), [(1.10, True), (1.01, False)])
+def test_ground_truth_of_a_mid_training_gap(late, materialised):
+    ctl = [3.0 - 0.01 * i for i in range(100)]
+    fp8 = [c * (late if i >= 50 else 1.0) for i, c in enumerate(ctl)]
+    out = ds.ground_truth(_gap_scenario(), {"loss": fp8, "plant_touches": 3}, {"loss": ctl}, {"ok": True})
+    assert out["checks"]["tracks_before_plant"]
+    assert out["ratio_tail"] == pytest.approx(late, rel=1e-6)
+    assert out["materialised"] is materialised
+
+
+def test_ground_truth_fails_when_the_plant_reaches_the_bf16_model_or_never_acted():
+    ctl = [3.0] * 100
+    fp8 = [3.0] * 50 + [3.6] * 50
+    assert not ds.ground_truth(_gap_scenario(), {"loss": fp8, "plant_touches": 3}, {"loss": ctl}, {"ok": False})["materialised"]
+    assert not ds.ground_truth(_gap_scenario(), {"loss": fp8, "plant_touches": 0}, {"loss": ctl}, {"ok": True})["materialised"]
+
+
+def test_ground_truth_of_fp8_only_spikes_needs_a_calm_control():
+    plant = ds.Plant("outlier", "activation", "last", ((40, 44),))
+    sc = ds.Scenario("s", "fp8_only_spikes", ds.RunSpec("gpt", "current", 0, 100, 5, 0, plant=plant))
+    ctl = [2.0] * 100
+    fp8 = list(ctl)
+    fp8[42] = 2.6  # ratio 1.3 at step 42
+    out = ds.ground_truth(sc, {"loss": fp8, "plant_touches": 4}, {"loss": ctl}, {"ok": True})
+    assert out["spikes"][0]["peak_step"] == 42 and out["spikes"][0]["peak_ratio"] == pytest.approx(1.3)
+    assert out["materialised"]
+    both = list(ctl)
+    both[42] = 2.8  # the control spiked there too: not FP8-only
+    assert not ds.ground_truth(sc, {"loss": fp8, "plant_touches": 4}, {"loss": both}, {"ok": True})["materialised"]
+
+
+def test_scenario_set_covers_every_kind_three_families_and_both_scalings():
+    scs = ds.scenarios()
+    kinds = {s.expected_kind for s in scs}
+    assert kinds == {"healthy", "shared_spikes", "fp8_only_spikes", "divergence_from_start", "mid_training_gap",
+                     "downstream_drop_with_normal_loss"}
+    assert sum(s.expected_kind == "healthy" for s in scs) >= 4
+    assert {s.fp8.family for s in scs} == set(ds.FAMILIES)
+    assert {s.fp8.recipe.split(":")[0] for s in scs} == {"delayed", "current"}
+    layer = [s.fp8.plant for s in scs if s.scores_layer]
+    assert {p.tensor for p in layer} == set(ds.TENSORS) and {p.position for p in layer} == set(ds.POSITIONS)
+    assert len({s.name for s in scs}) == len(scs)
+    assert all(s.control().recipe == "bf16" and s.control().plant is None for s in scs)
+    with pytest.raises(ValueError, match="unknown families"):
+        ds.select("full", ["bert"])
+
+
+def test_cli_refuses_an_unknown_family_with_exit_2(capsys):
+    assert bench.main(["--subset", "ci", "--families", "gpt,bert"]) == 2
+    assert "bert" in capsys.readouterr().err
