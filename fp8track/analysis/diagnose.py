@@ -13,23 +13,28 @@ It follows the troubleshooting path (docs/diagnosis.md) step by step:
 5. loss like the control's but an evaluation metric worse -> ``downstream_drop_with_normal_loss``
    (check the inference chain: scales, weights, precision mix);
 
-plus ``layer_outlier`` (a layer whose statistics stand out against the model's other layers, more
-than in the control, with the onset against its own history) and ``healthy`` when nothing stands out.
+plus ``layer_outlier`` (a layer whose statistics stand out against comparable tensors of the
+model's other layers, beyond the same layer in the control, with its onset against its own history)
+and ``healthy`` when nothing stands out.
+
+**Shape.** :func:`gather_evidence` computes everything once (:class:`Evidence`); :data:`RULES` maps
+each finding kind to one rule function ``(evidence, findings so far) -> findings``, run in
+:data:`KINDS` order.
 
 **No fixed universal threshold.** Every decision is relative:
 
-* the loss gap is measured in units of the control's own noise: ``sigma`` = its relative
-  step-to-step noise (:func:`relative_noise`: robust, trend-free, spike-proof). The
-  gap (relative to the control) is smoothed by a centred running median of ``w`` steps and counts
-  when it stays above ``noise_k`` standard errors of such a median of the control's noise,
-  ``noise_k * 1.2533 * sigma / sqrt(w)`` (``noise_k`` = 3);
+* the loss gap is judged by :func:`fp8track.analysis.loss_gap.judge_gap`: in the paired FP8/control
+  gap's own step-to-step noise when both runs recorded the same data fingerprint (same batches),
+  else in the control's relative step-to-step noise; onset at the gap's change point, severity
+  in that unit (the report says which unit);
 * spikes are found by the robust rolling detector (:mod:`fp8track.analysis.spikes`) on each run and
   matched by step (:func:`fp8track.analysis.baseline.classify_spike`);
-* evaluation metrics are compared in the same noise unit (or the control's own evaluation-to-
+* evaluation metrics are compared in the control's loss noise (or the control's own evaluation-to-
   evaluation noise when it has at least five evaluations);
-* layers are scored against the run's other layers (:func:`fp8track.analysis.ranking.rank_layers`),
-  counted as outliers only where they stand out more than in the control, and their onset is found
-  against their own history (:func:`fp8track.analysis.ranking.history_shifts`).
+* layers are ranked like with like (:func:`fp8track.analysis.ranking.rank_layers`: within a tensor
+  kind and element format, as excess over the control's shadow rows, from each layer's own onset);
+* known causes users hit are added to the next experiments only when the run's metadata or
+  statistics point there (:mod:`fp8track.analysis.causes`).
 
 Confidence is ``1 - exp(-(z / z_cut - 1))`` clipped to ``[0.05, 0.99]`` where ``z`` is the
 finding's evidence in its own noise unit and ``z_cut`` the cut it had to pass: evidence just at
@@ -47,6 +52,7 @@ import numpy as np
 
 from fp8track.analysis.baseline import Baseline, RunData, classify_spike
 from fp8track.analysis.causes import known_causes
+from fp8track.analysis.loss_gap import GapConfig, judge_gap, same_batches, step_noise
 from fp8track.analysis.ranking import (
     MAIN_VARIANTS,
     ROW_SIGNALS,
@@ -61,7 +67,6 @@ from fp8track.analysis.ranking import (
     separation,
 )
 from fp8track.analysis.spikes import SpikeConfig, SpikeEvent, detect_spikes
-from fp8track.analysis.windows import MAD_TO_SIGMA, centred_median
 from fp8track.errors import ConfigError, check_float, check_int
 
 KINDS = (
@@ -77,8 +82,6 @@ KINDS = (
 
 SEVERITIES = ("high", "medium", "low", "info")
 
-MEDIAN_SE = math.sqrt(math.pi / 2)
-"""Standard error of the median of n normal values is ``MEDIAN_SE * sigma / sqrt(n)`` (1.2533)."""
 
 LOWER_IS_BETTER = ("loss", "ppl", "perplexity", "error", "err", "wer", "cer", "nll", "bpb")
 """An evaluation metric whose name contains one of these is better when lower; others when higher."""
@@ -188,6 +191,18 @@ class LossComparison:
     onset: int | None
     phase: str | None
     smooth: int
+    unit: str = "control_noise"
+    level: float = math.nan
+    z: float = math.nan
+    z_cut: float = math.nan
+    severity: str = "none"
+
+    @property
+    def unit_label(self) -> str:
+        """Words for reports: which noise the gap was judged in."""
+        if self.unit == "paired":
+            return "the paired FP8/control gap's own step-to-step noise (same batches)"
+        return "the control's step-to-step noise (different or unknown batches)"
 
     @property
     def final_gap(self) -> float:
@@ -231,7 +246,8 @@ class Diagnosis:
             "loss": _plain({
                 "common_steps": len(lc.steps), "control_noise_rel": lc.noise, "tolerance_rel": lc.tolerance,
                 "final_gap_rel": lc.final_gap, "max_gap_rel": lc.max_gap, "onset": lc.onset, "phase": lc.phase,
-                "smooth": lc.smooth,
+                "smooth": lc.smooth, "unit": lc.unit, "unit_label": lc.unit_label, "level_rel": lc.level,
+                "z": lc.z, "z_cut": lc.z_cut, "severity": lc.severity,
             }),
             "spikes": {"fp8": [_plain(e.to_dict()) for e in self.fp8_spikes],
                        "control": [_plain(e.to_dict()) for e in self.control_spikes]},
@@ -267,83 +283,27 @@ def confidence(z: float, cut: float) -> float:
     return float(min(0.99, max(0.05, 1.0 - math.exp(-(z / cut - 1.0)))))
 
 
-def _width(n: int, smooth: int | None) -> int:
-    w = smooth if smooth is not None else max(5, n // 25)
-    return w if w % 2 else w + 1
-
-
-def relative_noise(values: Sequence[float], width: int | None = None) -> float:
-    """A series' relative step-to-step noise: ``1.4826 x MAD(d) / sqrt(2)`` where
-    ``d_i = (v_i - v_{i-1}) / |v_{i-1}|`` over consecutive finite values. Differencing removes a
-    smooth trend; for independent per-step noise of relative sigma ``s``, ``d`` has sigma
-    ``s * sqrt(2)``; the MAD ignores spikes. NaN with fewer than 3 finite values. (``width`` is
-    accepted for call compatibility and unused.)"""
-    v = np.array([x for x in values if math.isfinite(x)], dtype=np.float64)
-    if v.size < 3:
-        return math.nan
-    with np.errstate(divide="ignore", invalid="ignore"):
-        d = np.diff(v) / np.abs(v[:-1])
-    d = d[np.isfinite(d)]
-    if not d.size:
-        return math.nan
-    return MAD_TO_SIGMA * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2.0)
+def relative_noise(values: Sequence[float]) -> float:
+    """A series' relative step-to-step noise, ``1.4826 x MAD(d) / sqrt(2)`` with ``d`` the relative
+    changes of consecutive finite values (:func:`fp8track.analysis.loss_gap.step_noise`): trend-free
+    and spike-proof; NaN with fewer than 3 finite values."""
+    return step_noise(np.array(values, dtype=np.float64), relative=True)
 
 
 def compare_loss(
-    fp8: Mapping[int, float], control: Mapping[int, float], config: DiagnosisConfig | None = None
+    fp8: Mapping[int, float], control: Mapping[int, float], config: DiagnosisConfig | None = None,
+    paired: bool = False,
 ) -> LossComparison:
-    """Step-aligned loss comparison and the onset of a lasting gap (module docstring).
-
-    The onset is the first common step ``s`` such that the smoothed gap is above the tolerance at
-    the last step and at ``>= sustain`` of the steps from ``s`` on, and above it at ``s`` itself.
-    Its phase is ``"start"`` when it lies in the first ``start_fraction`` of the steps, or when the
-    FP8 run had made less than half of the control's progress by then (measured half a smoothing
-    window before the onset: it never trained properly); otherwise ``"mid"``.
-    """
+    """Step-aligned loss comparison and the onset of a lasting gap, judged by
+    :func:`fp8track.analysis.loss_gap.judge_gap`: in the paired FP8/control gap's own noise when both
+    runs saw the same batches (``paired``), else in the control's step-to-step noise; the onset is
+    the gap's change point, its phase ``"start"`` or ``"mid"``, its severity in that noise unit."""
     cfg = config or DiagnosisConfig()
-    steps = sorted(set(fp8) & set(control))
-    if len(steps) < 3:
-        raise ConfigError(
-            f"the FP8 run and the control share {len(steps)} logged loss steps; the diagnosis needs at least 3"
-        )
-    f = np.array([fp8[s] for s in steps], dtype=np.float64)
-    c = np.array([control[s] for s in steps], dtype=np.float64)
-    w = _width(len(steps), cfg.smooth)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        gap = (f - c) / np.abs(c)
-    gap = np.where(np.isfinite(f), gap, np.inf)
-    gap = np.where(np.isnan(gap), 0.0, gap)
-    smooth = centred_median(np.where(np.isinf(gap), 1e30, gap), w)
-    smooth = np.where(smooth >= 1e29, np.inf, smooth)
-    noise = relative_noise(c.tolist(), w)
-    # A perfectly smooth control (synthetic or deterministic) still has float rounding: floor it.
-    noise = max(noise if math.isfinite(noise) else 0.0, 1e-6)
-    # The smoothed gap is a running median of w steps: compare it with the standard error of such
-    # a median of the control's own noise (1.2533 sigma / sqrt(w) for a median of w normal values).
-    tol = cfg.noise_k * MEDIAN_SE * noise / math.sqrt(w)
-    above = smooth > tol
-    onset = phase = None
-    if above[-1]:
-        n = len(steps)
-        tail_share = np.cumsum(above[::-1])[::-1] / np.arange(n, 0, -1)
-        for i in range(n):
-            if above[i] and tail_share[i] >= cfg.sustain:
-                onset = steps[i]
-                break
-    if onset is not None:
-        i = steps.index(onset)
-        c_s = centred_median(c, w)
-        f_s = centred_median(np.where(np.isfinite(f), f, np.nan), w)
-        # Progress made before the trouble: half a smoothing window before the onset, where the
-        # running median does not see the steps after it yet.
-        j = max(0, i - w // 2 - 1)
-        ctl_progress = c_s[0] - c_s[j]
-        fp8_progress = f_s[0] - f_s[j] if np.isfinite(f_s[j]) else -math.inf
-        early = (onset - steps[0]) <= cfg.start_fraction * (steps[-1] - steps[0])
-        phase = "start" if early or fp8_progress < 0.5 * ctl_progress else "mid"
+    j = judge_gap(fp8, control, paired, GapConfig(noise_k=cfg.noise_k, smooth=cfg.smooth, sustain=min(cfg.sustain, 1.0),
+                                                  start_fraction=cfg.start_fraction))
     return LossComparison(
-        tuple(steps), tuple(f.tolist()), tuple(c.tolist()), tuple(gap.tolist()), tuple(smooth.tolist()),
-        noise, tol, onset, phase, w,
+        j.steps, j.fp8, j.control, j.rel_gap, j.smooth_gap, j.noise, j.tolerance, j.onset_step, j.phase, j.smooth,
+        j.unit, j.level, j.z, j.z_cut, j.severity,
     )
 
 
@@ -413,7 +373,7 @@ def compare_evals(
         noise = loss_noise
         source = "control loss noise"
         if len(series) >= 5:
-            own = relative_noise(series, 3)
+            own = relative_noise(series)
             if math.isfinite(own) and own > 0:
                 noise, source = max(own, 1e-6), "control evaluation noise"
         z = worse / noise if noise > 0 else math.inf
@@ -468,8 +428,8 @@ class Evidence:
 
     @property
     def gap_z(self) -> float:
-        """The largest smoothed gap in units of the control's noise."""
-        return self.loss.max_gap / self.loss.noise if self.loss.noise > 0 else math.inf
+        """The lasting gap's level in its noise unit (:func:`fp8track.analysis.loss_gap.judge_gap`)."""
+        return self.loss.z
 
     def loss_evidence(self) -> dict[str, Any]:
         lc, i = self.loss, self.loss.steps.index(self.loss.onset) if self.loss.onset is not None else 0
@@ -477,6 +437,7 @@ class Evidence:
                 "control_noise_rel": lc.noise, "tolerance_rel": lc.tolerance, "gap_in_noise_units": self.gap_z,
                 "fp8_loss_at_onset": lc.fp8[i], "control_loss_at_onset": lc.control[i],
                 "fp8_final_loss": lc.fp8[-1], "control_final_loss": lc.control[-1],
+                "gap_level_rel": lc.level, "gap_z_cut": lc.z_cut, "noise_unit": lc.unit,
                 "nonfinite_steps": [e.start_step for e in self.nonfinite]}
 
 
@@ -484,7 +445,7 @@ def gather_evidence(fp8: RunData, control: RunData, cfg: DiagnosisConfig, loss_k
     """Everything :data:`RULES` read: the loss comparison, spikes, rows, shifts, ranking, evaluations."""
     fkey, ckey = fp8.loss_key(loss_key), control.loss_key(loss_key)
     fl, cl = fp8.metrics[fkey], control.metrics[ckey]
-    loss = compare_loss(fl, cl, cfg)
+    loss = compare_loss(fl, cl, cfg, paired=same_batches(fp8.meta, control.meta))
     steps = loss.steps
     spacing = max(1, int(np.median(np.diff(steps)))) if len(steps) > 1 else 1
     scfg = spike_config_for(len(steps))
@@ -627,10 +588,10 @@ def rule_divergence_from_start(ev: Evidence, found: Sequence[Finding]) -> list[F
         exps.insert(0, f"keep everything as in the control except the FP8 recipe ({new['recipe']}): "
                        "if that alone diverges, go to the numerics experiments")
     return [Finding(
-        "divergence_from_start", "high", confidence(ev.gap_z, ev.cfg.noise_k),
+        "divergence_from_start", "high", confidence(ev.gap_z, lc.z_cut),
         f"FP8 diverges from the start (gap opens at step {lc.onset})",
         f"The FP8 loss departs from the control from step {lc.onset} on and never comes back: "
-        f"{100 * lc.final_gap:+.1f}% at the end, {ev.gap_z:.0f}x the control's own noise "
+        f"{100 * lc.final_gap:+.1f}% at the end, {ev.gap_z:.0f}x {lc.unit_label} "
         f"({100 * lc.noise:.2f}%). Suspect software first. Newly enabled relative to the control: "
         + (", ".join(f"{k}={v}" for k, v in new.items()) or "nothing recorded") + ".",
         steps=(lc.onset,), layers=tuple(ev.named[:1]), evidence=evidence, next_experiments=tuple(exps),
@@ -644,10 +605,10 @@ def rule_mid_training_gap(ev: Evidence, found: Sequence[Finding]) -> list[Findin
         return []
     named = ev.named
     return [Finding(
-        "mid_training_gap", "high" if ev.gap_z >= 3 * cfg.noise_k else "medium", confidence(ev.gap_z, cfg.noise_k),
+        "mid_training_gap", "high" if lc.severity == "high" else "medium", confidence(ev.gap_z, lc.z_cut),
         f"FP8 falls behind the control mid-training (from step {lc.onset})",
         f"The FP8 loss tracked the control until step {lc.onset}, then stayed above it: "
-        f"{100 * lc.final_gap:+.1f}% at the end, {ev.gap_z:.0f}x the control's own noise "
+        f"{100 * lc.level:+.1f}% since then, {ev.gap_z:.0f}x {lc.unit_label} "
         f"({100 * lc.noise:.2f}%). Top-ranked layers: {', '.join(named)}.",
         steps=(lc.onset,), layers=named,
         tensors=tuple(dict.fromkeys(r.tensor for r in ev.ranking if r.layer in named)),
@@ -753,21 +714,21 @@ def rule_healthy(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
     """None of the other rules fired; the layers to watch are noted."""
     if found:
         return []
-    lc, cfg, watch = ev.loss, ev.cfg, _watch(ev, found)
+    lc, watch = ev.loss, _watch(ev, found)
     best = ev.ranking[0] if ev.ranking else None
     ties = f", tied with {', '.join(best.tied)}" if best and best.tied else ""
     return [Finding(
-        "healthy", "info", confidence(cfg.noise_k / max(abs(lc.max_gap) / lc.noise, 1e-9), 1.0),
+        "healthy", "info", confidence(lc.z_cut / max(abs(lc.max_gap) / lc.noise, 1e-9), 1.0),
         "FP8 matches the BF16 control",
-        f"Loss gap {100 * lc.final_gap:+.2f}% at the end, within {cfg.noise_k:g}x the control's own noise "
-        f"({100 * lc.noise:.2f}%); no FP8-only spikes; no evaluation drop; no layer stands out "
+        f"Loss gap {100 * lc.final_gap:+.2f}% at the end, within the cut of {100 * lc.tolerance:.2f}% "
+        f"({lc.z_cut:.1f}x {lc.unit_label}, {100 * lc.noise:.2f}%); no FP8-only spikes; no evaluation drop; no layer stands out "
         f"against the others more than in the control with an error to show for it"
         + (f" (highest risk score {best.score:.1f}, {best.layer}{ties})." if best else ".")
         + (f" To watch: {', '.join(f'{r.layer} ({r.tensor}, worst signal {max(r.z, key=lambda k: r.z[k])})' for r in watch)}"
            " stand out on underflow/overflow/drift alone, without a larger quantisation error or any loss impact."
            if watch else ""),
         evidence={"final_gap_rel": lc.final_gap, "max_gap_rel": lc.max_gap, "control_noise_rel": lc.noise,
-                  "tolerance_rel": lc.tolerance, "eval": ev.evals,
+                  "tolerance_rel": lc.tolerance, "noise_unit": lc.unit, "eval": ev.evals,
                   "top_layer": best.layer if best else None, "top_score": best.score if best else None,
                   "top_tied_with": list(best.tied) if best else [],
                   "watch": [{"layer": r.layer, "tensor": r.tensor, "score": r.score, "z": dict(r.z)} for r in watch]},
