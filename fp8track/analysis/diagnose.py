@@ -618,9 +618,13 @@ def rule_mid_training_gap(ev: Evidence, found: Sequence[Finding]) -> list[Findin
 
 
 def rule_downstream_drop(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
-    """Path step 5: an evaluation metric worse than the control's while the loss is normal."""
+    """Path step 5: an evaluation metric worse than the control's while the loss is normal. A drop
+    no larger than the training loss's own level gap (plus ``noise_k`` of the metric's noise) is
+    the training gap seen again, not a problem of the inference path."""
     lc, cfg = ev.loss, ev.cfg
-    dropped = {k: v for k, v in ev.evals.items() if v["dropped"]}
+    level = max(lc.level, 0.0) if math.isfinite(lc.level) else 0.0
+    dropped = {k: v for k, v in ev.evals.items()
+               if v["dropped"] and v["worse_rel"] - level > cfg.noise_k * v["noise_rel"]}
     if not dropped or lc.onset is not None or ev.nonfinite:
         return []
     worst_name, worst = max(dropped.items(), key=lambda kv: kv[1]["z"])
@@ -647,8 +651,8 @@ TROUBLE_KINDS = ("fp8_only_spikes", "divergence_from_start", "mid_training_gap",
 ERROR_SIGNALS = ("rel_error_db", "cos_loss")
 CORROBORATE_Z = 2.0
 """Robust z (against comparable tensors of the other layers) of a layer's relative error (incl. the
-error of its non-outlier elements) or cosine loss that makes an outlier a finding on its own,
-without loss or evaluation trouble."""
+error of its non-outlier elements) or cosine loss from which its quantisation error is said to stand
+out (reported with the layers to watch)."""
 
 CLEAR_SEPARATION = 2.0
 """An outlier scoring less than this many times the best other layer is a near tie: at most
@@ -660,9 +664,10 @@ def _error_stands_out(r: LayerRisk) -> bool:
 
 
 def _watch(ev: Evidence, found: Sequence[Finding]) -> list[LayerRisk]:
-    """Outliers on underflow/overflow/drift alone, with no error or loss trouble to show for it."""
+    """Outliers without loss or evaluation trouble: statistics nominate, the loss decides, so they
+    are layers to watch under ``healthy``, whatever their error (which the finding reports)."""
     trouble = any(f.kind in TROUBLE_KINDS for f in found)
-    return [r for r in ev.outs if not trouble and not _error_stands_out(r)]
+    return [] if trouble else list(ev.outs)
 
 
 def _own_shift(ev: Evidence, layer: str, tensor: str) -> dict[str, Any] | None:
@@ -671,19 +676,16 @@ def _own_shift(ev: Evidence, layer: str, tensor: str) -> dict[str, Any] | None:
 
 
 def rule_layer_outlier(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
-    """A layer that stands out against comparable tensors of the other layers (beyond the control),
-    corroborated by its error or by loss/evaluation trouble; its onset from its own history."""
+    """A layer that stands out against comparable tensors of the other layers (beyond the control)
+    while the loss or the evaluation shows trouble; its onset from its own history."""
     cfg, watch = ev.cfg, _watch(ev, found)
-    trouble = any(f.kind in TROUBLE_KINDS for f in found)
     out = []
     for r in (r for r in ev.outs if r not in watch):
         own = _own_shift(ev, r.layer, r.tensor)
         st = r.stats.get(r.tensor, {})
         sep = separation(r, ev.ranking, ev.outs)
         sev = _severity(r.score, cfg.outlier_min_score)
-        # Statistics nominate, the loss decides: high only with loss/evaluation trouble, and never
-        # for a near tie.
-        if sev == "high" and (sep < CLEAR_SEPARATION or not trouble):
+        if sev == "high" and sep < CLEAR_SEPARATION:  # a near tie is not a clear culprit
             sev = "medium"
         worst_sig = max(r.z, key=lambda k: r.z[k] if math.isfinite(r.z[k]) else -math.inf)
         base = "the control's same layer" if r.excess else "the model's other layers"
@@ -725,13 +727,17 @@ def rule_healthy(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
         f"against the others more than in the control with an error to show for it"
         + (f" (highest risk score {best.score:.1f}, {best.layer}{ties})." if best else ".")
         + (f" To watch: {', '.join(f'{r.layer} ({r.tensor}, worst signal {max(r.z, key=lambda k: r.z[k])})' for r in watch)}"
-           " stand out on underflow/overflow/drift alone, without a larger quantisation error or any loss impact."
+           " stand out against comparable tensors of the other layers"
+           + (" with a larger quantisation error" if any(_error_stands_out(r) for r in watch) else "")
+           + ", without any loss or evaluation impact: rerun the diagnosis after longer training."
            if watch else ""),
+        layers=tuple(r.layer for r in watch),
         evidence={"final_gap_rel": lc.final_gap, "max_gap_rel": lc.max_gap, "control_noise_rel": lc.noise,
                   "tolerance_rel": lc.tolerance, "noise_unit": lc.unit, "eval": ev.evals,
                   "top_layer": best.layer if best else None, "top_score": best.score if best else None,
                   "top_tied_with": list(best.tied) if best else [],
-                  "watch": [{"layer": r.layer, "tensor": r.tensor, "score": r.score, "z": dict(r.z)} for r in watch]},
+                  "watch": [{"layer": r.layer, "tensor": r.tensor, "score": r.score, "z": dict(r.z),
+                             "error_stands_out": _error_stands_out(r)} for r in watch]},
         next_experiments=("keep monitoring at a lower sampling rate; rerun the diagnosis after longer training",),
     )]
 

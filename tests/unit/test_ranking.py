@@ -296,26 +296,48 @@ def test_planted_layer_ranks_first_and_beats_the_naive_rules(planted):
     assert ours == len(CASES) and by_mse < ours and by_under < ours
 
 
-def test_outlier_hiding_damage_is_a_finding_not_a_layer_to_watch(planted):
+def test_outlier_hiding_damage_is_corroborated_by_its_error(planted):
     """weight-first: one steady element 1e6 x the typical magnitude; SQNR and cos look perfect, the
-    other elements are nearly all flushed."""
+    other elements are nearly all flushed. Its error of the non-outlier elements stands out; with
+    the loss 5% above the control from the plant on (same batches) it is a high finding, with a flat
+    loss a layer to watch (statistics nominate, the loss decides)."""
     plant, fp8, ctl = planted["weight-first"]
     # (at the plant's first step the delayed scale predates the outlier, which saturates)
     late = [r.stats for r in fp8 if (r.layer, r.tensor) == (plant.layer, plant.tensor) and r.step > plant.start]
     assert min(s["sqnr_db"] for s in late) > 40 and min(s["cos"] for s in late) > 0.9999
     assert min(s["underflow_pct"] for s in late) > 95
-    d = diagnose(_rundata("fp8", fp8), _rundata("control", ctl))
-    # a finding, not "to watch"; medium because the loss shows nothing (statistics nominate, the loss decides)
-    assert d.top.kind == "layer_outlier" and d.top.layers == (plant.layer,) and d.top.severity == "medium"
-    assert d.top.evidence["z"]["rel_error_db"] > 2.0  # the error of the non-outlier elements stands out
+    risk = rank_layers(fp8, control=ctl)[0]
+    assert risk.layer == plant.layer and risk.z["rel_error_db"] > 2.0  # CORROBORATE_Z
+    assert max(s["bulk_sqnr_db"] for s in [risk.stats["weight"]]) < 1.0  # dB, the ordinary elements
+
+    flat = diagnose(_rundata("fp8", fp8), _rundata("control", ctl))
+    assert flat.kinds() == ["healthy"] and flat.top.layers == (plant.layer,)
+    assert flat.top.evidence["watch"][0]["error_stands_out"] is True
+
+    rose = diagnose(_rundata("fp8", fp8, rise=(plant.start, 0.05)), _rundata("control", ctl))
+    assert rose.kinds()[0] == "mid_training_gap" and rose.top.layers[0] == plant.layer
+    outlier = next(f for f in rose.findings if f.kind == "layer_outlier")
+    assert outlier.layers == (plant.layer,) and outlier.severity == "high"
     # the onset against its own history: the plant's first step (saturation) or the next (flushing)
-    assert plant.start <= d.top.steps[0] <= plant.start + 1
+    assert plant.start * LOSS_EVERY <= outlier.steps[0] <= (plant.start + 1) * LOSS_EVERY
 
 
-def _rundata(name, rows, seed=0):
+def _rundata(name, rows, seed=0, rise=None):
+    """A run with ``rows``, a loss at every step and a data fingerprint (both runs: the same batches);
+    ``rise=(step, rel)``: the loss rises to ``rel`` higher over 20 steps from ``step`` on."""
     rng = np.random.default_rng(seed)
-    loss = {s: 3.0 * (1 + 0.01 * rng.standard_normal()) for s in range(STEPS)}
-    return RunData(name, {"loss": loss}, rows)
+    steps = range(STEPS * LOSS_EVERY)
+    loss = {s: (2.0 + math.exp(-s / 30)) * (1 + 0.01 * rng.standard_normal()) for s in steps}
+    if rise is not None:
+        t0 = rise[0] * LOSS_EVERY  # a rise over 20 steps, not a jump (a jump is a spike)
+        loss = {s: v * (1 + rise[1] * min(max(s - t0, 0) / 20, 1.0)) for s, v in loss.items()}
+    meta = {"config": {"data": {"seed": 0, "order_sha256": "same"}}}
+    rows = [TensorStatsRow(r.step * LOSS_EVERY, r.layer, r.tensor, r.stats, r.variant) for r in rows]
+    return RunData(name, {"loss": loss}, rows, meta)
+
+
+LOSS_EVERY = 10
+"""Loss steps per sampled statistics step in :func:`_rundata`."""
 
 
 @pytest.mark.parametrize("seed", [11, 12, 13])
