@@ -17,9 +17,11 @@ from pathlib import Path
 
 import lightning as L
 import torch
+import wandb
 from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
 
 import fp8track
+from fp8track.demo import quiet_libraries
 from fp8track.examples.gpt import build_example
 
 
@@ -42,22 +44,29 @@ def main(argv: list[str] | None = None) -> dict:
     module, data, report = build_example(recipe=args.recipe, bf16_layers=args.bf16_layers, seed=args.seed)
     print(f"recipe={report.recipe} fp8 layers={len(report.fp8_layers)} bf16={[n for n, _ in report.bf16_layers]}")
 
-    loggers = [
-        WandbLogger(project="fp8track-example", name=str(report.recipe), save_dir=str(out), mode=args.wandb_mode),
-        MLFlowLogger(experiment_name="fp8track-example", run_name=str(report.recipe),
-                     tracking_uri=f"sqlite:///{(out / 'mlflow.db').resolve()}",
-                     artifact_location=(out / "mlartifacts").resolve().as_uri()),
-    ]
-    monitor = fp8track.FP8Monitor(every_n_steps=args.every_n_steps, baseline=args.baseline)
-    trainer = L.Trainer(
-        max_steps=args.steps, accelerator="cpu", devices=1, precision="bf16-mixed", logger=loggers,
-        callbacks=[monitor], default_root_dir=str(out), log_every_n_steps=args.every_n_steps,
-        val_check_interval=min(100, args.steps), limit_val_batches=8, enable_model_summary=False,
-        enable_progress_bar=False,
-    )
-    trainer.fit(module, datamodule=data)
-    if args.wandb_mode != "disabled":
-        loggers[0].experiment.finish()
+    # Library info logs and warnings (Lightning's tips, MLflow/alembic set-up, W&B banners) are
+    # silenced while training: the console keeps fp8track's answers.
+    with quiet_libraries():
+        # The W&B run is opened here and handed to the logger: WandbLogger's own wandb.init passes
+        # anonymous=None, which W&B 0.31 answers with a deprecation line on the console.
+        run = wandb.init(project="fp8track-example", name=str(report.recipe), dir=str(out), mode=args.wandb_mode,
+                         settings=wandb.Settings(silent=True))
+        loggers = [
+            WandbLogger(experiment=run, save_dir=str(out)),
+            MLFlowLogger(experiment_name="fp8track-example", run_name=str(report.recipe),
+                         tracking_uri=f"sqlite:///{(out / 'mlflow.db').resolve()}",
+                         artifact_location=(out / "mlartifacts").resolve().as_uri()),
+        ]
+        monitor = fp8track.FP8Monitor(every_n_steps=args.every_n_steps, baseline=args.baseline)
+        trainer = L.Trainer(
+            max_steps=args.steps, accelerator="cpu", devices=1, precision="bf16-mixed", logger=loggers,
+            callbacks=[monitor], default_root_dir=str(out), log_every_n_steps=args.every_n_steps,
+            val_check_interval=min(100, args.steps), limit_val_batches=8, enable_model_summary=False,
+            enable_progress_bar=False,
+        )
+        trainer.fit(module, datamodule=data)
+        if args.wandb_mode != "disabled":
+            loggers[0].experiment.finish()
     summary = monitor.summary()
     print(json.dumps(summary, indent=2))
     return summary

@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     import lightning as L
 
     import fp8track
+    from fp8track.demo import quiet_libraries
     from fp8track.examples.gpt import build_example
 
     L.seed_everything(0, verbose=False)
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         callbacks=[fp8track.FP8Monitor(every_n_steps=args.every_n_steps, trackers="none")],
         limit_val_batches=8, val_check_interval=min(100, args.steps), enable_progress_bar=False,
     )
-    trainer.fit(module, datamodule=data)
+    with quiet_libraries():  # Lightning's GPU/TPU lines and tips: the console keeps fp8track's output
+        trainer.fit(module, datamodule=data)
     monitor = next(c for c in trainer.callbacks if isinstance(c, fp8track.FP8Monitor))
     print(json.dumps(monitor.summary(), indent=2))
     return 0

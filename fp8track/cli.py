@@ -8,6 +8,7 @@ import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from fp8track.errors import ConfigError
 
@@ -41,12 +42,13 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _cmd_diagnose(args: argparse.Namespace) -> int:
+    from fp8track.analysis.pairing import run_label
     from fp8track.report.console import print_diagnosis
     from fp8track.report.run import diagnose_runs
 
     # Unusable input raises ConfigError: main() prints it as one line and exits 2.
     res = diagnose_runs(args.fp8_run, args.baseline, args.out, tracking_uri=args.tracking_uri)
-    print_diagnosis(res.diagnosis, res.html_path)
+    print_diagnosis(res.diagnosis, res.html_path, runs=(run_label(res.fp8), run_label(res.control)))
     print(f"diagnosis.json: {res.json_path}")
     for where in res.logged:
         print(f"logged: {where}")
@@ -122,33 +124,77 @@ def _cmd_integrations(args: argparse.Namespace) -> int:
     return 0
 
 
+DESCRIPTION = "fp8track: watch, compare and diagnose FP8 training runs against their BF16 control."
+
+COMMANDS = {
+    "demo": "train a BF16 control, FP8 and a planted problem; diagnose",
+    "diagnose": "diagnose an FP8 run against its BF16 control",
+    "sweep": "search recipes and BF16 layers from a W&B sweep YAML",
+    "sync": "replay a run directory's missed steps into MLflow or W&B",
+    "check-inference": "compare FP8 and BF16 inference of a checkpoint",
+    "stats": "FP8 quantisation statistics of a sample tensor",
+    "integrations": "list or copy the files for LightningCLI, TE, W&B",
+}
+"""Every command with its one line of ``fp8track --help``, in the order shown (each fits the
+80-column help listing; the subcommand modules' own help strings are replaced by these)."""
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse measures the command names at their group's indent but prints them one indent
+    deeper, which pushed ``check-inference``'s help onto a second line: widen the column by that."""
+
+    def add_argument(self, action: argparse.Action) -> None:
+        super().add_argument(action)
+        if action.nargs == argparse.PARSER:
+            self._action_max_length += self._indent_increment
+
+
+class _Commands:
+    """The sub-parsers object as the subcommand modules see it: their ``add_parser`` gets the
+    command's line of :data:`COMMANDS` as its help and plain text (no reST ``````) as its description."""
+
+    def __init__(self, sub: Any) -> None:
+        self._sub = sub
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        kwargs["help"] = COMMANDS[name]
+        description = kwargs.get("description") or COMMANDS[name]
+        kwargs["description"] = description.replace("``", "")[:1].upper() + description.replace("``", "")[1:]
+        return self._sub.add_parser(name, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fp8track", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("stats", help="FP8 quantisation statistics of a real tensor")
-    p.set_defaults(func=_cmd_stats)
-    p = sub.add_parser("integrations", help="list or copy the files handed to other tools (LightningCLI, TE debug API)")
-    p.add_argument("--copy", metavar="DIR", default=None, help="copy every file into DIR, keeping its folders")
-    p.add_argument("--force", action="store_true", help="overwrite files that exist in DIR")
-    p.set_defaults(func=_cmd_integrations)
+    parser = argparse.ArgumentParser(prog="fp8track", description=DESCRIPTION, formatter_class=_HelpFormatter)
+    sub = _Commands(parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND"))
     from fp8track.demo import add_subparser as add_demo
     from fp8track.sweep.cli import add_subparser as add_sweep
     from fp8track.trackers.replay import add_subparser as add_sync
 
     add_demo(sub)
-    add_sync(sub)
-    p = sub.add_parser("diagnose", help="diagnose an FP8 run against its BF16 control: findings, layer ranking, report.html")
+    p = sub.add_parser("diagnose", description="Diagnose an FP8 run against its BF16 control: findings, the layer "
+                       "ranking, diagnosis.json and report.html. Runs that do not belong together (swapped, the same "
+                       "run twice, other layers, too few common steps) are refused with one line and exit status 2.")
     p.add_argument("fp8_run", metavar="FP8_RUN", help="run directory, mlflow:<run_id> or W&B offline run directory")
     p.add_argument("--baseline", required=True, metavar="BF16_RUN", help="the BF16 control, same forms")
     p.add_argument("--out", default="fp8track-diagnosis", help="output folder (default ./fp8track-diagnosis)")
     p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI for mlflow: runs (else MLFLOW_TRACKING_URI)")
     p.set_defaults(func=_cmd_diagnose)
-    p = sub.add_parser("check-inference", help="FP8 (trained / fresh scales) vs BF16 inference of a checkpoint; exact reload")
+    add_sweep(sub)
+    add_sync(sub)
+    p = sub.add_parser("check-inference", description="FP8 inference with the trained scales, with fresh scales "
+                       "and BF16 inference of a checkpoint on the same batches; checks that it reloads exactly.")
     p.add_argument("checkpoint", help="a checkpoint written by fp8track.inference.save_checkpoint (the demo writes one)")
     p.add_argument("--batches", type=int, default=8, help="validation batches to evaluate (default 8)")
     p.add_argument("--out", default=None, help="folder for inference.json")
     p.set_defaults(func=_cmd_check_inference)
-    add_sweep(sub)
+    p = sub.add_parser("stats", description="Quantisation statistics of a real tensor (a seeded linear layer's "
+                       "weights and its activations on text bytes) under each FP8 format, as JSON.")
+    p.set_defaults(func=_cmd_stats)
+    p = sub.add_parser("integrations", description="List the files fp8track hands to other tools (LightningCLI "
+                       "config, TE debug API YAML, W&B sweep YAML), or copy them into a folder.")
+    p.add_argument("--copy", metavar="DIR", default=None, help="copy every file into DIR, keeping its folders")
+    p.add_argument("--force", action="store_true", help="overwrite files that exist in DIR")
+    p.set_defaults(func=_cmd_integrations)
     return parser
 
 

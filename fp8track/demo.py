@@ -18,8 +18,10 @@ opens the MLflow UI on the store and the URL of its compare view for the three r
 Everything lands in one folder (default ``./fp8track-demo``): ``mlflow.db`` (MLflow SQLite store,
 experiment ``fp8track-demo``, artifacts in ``mlartifacts/``), ``runs/<run_id>/`` (fp8track's run
 directories), ``diagnosis-fp8/`` and ``diagnosis-planted/`` (``diagnosis.json``, ``report.html``),
-``fp8.ckpt`` (the FP8 run's weights and scaling state, for ``fp8track check-inference``) and, with
-``--wandb``, ``wandb/`` (one offline run per training run).
+``fp8.ckpt`` (the FP8 run's weights and scaling state, for ``fp8track check-inference``),
+``demo.json`` (the runs, their ids and final losses, the finding kinds) and, with ``--wandb``,
+``wandb/`` (one offline run per training run). The console says which run is training, then
+where everything is, then each diagnosis, and ends with one answer line per FP8 run.
 """
 
 from __future__ import annotations
@@ -116,6 +118,34 @@ class OutlierPlant:
                 f"{self.layer} at every training step (delayed scaling: its other activations underflow)")
 
 
+def run_progress_bar(label: str) -> Any:
+    """Lightning's tqdm bar titled with the run it trains (``"[2/3] fp8-delayed"``) over the
+    run's optimizer steps, instead of Lightning's "Epoch 0/-2" (``max_epochs=-1``); validation
+    passes draw no bar of their own."""
+    from lightning.pytorch.callbacks import TQDMProgressBar
+    from tqdm import tqdm
+
+    class RunProgressBar(TQDMProgressBar):
+        def init_train_tqdm(self) -> Any:
+            bar = super().init_train_tqdm()
+            bar.set_description(label, refresh=False)
+            return bar
+
+        def on_train_epoch_start(self, trainer: Any, *args: Any) -> None:
+            super().on_train_epoch_start(trainer, *args)
+            self.train_progress_bar.set_description(label)
+
+        def init_validation_tqdm(self) -> Any:
+            return tqdm(disable=True)
+
+        def get_metrics(self, trainer: Any, pl_module: Any) -> dict[str, Any]:
+            metrics = super().get_metrics(trainer, pl_module)
+            metrics.pop("v_num", None)  # the logger's run version: not something to watch
+            return metrics
+
+    return RunProgressBar()
+
+
 def run_one(
     out: Path,
     name: str,
@@ -129,6 +159,7 @@ def run_one(
     seed: int = 0,
     plant: bool = False,
     checkpoint: Path | None = None,
+    label: str | None = None,
 ) -> DemoRun:
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import MLFlowLogger
@@ -165,7 +196,7 @@ def run_one(
         accelerator="cpu",
         max_steps=steps,
         logger=loggers,
-        callbacks=[monitor],
+        callbacks=[monitor, run_progress_bar(label or name)] if progress else [monitor],
         enable_checkpointing=False,
         enable_model_summary=False,
         enable_progress_bar=progress,
@@ -228,14 +259,20 @@ def run_demo(
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     common: dict[str, Any] = {"steps": steps, "every_n_steps": every_n_steps, "use_wandb": use_wandb, "progress": progress}
-    runs = [run_one(out, "bf16-control", "bf16", baseline=None, **common)]
-    print(f"[fp8track] trained bf16-control in {runs[0].seconds:.0f} s", flush=True)
-    runs.append(run_one(out, f"fp8-{recipe.split(':')[0]}", recipe, baseline=runs[0].run_dir,
-                        checkpoint=out / "fp8.ckpt", **common))
-    print(f"[fp8track] trained {runs[1].name} in {runs[1].seconds:.0f} s", flush=True)
+    plan: list[tuple[str, str, dict[str, Any]]] = [
+        ("bf16-control", "bf16", {"baseline": None}),
+        (f"fp8-{recipe.split(':')[0]}", recipe, {"checkpoint": out / "fp8.ckpt"}),
+    ]
     if plant:
-        runs.append(run_one(out, "fp8-planted", recipe, baseline=runs[0].run_dir, plant=True, **common))
-        print(f"[fp8track] trained fp8-planted in {runs[2].seconds:.0f} s", flush=True)
+        plan.append(("fp8-planted", recipe, {"plant": True}))
+    runs: list[DemoRun] = []
+    for i, (name, run_recipe, extra) in enumerate(plan, 1):
+        what = "the BF16 control" if i == 1 else "the planted problem" if extra.get("plant") else "FP8"
+        label = f"[{i}/{len(plan)}] {name}"
+        print(f"[fp8track] training {label}: {what}, recipe {run_recipe}, {steps} steps", flush=True)
+        extra.setdefault("baseline", runs[0].run_dir if runs else None)
+        runs.append(run_one(out, name, run_recipe, label=label, **extra, **common))
+        print(f"[fp8track] trained {name} in {runs[-1].seconds:.0f} s", flush=True)
     return runs
 
 
@@ -265,6 +302,7 @@ def _prefixed(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from fp8track.analysis.pairing import run_label, run_name
     from fp8track.report.console import print_diagnosis
     from fp8track.report.run import diagnose_runs
 
@@ -288,13 +326,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         "final_loss_gap": runs[1].final_loss - runs[0].final_loss,
         "findings": {k: [f.kind for f in v.diagnosis.findings] for k, v in results.items()},
     }
-    print(json.dumps(summary, indent=2))
-    for label, res in results.items():
-        print(f"\n== {label} run vs the BF16 control ==")
-        if label == "planted":
-            print(f"planted problem: from step {int(PLANT_FRACTION * args.steps)}, an outlier of {PLANT_AMAX:g} "
-                  f"enters the activation amax history of {PLANT_LAYER} every step")
-        print_diagnosis(res.diagnosis, res.html_path)
+    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
     print(f"\nfp8track run directories: {out / 'runs'}")
     print(f"MLflow store:              {uri}")
     print(f"Look at it:                mlflow ui --backend-store-uri {uri}")
@@ -302,7 +334,26 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print(f"Inference chain:           fp8track check-inference {out / 'fp8.ckpt'}")
     if args.wandb:
         print(f"W&B offline runs:          {out / 'wandb'}  (upload: wandb sync {out / 'wandb'}/offline-run-*)")
+    print(f"Summary (JSON):            {out / SUMMARY_FILE}")
+    by_name = {r.name: r for r in runs}
+    for label, res in results.items():
+        print(f"\n== {label} run vs the BF16 control ==")
+        if label == "planted":
+            print(f"planted problem: from step {int(PLANT_FRACTION * args.steps)}, an outlier of {PLANT_AMAX:g} "
+                  f"enters the activation amax history of {PLANT_LAYER} every step")
+        print_diagnosis(res.diagnosis, res.html_path, runs=(run_label(res.fp8), run_label(res.control)))
+    print("\n== answers ==")
+    for res in results.values():
+        d = res.diagnosis
+        name = run_name(res.fp8)
+        loss = f"final loss {by_name[name].final_loss:.3f} vs {control.final_loss:.3f}" if name in by_name else ""
+        top = f"; top-ranked layer {d.layer_ranking[0].layer}" if d.layer_ranking else ""
+        print(f"{name}: {d.top.kind} ({d.top.severity}): {d.top.title} ({loss}{top})")
     return 0
+
+
+SUMMARY_FILE = "demo.json"
+"""The demo's summary (runs, run ids, final losses, finding kinds), written to its output folder."""
 
 
 def add_subparser(sub: Any) -> argparse.ArgumentParser:

@@ -53,6 +53,7 @@ import numpy as np
 from fp8track.analysis.baseline import Baseline, RunData, classify_spike
 from fp8track.analysis.causes import known_causes
 from fp8track.analysis.loss_gap import GapConfig, judge_gap, same_batches, step_noise
+from fp8track.analysis.pairing import Mismatch, align_runs, check_pairing
 from fp8track.analysis.ranking import (
     MAIN_VARIANTS,
     ROW_SIGNALS,
@@ -70,6 +71,7 @@ from fp8track.analysis.spikes import SpikeConfig, SpikeEvent, detect_spikes
 from fp8track.errors import ConfigError, check_float, check_int
 
 KINDS = (
+    "mismatched_runs",
     "shared_spikes",
     "fp8_only_spikes",
     "divergence_from_start",
@@ -788,10 +790,15 @@ def diagnose(fp8: RunData, control: RunData, config: DiagnosisConfig | None = No
     Raises:
         ConfigError: when the runs have no loss metric or fewer than 3 common loss steps.
     """
+    # Pairing before judging (fp8track.analysis.pairing): runs that do not belong together get one
+    # mismatched_runs finding, never a verdict; runs that do are compared under common layer names.
+    if (mismatch := check_pairing(fp8, control)) is not None:
+        return mismatched_diagnosis(fp8, control, mismatch)
+    fp8, control = align_runs(fp8, control)
     cfg = config or DiagnosisConfig()
     ev = gather_evidence(fp8, control, cfg, loss_key)
     findings: list[Finding] = []
-    for kind in KINDS:
+    for kind in RULES:  # the path's order (KINDS; mismatched_runs is decided before the rules)
         findings.extend(RULES[kind](ev, tuple(findings)))
     order = {k: i for i, k in enumerate(KINDS)}
     sev = {k: i for i, k in enumerate(SEVERITIES)}
@@ -802,6 +809,18 @@ def diagnose(fp8: RunData, control: RunData, config: DiagnosisConfig | None = No
         fp8.source, control.source, tuple(findings), ev.ranking, window, ev.loss,
         ev.fp8_spikes, tuple(ev.control_base.spikes), ev.evals,
     )
+
+
+def mismatched_diagnosis(fp8: RunData, control: RunData, mismatch: Mismatch) -> Diagnosis:
+    """The diagnosis of two runs that cannot be compared: one ``mismatched_runs`` finding carrying
+    the mismatch's one line, no ranking, no loss comparison."""
+    empty = LossComparison((), (), (), (), (), math.nan, math.nan, None, None, 0)
+    finding = Finding(
+        "mismatched_runs", "high", 0.99, "The FP8 run and the control cannot be compared", mismatch.message,
+        evidence={"mismatch": mismatch.kind},
+        next_experiments=("pass the FP8 run and its BF16 control: the same model, data and steps, the control in BF16",),
+    )
+    return Diagnosis(fp8.source, control.source, (finding,), (), None, empty)
 
 
 def _row_spacing(rows: Sequence[Any]) -> int | None:
@@ -821,6 +840,7 @@ __all__ = [
     "LossComparison",
     "diagnose",
     "gather_evidence",
+    "mismatched_diagnosis",
     "compare_loss",
     "compare_evals",
     "newly_enabled",

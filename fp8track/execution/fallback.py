@@ -251,6 +251,7 @@ def _from_ranking(
         ordered = sorted(ranking, key=lambda n: -float(ranking[n]))
     else:
         ordered = list(ranking)
+    ordered = [_linear_named(n, linears) for n in ordered]
     unknown = [n for n in ordered if n not in linears]
     if unknown:
         raise ConfigError(
@@ -259,6 +260,16 @@ def _from_ranking(
     if k > len(ordered):
         raise ConfigError(f"bf16_layers term {term!r} asks for {k} layers but the ranking has {len(ordered)}")
     return {n: f"{term} (rank {i + 1})" for i, n in enumerate(ordered[:k])}
+
+
+def _linear_named(name: str, linears: Sequence[str]) -> str:
+    """The linear layer a ranking's ``name`` designates: itself, or the one linear whose name ends
+    with ``"." + name``. The monitor records canonical names (``fp8track.monitoring.naming``), without
+    a LightningModule's ``model.`` holder or a wrapper prefix that this model's names may carry."""
+    if name in linears:
+        return name
+    hits = [n for n in linears if n.endswith("." + name)]
+    return hits[0] if len(hits) == 1 else name
 
 
 def _validate_term(term: str) -> None:

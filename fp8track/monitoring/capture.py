@@ -28,6 +28,7 @@ from torch import nn
 from fp8track.errors import ConfigError, invalid_choice
 from fp8track.execution.backends import te as te_backend
 from fp8track.execution.layers import GEMM_LAYER_KINDS, gemm_layers, gemm_weight, match_layers, preview_names
+from fp8track.monitoring.naming import canonical_layer_names
 from fp8track.monitoring.sharding import ShardSpec, Share, observed_weight, share_of
 from fp8track.numerics.formats import TENSOR_KINDS, get_format_pair
 from fp8track.numerics.scaling import BLOCK_SCALINGS, amax, block_layout, current_scale
@@ -139,13 +140,15 @@ def select_layers(
     model: nn.Module,
     layers: str | Sequence[str] | LayerFilter | None = None,
 ) -> list[tuple[str, nn.Module]]:
-    """The GEMM layers to monitor (:func:`~fp8track.execution.layers.is_gemm_layer`), in registration order.
+    """The GEMM layers to monitor (:func:`~fp8track.execution.layers.is_gemm_layer`), in registration
+    order, under their canonical names (:func:`fp8track.monitoring.naming.canonical_layer_names`:
+    wrappers and a LightningModule's holder attribute dropped), the names every record carries.
 
     Args:
         layers: ``None`` (every GEMM layer), one selector term or a list of them (see
             :func:`~fp8track.execution.layers.match_layers`: ``re:PATTERN`` searched in the
-            qualified name, or the qualified name of a layer or of a module holding layers), or a
-            ``(module, fqn) -> bool`` filter.
+            qualified name, or the qualified name of a layer or of a module holding layers; the
+            canonical or the full name), or a ``(module, fqn) -> bool`` filter (full names).
 
     Raises:
         ConfigError: when the model has no GEMM layer, or a term matches none (the message lists
@@ -154,20 +157,28 @@ def select_layers(
     candidates = gemm_layers(model)
     if not candidates:
         raise ConfigError(f"{type(model).__name__} has no linear layer to monitor ({'; '.join(GEMM_LAYER_KINDS)})")
-    names = [fqn for fqn, _ in candidates]
+    raw = [fqn for fqn, _ in candidates]
+    names = canonical_layer_names(model, raw)
+    canonical = dict(zip(raw, names, strict=True))
     if layers is None:
-        return candidates
-    if callable(layers):
-        chosen = [(fqn, m) for fqn, m in candidates if layers(m, fqn)]
-        if not chosen:
+        picked = set(names)
+    elif callable(layers):
+        picked = {canonical[fqn] for fqn, m in candidates if layers(m, fqn)}
+        if not picked:
             raise ConfigError(f"the layer filter matched none of the linear layers: {preview_names(names)}")
-        return chosen
-    picked: set[str] = set()
-    for term in [layers] if isinstance(layers, str) else list(layers):
-        if not isinstance(term, str):
-            raise ConfigError(f"layer selectors must be strings or a callable, got {term!r}")
-        picked.update(match_layers(model, term, names))
-    return [(fqn, m) for fqn, m in candidates if fqn in picked]
+    else:
+        picked = set()
+        for term in [layers] if isinstance(layers, str) else list(layers):
+            if not isinstance(term, str):
+                raise ConfigError(f"layer selectors must be strings or a callable, got {term!r}")
+            try:
+                picked.update(match_layers(model, term, names))
+            except ConfigError as err:  # a full name (with its holder or wrappers) names the same layers
+                try:
+                    picked.update(canonical[n] for n in match_layers(model, term, raw))
+                except ConfigError:
+                    raise err from None
+    return [(canonical[fqn], m) for fqn, m in candidates if canonical[fqn] in picked]
 
 
 def validate_tensors(tensors: Iterable[str]) -> tuple[str, ...]:

@@ -1,31 +1,49 @@
-"""The diagnosis on a terminal (rich): what ``fp8track diagnose`` and the demo print."""
+"""The diagnosis on a terminal (rich): what ``fp8track diagnose`` and the demo print. Tables are at
+most :data:`TABLE_WIDTH` columns wide, whatever the terminal."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+TABLE_WIDTH = 80
+"""Widest table printed, in terminal columns (cells wrap inside it)."""
 
-def print_diagnosis(d: Any, html_path: Any = None, console: Any = None) -> None:
-    """A short summary of a diagnosis on the terminal: findings, top-ranked layers, the report."""
+COLORS = {"high": "red", "medium": "yellow", "low": "cyan", "info": "green"}
+
+
+def print_diagnosis(d: Any, html_path: Any = None, console: Any = None, runs: Sequence[str] | None = None) -> None:
+    """A short summary of a diagnosis on the terminal: which runs, the findings (a table at most
+    :data:`TABLE_WIDTH` wide), the first next experiment, the top-ranked layer, the report's path.
+    ``runs``: how to name the FP8 run and the control (:func:`fp8track.analysis.pairing.run_label`)."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
     console = console or Console()
-    colors = {"high": "red", "medium": "yellow", "low": "cyan", "info": "green"}
-    table = Table(title="fp8track diagnosis", show_lines=False)
-    for col in ("severity", "kind", "finding", "layers", "confidence"):
-        table.add_column(col)
+    if runs:
+        console.print(f"[bold]{runs[0]}[/bold] against the control [bold]{runs[1]}[/bold]", highlight=False)
+    if d.kinds() == ["mismatched_runs"]:
+        console.print(f"[red]not compared:[/red] {d.top.text}", highlight=False)
+        return
+    table = Table(width=min(console.width, TABLE_WIDTH), box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    table.add_column("severity", no_wrap=True)
+    table.add_column("finding", ratio=5)
+    table.add_column("layers", ratio=3, overflow="fold")
+    table.add_column("conf.", justify="right", no_wrap=True)
     for f in d.findings:
-        c = colors[f.severity]
-        table.add_row(f"[{c}]{f.severity}[/{c}]", f.kind, f.title, ", ".join(f.layers[:3]), f"{f.confidence:.2f}")
+        c = COLORS[f.severity]
+        table.add_row(f"[{c}]{f.severity}[/{c}]", f"[bold]{f.kind}[/bold]\n{f.title}", "\n".join(f.layers[:3]),
+                      f"{f.confidence:.2f}")
     console.print(table)
     if d.top.next_experiments:
-        console.print(f"[bold]Next for {d.top.kind}:[/bold] " + d.top.next_experiments[0])
+        console.print(f"[bold]Next for {d.top.kind}:[/bold] " + d.top.next_experiments[0], highlight=False)
     if d.layer_ranking:
         top = d.layer_ranking[0]
-        console.print(f"[bold]Top-ranked layer:[/bold] {top.layer} ({top.tensor}, risk score {top.score:.1f})")
+        console.print(f"[bold]Top-ranked layer:[/bold] {top.layer} ({top.tensor}, risk score {top.score:.1f})",
+                      highlight=False)
     if html_path is not None:
-        console.print(f"[bold]Report:[/bold] {html_path}")
+        console.print(f"[bold]Report:[/bold] {html_path}", highlight=False, soft_wrap=True)
 
 
-__all__ = ["print_diagnosis"]
+__all__ = ["print_diagnosis", "TABLE_WIDTH"]

@@ -28,10 +28,16 @@ HEATMAPS: tuple[tuple[str, str], ...] = (
 )
 """Per-layer heatmaps: relative error rather than raw MSE, which scales with each tensor's magnitude."""
 
+DPI = 90
+"""Pixels per inch of the PNGs; a 10-inch figure is 900 px wide, shown at that size in the report."""
+
+LABEL_PT = 9
+"""Heatmap row labels in points: 9 pt at :data:`DPI` is 11 px, readable at 1400 px window width."""
+
 
 def to_png_base64(fig: Figure) -> str:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
+    fig.savefig(buf, format="png", dpi=DPI)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -60,8 +66,11 @@ def loss_figure(d: Diagnosis) -> Figure:
     if lc.onset is not None:
         for a in (ax, gx):
             a.axvline(lc.onset, color=BAD_COLOR, ls="--", lw=1.2)
-        ax.text(lc.onset, ax.get_ylim()[1], f" gap opens (step {lc.onset}, {lc.phase})", color=BAD_COLOR,
-                va="top", fontsize=8)
+        # In axes height, on the side of the line with more room: the label stays inside the plot.
+        right_half = lc.onset > (steps[0] + steps[-1]) / 2
+        ax.text(lc.onset, 0.97, f" gap opens (step {lc.onset}, {lc.phase}) " if right_half else
+                f" gap opens (step {lc.onset}, {lc.phase})", transform=ax.get_xaxis_transform(), color=BAD_COLOR,
+                ha="right" if right_half else "left", va="top", fontsize=8, clip_on=True)
     ax.set_ylabel("training loss")
     ax.set_title("Training loss: FP8 vs BF16 control (triangles: detected spikes)")
     ax.legend(fontsize=8)
@@ -114,25 +123,48 @@ def heatmap_figure(rows: Sequence[Any], stat: str, title: str, mark: Sequence[st
     labels, steps, m = _matrix(rows, stat)
     if not labels or not steps:
         return None
-    fig = _figure(10, 1.2 + 0.22 * len(labels))
+    fig = _figure(10, 1.4 + 0.25 * len(labels))
     ax = fig.subplots()
     cmap = "coolwarm" if stat == "scale_drift_log2" else "viridis"
-    kwargs: dict[str, Any] = {}
-    if stat == "scale_drift_log2":
-        lim = float(np.nanmax(np.abs(m))) if np.isfinite(m).any() else 1.0
-        kwargs = {"vmin": -max(lim, 1e-3), "vmax": max(lim, 1e-3)}
-    im = ax.imshow(m, aspect="auto", interpolation="nearest", cmap=cmap, **kwargs)
+    vmin, vmax = colour_limits(m, steps, symmetric=stat == "scale_drift_log2")
+    im = ax.imshow(m, aspect="auto", interpolation="nearest", cmap=cmap, vmin=vmin, vmax=vmax)
     ax.set_title(title, fontsize=10)
-    ax.set_yticks(range(len(labels)), labels, fontsize=6)
+    ax.set_yticks(range(len(labels)), labels, fontsize=LABEL_PT)
     for tick in ax.get_yticklabels():
         if tick.get_text().rsplit("/", 1)[0] in mark:
             tick.set_color(FP8_COLOR)
             tick.set_fontweight("bold")
     ticks = np.linspace(0, len(steps) - 1, num=min(len(steps), 10)).round().astype(int)
-    ax.set_xticks(ticks, [str(steps[i]) for i in ticks], fontsize=7)
-    ax.set_xlabel("step")
-    fig.colorbar(im, ax=ax)
+    ax.set_xticks(ticks, [str(steps[i]) for i in ticks], fontsize=8)
+    ax.set_xlabel("step" + (" (step 0, the warm-up, is left out of the colour scale)" if 0 in steps[:1] and len(steps) > 1
+                            else ""))
+    finite = m[np.isfinite(m)]
+    extend = {(False, False): "neither", (True, False): "min", (False, True): "max", (True, True): "both"}[
+        (bool(finite.size and finite.min() < vmin), bool(finite.size and finite.max() > vmax))]
+    fig.colorbar(im, ax=ax, extend=extend)
     return fig
+
+
+def colour_limits(m: np.ndarray, steps: Sequence[int], symmetric: bool = False) -> tuple[float, float]:
+    """``(vmin, vmax)`` of a heatmap's colour scale: the finite values of every column except step 0
+    (the warm-up: delayed scaling has no amax history yet, its extreme values would wash out every
+    later step), unless step 0 is the only column; ``symmetric`` gives ``(-L, L)`` around 0.
+    A flat or empty matrix gets a small non-empty range.
+
+    Example:
+        >>> colour_limits(np.array([[100.0, 1.0, 3.0], [-50.0, 2.0, 2.0]]), [0, 10, 20])
+        (1.0, 3.0)
+    """
+    cols = [i for i, s in enumerate(steps) if s != 0] or list(range(len(steps)))
+    vals = m[:, cols] if m.ndim == 2 and m.size else np.empty(0)
+    vals = vals[np.isfinite(vals)]
+    if symmetric:
+        lim = max(float(np.abs(vals).max()) if vals.size else 1.0, 1e-3)
+        return -lim, lim
+    if not vals.size:
+        return 0.0, 1.0
+    lo, hi = float(vals.min()), float(vals.max())
+    return (lo, hi) if hi > lo else (lo - 0.5, hi + 0.5)
 
 
 def ranking_figure(d: Diagnosis, top: int = 15) -> Figure | None:
@@ -147,7 +179,7 @@ def ranking_figure(d: Diagnosis, top: int = 15) -> Figure | None:
     flagged = {f.layers[0] for f in d.findings if f.kind == "layer_outlier" and f.layers}
     colors = [FP8_COLOR if r.layer in flagged else CONTROL_COLOR for r in ranking][::-1]
     ax.barh(names, scores, color=colors)
-    ax.tick_params(axis="y", labelsize=7)
+    ax.tick_params(axis="y", labelsize=LABEL_PT)
     ax.set_xlabel("risk score (sum of positive robust z against the other layers; 0 = typical)")
     ax.set_title("Layer ranking (red: layer outliers)")
     return fig

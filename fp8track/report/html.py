@@ -16,6 +16,7 @@ from pathlib import Path
 
 from fp8track.analysis.baseline import RunData
 from fp8track.analysis.diagnose import Diagnosis, Finding
+from fp8track.analysis.pairing import run_name, run_recipe
 from fp8track.report.figures import all_figures, finite_or, stats_line
 
 CSS = """
@@ -26,6 +27,7 @@ h1{font-size:1.6rem}h2{border-bottom:1px solid #ddd;padding-bottom:.2rem;margin-
 .finding.info{border-color:#2ca02c}.kind{font-family:monospace;background:#eee;padding:0 .3rem}
 table{border-collapse:collapse;font-size:.85rem}td,th{border:1px solid #ddd;padding:.2rem .5rem;text-align:left}
 figure{margin:1rem 0}figure img{max-width:100%}figcaption{font-size:.85rem;color:#555}
+.source{font-size:.75rem;color:#777;font-family:monospace}
 pre{background:#f4f4f4;padding:.5rem;overflow-x:auto;font-size:.8rem}.method{font-size:.9rem;color:#444}
 """
 
@@ -39,6 +41,14 @@ METHOD = (
     "underflow, overflow, scale drift), flagged only where they stand out more than in the control, and their "
     "onset is found against their own history. Metrics nominate candidate layers; controlled experiments decide."
 )
+
+
+def _run_cell(run: RunData, source: str) -> str:
+    """A run as a person knows it: its name and recipe, then where it was read from (small)."""
+    e = html.escape
+    recipe = run_recipe(run)
+    return (f'<b class="run-name">{e(run_name(run))}</b>' + (f' <span class="kind">{e(recipe)}</span>' if recipe else "")
+            + f'<br><span class="source">{e(source)}</span>')
 
 
 def _finding_html(f: Finding) -> str:
@@ -96,8 +106,8 @@ def render_report(d: Diagnosis, fp8: RunData, control: RunData) -> str:
 
     lc = d.loss
     summary = (
-        f"<table><tr><th>FP8 run</th><td>{e(d.fp8_source)}</td></tr>"
-        f"<tr><th>BF16 control</th><td>{e(d.control_source)}</td></tr>"
+        f'<table id="runs"><tr><th>FP8 run</th><td>{_run_cell(fp8, d.fp8_source)}</td></tr>'
+        f"<tr><th>BF16 control</th><td>{_run_cell(control, d.control_source)}</td></tr>"
         f"<tr><th>common loss steps</th><td>{len(lc.steps)}</td></tr>"
         f"<tr><th>final loss gap</th><td>{100 * lc.final_gap:+.2f}% (control noise {100 * lc.noise:.2f}%, "
         f"tolerance {100 * lc.tolerance:.2f}%)</td></tr>"
@@ -116,7 +126,7 @@ def render_report(d: Diagnosis, fp8: RunData, control: RunData) -> str:
         evals = ("<table><tr><th>metric</th><th>FP8</th><th>control</th><th>worse by</th>"
                  f"<th>in noise units</th></tr>{rows}</table>")
     body = (
-        f"<h1>fp8track diagnosis</h1>{summary}"
+        f"<h1>fp8track diagnosis: {e(run_name(fp8))} vs {e(run_name(control))}</h1>{summary}"
         f'<h2>Findings</h2><div id="findings">{"".join(_finding_html(f) for f in d.findings)}</div>'
         f"<h2>Loss and gap</h2>{fig('fig-loss')}"
         f"<h2>Validation and downstream metrics</h2>{evals or '<p>No evaluation metrics recorded in both runs.</p>'}"
@@ -127,7 +137,7 @@ def render_report(d: Diagnosis, fp8: RunData, control: RunData) -> str:
     )
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
-        f"<title>fp8track diagnosis: {e(d.top.kind)}</title><style>{CSS}</style></head>"
+        f"<title>fp8track diagnosis: {e(run_name(fp8))}: {e(d.top.kind)}</title><style>{CSS}</style></head>"
         f"<body>{body}</body></html>"
     )
 

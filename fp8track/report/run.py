@@ -11,6 +11,7 @@ from pathlib import Path
 
 from fp8track.analysis.baseline import RunData, load_run
 from fp8track.analysis.diagnose import Diagnosis, DiagnosisConfig, diagnose
+from fp8track.analysis.pairing import require_pairing
 from fp8track.report.html import write_report
 
 
@@ -44,10 +45,13 @@ def diagnose_runs(
     run as HTML. A tracker that fails is warned about; the files are written regardless.
 
     Raises:
-        ConfigError: an unusable run reference (naming it) or runs that cannot be compared.
+        ConfigError: an unusable run reference (naming it) or runs that cannot be compared
+            (:func:`fp8track.analysis.pairing.check_pairing`: swapped, the same run twice, other
+            layers or shapes, too few common steps), in one line.
     """
     fp8 = load_run(fp8_ref, tracking_uri)
     control = load_run(baseline_ref, tracking_uri)
+    require_pairing(fp8, control)  # two runs that do not belong together: one line, no report
     d = diagnose(fp8, control, config)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

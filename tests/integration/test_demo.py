@@ -11,6 +11,7 @@ from mlflow import MlflowClient
 
 from fp8track.analysis.baseline import read_wandb_history
 from fp8track.demo import PLANT_FRACTION, PLANT_LAYER
+from fp8track.monitoring.naming import canonical_layer_name
 from fp8track.monitoring.records import RunReader
 
 STEPS, EVERY = 30, 5
@@ -25,9 +26,12 @@ def test_demo_trains_three_runs_diagnoses_and_keeps_wandb_runs_apart(tmp_path):
         capture_output=True, text=True, timeout=1200,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # progress lines ("[fp8track] trained ...") come first, then the JSON summary, then the answers
-    start = proc.stdout.index("\n{\n") + 1
-    summary = json.loads(proc.stdout[start : proc.stdout.index("\n}\n", start) + 2])
+    # the console ends with the answers; the summary is a file, not a JSON dump on the console
+    summary = json.loads((out / "demo.json").read_text())
+    assert '"runs"' not in proc.stdout
+    answers = proc.stdout[proc.stdout.index("== answers ==") :].strip().splitlines()[1:]
+    assert [a.split(":")[0] for a in answers] == ["fp8-delayed", "fp8-planted"]
+    assert "[fp8track] training [1/3] bf16-control" in proc.stdout
     control, fp8, planted = summary["runs"]
     assert (control["recipe"], fp8["recipe"], planted["name"]) == ("bf16", "delayed:hybrid:h16:max", "fp8-planted")
     uri = f"sqlite:///{out / 'mlflow.db'}"
@@ -59,10 +63,11 @@ def test_demo_trains_three_runs_diagnoses_and_keeps_wandb_runs_apart(tmp_path):
     # this short step count too, and the report's summary (and the heatmaps' marked rows, the top of
     # the same ranking) name it
     d = json.loads((out / "diagnosis-planted" / "diagnosis.json").read_text())
-    planted_layer = "model." + PLANT_LAYER  # the Lightning module's qualified name
+    planted_layer = d["layer_ranking"][0]["layer"]  # as recorded (canonical: the holder `model.` dropped)
+    assert canonical_layer_name(planted_layer, holder="model") == PLANT_LAYER, d["layer_ranking"][:2]
     assert d["findings"][0]["layers"][0] == planted_layer, d["findings"][0]
     assert d["findings"][0]["kind"] in ("layer_outlier", "mid_training_gap"), d["findings"][0]
-    assert d["layer_ranking"][0]["layer"] == planted_layer and d["layer_ranking"][0]["rank"] == 1
+    assert d["layer_ranking"][0]["rank"] == 1
     assert not d["layer_ranking"][0]["tied"]
     assert d["layer_ranking"][0]["score"] > 3 * d["layer_ranking"][1]["score"]
     assert d["layer_ranking"][0]["onset"] >= int(PLANT_FRACTION * STEPS)  # its own onset, not before the plant

@@ -30,11 +30,15 @@ def test_plain_loop_with_monitor(tmp_path):
 
 
 @pytest.mark.slow
-def test_lightning_with_wandb_and_mlflow(tmp_path):
+def test_lightning_with_wandb_and_mlflow(tmp_path, capfd):
     from mlflow import MlflowClient
 
     out = tmp_path / "runs"
     summary = _load("lightning_wandb_mlflow").main(["--steps", "4", "--every-n-steps", "2", "--out", str(out)])
+    printed = capfd.readouterr()
+    assert printed.out.startswith("recipe=") and '"worst_layers"' in printed.out  # fp8track's output
+    for chatter in ("GPU available", "Tip:", "wandb:", "alembic", "anonymous"):  # not the libraries'
+        assert chatter not in printed.out + printed.err, chatter
     reader = RunReader(summary["run_dir"])
     assert sorted({r.step for r in reader.tensor_stats()}) == [0, 2]
     client = MlflowClient(f"sqlite:///{(out / 'mlflow.db').resolve()}")

@@ -95,4 +95,4 @@ def test_sharded_statistics_equal_single_process(tmp_path, world):
 @pytest.mark.slow
 def test_lightning_model_parallel_strategy(tmp_path):
     _run([sys.executable, str(SCRIPT), str(tmp_path), "lightning", "2"], tmp_path)
-    _check(tmp_path, 2, prefix="model.")
+    _check(tmp_path, 2)  # the LightningModule's `self.model` holder is not part of the recorded names
