@@ -75,9 +75,6 @@ def test_demo_trains_three_runs_diagnoses_and_keeps_wandb_runs_apart(tmp_path):
     assert f"<tr><th>top-ranked layer</th><td>{planted_layer}</td></tr>" in html
     planted_console = proc.stdout[proc.stdout.index("== planted run"):]
     assert f"Top-ranked layer: {planted_layer}" in " ".join(planted_console.split())
-    # the unplanted FP8 run raises no high-severity alarm
-    d_fp8 = json.loads((out / "diagnosis-fp8" / "diagnosis.json").read_text())
-    assert not [f for f in d_fp8["findings"] if f["severity"] == "high"], d_fp8["findings"]
 
     # one W&B run per training run (a reused run would mix the three losses into one history)
     by_id: dict[str, list[Path]] = {}
