@@ -665,11 +665,17 @@ def _error_stands_out(r: LayerRisk) -> bool:
     return any(math.isfinite(r.z.get(s, math.nan)) and r.z[s] >= CORROBORATE_Z for s in ERROR_SIGNALS)
 
 
+def _trouble(ev: Evidence, found: Sequence[Finding]) -> bool:
+    """The loss or the evaluation shows trouble: a finding of :data:`TROUBLE_KINDS`, or an
+    evaluation metric worse than the control's beyond its noise (also when the training loss's own
+    level gap explains it, which the per-step noise may hide)."""
+    return any(f.kind in TROUBLE_KINDS for f in found) or any(v["dropped"] for v in ev.evals.values())
+
+
 def _watch(ev: Evidence, found: Sequence[Finding]) -> list[LayerRisk]:
     """Outliers without loss or evaluation trouble: statistics nominate, the loss decides, so they
     are layers to watch under ``healthy``, whatever their error (which the finding reports)."""
-    trouble = any(f.kind in TROUBLE_KINDS for f in found)
-    return [] if trouble else list(ev.outs)
+    return [] if _trouble(ev, found) else list(ev.outs)
 
 
 def _own_shift(ev: Evidence, layer: str, tensor: str) -> dict[str, Any] | None:
