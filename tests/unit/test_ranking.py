@@ -328,10 +328,15 @@ def _rundata(name, rows, seed=0, rise=None):
     rng = np.random.default_rng(seed)
     steps = range(STEPS * LOSS_EVERY)
     loss = {s: (2.0 + math.exp(-s / 30)) * (1 + 0.01 * rng.standard_normal()) for s in steps}
+    fp8 = name != "control"
+    if fp8:  # the same batches: the FP8 loss follows the control's step to step, with a little own noise
+        own = np.random.default_rng(seed + 1)
+        loss = {s: v * (1 + 0.002 * own.standard_normal()) for s, v in loss.items()}
     if rise is not None:
         t0 = rise[0] * LOSS_EVERY  # a rise over 20 steps, not a jump (a jump is a spike)
         loss = {s: v * (1 + rise[1] * min(max(s - t0, 0) / 20, 1.0)) for s, v in loss.items()}
-    meta = {"config": {"data": {"seed": 0, "order_sha256": "same"}}}
+    meta = {"config": {"data": {"seed": 0, "order_sha256": "same"}},
+            "recipe": {"name": "delayed" if fp8 else "bf16"}}
     rows = [TensorStatsRow(r.step * LOSS_EVERY, r.layer, r.tensor, r.stats, r.variant) for r in rows]
     return RunData(name, {"loss": loss}, rows, meta)
 
