@@ -111,11 +111,13 @@ def false_alarm(findings: Sequence[Any]) -> bool:
 
 
 def score_row(expected: str, kinds: Sequence[str], layers: Mapping[str, Sequence[str]] | None,
-              planted: str | None, alarm: bool) -> dict[str, Any]:
-    """Scores of one verified scenario: ``kind_top``, ``kind_among``; per layer answer in ``layers``
-    (``diagnosis``, ``finding``, ``naive_underflow``, ``naive_mse``) its rank and top-1/top-3; and
-    ``false_alarm`` for healthy pairs."""
-    out: dict[str, Any] = {"kind_top": bool(kinds) and kinds[0] == expected, "kind_among": expected in kinds}
+              planted: str | None, alarm: bool, accepted: Sequence[str] = ()) -> dict[str, Any]:
+    """Scores of one verified scenario: ``kind_top`` (the top finding's kind is ``expected`` or one
+    of ``accepted``, the kinds the ground truth found), ``kind_among`` (``expected`` is among the
+    findings); per layer answer in ``layers`` (``diagnosis``, ``finding``, ``naive_underflow``,
+    ``naive_mse``) its rank and top-1/top-3; and ``false_alarm`` for healthy pairs."""
+    ok = {expected, *accepted}
+    out: dict[str, Any] = {"kind_top": bool(kinds) and kinds[0] in ok, "kind_among": expected in kinds}
     if planted is not None and layers is not None:
         for key, names in layers.items():
             r = rank_of(names, planted)
@@ -177,7 +179,6 @@ def _run_cached(spec: ds.RunSpec, cache: Path) -> dict[str, Any]:
         data = json.loads(res.read_text())
         if Path(data["run_dir"]).is_dir():
             return data
-    _worker_init()
     data = ds.train_run(spec, d / "runs")
     d.mkdir(parents=True, exist_ok=True)
     res.write_text(json.dumps(data))
@@ -198,7 +199,14 @@ def train_all(specs: Sequence[ds.RunSpec], cache: Path, jobs: int) -> dict[str, 
     """Every distinct run, in ``jobs`` processes; cached ones are read back."""
     unique = {s.key(): s for s in specs}
     if jobs <= 1:
-        return {k: _run_cached(s, cache) for k, s in unique.items()}
+        import torch
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # tiny GEMMs run best on one thread
+        try:
+            return {k: _run_cached(s, cache) for k, s in unique.items()}
+        finally:
+            torch.set_num_threads(threads)
     import multiprocessing as mp
 
     with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init) as pool:
@@ -240,7 +248,8 @@ def evaluate_scenario(sc: ds.Scenario, fp8: Mapping[str, Any], ctl: Mapping[str,
                                     "layers": list(f.layers)[:3]} for f in findings],
                       "ranking_top5": answers["diagnosis"][:5], "seconds": round(seconds, 3)},
         "naive_top3": {k: answers[k][:3] for k in ("naive_underflow", "naive_mse")},
-        "score": score_row(sc.expected_kind, kinds, answers if planted else None, planted, false_alarm(findings)),
+        "score": score_row(sc.expected_kind, kinds, answers if planted else None, planted, false_alarm(findings),
+                           truth["accepted_kinds"]),
         "train_seconds": {"fp8": round(fp8["seconds"], 1), "control": round(ctl["seconds"], 1)},
     }
 
@@ -252,7 +261,6 @@ def run(subset: str = "full", families: Sequence[str] | None = None, cache: Path
     scs = ds.select(subset, families)
     runs = train_all([s.fp8 for s in scs] + [s.control() for s in scs], cache, jobs)
     t_train = time.perf_counter() - t0
-    _worker_init()
     rows = []
     for sc in scs:
         rows.append(evaluate_scenario(sc, runs[sc.fp8.key()], runs[sc.control().key()], _bf16_cached(sc.fp8, cache)))
@@ -283,7 +291,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: unknown families {bad}; valid: {', '.join(ds.FAMILIES)}" if bad else "error: --jobs must be >= 1",
               file=sys.stderr)
         return 2
-    result = run(args.subset, fams, Path(args.cache_dir), args.jobs)
+    warnings.filterwarnings("ignore")  # library chatter of transformers/torchao; the JSON is the output
+    result = run(args.subset, fams, Path(args.cache_dir).resolve(), args.jobs)
     text = json.dumps(result, indent=1, default=str)
     out = args.out or (str(DEFAULT_OUT) if args.subset == "full" and set(fams) == set(ds.FAMILIES) else None)
     if out:

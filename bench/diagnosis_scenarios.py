@@ -457,7 +457,7 @@ def scenarios() -> list[Scenario]:
     # divergence from the start: a software-style wrong scale in every FP8 layer from step 0
     for fam, recipe, tensor, ci in (("gpt", CURRENT, "weight", False), ("llama", DELAYED, "activation", False),
                                     ("gpt2", CURRENT, "activation", False)):
-        plant = Plant("scale", tensor, "all", ((0, STEPS),), 16.0)
+        plant = Plant("scale", tensor, "all", ((0, STEPS),), 24.0)
         out.append(Scenario(f"divergence-{fam}-{recipe.split(':')[0]}-{tensor}", "divergence_from_start",
                             _spec(fam, recipe, plant=plant), ci))
     # one damaged layer: activation/weight/gradient x first/middle/last x lasting/intermittent
@@ -486,7 +486,7 @@ def scenarios() -> list[Scenario]:
     # loss normal, evaluation through a broken inference path worse
     for fam, recipe, ci in (("gpt", DELAYED, False), ("gpt2", CURRENT, False)):
         out.append(Scenario(f"downstream-{fam}-{recipe.split(':')[0]}", "downstream_drop_with_normal_loss",
-                            _spec(fam, recipe, eval_fault_log2=14.0), ci))
+                            _spec(fam, recipe, eval_fault_log2=24.0), ci))
     return out
 
 
@@ -508,7 +508,9 @@ RATIO_SMOOTH = 5
 GAP_MIN = 1.05
 """A lasting gap: the smoothed FP8/control loss ratio at least this (5 %; healthy pairs stay near 1 %)."""
 TRACK_MAX = 1.03
-"""Tracking the control: the median ratio at most this."""
+"""Tracking the control before a plant: the median ratio at most this. (No lasting gap, in the
+healthy and spike scenarios: the tail median below :data:`GAP_MIN`; healthy FP8 runs of these
+tiny models end 1-4 % off their control.)"""
 SPIKE_MIN = 1.10
 """An FP8-only spike: the raw per-step ratio reaches this inside a plant window."""
 DATA_SPIKE_MIN = 1.3
@@ -548,7 +550,8 @@ def ground_truth(sc: Scenario, fp8: Mapping[str, Any], control: Mapping[str, Any
     kind = sc.expected_kind
     out["ratio_tail"] = _median(tail)
     if kind == "healthy":
-        checks["tracks_control"] = out["ratio_tail"] <= TRACK_MAX and out["max_ratio_smoothed"] <= SPIKE_MIN
+        checks["no_lasting_gap"] = out["ratio_tail"] < GAP_MIN
+        checks["no_spike"] = out["max_ratio_smoothed"] < SPIKE_MIN
     elif kind == "shared_spikes":
         starts = [s for s in spec.data_spikes if s - 1 not in spec.data_spikes]
         rises = []
@@ -557,7 +560,7 @@ def ground_truth(sc: Scenario, fp8: Mapping[str, Any], control: Mapping[str, Any
                           "control": control["loss"][s] / _median(control["loss"][s - 10:s])})
         out["data_spikes"] = rises
         checks["spikes_in_both"] = all(r["fp8"] >= DATA_SPIKE_MIN and r["control"] >= DATA_SPIKE_MIN for r in rises)
-        checks["no_lasting_gap"] = out["ratio_tail"] <= TRACK_MAX
+        checks["no_lasting_gap"] = out["ratio_tail"] < GAP_MIN
     elif kind == "divergence_from_start":
         early = _median(ratio[5: int(0.2 * n)])
         out.update(early_ratio=early, late_ratio=_median(tail))
@@ -570,7 +573,10 @@ def ground_truth(sc: Scenario, fp8: Mapping[str, Any], control: Mapping[str, Any
         checks["tracks_before_plant"] = before <= TRACK_MAX
         checks["gap_after_plant"] = _median(tail) >= GAP_MIN
     elif kind == "fp8_only_spikes":
-        lag = int(spec.recipe.split(":h")[1].split(":")[0]) if spec.plant.mechanism == "amax" else 0
+        from fp8track.execution.recipes import Recipe
+
+        # Under delayed scaling the damage outlives the window by one amax-history length.
+        lag = Recipe.parse(spec.recipe).amax_history_len if spec.plant.mechanism == "amax" else 0
         peaks = []
         for a, b in spec.plant.windows:
             seg = range(a, min(n, b + lag + 2))
@@ -580,6 +586,8 @@ def ground_truth(sc: Scenario, fp8: Mapping[str, Any], control: Mapping[str, Any
         out["spikes"] = peaks
         checks["fp8_spike"] = any(p["peak_ratio"] >= SPIKE_MIN for p in peaks)
         checks["control_calm"] = all(p["control_rise"] < DATA_SPIKE_MIN for p in peaks)
+        if out["ratio_tail"] >= GAP_MIN:  # the damage also left a lasting gap: both answers are right
+            out["accepted_kinds"] = [kind, "mid_training_gap"]
     elif kind == "downstream_drop_with_normal_loss":
         last = max(int(k) for k in fp8["eval"])
         ev = {int(k): v for k, v in fp8["eval"].items()}
@@ -587,9 +595,10 @@ def ground_truth(sc: Scenario, fp8: Mapping[str, Any], control: Mapping[str, Any
         ctl = {int(k): v for k, v in control["eval"].items()}
         out.update(eval_broken=ev[last], eval_clean=clean[last], eval_control=ctl[last],
                    ratio_second_half=_median(ratio[n // 2:]))
-        checks["loss_normal"] = _median(ratio[n // 2:]) <= TRACK_MAX
+        checks["loss_normal"] = _median(ratio[n // 2:]) < GAP_MIN
         checks["eval_dropped"] = ev[last] >= EVAL_DROP_MIN * ctl[last]
-        checks["clean_eval_normal"] = clean[last] <= TRACK_MAX * ctl[last]
+        checks["clean_eval_normal"] = clean[last] < GAP_MIN * ctl[last]
+    out.setdefault("accepted_kinds", [kind])
     out["checks"] = checks
     out["materialised"] = all(checks.values())
     return out

@@ -72,6 +72,10 @@ def test_score_row_and_totals():
     assert "false_alarm" not in s
     healthy = bench.score_row("healthy", ["layer_outlier", "healthy"], None, None, True)
     assert healthy == {"kind_top": False, "kind_among": True, "false_alarm": True}
+    # spikes that also left a lasting gap: a mid_training_gap on top is right, the spikes must still be named
+    both = bench.score_row("fp8_only_spikes", ["mid_training_gap"], None, None, False,
+                           ["fp8_only_spikes", "mid_training_gap"])
+    assert (both["kind_top"], both["kind_among"]) == (True, False)
 
     rows = [
         {"name": "g", "verified": True, "expected_kind": "mid_training_gap", "score": s},
@@ -118,7 +122,10 @@ def test_ground_truth_of_fp8_only_spikes_needs_a_calm_control():
     fp8[42] = 2.6  # ratio 1.3 at step 42
     out = ds.ground_truth(sc, {"loss": fp8, "plant_touches": 4}, {"loss": ctl}, {"ok": True})
     assert out["spikes"][0]["peak_step"] == 42 and out["spikes"][0]["peak_ratio"] == pytest.approx(1.3)
-    assert out["materialised"]
+    assert out["materialised"] and out["accepted_kinds"] == ["fp8_only_spikes"]
+    lasting = fp8[:80] + [2.4] * 20  # the damage leaves a lasting 20 % gap too
+    assert ds.ground_truth(sc, {"loss": lasting, "plant_touches": 4}, {"loss": ctl}, {"ok": True})[
+        "accepted_kinds"] == ["fp8_only_spikes", "mid_training_gap"]
     both = list(ctl)
     both[42] = 2.8  # the control spiked there too: not FP8-only
     assert not ds.ground_truth(sc, {"loss": fp8, "plant_touches": 4}, {"loss": both}, {"ok": True})["materialised"]
