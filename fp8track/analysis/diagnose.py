@@ -503,9 +503,16 @@ def _layers_near(rows: Sequence[Any], step: int, spacing: int, history_z: float)
 
 
 def _classified_spikes(ev: Evidence) -> tuple[list[Any], list[Any]]:
-    """FP8 spikes split into (shared with the control, FP8 only), each as ``(event, classification)``."""
+    """FP8 spikes split into (shared with the control, FP8 only), each as ``(event, classification)``.
+    An FP8 spike that never recovers and starts within one smoothing window of a lasting gap's onset
+    is that gap's own step up, judged by the gap rules."""
     shared, only = [], []
+    lc = ev.loss
+    spacing = max(1, int(np.median(np.diff(lc.steps)))) if len(lc.steps) > 1 else 1
     for e in ev.fp8_spikes:
+        if (lc.onset is not None and e.status == "not_recovered"
+                and e.start_step >= lc.onset - lc.smooth * spacing):
+            continue
         if e.kind == "spike":
             cls = classify_spike(e, ev.control_base, ev.cfg.classify_window)
             (shared if cls.label == "shared" else only).append((e, cls))
