@@ -56,8 +56,8 @@ class GapConfig:
 
     Attributes:
         noise_k: the cut in noise units (3).
-        smooth: width of the centred running median (odd; default ``max(5, n // 25)``, n the number
-            of common steps).
+        smooth: width of the centred running median (odd; default ``max(5, n // 25)``, at most
+            :data:`MAX_SMOOTH`, n the number of common steps).
         sustain: share of the smoothed gap from the onset on that must be above the cut (0.8).
         start_fraction: an onset within this share of the run has phase ``"start"`` (0.1).
         min_gap: relative gap below which a gap is never a finding: the band healthy FP8 runs keep
@@ -196,10 +196,21 @@ def step_noise(values: np.ndarray, relative: bool) -> float:
     return MAD_TO_SIGMA * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2.0)
 
 
+MAX_SMOOTH = 201
+"""Widest default running median: a long run (every step's loss) is smoothed over at most 201 steps."""
+
+
 def _width(n: int, smooth: int | None) -> int:
-    w = smooth if smooth is not None else max(5, n // 25)
+    w = smooth if smooth is not None else min(max(5, n // 25), MAX_SMOOTH)
     w = min(w, max(1, n))
     return w if w % 2 else w + 1
+
+
+def _median_at(x: np.ndarray, i: int, w: int) -> float:
+    """The centred running median of ``w`` points at index ``i`` (shrinking at the ends), as
+    :func:`fp8track.analysis.windows.centred_median` gives it there; NaN for an all-NaN window."""
+    part = x[max(0, i - w // 2) : i + w // 2 + 1]
+    return float(np.nanmedian(part)) if np.isfinite(part).any() else math.nan
 
 
 def change_point(values: np.ndarray) -> int:
@@ -299,13 +310,13 @@ def judge_gap(
     phase = None
     if onset_i is not None:
         early = (steps[onset_i] - steps[0]) <= cfg.start_fraction * (steps[-1] - steps[0])
-        c_s = centred_median(c, w)
-        f_s = centred_median(np.where(np.isfinite(f), f, np.nan), w)
+        f_nan = np.where(np.isfinite(f), f, np.nan)
         # Progress made before the trouble: half a window before the onset, where the running
         # median does not see the steps after it yet.
         j = max(0, onset_i - w // 2 - 1)
-        ctl_progress = c_s[0] - c_s[j]
-        fp8_progress = f_s[0] - f_s[j] if np.isfinite(f_s[j]) else -math.inf
+        ctl_progress = _median_at(c, 0, w) - _median_at(c, j, w)
+        f_j = _median_at(f_nan, j, w)
+        fp8_progress = _median_at(f_nan, 0, w) - f_j if np.isfinite(f_j) else -math.inf
         phase = "start" if early or fp8_progress < 0.5 * ctl_progress else "mid"
 
     seg = gap[onset_i:] if onset_i is not None else gap

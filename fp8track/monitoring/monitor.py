@@ -392,49 +392,70 @@ class Monitor:
         """Reduce pending partials and losses across ranks (unless ``reduce`` is False: this rank's
         values only), then write on the writer rank.
 
-        The steps: :meth:`_reduce_to_host` (one SUM and one MAX collective, one host copy), then on
-        the writer :meth:`_loss_series` (which steps had a loss), :meth:`_rows` (finalised
-        statistics), the analyzers, and :meth:`_emit` once per step that has something to record.
+        One job per step: :meth:`_take_partials` (the layers' device partials),
+        :meth:`_reduce_to_host` (one SUM and one MAX collective, one host copy), :meth:`_finalise`
+        (statistics rows, the steps that had a loss), :meth:`_analyse` (the analyzers), then
+        :meth:`_emit` once per buffered step with a loss and once for the logging step.
         """
-        keys: list[tuple[str, str, str]] = []
-        parts: list[torch.Tensor] = []
         device = self._device()
-        if with_stats:
-            for fqn, cap in self.captures.items():
-                keys.extend((fqn, t, v) for t, v in cap.keys())
-                parts.extend(cap.take(device))
+        keys, parts = self._take_partials(device) if with_stats else ([], [])
         pending, self._pending = self._pending, []
         host = self._reduce_to_host(parts, pending, device, reduce)
         if host is None:
             return
+        step, rows, series, step_metrics = self._finalise(keys, pending, host)
+        # Every earlier step's loss goes to the records and the trackers under its own step number
+        # (trackers then hold the loss of every optimizer step, not only of the sampled ones).
+        # A NaN loss is not written as a value: the analyzers' non-finite event records it.
+        for s, loss, gnorm in series:
+            if s != step and not math.isnan(loss):
+                self._emit(s, _loss_metrics(loss, gnorm), [], [])
+        metrics, events = self._analyse(step, series, rows)
+        self.last_events = events
+        self._emit(step, {**step_metrics, **self._scalars(rows), **metrics}, rows, events)
+
+    def _take_partials(self, device: torch.device) -> tuple[list[tuple[str, str, str]], list[torch.Tensor]]:
+        """``(fqn, tensor, variant)`` keys and the device partials the layers accumulated since the
+        last flush (the layers' accumulators are emptied)."""
+        keys: list[tuple[str, str, str]] = []
+        parts: list[torch.Tensor] = []
+        for fqn, cap in self.captures.items():
+            keys.extend((fqn, t, v) for t, v in cap.keys())
+            parts.extend(cap.take(device))
+        return keys, parts
+
+    def _finalise(
+        self, keys: Sequence[tuple[str, str, str]], pending: Sequence[_PendingStep], host: Sequence[float]
+    ) -> tuple[int, list[TensorStatsRow], list[tuple[int, float, float | None]], dict[str, float]]:
+        """From the host copy: the logging step, its statistics rows, ``(step, loss, grad norm)`` of
+        the pending steps that had a loss, and the logging step's own loss / grad-norm metrics."""
         n = len(keys) * PARTIAL_SIZE
         step = pending[-1].step if pending else self.global_step
         rows = self._rows(step, keys, host[:n])
-        series = _loss_series(pending, host[n : n + len(pending)], host[n + len(pending) :])
-        # Every earlier step's loss goes to the records and the trackers under its own step number
-        # (trackers then hold the loss of every optimizer step, not only of the sampled ones).
-        for s, loss, gnorm in series:
-            if s != step:
-                self._emit(s, _loss_metrics(loss, gnorm), [], [])
+        losses, gnorms = host[n : n + len(pending)], host[n + len(pending) :]
+        series = _loss_series(pending, losses, gnorms)
         metrics: dict[str, float] = {}
-        if pending and pending[-1].step == step:
-            last = pending[-1]
-            i = len(pending) - 1
-            loss_v = host[n + i] if last.loss is not None else None
-            gnorm_v = host[n + len(pending) + i]
-            metrics.update(_loss_metrics(loss_v, None if math.isnan(gnorm_v) else gnorm_v))
-        metrics.update(self._scalars(rows))
+        if pending:  # the logging step's grad norm is recorded even when it was given no loss
+            loss = losses[-1] if pending[-1].loss is not None and not math.isnan(losses[-1]) else None
+            metrics = _loss_metrics(loss, None if math.isnan(gnorms[-1]) else gnorms[-1])
+        return step, rows, series, metrics
+
+    def _analyse(
+        self, step: int, series: Sequence[tuple[int, float, float | None]], rows: Sequence[TensorStatsRow]
+    ) -> tuple[dict[str, float], list[EventRecord]]:
+        """Run every analyzer on this flush's losses and rows; one that raises becomes an
+        ``analysis_error`` event (analysis must never stop training; the records keep the data)."""
+        metrics: dict[str, float] = {}
         events: list[EventRecord] = []
         for a in self.analyzers:
             try:
                 m, ev = a.observe(series, rows)
-            except Exception as exc:  # analysis must never stop training; the records keep the data
+            except Exception as exc:
                 self._analysis_failed(a, exc, step, events)
                 continue
             metrics.update(m)
             events.extend(ev)
-        self.last_events = events
-        self._emit(step, metrics, rows, events)
+        return metrics, events
 
     def _reduce_to_host(
         self, parts: Sequence[torch.Tensor], pending: Sequence[_PendingStep], device: torch.device, reduce: bool

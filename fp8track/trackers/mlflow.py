@@ -510,11 +510,13 @@ class MLflowTracker(QueuedTracker):
             self.client.log_batch(run_id, params=p[chunk], tags=t[chunk], synchronous=True)
 
     def _steps_in_run(self, run_id: str) -> frozenset[int]:
-        """Steps of an existing run's ``loss`` (else first ``fp8/`` metric) history. A run resumed
-        after a crash holds the points the process that died had sent; a replay may find points
-        that did arrive. Either way those steps' scalars are not sent again."""
+        """Steps of an existing run's ``fp8/loss`` history (the monitor logs it at every optimizer
+        step), else ``loss``, else its first ``fp8/`` metric. A run resumed after a crash holds the
+        points the process that died had sent; a replay may find points that did arrive. Either way
+        those steps' scalars are not sent again."""
         keys = sorted(self.client.get_run(run_id).data.metrics)
-        key = "loss" if "loss" in keys else next((k for k in keys if k.startswith(f"{naming.PREFIX}/")), None)
+        key = next((k for k in (naming.LOSS_METRIC, "loss") if k in keys), None) or next(
+            (k for k in keys if k.startswith(f"{naming.PREFIX}/")), None)
         if key is None:
             return frozenset()
         return frozenset(int(m.step) for m in self.client.get_metric_history(run_id, key))

@@ -155,3 +155,19 @@ def test_fp8monitor_records_the_data_modules_fingerprint(tmp_path):
         metas.append(load_run(mon.run_dir).meta)
     assert metas[0]["config"]["data"] == data.data_fingerprint()
     assert same_batches(metas[0], metas[1])
+
+
+def test_sampled_series_and_a_long_run():
+    """Losses logged every 5th step still give the onset to within a logging interval; a long run
+    (every step of 20,000) is smoothed over at most MAX_SMOOTH steps and finds its late onset."""
+    from fp8track.analysis.loss_gap import MAX_SMOOTH
+
+    fp8, ctl = _pair(3, gap=0.055, start=180)
+    j = judge_gap({s: v for s, v in fp8.items() if s % 5 == 0}, ctl, paired=True)
+    assert j.lasting and abs(j.onset_step - 180) <= 5 and len(j.steps) == N // 5
+    rng = np.random.default_rng(0)
+    n = 20_000
+    c = 4 * (1 + np.arange(n) / 2000) ** -0.3 * (1 + 0.02 * rng.standard_normal(n))
+    f = c * (1 + 0.004 * rng.standard_normal(n)) * np.where(np.arange(n) >= 15_000, 1.05, 1.0)
+    j = judge_gap(dict(enumerate(f)), dict(enumerate(c)), paired=True)
+    assert j.smooth == MAX_SMOOTH and j.lasting and abs(j.onset_step - 15_000) <= 5 and j.severity == "high"
