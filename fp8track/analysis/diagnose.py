@@ -13,23 +13,28 @@ It follows the troubleshooting path (docs/diagnosis.md) step by step:
 5. loss like the control's but an evaluation metric worse -> ``downstream_drop_with_normal_loss``
    (check the inference chain: scales, weights, precision mix);
 
-plus ``layer_outlier`` (a layer whose statistics stand out against the model's other layers, more
-than in the control, with the onset against its own history) and ``healthy`` when nothing stands out.
+plus ``layer_outlier`` (a layer whose statistics stand out against comparable tensors of the
+model's other layers, beyond the same layer in the control, with its onset against its own history)
+and ``healthy`` when nothing stands out.
+
+**Shape.** :func:`gather_evidence` computes everything once (:class:`Evidence`); :data:`RULES` maps
+each finding kind to one rule function ``(evidence, findings so far) -> findings``, run in
+:data:`KINDS` order.
 
 **No fixed universal threshold.** Every decision is relative:
 
-* the loss gap is measured in units of the control's own noise: ``sigma`` = its relative
-  step-to-step noise (:func:`relative_noise`: robust, trend-free, spike-proof). The
-  gap (relative to the control) is smoothed by a centred running median of ``w`` steps and counts
-  when it stays above ``noise_k`` standard errors of such a median of the control's noise,
-  ``noise_k * 1.2533 * sigma / sqrt(w)`` (``noise_k`` = 3);
+* the loss gap is judged by :func:`fp8track.analysis.loss_gap.judge_gap`: in the paired FP8/control
+  gap's own step-to-step noise when both runs recorded the same data fingerprint (same batches),
+  else in the control's relative step-to-step noise; onset at the gap's change point, severity
+  in that unit (the report says which unit);
 * spikes are found by the robust rolling detector (:mod:`fp8track.analysis.spikes`) on each run and
   matched by step (:func:`fp8track.analysis.baseline.classify_spike`);
-* evaluation metrics are compared in the same noise unit (or the control's own evaluation-to-
+* evaluation metrics are compared in the control's loss noise (or the control's own evaluation-to-
   evaluation noise when it has at least five evaluations);
-* layers are scored against the run's other layers (:func:`fp8track.analysis.ranking.rank_layers`),
-  counted as outliers only where they stand out more than in the control, and their onset is found
-  against their own history (:func:`fp8track.analysis.ranking.history_shifts`).
+* layers are ranked like with like (:func:`fp8track.analysis.ranking.rank_layers`: within a tensor
+  kind and element format, as excess over the control's shadow rows, from each layer's own onset);
+* known causes users hit are added to the next experiments only when the run's metadata or
+  statistics point there (:mod:`fp8track.analysis.causes`).
 
 Confidence is ``1 - exp(-(z / z_cut - 1))`` clipped to ``[0.05, 0.99]`` where ``z`` is the
 finding's evidence in its own noise unit and ``z_cut`` the cut it had to pass: evidence just at
@@ -39,17 +44,30 @@ the cut gives low confidence, three times the cut about 0.86.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from fp8track.analysis.baseline import Baseline, RunData, classify_spike
+from fp8track.analysis.causes import known_causes
+from fp8track.analysis.loss_gap import GapConfig, judge_gap, same_batches, step_noise
 from fp8track.analysis.pairing import Mismatch, align_runs, check_pairing
-from fp8track.analysis.ranking import LayerRisk, history_shifts, outliers, rank_layers
+from fp8track.analysis.ranking import (
+    MAIN_VARIANTS,
+    ROW_SIGNALS,
+    SIGNAL_FLOORS,
+    HistoryShift,
+    LayerRisk,
+    history_shifts,
+    outliers,
+    rank_layers,
+    robust_z,
+    row_signals,
+    separation,
+)
 from fp8track.analysis.spikes import SpikeConfig, SpikeEvent, detect_spikes
-from fp8track.analysis.windows import MAD_TO_SIGMA, centred_median
 from fp8track.errors import ConfigError, check_float, check_int
 
 KINDS = (
@@ -66,8 +84,6 @@ KINDS = (
 
 SEVERITIES = ("high", "medium", "low", "info")
 
-MEDIAN_SE = math.sqrt(math.pi / 2)
-"""Standard error of the median of n normal values is ``MEDIAN_SE * sigma / sqrt(n)`` (1.2533)."""
 
 LOWER_IS_BETTER = ("loss", "ppl", "perplexity", "error", "err", "wer", "cer", "nll", "bpb")
 """An evaluation metric whose name contains one of these is better when lower; others when higher."""
@@ -177,6 +193,18 @@ class LossComparison:
     onset: int | None
     phase: str | None
     smooth: int
+    unit: str = "control_noise"
+    level: float = math.nan
+    z: float = math.nan
+    z_cut: float = math.nan
+    severity: str = "none"
+
+    @property
+    def unit_label(self) -> str:
+        """Words for reports: which noise the gap was judged in."""
+        if self.unit == "paired":
+            return "the paired FP8/control gap's own step-to-step noise (same batches)"
+        return "the control's step-to-step noise (different or unknown batches)"
 
     @property
     def final_gap(self) -> float:
@@ -220,7 +248,8 @@ class Diagnosis:
             "loss": _plain({
                 "common_steps": len(lc.steps), "control_noise_rel": lc.noise, "tolerance_rel": lc.tolerance,
                 "final_gap_rel": lc.final_gap, "max_gap_rel": lc.max_gap, "onset": lc.onset, "phase": lc.phase,
-                "smooth": lc.smooth,
+                "smooth": lc.smooth, "unit": lc.unit, "unit_label": lc.unit_label, "level_rel": lc.level,
+                "z": lc.z, "z_cut": lc.z_cut, "severity": lc.severity,
             }),
             "spikes": {"fp8": [_plain(e.to_dict()) for e in self.fp8_spikes],
                        "control": [_plain(e.to_dict()) for e in self.control_spikes]},
@@ -256,83 +285,27 @@ def confidence(z: float, cut: float) -> float:
     return float(min(0.99, max(0.05, 1.0 - math.exp(-(z / cut - 1.0)))))
 
 
-def _width(n: int, smooth: int | None) -> int:
-    w = smooth if smooth is not None else max(5, n // 25)
-    return w if w % 2 else w + 1
-
-
-def relative_noise(values: Sequence[float], width: int | None = None) -> float:
-    """A series' relative step-to-step noise: ``1.4826 x MAD(d) / sqrt(2)`` where
-    ``d_i = (v_i - v_{i-1}) / |v_{i-1}|`` over consecutive finite values. Differencing removes a
-    smooth trend; for independent per-step noise of relative sigma ``s``, ``d`` has sigma
-    ``s * sqrt(2)``; the MAD ignores spikes. NaN with fewer than 3 finite values. (``width`` is
-    accepted for call compatibility and unused.)"""
-    v = np.array([x for x in values if math.isfinite(x)], dtype=np.float64)
-    if v.size < 3:
-        return math.nan
-    with np.errstate(divide="ignore", invalid="ignore"):
-        d = np.diff(v) / np.abs(v[:-1])
-    d = d[np.isfinite(d)]
-    if not d.size:
-        return math.nan
-    return MAD_TO_SIGMA * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2.0)
+def relative_noise(values: Sequence[float]) -> float:
+    """A series' relative step-to-step noise, ``1.4826 x MAD(d) / sqrt(2)`` with ``d`` the relative
+    changes of consecutive finite values (:func:`fp8track.analysis.loss_gap.step_noise`): trend-free
+    and spike-proof; NaN with fewer than 3 finite values."""
+    return step_noise(np.array(values, dtype=np.float64), relative=True)
 
 
 def compare_loss(
-    fp8: Mapping[int, float], control: Mapping[int, float], config: DiagnosisConfig | None = None
+    fp8: Mapping[int, float], control: Mapping[int, float], config: DiagnosisConfig | None = None,
+    paired: bool = False,
 ) -> LossComparison:
-    """Step-aligned loss comparison and the onset of a lasting gap (module docstring).
-
-    The onset is the first common step ``s`` such that the smoothed gap is above the tolerance at
-    the last step and at ``>= sustain`` of the steps from ``s`` on, and above it at ``s`` itself.
-    Its phase is ``"start"`` when it lies in the first ``start_fraction`` of the steps, or when the
-    FP8 run had made less than half of the control's progress by then (measured half a smoothing
-    window before the onset: it never trained properly); otherwise ``"mid"``.
-    """
+    """Step-aligned loss comparison and the onset of a lasting gap, judged by
+    :func:`fp8track.analysis.loss_gap.judge_gap`: in the paired FP8/control gap's own noise when both
+    runs saw the same batches (``paired``), else in the control's step-to-step noise; the onset is
+    the gap's change point, its phase ``"start"`` or ``"mid"``, its severity in that noise unit."""
     cfg = config or DiagnosisConfig()
-    steps = sorted(set(fp8) & set(control))
-    if len(steps) < 3:
-        raise ConfigError(
-            f"the FP8 run and the control share {len(steps)} logged loss steps; the diagnosis needs at least 3"
-        )
-    f = np.array([fp8[s] for s in steps], dtype=np.float64)
-    c = np.array([control[s] for s in steps], dtype=np.float64)
-    w = _width(len(steps), cfg.smooth)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        gap = (f - c) / np.abs(c)
-    gap = np.where(np.isfinite(f), gap, np.inf)
-    gap = np.where(np.isnan(gap), 0.0, gap)
-    smooth = centred_median(np.where(np.isinf(gap), 1e30, gap), w)
-    smooth = np.where(smooth >= 1e29, np.inf, smooth)
-    noise = relative_noise(c.tolist(), w)
-    # A perfectly smooth control (synthetic or deterministic) still has float rounding: floor it.
-    noise = max(noise if math.isfinite(noise) else 0.0, 1e-6)
-    # The smoothed gap is a running median of w steps: compare it with the standard error of such
-    # a median of the control's own noise (1.2533 sigma / sqrt(w) for a median of w normal values).
-    tol = cfg.noise_k * MEDIAN_SE * noise / math.sqrt(w)
-    above = smooth > tol
-    onset = phase = None
-    if above[-1]:
-        n = len(steps)
-        tail_share = np.cumsum(above[::-1])[::-1] / np.arange(n, 0, -1)
-        for i in range(n):
-            if above[i] and tail_share[i] >= cfg.sustain:
-                onset = steps[i]
-                break
-    if onset is not None:
-        i = steps.index(onset)
-        c_s = centred_median(c, w)
-        f_s = centred_median(np.where(np.isfinite(f), f, np.nan), w)
-        # Progress made before the trouble: half a smoothing window before the onset, where the
-        # running median does not see the steps after it yet.
-        j = max(0, i - w // 2 - 1)
-        ctl_progress = c_s[0] - c_s[j]
-        fp8_progress = f_s[0] - f_s[j] if np.isfinite(f_s[j]) else -math.inf
-        early = (onset - steps[0]) <= cfg.start_fraction * (steps[-1] - steps[0])
-        phase = "start" if early or fp8_progress < 0.5 * ctl_progress else "mid"
+    j = judge_gap(fp8, control, paired, GapConfig(noise_k=cfg.noise_k, smooth=cfg.smooth, sustain=min(cfg.sustain, 1.0),
+                                                  start_fraction=cfg.start_fraction))
     return LossComparison(
-        tuple(steps), tuple(f.tolist()), tuple(c.tolist()), tuple(gap.tolist()), tuple(smooth.tolist()),
-        noise, tol, onset, phase, w,
+        j.steps, j.fp8, j.control, j.rel_gap, j.smooth_gap, j.noise, j.tolerance, j.onset_step, j.phase, j.smooth,
+        j.unit, j.level, j.z, j.z_cut, j.severity,
     )
 
 
@@ -402,7 +375,7 @@ def compare_evals(
         noise = loss_noise
         source = "control loss noise"
         if len(series) >= 5:
-            own = relative_noise(series, 3)
+            own = relative_noise(series)
             if math.isfinite(own) and own > 0:
                 noise, source = max(own, 1e-6), "control evaluation noise"
         z = worse / noise if noise > 0 else math.inf
@@ -411,7 +384,91 @@ def compare_evals(
     return out
 
 
-# --- findings ------------------------------------------------------------------------------------
+# --- the evidence every rule reads ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What the rules judge, computed once per diagnosis.
+
+    Attributes:
+        fp8, control: the two runs.
+        cfg: the configuration.
+        loss: the step-aligned loss comparison.
+        fp8_spikes: spikes and non-finite events of the FP8 loss; ``control_base`` the control's.
+        fp8_rows, control_rows: tensor-statistics rows of both runs.
+        shifts: own-history shifts of the FP8 run's (layer, tensor) pairs, strongest first.
+        ranking: the layer ranking (:func:`fp8track.analysis.ranking.rank_layers`, against the control).
+        outs: its outliers.
+        named: the layers a numerics finding names: the outliers, else the top-ranked (with ties).
+        model_order: the FP8 run's layers in model order (FP8 layers, then BF16 ones).
+        evals: per evaluation metric, :func:`compare_evals`.
+        row_spacing: steps between two sampled steps of the tensor statistics.
+        causes: the known causes the run points to (:func:`fp8track.analysis.causes.known_causes`).
+    """
+
+    fp8: RunData
+    control: RunData
+    cfg: DiagnosisConfig
+    loss: LossComparison
+    fp8_spikes: tuple[SpikeEvent, ...]
+    control_base: Baseline
+    fp8_rows: tuple[Any, ...]
+    control_rows: tuple[Any, ...]
+    shifts: tuple[HistoryShift, ...]
+    ranking: tuple[LayerRisk, ...]
+    outs: tuple[LayerRisk, ...]
+    named: tuple[str, ...]
+    model_order: tuple[str, ...]
+    evals: Mapping[str, Mapping[str, Any]]
+    row_spacing: int
+    causes: Mapping[str, str]
+
+    @property
+    def nonfinite(self) -> list[SpikeEvent]:
+        return [e for e in self.fp8_spikes if e.kind == "nonfinite"]
+
+    @property
+    def gap_z(self) -> float:
+        """The lasting gap's level in its noise unit (:func:`fp8track.analysis.loss_gap.judge_gap`)."""
+        return self.loss.z
+
+    def loss_evidence(self) -> dict[str, Any]:
+        lc, i = self.loss, self.loss.steps.index(self.loss.onset) if self.loss.onset is not None else 0
+        return {"onset_step": lc.onset, "gap_rel_at_end": lc.final_gap, "max_gap_rel": lc.max_gap,
+                "control_noise_rel": lc.noise, "tolerance_rel": lc.tolerance, "gap_in_noise_units": self.gap_z,
+                "fp8_loss_at_onset": lc.fp8[i], "control_loss_at_onset": lc.control[i],
+                "fp8_final_loss": lc.fp8[-1], "control_final_loss": lc.control[-1],
+                "gap_level_rel": lc.level, "gap_z_cut": lc.z_cut, "noise_unit": lc.unit,
+                "nonfinite_steps": [e.start_step for e in self.nonfinite]}
+
+
+def gather_evidence(fp8: RunData, control: RunData, cfg: DiagnosisConfig, loss_key: str | None = None) -> Evidence:
+    """Everything :data:`RULES` read: the loss comparison, spikes, rows, shifts, ranking, evaluations."""
+    fkey, ckey = fp8.loss_key(loss_key), control.loss_key(loss_key)
+    fl, cl = fp8.metrics[fkey], control.metrics[ckey]
+    loss = compare_loss(fl, cl, cfg, paired=same_batches(fp8.meta, control.meta))
+    steps = loss.steps
+    spacing = max(1, int(np.median(np.diff(steps)))) if len(steps) > 1 else 1
+    scfg = spike_config_for(len(steps))
+    fp8_spikes = detect_spikes({s: fl[s] for s in steps}, scfg)
+    ctl_base = Baseline.from_series(control.source, {s: cl[s] for s in steps}, scfg, key=ckey)
+    fp8_rows, ctl_rows = tuple(fp8.tensor_rows), tuple(control.tensor_rows)
+    ranking = tuple(rank_layers(fp8_rows, control=ctl_rows or None, events=fp8.events, history_z=cfg.history_z))
+    outs = tuple(outliers(ranking, cfg.outlier_z, cfg.outlier_min_score))
+    top = [r.layer for r in ranking if ranking and r.rank == ranking[0].rank]
+    named = tuple([r.layer for r in outs][: cfg.top_k] or [r.layer for r in ranking][: max(cfg.top_k, len(top))])
+    fp8_layers = list(fp8.meta.get("fp8_layers") or [])
+    model_order = tuple(fp8_layers + [n for n in (fp8.meta.get("bf16_layers") or []) if n not in fp8_layers])
+    evals = compare_evals(fp8.eval_metrics(), control.eval_metrics(), loss.noise, cfg.noise_k)
+    return Evidence(
+        fp8, control, cfg, loss, tuple(fp8_spikes), ctl_base, fp8_rows, ctl_rows, tuple(history_shifts(fp8_rows)),
+        ranking, outs, named, model_order, evals, _row_spacing(fp8_rows) or spacing,
+        known_causes(fp8.meta, fp8_rows),
+    )
+
+
+# --- the rules: one function per finding kind ----------------------------------------------------
 
 
 def _severity(z: float, cut: float) -> str:
@@ -423,8 +480,6 @@ def _severity(z: float, cut: float) -> str:
 def _layers_near(rows: Sequence[Any], step: int, spacing: int, history_z: float) -> list[tuple[str, str, str, float]]:
     """``(layer, tensor, signal, z)`` of (layer, tensor) pairs whose statistics at the sampled step
     nearest ``step`` (within ``spacing``) jump against their own other samples, strongest first."""
-    from fp8track.analysis.ranking import MAIN_VARIANTS, SIGNAL_FLOORS, SIGNALS, robust_z, row_signals
-
     by_key: dict[tuple[str, str], dict[int, dict[str, float]]] = {}
     for r in rows:
         if r.variant in MAIN_VARIANTS:
@@ -436,7 +491,7 @@ def _layers_near(rows: Sequence[Any], step: int, spacing: int, history_z: float)
             continue
         s0 = max(near)
         order = sorted(per_step)
-        for sig in SIGNALS:
+        for sig in ROW_SIGNALS:
             z = robust_z([per_step[s][sig] for s in order], SIGNAL_FLOORS[sig])[order.index(s0)]
             if math.isfinite(z) and z > history_z:
                 hits.append((layer, tensor, sig, float(z)))
@@ -447,66 +502,274 @@ def _layers_near(rows: Sequence[Any], step: int, spacing: int, history_z: float)
     return sorted(best.values(), key=lambda h: -h[3])
 
 
-def _spike_findings(
-    fp8_spikes: Sequence[SpikeEvent], control: Baseline, rows: Sequence[Any], cfg: DiagnosisConfig, spacing: int
-) -> list[Finding]:
+def _classified_spikes(ev: Evidence) -> tuple[list[Any], list[Any]]:
+    """FP8 spikes split into (shared with the control, FP8 only), each as ``(event, classification)``.
+    An FP8 spike that never recovers and starts within one smoothing window of a lasting gap's onset
+    is that gap's own step up, judged by the gap rules."""
     shared, only = [], []
-    for ev in fp8_spikes:
-        if ev.kind != "spike":
+    lc = ev.loss
+    spacing = max(1, int(np.median(np.diff(lc.steps)))) if len(lc.steps) > 1 else 1
+    for e in ev.fp8_spikes:
+        if (lc.onset is not None and e.status == "not_recovered"
+                and e.start_step >= lc.onset - lc.smooth * spacing):
             continue
-        cls = classify_spike(ev, control, cfg.classify_window)
-        (shared if cls.label == "shared" else only).append((ev, cls))
+        if e.kind == "spike":
+            cls = classify_spike(e, ev.control_base, ev.cfg.classify_window)
+            (shared if cls.label == "shared" else only).append((e, cls))
+    return shared, only
+
+
+def rule_shared_spikes(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
+    """Path step 2: FP8 spikes with a control spike within ``classify_window`` steps."""
+    shared, _ = _classified_spikes(ev)
+    if not shared:
+        return []
+    zs = [e.z_score for e, _ in shared if math.isfinite(e.z_score)]
+    return [Finding(
+        "shared_spikes", "low", confidence(len(shared) + 1.0, 1.0),
+        f"{len(shared)} loss spike(s) also in the BF16 control: a general training problem, not FP8",
+        "The FP8 run spiked where the control did (within "
+        f"{ev.cfg.classify_window} steps). Look at data, learning rate and optimizer state first.",
+        steps=tuple(e.start_step for e, _ in shared),
+        evidence={"spikes": [{"start_step": e.start_step, "control_start_step": c.control_start_step,
+                              "rel_excess": e.rel_excess, "recover_steps": e.recover_steps,
+                              "control_recover_steps": c.control_recover_steps, "z": e.z_score}
+                             for e, c in shared], "max_z": max(zs) if zs else math.inf},
+        next_experiments=(
+            "inspect the batches at these steps (data quality, sequence lengths) and the learning-rate schedule",
+            "lower the learning rate or add warm-up / gradient clipping; the same change should help the control",
+            "only if FP8 recovers much more slowly than the control, treat them as FP8 spikes",
+        ),
+    )]
+
+
+def rule_fp8_only_spikes(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
+    """Path step 2: FP8 spikes without a control spike nearby; the layers that jump at them."""
+    _, only = _classified_spikes(ev)
+    if not only:
+        return []
+    cfg = ev.cfg
+    slow = [e for e, c in only if e.status == "not_recovered"]
+    ctl_rec = sorted(e.recover_steps for e in ev.control_base.spikes if e.recover_steps is not None)
+    fp8_rec = sorted(e.recover_steps for e, _ in only if e.recover_steps is not None)
+    zmax = max((e.z_score for e, _ in only if math.isfinite(e.z_score)), default=math.inf)
+    layer_hits: dict[tuple[str, str], float] = {}
+    for e, _ in only:
+        for layer, tensor, _sig, z in _layers_near(ev.fp8_rows, e.start_step, ev.row_spacing, cfg.history_z):
+            layer_hits[(layer, tensor)] = layer_hits.get((layer, tensor), 0.0) + z
+    hits = sorted(layer_hits.items(), key=lambda kv: -kv[1])
+    layers = tuple(dict.fromkeys(k[0] for k, _ in hits))[: cfg.top_k]
+    tensors = tuple(dict.fromkeys(k[1] for k, _ in hits if k[0] in layers))
+    sev = "high" if slow or len(only) >= 3 else "medium"
+    conf = confidence(zmax, 6.0) if len(only) == 1 else max(confidence(zmax, 6.0), 0.8)
+    return [Finding(
+        "fp8_only_spikes", sev, conf,
+        f"{len(only)} loss spike(s) only in FP8, first at step {only[0][0].start_step}",
+        f"The control did not spike within {cfg.classify_window} steps of these. Median FP8 recovery "
+        f"{_median_or_none(fp8_rec)} steps vs control spikes {_median_or_none(ctl_rec)}; "
+        f"{len(slow)} did not recover. "
+        + (f"Layers whose statistics jump at the spikes: {', '.join(layers)}." if layers else ""),
+        steps=tuple(e.start_step for e, _ in only), layers=layers, tensors=tensors,
+        evidence={"spikes": [{"start_step": e.start_step, "rel_excess": e.rel_excess, "z": e.z_score,
+                              "recover_steps": e.recover_steps, "status": e.status} for e, _ in only],
+                  "fp8_median_recover_steps": _median_or_none(fp8_rec),
+                  "control_median_recover_steps": _median_or_none(ctl_rec),
+                  "layer_jumps": [{"layer": k[0], "tensor": k[1], "z_sum": v} for k, v in hits[:10]],
+                  "known_causes": sorted(ev.causes)},
+        next_experiments=_numerics_experiments(layers, (), cfg) + tuple(ev.causes.values()),
+    )]
+
+
+def rule_divergence_from_start(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
+    """Path step 3: a lasting gap from the start; software first (what the FP8 run newly enabled)."""
+    lc = ev.loss
+    if lc.onset is None or lc.phase != "start":
+        return []
+    new = newly_enabled(ev.fp8.meta, ev.control.meta)
+    evidence = {**ev.loss_evidence(), "newly_enabled": new, "known_causes": sorted(ev.causes)}
+    exps = [f"switch off {OPTION_LABELS.get(k, k)} ({k}={v})" for k, v in new.items() if k != "recipe"]
+    exps.extend(ev.causes.values())
+    exps.append("re-enable the options one at a time and rerun the first steps against the control")
+    top = ev.ranking[0].layer if ev.ranking else "n/a"
+    exps.append(f"compare the first sampled step's tensor statistics (non-finite, overflow) layer by layer: "
+                f"top of the ranking is {top}")
+    if "recipe" in new:
+        exps.insert(0, f"keep everything as in the control except the FP8 recipe ({new['recipe']}): "
+                       "if that alone diverges, go to the numerics experiments")
+    return [Finding(
+        "divergence_from_start", "high", confidence(ev.gap_z, lc.z_cut),
+        f"FP8 diverges from the start (gap opens at step {lc.onset})",
+        f"The FP8 loss departs from the control from step {lc.onset} on and never comes back: "
+        f"{100 * lc.final_gap:+.1f}% at the end, {ev.gap_z:.0f}x {lc.unit_label} "
+        f"({100 * lc.noise:.2f}%). Suspect software first. Newly enabled relative to the control: "
+        + (", ".join(f"{k}={v}" for k, v in new.items()) or "nothing recorded") + ".",
+        steps=(lc.onset,), layers=tuple(ev.named[:1]), evidence=evidence, next_experiments=tuple(exps),
+    )]
+
+
+def rule_mid_training_gap(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
+    """Path step 4: a lasting gap that opens later; the numerics experiments on the named layers."""
+    lc, cfg = ev.loss, ev.cfg
+    if lc.onset is None or lc.phase != "mid":
+        return []
+    named = ev.named
+    return [Finding(
+        "mid_training_gap", "high" if lc.severity == "high" else "medium", confidence(ev.gap_z, lc.z_cut),
+        f"FP8 falls behind the control mid-training (from step {lc.onset})",
+        f"The FP8 loss tracked the control until step {lc.onset}, then stayed above it: "
+        f"{100 * lc.level:+.1f}% since then, {ev.gap_z:.0f}x {lc.unit_label} "
+        f"({100 * lc.noise:.2f}%). Top-ranked layers: {', '.join(named)}.",
+        steps=(lc.onset,), layers=named,
+        tensors=tuple(dict.fromkeys(r.tensor for r in ev.ranking if r.layer in named)),
+        evidence={**ev.loss_evidence(), "known_causes": sorted(ev.causes)},
+        next_experiments=_numerics_experiments(named, ev.model_order, cfg) + tuple(ev.causes.values()),
+    )]
+
+
+def rule_downstream_drop(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
+    """Path step 5: an evaluation metric worse than the control's while the loss is normal. A drop
+    no larger than the training loss's own level gap (plus ``noise_k`` of the metric's noise) is
+    the training gap seen again, not a problem of the inference path."""
+    lc, cfg = ev.loss, ev.cfg
+    level = max(lc.level, 0.0) if math.isfinite(lc.level) else 0.0
+    dropped = {k: v for k, v in ev.evals.items()
+               if v["dropped"] and v["worse_rel"] - level > cfg.noise_k * v["noise_rel"]}
+    if not dropped or lc.onset is not None or ev.nonfinite:
+        return []
+    worst_name, worst = max(dropped.items(), key=lambda kv: kv[1]["z"])
+    return [Finding(
+        "downstream_drop_with_normal_loss", "high" if worst["z"] >= 3 * cfg.noise_k else "medium",
+        confidence(worst["z"], cfg.noise_k),
+        f"Evaluation drops ({', '.join(dropped)}) while the training loss matches the control",
+        f"{worst_name}: {worst['fp8']:.4g} vs control {worst['control']:.4g} at step {worst['step']} "
+        f"({100 * worst['worse_rel']:.1f}% worse, {worst['z']:.0f}x the {worst['noise_source']}), while the "
+        f"training loss stays within {100 * lc.tolerance:.2f}% of the control. Loss alone misses "
+        "problems in the inference path: scaling factors, weight loading, precision mix.",
+        steps=(int(worst["step"]),), layers=tuple(ev.named[:1]),
+        evidence={"eval": dropped, "loss_final_gap_rel": lc.final_gap},
+        next_experiments=(
+            "check the inference chain: fp8track check-inference CKPT (trained vs fresh scales vs BF16, "
+            "per-layer output error, checkpoint reload of weights and amax histories)",
+            "verify inference loads the trained scaling state (amax histories, scales) and the final weights",
+            "use FP8 training + FP8 inference as the control: BF16 inference of an FP8-trained model can add error",
+        ),
+    )]
+
+
+TROUBLE_KINDS = ("fp8_only_spikes", "divergence_from_start", "mid_training_gap", "downstream_drop_with_normal_loss")
+ERROR_SIGNALS = ("rel_error_db", "cos_loss")
+CORROBORATE_Z = 2.0
+"""Robust z (against comparable tensors of the other layers) of a layer's relative error (incl. the
+error of its non-outlier elements) or cosine loss from which its quantisation error is said to stand
+out (reported with the layers to watch)."""
+
+CLEAR_SEPARATION = 2.0
+"""An outlier scoring less than this many times the best other layer is a near tie: at most
+``medium`` severity, whatever its score."""
+
+
+def _error_stands_out(r: LayerRisk) -> bool:
+    return any(math.isfinite(r.z.get(s, math.nan)) and r.z[s] >= CORROBORATE_Z for s in ERROR_SIGNALS)
+
+
+def _trouble(ev: Evidence, found: Sequence[Finding]) -> bool:
+    """The loss or the evaluation shows trouble: a finding of :data:`TROUBLE_KINDS`, or an
+    evaluation metric worse than the control's beyond its noise (also when the training loss's own
+    level gap explains it, which the per-step noise may hide)."""
+    return any(f.kind in TROUBLE_KINDS for f in found) or any(v["dropped"] for v in ev.evals.values())
+
+
+def _watch(ev: Evidence, found: Sequence[Finding]) -> list[LayerRisk]:
+    """Outliers without loss or evaluation trouble: statistics nominate, the loss decides, so they
+    are layers to watch under ``healthy``, whatever their error (which the finding reports)."""
+    return [] if _trouble(ev, found) else list(ev.outs)
+
+
+def _own_shift(ev: Evidence, layer: str, tensor: str) -> dict[str, Any] | None:
+    h = next((h for h in ev.shifts if h.layer == layer and h.tensor == tensor), None)
+    return h.to_dict() if h is not None and h.z > ev.cfg.history_z else None
+
+
+def rule_layer_outlier(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
+    """A layer that stands out against comparable tensors of the other layers (beyond the control)
+    while the loss or the evaluation shows trouble; its onset from its own history."""
+    cfg, watch = ev.cfg, _watch(ev, found)
     out = []
-    if shared:
-        z = max(e.z_score for e, _ in shared if math.isfinite(e.z_score)) if any(
-            math.isfinite(e.z_score) for e, _ in shared) else math.inf
+    for r in (r for r in ev.outs if r not in watch):
+        own = _own_shift(ev, r.layer, r.tensor)
+        st = r.stats.get(r.tensor, {})
+        sep = separation(r, ev.ranking, ev.outs)
+        sev = _severity(r.score, cfg.outlier_min_score)
+        if sev == "high" and sep < CLEAR_SEPARATION:  # a near tie is not a clear culprit
+            sev = "medium"
+        worst_sig = max(r.z, key=lambda k: r.z[k] if math.isfinite(r.z[k]) else -math.inf)
+        base = "the control's same layer" if r.excess else "the model's other layers"
         out.append(Finding(
-            "shared_spikes", "low", confidence(len(shared) + 1.0, 1.0),
-            f"{len(shared)} loss spike(s) also in the BF16 control: a general training problem, not FP8",
-            "The FP8 run spiked where the control did (within "
-            f"{cfg.classify_window} steps). Look at data, learning rate and optimizer state first.",
-            steps=tuple(e.start_step for e, _ in shared),
-            evidence={"spikes": [{"start_step": e.start_step, "control_start_step": c.control_start_step,
-                                  "rel_excess": e.rel_excess, "recover_steps": e.recover_steps,
-                                  "control_recover_steps": c.control_recover_steps, "z": e.z_score}
-                                 for e, c in shared], "max_z": z},
+            "layer_outlier", sev, confidence(r.score, cfg.outlier_min_score) * (1.0 if sep >= CLEAR_SEPARATION else 0.5),
+            f"Layer {r.layer} ({r.tensor}) stands out" + (f" from step {own['step']}" if own else ""),
+            f"Risk score {r.score:.1f}, {sep:.1f}x the next layer's, against comparable {r.tensor} tensors "
+            f"({r.fmt}) of the other layers, as excess over {base}; worst signal {worst_sig} "
+            f"(z {r.z[worst_sig]:.1f}): SQNR {st.get('sqnr_db', math.nan):.1f} dB (without its largest element "
+            f"{st.get('bulk_sqnr_db', math.nan):.1f} dB), underflow {st.get('underflow_pct', math.nan):.2f}%, "
+            f"cos {st.get('cos', math.nan):.5f}, |drift| {st.get('abs_drift_log2', math.nan):.2f} binades."
+            + (f" Against its own history, {own['signal']} worsened from step {own['step']} (z {own['z']:.1f})."
+               if own else ""),
+            steps=(own["step"],) if own else (), layers=(r.layer,), tensors=(r.tensor,),
+            evidence={"score": r.score, "separation": sep, "rank": r.rank, "tied": list(r.tied), "z": dict(r.z),
+                      "stats": st, "own_history": own, "excess_over_control": r.excess},
             next_experiments=(
-                "inspect the batches at these steps (data quality, sequence lengths) and the learning-rate schedule",
-                "lower the learning rate or add warm-up / gradient clipping; the same change should help the control",
-                "only if FP8 recovers much more slowly than the control, treat them as FP8 spikes",
+                f"look for outlier features entering {r.layer}'s {r.tensor} (amax over steps)",
+                f"rerun with {r.layer} in BF16 (--bf16-layers {r.layer}) and compare the loss gap",
+                "try current or block scaling for this layer's tensors (what-if rows show the expected error)",
+                *ev.causes.values(),
             ),
         ))
-    if only:
-        slow = [e for e, c in only if e.status == "not_recovered"]
-        ctl_rec = sorted(e.recover_steps for e in control.spikes if e.recover_steps is not None)
-        fp8_rec = sorted(e.recover_steps for e, _ in only if e.recover_steps is not None)
-        zs = [e.z_score for e, _ in only]
-        zmax = max((z for z in zs if math.isfinite(z)), default=math.inf)
-        layer_hits: dict[tuple[str, str], float] = {}
-        for ev, _ in only:
-            for layer, tensor, _sig, z in _layers_near(rows, ev.start_step, spacing, cfg.history_z):
-                layer_hits[(layer, tensor)] = layer_hits.get((layer, tensor), 0.0) + z
-        named = sorted(layer_hits.items(), key=lambda kv: -kv[1])
-        layers = tuple(dict.fromkeys(k[0] for k, _ in named))[: cfg.top_k]
-        tensors = tuple(dict.fromkeys(k[1] for k, _ in named if k[0] in layers))
-        sev = "high" if slow or len(only) >= 3 else "medium"
-        out.append(Finding(
-            "fp8_only_spikes", sev, confidence(zmax, 6.0) if len(only) == 1 else max(confidence(zmax, 6.0), 0.8),
-            f"{len(only)} loss spike(s) only in FP8" + (f", first at step {only[0][0].start_step}" if only else ""),
-            "The control did not spike within "
-            f"{cfg.classify_window} steps of these. Median FP8 recovery "
-            f"{_median_or_none(fp8_rec)} steps vs control spikes {_median_or_none(ctl_rec)}; "
-            f"{len(slow)} did not recover. "
-            + (f"Layers whose statistics jump at the spikes: {', '.join(layers)}." if layers else ""),
-            steps=tuple(e.start_step for e, _ in only), layers=layers, tensors=tensors,
-            evidence={"spikes": [{"start_step": e.start_step, "rel_excess": e.rel_excess, "z": e.z_score,
-                                  "recover_steps": e.recover_steps, "status": e.status} for e, _ in only],
-                      "fp8_median_recover_steps": _median_or_none(fp8_rec),
-                      "control_median_recover_steps": _median_or_none(ctl_rec),
-                      "layer_jumps": [{"layer": k[0], "tensor": k[1], "z_sum": v} for k, v in named[:10]]},
-            next_experiments=_numerics_experiments(layers, (), cfg),
-        ))
     return out
+
+
+def rule_healthy(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
+    """None of the other rules fired; the layers to watch are noted."""
+    if found:
+        return []
+    lc, watch = ev.loss, _watch(ev, found)
+    best = ev.ranking[0] if ev.ranking else None
+    ties = f", tied with {', '.join(best.tied)}" if best and best.tied else ""
+    return [Finding(
+        "healthy", "info", confidence(lc.z_cut / max(abs(lc.max_gap) / lc.noise, 1e-9), 1.0),
+        "FP8 matches the BF16 control",
+        f"Loss gap {100 * lc.final_gap:+.2f}% at the end, within the cut of {100 * lc.tolerance:.2f}% "
+        f"({lc.z_cut:.1f}x {lc.unit_label}, {100 * lc.noise:.2f}%); no FP8-only spikes; no evaluation drop; no layer stands out "
+        f"against the others more than in the control with an error to show for it"
+        + (f" (highest risk score {best.score:.1f}, {best.layer}{ties})." if best else ".")
+        + (f" To watch: {', '.join(f'{r.layer} ({r.tensor}, worst signal {max(r.z, key=lambda k: r.z[k])})' for r in watch)}"
+           " stand out against comparable tensors of the other layers"
+           + (" with a larger quantisation error" if any(_error_stands_out(r) for r in watch) else "")
+           + ", without any loss or evaluation impact: rerun the diagnosis after longer training."
+           if watch else ""),
+        layers=tuple(r.layer for r in watch),
+        evidence={"final_gap_rel": lc.final_gap, "max_gap_rel": lc.max_gap, "control_noise_rel": lc.noise,
+                  "tolerance_rel": lc.tolerance, "noise_unit": lc.unit, "eval": ev.evals,
+                  "top_layer": best.layer if best else None, "top_score": best.score if best else None,
+                  "top_tied_with": list(best.tied) if best else [],
+                  "watch": [{"layer": r.layer, "tensor": r.tensor, "score": r.score, "z": dict(r.z),
+                             "error_stands_out": _error_stands_out(r)} for r in watch]},
+        next_experiments=("keep monitoring at a lower sampling rate; rerun the diagnosis after longer training",),
+    )]
+
+
+Rule = Callable[[Evidence, Sequence[Finding]], list[Finding]]
+
+RULES: Mapping[str, Rule] = {
+    "shared_spikes": rule_shared_spikes,
+    "fp8_only_spikes": rule_fp8_only_spikes,
+    "divergence_from_start": rule_divergence_from_start,
+    "mid_training_gap": rule_mid_training_gap,
+    "downstream_drop_with_normal_loss": rule_downstream_drop,
+    "layer_outlier": rule_layer_outlier,
+    "healthy": rule_healthy,
+}
+"""One rule per finding kind, run in :data:`KINDS` order; each sees the findings of the rules
+before it (``layer_outlier`` asks whether the loss showed trouble, ``healthy`` whether anything fired)."""
 
 
 def _median_or_none(xs: Sequence[int]) -> float | None:
@@ -532,19 +795,10 @@ def _numerics_experiments(top_layers: Sequence[str], all_layers: Sequence[str], 
     return tuple(exps)
 
 
-def _ranking_window(loss: LossComparison, shifts: Sequence[Any], cfg: DiagnosisConfig) -> int | None:
-    """Start of the steps the layer ranking should cover: the loss gap's onset (mid-training), else
-    the strongest own-history shift when it counts, else ``None`` (whole run)."""
-    if loss.onset is not None and loss.phase == "mid":
-        return loss.onset
-    if loss.onset is None and shifts and shifts[0].z > cfg.history_z:
-        return shifts[0].step
-    return None
-
-
 def diagnose(fp8: RunData, control: RunData, config: DiagnosisConfig | None = None,
              loss_key: str | None = None) -> Diagnosis:
-    """Diagnose ``fp8`` against its BF16 ``control`` (module docstring).
+    """Diagnose ``fp8`` against its BF16 ``control`` (module docstring): gather the evidence once,
+    run :data:`RULES` in the path's order, sort the findings by severity then path order.
 
     Raises:
         ConfigError: when the runs have no loss metric or fewer than 3 common loss steps.
@@ -555,156 +809,18 @@ def diagnose(fp8: RunData, control: RunData, config: DiagnosisConfig | None = No
         return mismatched_diagnosis(fp8, control, mismatch)
     fp8, control = align_runs(fp8, control)
     cfg = config or DiagnosisConfig()
-    fkey, ckey = fp8.loss_key(loss_key), control.loss_key(loss_key)
-    fl, cl = fp8.metrics[fkey], control.metrics[ckey]
-    loss = compare_loss(fl, cl, cfg)
-    steps = loss.steps
-    spacing = max(1, int(np.median(np.diff(steps)))) if len(steps) > 1 else 1
-    scfg = spike_config_for(len(steps))
-    fp8_spikes = detect_spikes({s: fl[s] for s in steps}, scfg)
-    ctl_base = Baseline.from_series(control.source, {s: cl[s] for s in steps}, scfg, key=ckey)
-    fp8_rows = [r for r in fp8.tensor_rows]
-    ctl_rows = [r for r in control.tensor_rows]
-    shifts = history_shifts(fp8_rows)
-    row_spacing = _row_spacing(fp8_rows) or spacing
-
-    start = _ranking_window(loss, shifts, cfg)
-    window_rows = [r for r in fp8_rows if start is None or r.step >= start]
-    ranking = rank_layers(window_rows or fp8_rows)
-    ctl_ranking = rank_layers([r for r in ctl_rows if start is None or r.step >= start] or ctl_rows)
-    last_step = max((r.step for r in fp8_rows), default=steps[-1])
-    window = (start if start is not None else min((r.step for r in fp8_rows), default=steps[0]), last_step)
-    top = [r.layer for r in ranking]
-    model_order = list(fp8.meta.get("fp8_layers") or []) + [
-        n for n in (fp8.meta.get("bf16_layers") or []) if n not in (fp8.meta.get("fp8_layers") or [])]
-
-    outs = outliers(ranking, cfg.outlier_z, cfg.outlier_min_score, control=ctl_ranking)
-    # The layers a numerics finding names: those that stand out, else the top of the ranking.
-    named = [r.layer for r in outs][: cfg.top_k] or top[: cfg.top_k]
-
+    ev = gather_evidence(fp8, control, cfg, loss_key)
     findings: list[Finding] = []
-    findings.extend(_spike_findings(fp8_spikes, ctl_base, fp8_rows, cfg, row_spacing))
-    nonfinite = [e for e in fp8_spikes if e.kind == "nonfinite"]
-
-    gap_z = loss.max_gap / loss.noise if loss.noise > 0 else math.inf
-    if loss.onset is not None:
-        i = steps.index(loss.onset)
-        evidence = {"onset_step": loss.onset, "gap_rel_at_end": loss.final_gap, "max_gap_rel": loss.max_gap,
-                    "control_noise_rel": loss.noise, "tolerance_rel": loss.tolerance, "gap_in_noise_units": gap_z,
-                    "fp8_loss_at_onset": loss.fp8[i], "control_loss_at_onset": loss.control[i],
-                    "fp8_final_loss": loss.fp8[-1], "control_final_loss": loss.control[-1],
-                    "nonfinite_steps": [e.start_step for e in nonfinite]}
-        if loss.phase == "start":
-            new = newly_enabled(fp8.meta, control.meta)
-            evidence["newly_enabled"] = new
-            exps = [f"switch off {OPTION_LABELS.get(k, k)} ({k}={v})" for k, v in new.items() if k != "recipe"]
-            exps.append("re-enable the options one at a time and rerun the first steps against the control")
-            exps.append("compare the first sampled step's tensor statistics (non-finite, overflow) layer by layer: "
-                        f"top of the ranking is {top[0] if top else 'n/a'}")
-            if "recipe" in new:
-                exps.insert(0, f"keep everything as in the control except the FP8 recipe ({new['recipe']}): "
-                               "if that alone diverges, go to the numerics experiments")
-            findings.append(Finding(
-                "divergence_from_start", "high", confidence(gap_z, cfg.noise_k),
-                f"FP8 diverges from the start (gap opens at step {loss.onset})",
-                f"The FP8 loss departs from the control from step {loss.onset} on and never comes back: "
-                f"{100 * loss.final_gap:+.1f}% at the end, {gap_z:.0f}x the control's own noise "
-                f"({100 * loss.noise:.2f}%). Suspect software first. Newly enabled relative to the control: "
-                + (", ".join(f"{k}={v}" for k, v in new.items()) or "nothing recorded") + ".",
-                steps=(loss.onset,), layers=tuple(top[:1]), evidence=evidence, next_experiments=tuple(exps),
-            ))
-        else:
-            findings.append(Finding(
-                "mid_training_gap", "high" if gap_z >= 3 * cfg.noise_k else "medium", confidence(gap_z, cfg.noise_k),
-                f"FP8 falls behind the control mid-training (from step {loss.onset})",
-                f"The FP8 loss tracked the control until step {loss.onset}, then stayed above it: "
-                f"{100 * loss.final_gap:+.1f}% at the end, {gap_z:.0f}x the control's own noise "
-                f"({100 * loss.noise:.2f}%). Top-ranked layers since then: {', '.join(named)}.",
-                steps=(loss.onset,), layers=tuple(named),
-                tensors=tuple(dict.fromkeys(r.tensor for r in ranking if r.layer in named)),
-                evidence=evidence, next_experiments=_numerics_experiments(named, model_order, cfg),
-            ))
-
-    evals = compare_evals(fp8.eval_metrics(), control.eval_metrics(), loss.noise, cfg.noise_k)
-    dropped = {k: v for k, v in evals.items() if v["dropped"]}
-    loss_normal = loss.onset is None and not nonfinite
-    if dropped and loss_normal:
-        worst_name, worst = max(dropped.items(), key=lambda kv: kv[1]["z"])
-        findings.append(Finding(
-            "downstream_drop_with_normal_loss", "high" if worst["z"] >= 3 * cfg.noise_k else "medium",
-            confidence(worst["z"], cfg.noise_k),
-            f"Evaluation drops ({', '.join(dropped)}) while the training loss matches the control",
-            f"{worst_name}: {worst['fp8']:.4g} vs control {worst['control']:.4g} at step {worst['step']} "
-            f"({100 * worst['worse_rel']:.1f}% worse, {worst['z']:.0f}x the {worst['noise_source']}), while the "
-            f"training loss stays within {100 * loss.tolerance:.2f}% of the control. Loss alone misses "
-            "problems in the inference path: scaling factors, weight loading, precision mix.",
-            steps=(int(worst["step"]),), layers=tuple(top[:1]), evidence={"eval": dropped, "loss_final_gap_rel": loss.final_gap},
-            next_experiments=(
-                "check the inference chain: fp8track check-inference CKPT (trained vs fresh scales vs BF16, "
-                "per-layer output error, checkpoint reload of weights and amax histories)",
-                "verify inference loads the trained scaling state (amax histories, scales) and the final weights",
-                "use FP8 training + FP8 inference as the control: BF16 inference of an FP8-trained model can add error",
-            ),
-        ))
-
-    # Corroboration (the path: "a high underflow share in one layer is not by itself a reason to
-    # fall back"): an outlier is a finding when its quantisation error itself stands out (relative
-    # error or cosine at least CORROBORATE_Z above the typical layer) or the loss / evaluation shows
-    # trouble; otherwise it is only noted under `healthy` as a layer to watch.
-    trouble = any(f.kind in TROUBLE_KINDS for f in findings)
-    watch = [r for r in outs if not trouble and not _error_stands_out(r)]
-    ctl_scores = {r.layer: r.score for r in ctl_ranking}
-    shift_by_layer: dict[str, Any] = {}
-    for h in shifts:
-        shift_by_layer.setdefault(h.layer, h)
-    for r in (r for r in outs if r not in watch):
-        h = shift_by_layer.get(r.layer)
-        own = h.to_dict() if h is not None and h.z > cfg.history_z else None
-        st = r.stats.get(r.tensor, {})
-        worst_sig = max(r.z, key=lambda k: r.z[k] if math.isfinite(r.z[k]) else -math.inf)
-        findings.append(Finding(
-            "layer_outlier", _severity(r.score, cfg.outlier_min_score), confidence(r.score, cfg.outlier_min_score),
-            f"Layer {r.layer} ({r.tensor}) stands out" + (f" from step {own['step']}" if own else ""),
-            f"Risk score {r.score:.1f} (control {ctl_scores.get(r.layer, 0.0):.1f}) against the model's other layers; "
-            f"worst signal {worst_sig} (z {r.z[worst_sig]:.1f}): SQNR {st.get('sqnr_db', math.nan):.1f} dB, "
-            f"underflow {st.get('underflow_pct', math.nan):.2f}%, cos {st.get('cos', math.nan):.5f}, "
-            f"|drift| {st.get('abs_drift_log2', math.nan):.2f} binades."
-            + (f" Against its own history, {own['signal']} worsened from step {own['step']} (z {own['z']:.1f})." if own else ""),
-            steps=(own["step"],) if own else (), layers=(r.layer,), tensors=(r.tensor,),
-            evidence={"score": r.score, "control_score": ctl_scores.get(r.layer), "z": dict(r.z), "stats": st,
-                      "own_history": own},
-            next_experiments=(
-                f"look for outlier features entering {r.layer}'s {r.tensor} (amax over steps)",
-                f"rerun with {r.layer} in BF16 (--bf16-layers {r.layer}) and compare the loss gap",
-                "try current or block scaling for this layer's tensors (what-if rows show the expected error)",
-            ),
-        ))
-
-    if not findings:
-        best = ranking[0] if ranking else None
-        findings.append(Finding(
-            "healthy", "info", confidence(cfg.noise_k / max(abs(loss.max_gap) / loss.noise, 1e-9), 1.0),
-            "FP8 matches the BF16 control",
-            f"Loss gap {100 * loss.final_gap:+.2f}% at the end, within {cfg.noise_k:g}x the control's own noise "
-            f"({100 * loss.noise:.2f}%); no FP8-only spikes; no evaluation drop; no layer stands out "
-            f"against the others more than in the control with an error to show for it"
-            + (f" (highest risk score {best.score:.1f}, {best.layer})." if best else ".")
-            + (f" To watch: {', '.join(f'{r.layer} ({r.tensor}, worst signal {max(r.z, key=lambda k: r.z[k])})' for r in watch)}"
-               " stand out on underflow/overflow/drift alone, without a larger quantisation error or any loss impact."
-               if watch else ""),
-            evidence={"final_gap_rel": loss.final_gap, "max_gap_rel": loss.max_gap, "control_noise_rel": loss.noise,
-                      "tolerance_rel": loss.tolerance, "eval": evals,
-                      "top_layer": best.layer if best else None, "top_score": best.score if best else None,
-                      "watch": [{"layer": r.layer, "tensor": r.tensor, "score": r.score, "z": dict(r.z)} for r in watch]},
-            next_experiments=("keep monitoring at a lower sampling rate; rerun the diagnosis after longer training",),
-        ))
-
+    for kind in RULES:  # the path's order (KINDS; mismatched_runs is decided before the rules)
+        findings.extend(RULES[kind](ev, tuple(findings)))
     order = {k: i for i, k in enumerate(KINDS)}
     sev = {k: i for i, k in enumerate(SEVERITIES)}
     findings.sort(key=lambda f: (sev[f.severity], order[f.kind]))
+    steps = sorted({int(r.step) for r in ev.fp8_rows})
+    window = (steps[0], steps[-1]) if steps else None
     return Diagnosis(
-        fp8.source, control.source, tuple(findings), tuple(ranking), window if fp8_rows else None, loss,
-        tuple(fp8_spikes), tuple(ctl_base.spikes), evals,
+        fp8.source, control.source, tuple(findings), ev.ranking, window, ev.loss,
+        ev.fp8_spikes, tuple(ev.control_base.spikes), ev.evals,
     )
 
 
@@ -720,17 +836,6 @@ def mismatched_diagnosis(fp8: RunData, control: RunData, mismatch: Mismatch) -> 
     return Diagnosis(fp8.source, control.source, (finding,), (), None, empty)
 
 
-TROUBLE_KINDS = ("fp8_only_spikes", "divergence_from_start", "mid_training_gap", "downstream_drop_with_normal_loss")
-ERROR_SIGNALS = ("rel_error_db", "cos_loss")
-CORROBORATE_Z = 2.0
-"""Robust z (against the other layers) of a layer's relative error or cosine loss that makes an
-outlier a finding on its own, without loss or evaluation trouble."""
-
-
-def _error_stands_out(r: LayerRisk) -> bool:
-    return any(math.isfinite(r.z.get(s, math.nan)) and r.z[s] >= CORROBORATE_Z for s in ERROR_SIGNALS)
-
-
 def _row_spacing(rows: Sequence[Any]) -> int | None:
     steps = sorted({int(r.step) for r in rows})
     if len(steps) < 2:
@@ -740,11 +845,14 @@ def _row_spacing(rows: Sequence[Any]) -> int | None:
 
 __all__ = [
     "KINDS",
+    "RULES",
     "DiagnosisConfig",
     "Finding",
     "Diagnosis",
+    "Evidence",
     "LossComparison",
     "diagnose",
+    "gather_evidence",
     "mismatched_diagnosis",
     "compare_loss",
     "compare_evals",

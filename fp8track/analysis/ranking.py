@@ -1,35 +1,46 @@
-"""Which layers does FP8 hurt most? One documented risk score per layer, relative to the model's
-other layers, shared by the sweep's ``auto:K`` fallback and the diagnosis's layer ranking.
+"""Which layers does FP8 hurt most? One documented risk score per layer, relative to comparable
+tensors of the model's other layers, shared by the sweep's ``auto:K`` fallback and the diagnosis.
 
 No statistic has a universal threshold (an underflow share that is alarming in one model is normal
-in another), so each layer is judged against its peers in the same run:
+in another), so each layer is judged against its peers, like with like:
 
-1. For every (layer, tensor) the statistics of the ``actual`` (or ``shadow``) rows are summarised
-   over the sampled steps by their median (robust to one odd step) and, for overflow, by their
-   maximum (one saturating step already loses information).
-2. Five *signals* per (layer, tensor), each oriented so that larger is worse:
+1. **Per-row signals.** Every main row (``actual``, or ``shadow`` for a BF16 layer) gives seven
+   larger-is-worse signals (:data:`SIGNALS`):
 
    ========================  =====================================================================
-   ``rel_error_db``          ``-sqnr_db``: quantisation error relative to the tensor's own energy
-                             (raw MSE scales with the tensor's magnitude and is not comparable
-                             across layers; SQNR is)
-   ``cos_loss``              ``-log10(max(1 - cos, 1e-12))`` negated, i.e. ``log10(1 - cos)``
-   ``underflow_pct``         share of nonzero elements flushed to zero, percent
-   ``overflow_pct``          share of elements saturated, percent (max over steps)
-   ``abs_drift_log2``        ``|scale_drift_log2|``: how far the recipe's scale is from the
-                             tensor's current scale, binades
+   ``rel_error_db``          ``-min(sqnr_db, bulk_sqnr_db)``: quantisation error relative to the
+                             tensor's energy, and to the energy *without its largest element*
+                             (:func:`bulk_sqnr_db`), so one outlier that carries the energy cannot
+                             hide that the ordinary elements were flushed
+   ``cos_loss``              ``log10(1 - cos)``
+   ``underflow_pct``         share of the finite elements flushed to zero, percent
+   ``overflow_pct``          share of elements saturated, percent
+   ``abs_drift_log2``        ``|scale_drift_log2|``: recipe scale vs the tensor's own, binades
+   ``own_shift``             the (layer, tensor)'s strongest lasting worsening against its own
+                             history (:func:`history_shifts`, a z in its own noise unit; 0 if none)
+   ``drift_events``          the largest severity of the run's ``drift`` events naming it (0 if none)
    ========================  =====================================================================
 
-3. Each signal becomes a robust z-score across all (layer, tensor) pairs of the run:
-   ``z = (v - median) / max(1.4826 * MAD, floor)``, where ``floor`` keeps a signal on which every
-   layer agrees (MAD = 0, e.g. no overflow anywhere) from turning tiny differences into huge scores
-   (floors in :data:`SIGNAL_FLOORS`, in the signal's own units).
-4. A (layer, tensor) scores ``sum(max(z, 0))`` over the signals; a layer's risk is the maximum over
-   its tensors (one badly quantised tensor is enough to hurt), and the tensor that gives it is named.
+2. **Where the layer breaks.** When its own history shifts by more than ``history_z`` the window is
+   the steps from that onset on (the layer's own onset, not the loss gap's); otherwise every step.
+   Over its window each signal is summarised by its *peak*: the second-largest sample (the largest
+   with fewer than 5), so a problem that lasts two samples counts and one odd sample does not.
+3. **Like with like.** Signals are compared only within a group of the same tensor kind, element
+   format (E4M3 or E5M2, read from the row: ``current_scale * amax`` is the format's maximum, 448
+   or 57344, so hybrid's E5M2 gradients losing ~6 dB by format alone are never pooled with E4M3
+   tensors) and variant. With a control run (the BF16 control's ``shadow`` rows: what current-
+   scaling FP8 would do to the same layer) each signal becomes the *excess* over the same layer's
+   peak in the control over the same steps, when every layer of the group has such rows in the same
+   format: a layer hard to quantise in every run is the model's property, not this FP8 run's.
+4. **Robust z.** Within the group, ``z = (v - median) / max(1.4826 * MAD, floor)`` (floors in
+   :data:`SIGNAL_FLOORS`, in the signal's units, so a signal on which every layer agrees cannot
+   turn tiny differences into huge scores). A (layer, tensor) scores ``sum(max(z, 0))``; a layer's
+   risk is the maximum over its tensors, and the tensor that gives it is named.
+5. **Ties.** Layers are ordered by score, equal scores in model order (never by name); scores
+   within :func:`tied` of each other share a rank and are reported as tied.
 
-The score is unitless: 0 means "no worse than the typical layer of this model" on every signal.
-:func:`outliers` marks layers whose score stands out from the others' scores by the same robust
-rule, so a model where every layer is equally fine yields no outlier.
+:func:`outliers` marks layers whose score stands out from the others' by the same robust rule, so a
+model whose layers are all alike has none, and says how far each is from the best other layer.
 """
 
 from __future__ import annotations
@@ -40,24 +51,44 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from fp8track.analysis.windows import MAD_TO_SIGMA
 from fp8track.errors import ConfigError
-from fp8track.monitoring.records import TensorStatsRow
+from fp8track.numerics.formats import get_format
 
-SIGNALS: tuple[str, ...] = ("rel_error_db", "cos_loss", "underflow_pct", "overflow_pct", "abs_drift_log2")
-"""The five per-tensor signals of the risk score, each larger-is-worse (module docstring)."""
+SIGNALS: tuple[str, ...] = (
+    "rel_error_db", "cos_loss", "underflow_pct", "overflow_pct", "abs_drift_log2", "own_shift", "drift_events",
+)
+"""The per-tensor signals of the risk score, each larger-is-worse (module docstring)."""
+
+ROW_SIGNALS: tuple[str, ...] = SIGNALS[:5]
+"""The signals one row's statistics give (the others come from the row series and the events)."""
 
 SIGNAL_FLOORS: Mapping[str, float] = {
     "rel_error_db": 1.0,  # dB: SQNR differences under ~1 dB are within sampling noise
     "cos_loss": 0.25,  # decades of (1 - cos)
     "underflow_pct": 0.5,  # percentage points
-    "overflow_pct": 0.01,  # percentage points: any real saturation stands out
+    "overflow_pct": 0.5,  # percentage points, as underflow: delayed scaling saturates a few elements routinely
     "abs_drift_log2": 0.5,  # half a binade
+    "own_shift": 2.0,  # a history z: shifts of a few own-noise units are ordinary training drift
+    "drift_events": 1.0,  # severity is |peak drift| / threshold (>= 1 when an event fired)
 }
-"""Lower bound of the robust scale per signal, in the signal's units (step 3 of the docstring)."""
+"""Lower bound of the robust scale per signal, in the signal's units (step 4 of the docstring)."""
 
 MAIN_VARIANTS = ("actual", "shadow")
+HISTORY_Z = 4.0
+"""An own-history shift above this z sets the layer's window (step 2 of the docstring)."""
+
+PEAK_MIN_SAMPLES = 5
+"""From this many samples on, the peak is the second-largest sample (step 2 of the docstring)."""
+
+TIE_ABS, TIE_REL = 0.5, 0.1
+"""Scores within ``max(TIE_ABS, TIE_REL * larger)`` of each other are tied."""
+
+E5M2_MIN_LOG2 = 12.0
+"""``log2(current_scale * amax)`` is log2(448) = 8.8 for E4M3 and log2(57344) = 15.8 for E5M2 (less
+the margin); the midpoint tells them apart."""
 
 
 @dataclass(frozen=True)
@@ -68,9 +99,15 @@ class LayerRisk:
         layer: the module's qualified name.
         score: ``max`` over its tensors of ``sum(max(z, 0))`` over :data:`SIGNALS` (unitless, >= 0).
         tensor: the tensor kind that gives the score.
-        z: per-signal z-scores of that tensor.
-        stats: per tensor kind, the summarised statistics behind the signals (median over steps;
-            ``overflow_pct`` is the max), plus ``steps`` (sampled steps seen).
+        z: per-signal z-scores of that tensor (within its group).
+        stats: per tensor kind, the statistics over its window (median over the window's samples;
+            ``overflow_pct`` the max), plus ``steps`` (samples in the window), ``onset`` and ``fmt``.
+        rank: 1-based; tied layers share a rank.
+        tied: the other layers with the same rank.
+        onset: first step of the window of the scoring tensor (its own-history onset), or ``None``
+            when the window is the whole run.
+        fmt: element format of the scoring tensor (``"e4m3"``, ``"e5m2"`` or ``"?"``).
+        excess: True when the signals were taken as the excess over the control's shadow rows.
     """
 
     layer: str
@@ -78,68 +115,106 @@ class LayerRisk:
     tensor: str
     z: Mapping[str, float] = field(default_factory=dict)
     stats: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    rank: int = 1
+    tied: tuple[str, ...] = ()
+    onset: int | None = None
+    fmt: str = "?"
+    excess: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {"layer": self.layer, "score": self.score, "tensor": self.tensor, "z": dict(self.z),
-                "stats": {t: dict(s) for t, s in self.stats.items()}}
+                "stats": {t: dict(s) for t, s in self.stats.items()}, "rank": self.rank, "tied": list(self.tied),
+                "onset": self.onset, "fmt": self.fmt, "excess_over_control": self.excess}
 
 
-def _median(values: Sequence[float]) -> float:
-    finite = [v for v in values if math.isfinite(v)]
-    return float(np.median(finite)) if finite else math.nan
+# --- per-row signals -------------------------------------------------------------------------------
 
 
-def summarise(rows: Iterable[TensorStatsRow]) -> dict[tuple[str, str], dict[str, float]]:
-    """Per (layer, tensor): statistics of the main rows (``actual``/``shadow``) summarised over steps."""
-    grouped: dict[tuple[str, str], list[Mapping[str, float]]] = {}
-    for r in rows:
-        if r.variant in MAIN_VARIANTS:
-            grouped.setdefault((r.layer, r.tensor), []).append(r.stats)
-    out: dict[tuple[str, str], dict[str, float]] = {}
-    for key, stats in grouped.items():
-        col = {name: [float(s.get(name, math.nan)) for s in stats] for name in
-               ("sqnr_db", "cos", "underflow_pct", "overflow_pct", "scale_drift_log2", "mse", "amax")}
-        out[key] = {
-            "sqnr_db": _median(col["sqnr_db"]),
-            "cos": _median(col["cos"]),
-            "underflow_pct": _median(col["underflow_pct"]),
-            "overflow_pct": max((v for v in col["overflow_pct"] if math.isfinite(v)), default=math.nan),
-            "abs_drift_log2": _median([abs(v) for v in col["scale_drift_log2"]]),
-            "mse": _median(col["mse"]),
-            "amax": _median(col["amax"]),
-            "steps": float(len(stats)),
-        }
-    return out
+def element_format(stats: Mapping[str, float]) -> str:
+    """``"e4m3"`` or ``"e5m2"`` from a row's ``current_scale * amax`` (the format's maximum less
+    the margin, :data:`E5M2_MIN_LOG2`), ``"?"`` when either is missing or zero."""
+    cur, amax = float(stats.get("current_scale", math.nan)), float(stats.get("amax", math.nan))
+    if not (math.isfinite(cur) and math.isfinite(amax)) or cur <= 0 or amax <= 0:
+        return "?"
+    return "e5m2" if math.log2(cur * amax) >= E5M2_MIN_LOG2 else "e4m3"
 
 
-def signals(summary: Mapping[str, float]) -> dict[str, float]:
-    """The five larger-is-worse signals of one summarised (layer, tensor)."""
-    sqnr = summary["sqnr_db"]
-    one_minus_cos = 1.0 - summary["cos"] if math.isfinite(summary["cos"]) else math.nan
-    return {
-        # An exact quantisation (sqnr = inf) is the best possible: -inf, clipped below by the median.
-        "rel_error_db": -sqnr if not math.isnan(sqnr) else math.nan,
-        "cos_loss": math.log10(max(one_minus_cos, 1e-12)) if math.isfinite(one_minus_cos) else math.nan,
-        "underflow_pct": summary["underflow_pct"],
-        "overflow_pct": summary["overflow_pct"],
-        "abs_drift_log2": summary["abs_drift_log2"],
-    }
+BULK_MIN_SHARE = 1e-5
+"""The energy without the largest element is trusted from this share of the total on: the kernel
+sums rows of squares in float32 (~1e-7 relative), so a smaller remainder is rounding."""
+
+FLUSHED_MAJORITY_PCT = 50.0
+"""From this underflow share on, the tensor's median element is flushed (:func:`bulk_sqnr_db`)."""
+
+
+def largest_element_error(stats: Mapping[str, float]) -> float:
+    """Squared quantisation error of the tensor's largest element, ``(amax - q(amax))^2``, from the
+    row's ``amax``, ``scale`` and element format alone: the largest element *is* ``+-amax``, so its
+    rounding (saturating at the format's maximum, as the kernel does) can be redone exactly. NaN when
+    the row lacks one of them."""
+    amax, scale = float(stats.get("amax", math.nan)), float(stats.get("scale", math.nan))
+    fmt = element_format(stats)
+    if fmt == "?" or not (math.isfinite(amax) and math.isfinite(scale)) or scale <= 0:
+        return math.nan
+    f = get_format(fmt)
+    v = torch.tensor(amax, dtype=torch.float32) * torch.tensor(scale, dtype=torch.float32)
+    q = float(v.clamp(max=f.max).to(f.dtype).to(torch.float32)) / scale
+    return (amax - q) ** 2
+
+
+def bulk_sqnr_db(stats: Mapping[str, float]) -> float:
+    """SQNR of the tensor's ordinary elements, those besides its largest one, in dB; NaN when the
+    row does not tell.
+
+    * From the energies: ``10 log10((E - amax^2) / (err - e_max))``, with ``E = sum x^2`` and
+      ``err = sum (x - q(x))^2`` recovered from the row's ``mse`` (``err / n``), ``sqnr_db`` and
+      ``numel`` (``n`` = finite elements), and ``e_max`` the largest element's own error
+      (:func:`largest_element_error`; 0 when the row lacks its scale, which charges all of the
+      error to the others: pessimistic). Only when both remainders are at least
+      :data:`BULK_MIN_SHARE` of their totals (below, they are float32 rounding of the kernel's sums).
+    * When at least half of the elements are flushed (``underflow_pct >= 50``) the ordinary
+      element itself is gone, whatever an outlier does to the energies: ``10 log10(100 / u)`` dB,
+      the SQNR the ordinary elements have if the flushed share ``u`` carried its share of their
+      energy (3 dB at 50 %, 0.07 dB at 98.5 %).
+
+    The smaller of the two applies.
+    """
+    mse, sqnr, amax = (float(stats.get(k, math.nan)) for k in ("mse", "sqnr_db", "amax"))
+    numel, under = float(stats.get("numel", math.nan)), float(stats.get("underflow_pct", math.nan))
+    flushed = 10.0 * math.log10(100.0 / under) if math.isfinite(under) and under >= FLUSHED_MAJORITY_PCT else math.nan
+    energy = math.nan
+    if all(math.isfinite(v) for v in (mse, amax, numel, sqnr)) and numel > 1 and mse > 0:
+        n = numel * (1.0 - float(stats.get("nonfinite_pct", 0.0) or 0.0) / 100.0)
+        err = mse * n
+        total = err * 10.0 ** (sqnr / 10.0)
+        own = largest_element_error(stats)
+        bulk, bulk_err = total - amax * amax, err - (own if math.isfinite(own) else 0.0)
+        if bulk >= BULK_MIN_SHARE * total and bulk_err >= BULK_MIN_SHARE * err:
+            energy = 10.0 * math.log10(bulk / bulk_err)
+    vals = [v for v in (energy, flushed) if not math.isnan(v)]
+    return min(vals) if vals else math.nan
 
 
 def row_signals(stats: Mapping[str, float]) -> dict[str, float]:
-    """The five signals of one step's statistics (one :class:`TensorStatsRow`'s ``stats``)."""
-    return signals({
-        "sqnr_db": float(stats.get("sqnr_db", math.nan)),
-        "cos": float(stats.get("cos", math.nan)),
+    """The :data:`ROW_SIGNALS` of one step's statistics (one :class:`TensorStatsRow`'s ``stats``)."""
+    sqnr = float(stats.get("sqnr_db", math.nan))
+    bulk = bulk_sqnr_db(stats)
+    worst = min(sqnr, bulk) if not math.isnan(bulk) else sqnr
+    cos = float(stats.get("cos", math.nan))
+    one_minus_cos = 1.0 - cos if math.isfinite(cos) else math.nan
+    return {
+        # An exact quantisation (sqnr = inf) is the best possible: -inf, clipped by robust_z.
+        "rel_error_db": -worst if not math.isnan(worst) else math.nan,
+        "cos_loss": math.log10(max(one_minus_cos, 1e-12)) if math.isfinite(one_minus_cos) else math.nan,
         "underflow_pct": float(stats.get("underflow_pct", math.nan)),
         "overflow_pct": float(stats.get("overflow_pct", math.nan)),
         "abs_drift_log2": abs(float(stats.get("scale_drift_log2", math.nan))),
-    })
+    }
 
 
 def robust_z(values: Sequence[float], floor: float) -> list[float]:
     """``(v - median) / max(1.4826 * MAD, floor)`` over the finite values; NaN stays NaN, +-inf
-    becomes +-inf-clipped to the finite range's extremes (an exact tensor is simply the best)."""
+    is clipped to the finite range's extremes (an exact tensor is simply the best)."""
     if floor <= 0:
         raise ConfigError(f"floor must be > 0, got {floor!r}")
     finite = np.array([v for v in values if math.isfinite(v)], dtype=np.float64)
@@ -148,72 +223,47 @@ def robust_z(values: Sequence[float], floor: float) -> list[float]:
     lo, hi = float(finite.min()), float(finite.max())
     med = float(np.median(finite))
     scale = max(MAD_TO_SIGMA * float(np.median(np.abs(finite - med))), floor)
-    out = []
-    for v in values:
-        if math.isnan(v):
-            out.append(math.nan)
-        else:
-            out.append((min(max(v, lo), hi) - med) / scale)
+    return [math.nan if math.isnan(v) else (min(max(v, lo), hi) - med) / scale for v in values]
+
+
+def peak(values: Sequence[float]) -> float:
+    """The second-largest finite value (the largest with fewer than :data:`PEAK_MIN_SAMPLES`);
+    ``+inf`` counts as the largest finite value's ceiling, NaN is skipped."""
+    v = sorted(x for x in values if not math.isnan(x))
+    if not v:
+        return math.nan
+    return v[-2] if len(v) >= PEAK_MIN_SAMPLES else v[-1]
+
+
+def tied(a: float, b: float) -> bool:
+    """Two scores are tied within ``max(TIE_ABS, TIE_REL * max(a, b))``."""
+    return abs(a - b) <= max(TIE_ABS, TIE_REL * max(abs(a), abs(b)))
+
+
+# --- series and own history ------------------------------------------------------------------------
+
+Key = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class _Point:
+    step: int
+    sig: Mapping[str, float]
+    stats: Mapping[str, float]
+    fmt: str
+    variant: str
+
+
+def _series(rows: Iterable[Any]) -> dict[Key, list[_Point]]:
+    """Main rows per (layer, tensor), sorted by step, in first-seen (model) order."""
+    out: dict[Key, list[_Point]] = {}
+    for r in rows:
+        if r.variant in MAIN_VARIANTS:
+            out.setdefault((r.layer, r.tensor), []).append(
+                _Point(int(r.step), row_signals(r.stats), r.stats, element_format(r.stats), r.variant))
+    for pts in out.values():
+        pts.sort(key=lambda p: p.step)
     return out
-
-
-def rank_layers(rows: Iterable[TensorStatsRow], tensors: Sequence[str] | None = None) -> list[LayerRisk]:
-    """Every monitored layer with its risk score (module docstring), riskiest first.
-
-    Args:
-        rows: tensor-statistics rows of one run (any number of steps); what-if rows are ignored.
-        tensors: restrict to these tensor kinds (default: every kind present).
-
-    Ties are broken by layer name, so the order is deterministic.
-    """
-    summary = summarise(rows)
-    if tensors is not None:
-        summary = {k: v for k, v in summary.items() if k[1] in tensors}
-    keys = sorted(summary)
-    if not keys:
-        return []
-    sig = {k: signals(summary[k]) for k in keys}
-    z_by_signal = {s: robust_z([sig[k][s] for k in keys], SIGNAL_FLOORS[s]) for s in SIGNALS}
-    per_key: dict[tuple[str, str], tuple[float, dict[str, float]]] = {}
-    for i, k in enumerate(keys):
-        z = {s: z_by_signal[s][i] for s in SIGNALS}
-        per_key[k] = (sum(max(v, 0.0) for v in z.values() if math.isfinite(v)), z)
-    layers: dict[str, LayerRisk] = {}
-    for (layer, tensor), (score, z) in per_key.items():
-        best = layers.get(layer)
-        stats = dict(best.stats) if best else {}
-        stats[tensor] = summary[(layer, tensor)]
-        if best is None or score > best.score:
-            layers[layer] = LayerRisk(layer, score, tensor, z, stats)
-        else:
-            layers[layer] = LayerRisk(layer, best.score, best.tensor, best.z, stats)
-    return sorted(layers.values(), key=lambda r: (-r.score, r.layer))
-
-
-def outliers(
-    ranking: Sequence[LayerRisk],
-    z_threshold: float = 3.5,
-    min_score: float = 3.0,
-    control: Sequence[LayerRisk] | None = None,
-) -> list[LayerRisk]:
-    """Layers whose risk score stands out from the other layers' scores: robust z of the score
-    above ``z_threshold`` (3.5, the usual modified-z cut-off) *and* a score of at least
-    ``min_score`` (one signal three robust deviations worse than the typical layer), so a model
-    whose layers are all alike has none.
-
-    With ``control`` (the ranking of the BF16 control's shadow rows, i.e. what FP8 would do to the
-    control's tensors) a layer also has to stand out *more* than it does there, by at least
-    ``min_score``: a layer that is hard to quantise in every run is a property of the model, not
-    of this FP8 run."""
-    if len(ranking) < 3:
-        return []
-    scores = [r.score for r in ranking]
-    z = robust_z(scores, floor=1.0)
-    ref = {r.layer: r.score for r in control or ()}
-    return [
-        r for r, zi in zip(ranking, z, strict=True)
-        if zi > z_threshold and r.score >= min_score and r.score - ref.get(r.layer, 0.0) >= min_score
-    ]
 
 
 @dataclass(frozen=True)
@@ -222,7 +272,7 @@ class HistoryShift:
 
     Attributes:
         layer, tensor: where.
-        signal: which of :data:`SIGNALS` changed.
+        signal: which of :data:`ROW_SIGNALS` changed.
         step: first sampled step of the changed segment (the onset).
         before, after: the signal's median before / from the onset on (signal units).
         z: ``(after - before) / max(1.4826 * pooled MAD, floor)``, larger is worse.
@@ -241,56 +291,217 @@ class HistoryShift:
                 "before": self.before, "after": self.after, "z": self.z}
 
 
-def history_shifts(rows: Iterable[TensorStatsRow], min_segment: int = 3) -> list[HistoryShift]:
+def _best_shift(key: Key, points: Sequence[_Point], min_segment: int) -> HistoryShift | None:
+    if len(points) < 2 * min_segment:
+        return None
+    steps = [p.step for p in points]
+    best: HistoryShift | None = None
+    for sig in ROW_SIGNALS:
+        v = np.array([p.sig[sig] for p in points], dtype=np.float64)
+        if not np.isfinite(v).all():
+            finite = v[np.isfinite(v)]
+            if finite.size == 0:
+                continue
+            v = np.clip(np.nan_to_num(v, nan=float(np.median(finite))), finite.min(), finite.max())
+        # The split is where the two segments fit their medians best (least absolute residual, the
+        # L1 change point); the z of the difference is judged there.
+        fits = []
+        for k in range(min_segment, len(v) - min_segment + 1):
+            a, b = v[:k], v[k:]
+            ma, mb = float(np.median(a)), float(np.median(b))
+            resid = np.concatenate([a - ma, b - mb])
+            fits.append((float(np.abs(resid).sum()), k, ma, mb, resid))
+        _, k, ma, mb, resid = min(fits, key=lambda f: (f[0], f[1]))
+        scale = max(MAD_TO_SIGMA * float(np.median(np.abs(resid))), SIGNAL_FLOORS[sig])
+        z = (mb - ma) / scale
+        if best is None or z > best.z:
+            best = HistoryShift(key[0], key[1], sig, steps[k], ma, mb, z)
+    return best
+
+
+def history_shifts(rows: Iterable[Any], min_segment: int = 3) -> list[HistoryShift]:
     """Per (layer, tensor), the strongest lasting worsening of a signal against its own history.
 
-    For each signal's per-step series (main rows, sorted by step) every split leaving at least
-    ``min_segment`` samples on each side is tried; the split's score is the difference of the
-    segment medians over the pooled robust scale of the residuals around them (floored by
-    :data:`SIGNAL_FLOORS`, so a flat series cannot yield a huge z). The best split per
-    (layer, tensor) is returned, strongest first; series shorter than ``2 * min_segment`` are skipped.
+    For each of :data:`ROW_SIGNALS`' per-step series (main rows, sorted by step) the split leaving
+    at least ``min_segment`` samples on each side where the two segments fit their medians best
+    (least total absolute residual; the earliest among equals) is the change point; its z is the
+    difference of the segment medians over the pooled robust scale of the residuals around them
+    (floored by :data:`SIGNAL_FLOORS`, so a flat series cannot yield a huge z). The signal with
+    the largest z per (layer, tensor) is returned, strongest first (equal z in model order);
+    series shorter than ``2 * min_segment`` are skipped.
     """
-    series: dict[tuple[str, str], list[tuple[int, dict[str, float]]]] = {}
-    for r in rows:
-        if r.variant in MAIN_VARIANTS:
-            series.setdefault((r.layer, r.tensor), []).append((int(r.step), row_signals(r.stats)))
-    out: list[HistoryShift] = []
-    for (layer, tensor), points in series.items():
-        points.sort(key=lambda p: p[0])
-        if len(points) < 2 * min_segment:
+    out = [h for key, pts in _series(rows).items() if (h := _best_shift(key, pts, min_segment)) is not None]
+    return sorted(out, key=lambda h: -h.z)
+
+
+# --- the ranking -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Summary:
+    peaks: dict[str, float]
+    stats: dict[str, float]
+    fmt: str
+    variant: str
+    onset: int | None
+
+
+def _summarise(points: Sequence[_Point], shift: HistoryShift | None, history_z: float,
+               start: int | None, drift: Mapping[Key, Sequence[tuple[int, float]]], key: Key) -> _Summary:
+    """Peaks of the signals and median statistics over the window from ``start`` (or the own onset)."""
+    onset = start if start is not None else (shift.step if shift is not None and shift.z > history_z else None)
+    win = [p for p in points if onset is None or p.step >= onset] or list(points)
+    peaks = {s: peak([p.sig[s] for p in win]) for s in ROW_SIGNALS}
+    peaks["own_shift"] = max(shift.z, 0.0) if shift is not None else 0.0
+    first = win[0].step
+    peaks["drift_events"] = max((sev for step, sev in drift.get(key, ()) if step >= first), default=0.0)
+    col = {name: [float(p.stats.get(name, math.nan)) for p in win] for name in
+           ("sqnr_db", "cos", "underflow_pct", "overflow_pct", "mse", "amax")}
+    stats = {name: _median(vals) for name, vals in col.items()}
+    stats["overflow_pct"] = max((v for v in col["overflow_pct"] if math.isfinite(v)), default=math.nan)
+    stats["abs_drift_log2"] = _median([p.sig["abs_drift_log2"] for p in win])
+    stats["bulk_sqnr_db"] = _median([bulk_sqnr_db(p.stats) for p in win])
+    stats["steps"] = float(len(win))
+    fmts = [p.fmt for p in win if p.fmt != "?"]
+    return _Summary(peaks, stats, max(set(fmts), key=fmts.count) if fmts else "?", win[0].variant, onset)
+
+
+def _median(values: Sequence[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return float(np.median(finite)) if finite else math.nan
+
+
+def _drift_by_key(events: Iterable[Any]) -> dict[Key, list[tuple[int, float]]]:
+    """``(step, severity)`` of the run's own ``drift`` events per (layer, tensor); events are
+    ``(kind, step, data)`` tuples or records with those attributes."""
+    out: dict[Key, list[tuple[int, float]]] = {}
+    for ev in events:
+        kind, step, data = ev if isinstance(ev, tuple) else (ev.kind, ev.step, ev.data)
+        if kind != "drift" or not isinstance(data, Mapping) or data.get("source", "recipe") != "recipe":
             continue
-        steps = [p[0] for p in points]
-        best: HistoryShift | None = None
+        sev = data.get("severity")
+        if isinstance(sev, (int, float)) and math.isfinite(sev):
+            out.setdefault((str(data.get("layer")), str(data.get("tensor"))), []).append((int(step), float(sev)))
+    return out
+
+
+def rank_layers(
+    rows: Iterable[Any],
+    tensors: Sequence[str] | None = None,
+    *,
+    control: Iterable[Any] | None = None,
+    events: Iterable[Any] = (),
+    history_z: float = HISTORY_Z,
+    start: int | None = None,
+) -> list[LayerRisk]:
+    """Every monitored layer with its risk score (module docstring), riskiest first.
+
+    Args:
+        rows: tensor-statistics rows of one run (any number of steps); what-if rows are ignored.
+        tensors: restrict to these tensor kinds (default: every kind present).
+        control: the BF16 control's rows: signals become the excess over its shadow rows (step 3).
+        events: the run's recorded events (``drift`` events naming a layer add evidence).
+        history_z: an own-history shift above this sets the layer's window (step 2).
+        start: one window start for every layer instead of their own onsets (``None``: own onsets).
+    """
+    series = _series(rows)
+    if tensors is not None:
+        series = {k: v for k, v in series.items() if k[1] in tensors}
+    if not series:
+        return []
+    drift = _drift_by_key(events)
+    summ = {k: _summarise(pts, _best_shift(k, pts, 3), history_z, start, drift, k) for k, pts in series.items()}
+    ctl_series = _series(control) if control is not None else {}
+    ctl_summ: dict[Key, _Summary] = {}
+    for k, s in summ.items():
+        pts = ctl_series.get(k)
+        if pts:
+            # The control over the same steps as this layer's window, and its own shifts there.
+            ctl_summ[k] = _summarise(pts, _best_shift(k, pts, 3), math.inf, s.onset, {}, k)
+
+    groups: dict[tuple[str, str, str], list[Key]] = {}
+    for k, s in summ.items():
+        groups.setdefault((k[1], s.fmt, s.variant), []).append(k)
+    scored: dict[Key, tuple[float, dict[str, float], bool]] = {}
+    for keys in groups.values():
+        excess = bool(ctl_summ) and all(k in ctl_summ and ctl_summ[k].fmt == summ[k].fmt for k in keys)
+        z_by_signal = {}
         for sig in SIGNALS:
-            v = np.array([p[1][sig] for p in points], dtype=np.float64)
-            if not np.isfinite(v).all():
-                finite = v[np.isfinite(v)]
-                if finite.size == 0:
-                    continue
-                v = np.clip(np.nan_to_num(v, nan=float(np.median(finite))), finite.min(), finite.max())
-            for k in range(min_segment, len(v) - min_segment + 1):
-                a, b = v[:k], v[k:]
-                ma, mb = float(np.median(a)), float(np.median(b))
-                resid = np.concatenate([a - ma, b - mb])
-                scale = max(MAD_TO_SIGMA * float(np.median(np.abs(resid))), SIGNAL_FLOORS[sig])
-                z = (mb - ma) / scale
-                if best is None or z > best.z:
-                    best = HistoryShift(layer, tensor, sig, steps[k], ma, mb, z)
-        if best is not None:
-            out.append(best)
-    return sorted(out, key=lambda h: (-h.z, h.layer, h.tensor))
+            vals = [_minus(summ[k].peaks[sig], ctl_summ[k].peaks[sig]) if excess else summ[k].peaks[sig] for k in keys]
+            z_by_signal[sig] = robust_z(vals, SIGNAL_FLOORS[sig])
+        for i, k in enumerate(keys):
+            z = {sig: z_by_signal[sig][i] for sig in SIGNALS}
+            scored[k] = (sum(max(v, 0.0) for v in z.values() if math.isfinite(v)), z, excess)
+
+    order: dict[str, int] = {}
+    for k in series:
+        order.setdefault(k[0], len(order))
+    best: dict[str, Key] = {}
+    for k, (score, _, _) in scored.items():
+        if k[0] not in best or score > scored[best[k[0]]][0]:
+            best[k[0]] = k
+    risks = []
+    for layer, k in best.items():
+        score, z, excess = scored[k]
+        stats = {kk[1]: {**summ[kk].stats, "onset": summ[kk].onset, "fmt": summ[kk].fmt}
+                 for kk in series if kk[0] == layer}
+        risks.append(LayerRisk(layer, score, k[1], z, stats, onset=summ[k].onset, fmt=summ[k].fmt, excess=excess))
+    risks.sort(key=lambda r: (-r.score, order[r.layer]))
+    return _with_ranks(risks)
+
+
+def _minus(a: float, b: float) -> float:
+    """``a - b`` where both are finite; otherwise ``a`` (an exact or missing control says nothing)."""
+    return a - b if math.isfinite(a) and math.isfinite(b) else a
+
+
+def _with_ranks(risks: Sequence[LayerRisk]) -> list[LayerRisk]:
+    """Ranks with ties: a layer tied with the one before it (:func:`tied`) shares its rank."""
+    ranks: list[int] = []
+    for i, r in enumerate(risks):
+        ranks.append(ranks[-1] if i and tied(risks[i - 1].score, r.score) else i + 1)
+    out = []
+    for i, r in enumerate(risks):
+        mates = tuple(o.layer for j, o in enumerate(risks) if j != i and ranks[j] == ranks[i])
+        out.append(LayerRisk(r.layer, r.score, r.tensor, r.z, r.stats, ranks[i], mates, r.onset, r.fmt, r.excess))
+    return out
+
+
+def outliers(ranking: Sequence[LayerRisk], z_threshold: float = 3.5, min_score: float = 3.0) -> list[LayerRisk]:
+    """Layers whose risk score stands out from the other layers' scores: robust z of the score
+    above ``z_threshold`` (3.5, the usual modified-z cut-off) *and* a score of at least
+    ``min_score`` (one signal three robust deviations worse than the typical comparable tensor),
+    so a model whose layers are all alike has none. With a control, the scores are already the
+    excess over the control (:func:`rank_layers`)."""
+    if len(ranking) < 3:
+        return []
+    z = robust_z([r.score for r in ranking], floor=1.0)
+    return [r for r, zi in zip(ranking, z, strict=True) if zi > z_threshold and r.score >= min_score]
+
+
+def separation(risk: LayerRisk, ranking: Sequence[LayerRisk], others: Sequence[LayerRisk] = ()) -> float:
+    """How far ``risk`` stands above the best layer that is not itself among ``others`` (the other
+    outliers): ``score / max(that score, 1)``. Near 1 is a near tie, not a clear outlier."""
+    skip = {risk.layer, *(o.layer for o in others)}
+    rest = max((r.score for r in ranking if r.layer not in skip), default=0.0)
+    return risk.score / max(rest, 1.0)
 
 
 __all__ = [
     "SIGNALS",
+    "ROW_SIGNALS",
     "SIGNAL_FLOORS",
     "LayerRisk",
     "HistoryShift",
-    "summarise",
-    "signals",
+    "element_format",
+    "bulk_sqnr_db",
+    "largest_element_error",
     "row_signals",
     "robust_z",
+    "peak",
+    "tied",
     "rank_layers",
     "outliers",
+    "separation",
     "history_shifts",
 ]

@@ -10,6 +10,8 @@ import pytest
 from mlflow import MlflowClient
 
 from fp8track.analysis.baseline import read_wandb_history
+from fp8track.demo import PLANT_FRACTION, PLANT_LAYER
+from fp8track.monitoring.naming import canonical_layer_name
 from fp8track.monitoring.records import RunReader
 
 STEPS, EVERY = 30, 5
@@ -56,6 +58,24 @@ def test_demo_trains_three_runs_diagnoses_and_keeps_wandb_runs_apart(tmp_path):
         arts = {a.path for a in client.list_artifacts(run["mlflow_run_id"], "fp8track-diagnosis")}
         assert arts == {"fp8track-diagnosis/report.html", "fp8track-diagnosis/diagnosis.json"}
     assert (out / "fp8.ckpt").is_file()
+
+    # the planted problem is the answer: top finding and top-ranked layer are the planted layer, at
+    # this short step count too, and the report's summary (and the heatmaps' marked rows, the top of
+    # the same ranking) name it
+    d = json.loads((out / "diagnosis-planted" / "diagnosis.json").read_text())
+    planted_layer = d["layer_ranking"][0]["layer"]  # as recorded (canonical: the holder `model.` dropped)
+    assert canonical_layer_name(planted_layer, holder="model") == PLANT_LAYER, d["layer_ranking"][:2]
+    assert d["findings"][0]["layers"][0] == planted_layer, d["findings"][0]
+    assert d["findings"][0]["kind"] in ("layer_outlier", "mid_training_gap"), d["findings"][0]
+    assert d["layer_ranking"][0]["rank"] == 1
+    assert not d["layer_ranking"][0]["tied"]
+    assert d["layer_ranking"][0]["score"] > 3 * d["layer_ranking"][1]["score"]
+    # its own onset: within one sampling interval of the plant (3 samples at least on each side of a split)
+    assert d["layer_ranking"][0]["onset"] >= int(PLANT_FRACTION * STEPS) - EVERY
+    html = (out / "diagnosis-planted" / "report.html").read_text()
+    assert f"<tr><th>top-ranked layer</th><td>{planted_layer}</td></tr>" in html
+    planted_console = proc.stdout[proc.stdout.index("== planted run"):]
+    assert f"Top-ranked layer: {planted_layer}" in " ".join(planted_console.split())
 
     # one W&B run per training run (a reused run would mix the three losses into one history)
     by_id: dict[str, list[Path]] = {}

@@ -12,6 +12,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_diagnose import PLANTED, _pair, _rows  # noqa: E402
 
+from fp8track.analysis.synthetic_loss import plant_divergence  # noqa: E402
+
 
 def _cli(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "fp8track.cli", *map(str, args)], capture_output=True, text=True,
@@ -32,7 +34,10 @@ class _Imgs(HTMLParser):
 
 
 def _planted(tmp_path):
-    run, ctl = _pair(tmp_path, fp8_rows=lambda rng: _rows(rng, planted_from=150))
+    # the planted layer from step 150 and the loss rising from 160: a mid-training gap naming it, and
+    # the layer outlier (statistics nominate, the loss decides)
+    run, ctl = _pair(tmp_path, fp8_rows=lambda rng: _rows(rng, planted_from=150),
+                     fp8_loss=lambda c, rng: plant_divergence(c * (1 + rng.normal(0, 0.002, len(c))), 160, 0.004))
     return tmp_path / "fp8", tmp_path / "control"
 
 
@@ -42,13 +47,13 @@ def test_diagnose_writes_json_and_a_self_contained_report(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "layer_outlier" in proc.stdout and PLANTED in proc.stdout and "report.html" in proc.stdout
     d = json.loads((tmp_path / "out" / "diagnosis.json").read_text())
-    assert d["findings"][0]["kind"] == "layer_outlier"
-    assert d["layer_ranking"][0]["layer"] == PLANTED
+    assert [f["kind"] for f in d["findings"]] == ["mid_training_gap", "layer_outlier"]
+    assert d["findings"][0]["layers"][0] == PLANTED and d["layer_ranking"][0]["layer"] == PLANTED
     assert len(d["layer_ranking"]) == 13 and all("score" in r and "stats" in r for r in d["layer_ranking"])
     html = (tmp_path / "out" / "report.html").read_text()
     p = _Imgs()
     p.feed(html)
-    assert p.kinds == ["layer_outlier"]
+    assert p.kinds == ["mid_training_gap", "layer_outlier"]
     assert len(p.imgs) == 7 and all(s.startswith("data:image/png;base64,") for s in p.imgs)  # loss, eval, ranking, 4 heatmaps
     assert "http" not in html.replace("http-equiv", "")  # nothing fetched from the network
     assert "no fixed universal threshold" in d["method"]
@@ -85,7 +90,7 @@ def test_diagnose_reads_an_mlflow_run_and_logs_the_report_there(tmp_path):
     proc = _cli("diagnose", f"mlflow:{run_id}", "--baseline", ctl, "--out", tmp_path / "out", "--tracking-uri", uri)
     assert proc.returncode == 0, proc.stderr
     d = json.loads((tmp_path / "out" / "diagnosis.json").read_text())
-    assert d["findings"][0]["kind"] == "layer_outlier" and d["layer_ranking"][0]["layer"] == PLANTED
+    assert d["findings"][0]["kind"] == "mid_training_gap" and d["layer_ranking"][0]["layer"] == PLANTED
     arts = {a.path for a in client.list_artifacts(run_id, "fp8track-diagnosis")}
     assert arts == {"fp8track-diagnosis/report.html", "fp8track-diagnosis/diagnosis.json"}
 
@@ -99,7 +104,7 @@ def test_report_renders_in_headless_chromium(tmp_path, chromium):
     assert dom.returncode == 0, dom.stderr[-2000:]
     p = _Imgs()
     p.feed(dom.stdout)
-    assert p.kinds == ["layer_outlier"] and len(p.imgs) == 7
+    assert p.kinds == ["mid_training_gap", "layer_outlier"] and len(p.imgs) == 7
     assert 'id="fig-loss"' in dom.stdout and 'id="layer-ranking"' in dom.stdout
     shot = tmp_path / "shot.png"
     proc = subprocess.run([chromium, *flags, f"--screenshot={shot}", "--window-size=1200,2400", url],

@@ -75,20 +75,28 @@ def test_healthy_fp8_run_is_healthy_with_no_layer_outlier(tmp_path):
     # |gap| within noise_k control-noise sigmas: the numbers behind the verdict
     ev = d.top.evidence
     # tolerance: 3 standard errors of a 13-step running median (n=300 -> width 13) of the control's noise
-    assert abs(ev["final_gap_rel"]) < ev["tolerance_rel"] == pytest.approx(3 * 1.2533 * ev["control_noise_rel"] / 13**0.5, rel=1e-4)
+    # (not below the 2% band healthy FP8 runs keep against the control: loss_gap.GapConfig.min_gap)
+    assert abs(ev["final_gap_rel"]) < ev["tolerance_rel"] == pytest.approx(
+        max(3 * 1.2533 * ev["control_noise_rel"] / 13**0.5, 0.02), rel=1e-4)
     assert 0.01 < ev["control_noise_rel"] < 0.03  # the planted 2% multiplicative noise
     assert len(d.layer_ranking) == len(LAYERS)
 
 
-def test_planted_outlier_layer_is_named_and_ranked_first(tmp_path):
+def test_planted_outlier_layer_with_a_normal_loss_is_a_layer_to_watch(tmp_path):
+    """Statistics nominate, the loss decides: the planted layer stands out and is ranked first from
+    its own onset, but with a loss like the control's it is named under `healthy` as a layer to
+    watch, with its error standing out (SQNR 12 dB against ~30 dB)."""
     d = diagnose(*_pair(tmp_path, fp8_rows=lambda rng: _rows(rng, planted_from=150)))
-    assert d.kinds() == ["layer_outlier"]
+    assert d.kinds() == ["healthy"]
     f = d.top
-    assert f.layers == (PLANTED,) and f.tensors == ("activation",)
-    assert f.steps == (150,)  # the onset, found against the layer's own history
+    assert f.layers == (PLANTED,)
+    watch = f.evidence["watch"]
+    assert [(w["layer"], w["tensor"], w["error_stands_out"]) for w in watch] == [(PLANTED, "activation", True)]
     assert d.layer_ranking[0].layer == PLANTED
-    assert d.ranking_window == (150, N - EVERY)  # the ranking covers the steps since the onset
-    assert f.evidence["stats"]["underflow_pct"] == pytest.approx(18.0, abs=0.5)
+    # the planted layer is judged from its own onset on; the ranking spans every sampled step
+    assert d.layer_ranking[0].onset == 150 and d.ranking_window == (0, N - EVERY)
+    assert d.layer_ranking[0].stats["activation"]["steps"] == (N - 150) / EVERY
+    assert d.layer_ranking[0].stats["activation"]["underflow_pct"] == pytest.approx(18.0, abs=0.5)
 
 
 def test_divergence_from_start_lists_newly_enabled_options(tmp_path):
@@ -112,7 +120,9 @@ def test_mid_training_instability_is_a_mid_training_gap_with_the_planted_layer_f
                      fp8_rows=lambda rng: _rows(rng, planted_from=170))
     d = diagnose(run, ctl)
     assert d.top.kind == "mid_training_gap"
-    assert 180 <= d.top.steps[0] <= 200
+    # a runaway rise from 180: loss_gap.judge_gap walks a gradual rise back to the midpoint of its
+    # two levels, so the onset lands inside the rise
+    assert 180 <= d.top.steps[0] <= 230
     assert d.layer_ranking[0].layer == PLANTED and d.top.layers[0] == PLANTED
     exps = d.top.next_experiments
     # the path's order: BF16 GEMM with FP8 inputs, current scaling, block scaling, BF16 fallback of the top layers
@@ -168,8 +178,16 @@ def test_a_layer_hard_in_the_control_too_is_not_an_fp8_outlier(tmp_path):
     ctl = _write(tmp_path, "control", control, _rows(rng, "shadow", planted_from=0), recipe="bf16")
     run = _write(tmp_path, "fp8", control * 1.0005, _rows(rng, planted_from=0))
     d = diagnose(run, ctl)
-    assert d.layer_ranking[0].layer == PLANTED  # still ranked first...
-    assert d.kinds() == ["healthy"]  # ...but the model's own property, not FP8's
+    # judged as excess over the same layer in the control, the planted layer is no worse than any other
+    planted = next(r for r in d.layer_ranking if r.layer == PLANTED)
+    assert all(r.excess for r in d.layer_ranking)
+    assert planted.score < 3.0 and planted.stats["activation"]["underflow_pct"] == pytest.approx(18.0, abs=0.5)
+    assert d.kinds() == ["healthy"]  # the model's own property, not FP8's
+    # without the control the same rows make it the clear outlier (the peer comparison alone)
+    from fp8track.analysis.ranking import rank_layers
+
+    alone = rank_layers(run.tensor_rows)
+    assert alone[0].layer == PLANTED and alone[0].score > 10 * alone[1].score
 
 
 def test_gap_is_judged_in_the_controls_noise_unit():
@@ -184,11 +202,17 @@ def test_gap_is_judged_in_the_controls_noise_unit():
     alt = [3.0 * (1 + (0.01 if s % 2 else -0.01)) for s in range(9)]
     d = np.diff(alt) / np.abs(np.array(alt[:-1]))
     assert relative_noise(alt) == pytest.approx(1.4826 * np.median(np.abs(d - np.median(d))) / math.sqrt(2))
-    # the same 2% lasting gap: alarming against a quiet control, noise against a noisy one
+    # the same 3% lasting gap on other batches: alarming against a quiet control, noise against a noisy one
     quiet = {s: 3.0 * (1 + 0.001 * rng.standard_normal()) for s in steps}
-    assert compare_loss({s: v * 1.02 for s, v in quiet.items()}, quiet).onset == 0
-    loud = {s: 3.0 * (1 + 0.05 * rng.standard_normal()) for s in steps}
-    assert compare_loss({s: v * 1.02 for s, v in loud.items()}, loud).onset is None
+    assert compare_loss({s: v * 1.03 for s, v in quiet.items()}, quiet).onset == 0
+    loud = {s: 3.0 * (1 + 0.1 * rng.standard_normal()) for s in steps}
+    judged = compare_loss({s: v * 1.03 for s, v in loud.items()}, loud)
+    assert judged.onset is None and judged.unit == "control_noise"
+    # the same batches: the paired gap's own noise is the unit; a lasting 3% gap from step 200 stands out
+    falling = {s: (3.0 + 2.0 * math.exp(-s / 100)) * (1 + 0.1 * rng.standard_normal()) for s in steps}
+    paired = compare_loss({s: v * (1.03 if s >= 200 else 1.0) * (1 + 0.002 * rng.standard_normal())
+                           for s, v in falling.items()}, falling, paired=True)
+    assert paired.unit == "paired" and paired.onset == pytest.approx(200, abs=3) and paired.phase == "mid"
     assert confidence(3.0, 3.0) == 0.05 and confidence(9.0, 3.0) == pytest.approx(1 - math.exp(-2))
 
 
