@@ -143,7 +143,9 @@ def totals(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         return {"n": n, "hits": k, "share": round(k / n, 3) if n else None}
 
     out: dict[str, Any] = {
-        "scenarios": len(rows), "verified": len(ok), "not_materialised": [r["name"] for r in rows if not r["verified"]],
+        "scenarios": len(rows),
+        "verified": len(ok),
+        "not_materialised": [r["name"] for r in rows if not r["verified"]],
         "kind_top": share(sum(r["score"]["kind_top"] for r in ok), len(ok)),
         "kind_among": share(sum(r["score"]["kind_among"] for r in ok), len(ok)),
         "false_alarms": share(sum(r["score"]["false_alarm"] for r in healthy), len(healthy)),
@@ -237,19 +239,48 @@ def evaluate_scenario(sc: ds.Scenario, fp8: Mapping[str, Any], ctl: Mapping[str,
     }
     plant = sc.fp8.plant
     return {
-        "name": sc.name, "family": sc.fp8.family, "recipe": sc.fp8.recipe, "seed": sc.fp8.seed,
-        "expected_kind": sc.expected_kind, "tags": list(sc.tags),
-        "plant": None if plant is None else {"mechanism": plant.mechanism, "tensor": plant.tensor,
-                                             "position": plant.position, "windows": [list(w) for w in plant.windows],
-                                             "log2": plant.log2, "layers": fp8["planted_layers"]},
-        "data_spikes": list(sc.fp8.data_spikes), "eval_fault_log2": sc.fp8.eval_fault_log2,
-        "verified": truth["materialised"], "ground_truth": truth,
-        "diagnosis": {"findings": [{"kind": f.kind, "severity": f.severity, "confidence": round(f.confidence, 3),
-                                    "layers": list(f.layers)[:3]} for f in findings],
-                      "ranking_top5": answers["diagnosis"][:5], "seconds": round(seconds, 3)},
+        "name": sc.name,
+        "family": sc.fp8.family,
+        "recipe": sc.fp8.recipe,
+        "seed": sc.fp8.seed,
+        "expected_kind": sc.expected_kind,
+        "tags": list(sc.tags),
+        "plant": None
+        if plant is None
+        else {
+            "mechanism": plant.mechanism,
+            "tensor": plant.tensor,
+            "position": plant.position,
+            "windows": [list(w) for w in plant.windows],
+            "log2": plant.log2,
+            "layers": fp8["planted_layers"],
+        },
+        "data_spikes": list(sc.fp8.data_spikes),
+        "eval_fault_log2": sc.fp8.eval_fault_log2,
+        "verified": truth["materialised"],
+        "ground_truth": truth,
+        "diagnosis": {
+            "findings": [
+                {
+                    "kind": f.kind,
+                    "severity": f.severity,
+                    "confidence": round(f.confidence, 3),
+                    "layers": list(f.layers)[:3],
+                }
+                for f in findings
+            ],
+            "ranking_top5": answers["diagnosis"][:5],
+            "seconds": round(seconds, 3),
+        },
         "naive_top3": {k: answers[k][:3] for k in ("naive_underflow", "naive_mse")},
-        "score": score_row(sc.expected_kind, kinds, answers if planted else None, planted, false_alarm(findings),
-                           truth["accepted_kinds"]),
+        "score": score_row(
+            sc.expected_kind,
+            kinds,
+            answers if planted else None,
+            planted,
+            false_alarm(findings),
+            truth["accepted_kinds"],
+        ),
         "train_seconds": {"fp8": round(fp8["seconds"], 1), "control": round(ctl["seconds"], 1)},
     }
 
@@ -263,15 +294,26 @@ def run(subset: str = "full", families: Sequence[str] | None = None, cache: Path
     t_train = time.perf_counter() - t0
     rows = []
     for sc in scs:
-        rows.append(evaluate_scenario(sc, runs[sc.fp8.key()], runs[sc.control().key()], _bf16_cached(sc.fp8, cache)))
+        rows.append(
+            evaluate_scenario(sc, runs[sc.fp8.key()], runs[sc.control().key()], _bf16_cached(sc.fp8, cache))
+        )
     import fp8track
 
     return {
-        "benchmark": "fp8track diagnosis", "subset": subset, "families": sorted({s.fp8.family for s in scs}),
-        "fp8track_version": fp8track.__version__, "entry": "fp8track.analysis.diagnose.diagnose(load_run(fp8), load_run(control))",
-        "thresholds": {"gap_min": ds.GAP_MIN, "track_max": ds.TRACK_MAX, "spike_min": ds.SPIKE_MIN,
-                       "data_spike_min": ds.DATA_SPIKE_MIN, "eval_drop_min": ds.EVAL_DROP_MIN},
-        "totals": totals(rows), "scenarios": rows,
+        "benchmark": "fp8track diagnosis",
+        "subset": subset,
+        "families": sorted({s.fp8.family for s in scs}),
+        "fp8track_version": fp8track.__version__,
+        "entry": "fp8track.analysis.diagnose.diagnose(load_run(fp8), load_run(control))",
+        "thresholds": {
+            "gap_min": ds.GAP_MIN,
+            "track_max": ds.TRACK_MAX,
+            "spike_min": ds.SPIKE_MIN,
+            "data_spike_min": ds.DATA_SPIKE_MIN,
+            "eval_drop_min": ds.EVAL_DROP_MIN,
+        },
+        "totals": totals(rows),
+        "scenarios": rows,
         "seconds": {"train_or_cache": round(t_train, 1), "total": round(time.perf_counter() - t0, 1)},
     }
 
@@ -280,16 +322,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python bench/diagnosis_bench.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--subset", choices=("full", "ci"), default="full")
-    p.add_argument("--families", default=",".join(ds.FAMILIES), help=f"comma list of {', '.join(ds.FAMILIES)}")
-    p.add_argument("--out", default=None, help=f"JSON output (default {DEFAULT_OUT} for the full set, none for ci)")
-    p.add_argument("--cache-dir", default=str(DEFAULT_CACHE), help="run-directory cache (keyed by run config hash)")
+    p.add_argument(
+        "--families", default=",".join(ds.FAMILIES), help=f"comma list of {', '.join(ds.FAMILIES)}"
+    )
+    p.add_argument(
+        "--out", default=None, help=f"JSON output (default {DEFAULT_OUT} for the full set, none for ci)"
+    )
+    p.add_argument(
+        "--cache-dir", default=str(DEFAULT_CACHE), help="run-directory cache (keyed by run config hash)"
+    )
     p.add_argument("--jobs", type=int, default=2, help="training processes")
     args = p.parse_args(argv)
     fams = [f.strip() for f in args.families.split(",") if f.strip()]
     bad = [f for f in fams if f not in ds.FAMILIES]
     if bad or args.jobs < 1:
-        print(f"error: unknown families {bad}; valid: {', '.join(ds.FAMILIES)}" if bad else "error: --jobs must be >= 1",
-              file=sys.stderr)
+        print(
+            f"error: unknown families {bad}; valid: {', '.join(ds.FAMILIES)}"
+            if bad
+            else "error: --jobs must be >= 1",
+            file=sys.stderr,
+        )
         return 2
     warnings.filterwarnings("ignore")  # library chatter of transformers/torchao; the JSON is the output
     result = run(args.subset, fams, Path(args.cache_dir).resolve(), args.jobs)

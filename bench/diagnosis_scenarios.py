@@ -172,7 +172,9 @@ def _tokens() -> torch.Tensor:
     return _TOKENS
 
 
-def batches(seed: int, steps: int, data_spikes: Sequence[int] = ()) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(
+    seed: int, steps: int, data_spikes: Sequence[int] = ()
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``steps`` training batches in a seeded order (the same list for an FP8 run and its control);
     at ``data_spikes`` steps a batch of uniformly random tokens (a data spike both runs see)."""
     tok = _tokens()
@@ -196,7 +198,10 @@ def val_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     start = int(len(tok) * 0.9)
     out = []
     for b in range(EVAL_BATCHES):
-        rows = [tok[start + (b * BATCH + i) * BLOCK: start + (b * BATCH + i) * BLOCK + BLOCK + 1] for i in range(BATCH)]
+        rows = [
+            tok[start + (b * BATCH + i) * BLOCK : start + (b * BATCH + i) * BLOCK + BLOCK + 1]
+            for i in range(BATCH)
+        ]
         x = torch.stack(rows)
         out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
     return out
@@ -230,7 +235,9 @@ class PlantHandle:
                 self._attach_outlier(self.model.get_submodule(name))
         elif self.plant.mechanism == "scale":
             for name in self.layers:
-                self._restore.append(scale_fault(self.model.get_submodule(name), self.plant.tensor, self.plant.log2))
+                self._restore.append(
+                    scale_fault(self.model.get_submodule(name), self.plant.tensor, self.plant.log2)
+                )
         return self
 
     def detach(self) -> None:
@@ -245,7 +252,9 @@ class PlantHandle:
         if self.plant.mechanism != "amax" or not self.plant.active(step):
             return
         for name in self.layers:
-            scaler = (getattr(self.model.get_submodule(name), "delayed_scalers", None) or {}).get(self.plant.tensor)
+            scaler = (getattr(self.model.get_submodule(name), "delayed_scalers", None) or {}).get(
+                self.plant.tensor
+            )
             if scaler is None:  # not an FP8 delayed-scaling layer (the BF16 control): nothing to corrupt
                 continue
             # The reference amax is the history's largest entry before the plant first acted, so
@@ -449,14 +458,19 @@ def scenarios() -> list[Scenario]:
     for fam, recipe, seed, ci in (("gpt", DELAYED, 0, True), ("llama", CURRENT, 1, False),
                                   ("gpt2", DELAYED, 2, False), ("gpt", CURRENT, 3, False),
                                   ("llama", DELAYED, 4, False)):
-        out.append(Scenario(f"healthy-{fam}-{recipe.split(':')[0]}-s{seed}", "healthy", _spec(fam, recipe, seed), ci))
+        out.append(
+            Scenario(f"healthy-{fam}-{recipe.split(':')[0]}-s{seed}", "healthy", _spec(fam, recipe, seed), ci)
+        )
     # shared spikes: random-token batches both runs see
     for fam, recipe, ci in (("gpt", DELAYED, True), ("llama", CURRENT, False)):
         out.append(Scenario(f"shared_spikes-{fam}-{recipe.split(':')[0]}", "shared_spikes",
                             _spec(fam, recipe, data_spikes=(56, 57, 112, 113)), ci))
     # divergence from the start: a software-style wrong scale in every FP8 layer from step 0
-    for fam, recipe, tensor, ci in (("gpt", CURRENT, "weight", False), ("llama", DELAYED, "activation", False),
-                                    ("gpt2", CURRENT, "activation", False)):
+    for fam, recipe, tensor, ci in (
+        ("gpt", CURRENT, "weight", False),
+        ("llama", DELAYED, "activation", False),
+        ("gpt2", CURRENT, "activation", False),
+    ):
         plant = Plant("scale", tensor, "all", ((0, STEPS),), 24.0)
         out.append(Scenario(f"divergence-{fam}-{recipe.split(':')[0]}-{tensor}", "divergence_from_start",
                             _spec(fam, recipe, plant=plant), ci))
@@ -481,8 +495,15 @@ def scenarios() -> list[Scenario]:
     for fam, recipe, tensor, pos, lasting, ci in layer_cases:
         kind = "mid_training_gap" if lasting else "fp8_only_spikes"
         name = f"{'gap' if lasting else 'spikes'}-{fam}-{recipe.split(':')[0]}-{tensor}-{pos}"
-        out.append(Scenario(name, kind, _spec(fam, recipe, plant=_layer_plant(recipe, tensor, pos, lasting)), ci,
-                            tags=("lasting" if lasting else "intermittent",)))
+        out.append(
+            Scenario(
+                name,
+                kind,
+                _spec(fam, recipe, plant=_layer_plant(recipe, tensor, pos, lasting)),
+                ci,
+                tags=("lasting" if lasting else "intermittent",),
+            )
+        )
     # loss normal, evaluation through a broken inference path worse
     for fam, recipe, ci in (("gpt", DELAYED, False), ("gpt2", CURRENT, False)):
         out.append(Scenario(f"downstream-{fam}-{recipe.split(':')[0]}", "downstream_drop_with_normal_loss",
@@ -559,7 +580,9 @@ def ground_truth(sc: Scenario, fp8: Mapping[str, Any], control: Mapping[str, Any
             rises.append({"step": s, "fp8": fp8["loss"][s] / _median(fp8["loss"][s - 10:s]),
                           "control": control["loss"][s] / _median(control["loss"][s - 10:s])})
         out["data_spikes"] = rises
-        checks["spikes_in_both"] = all(r["fp8"] >= DATA_SPIKE_MIN and r["control"] >= DATA_SPIKE_MIN for r in rises)
+        checks["spikes_in_both"] = all(
+            r["fp8"] >= DATA_SPIKE_MIN and r["control"] >= DATA_SPIKE_MIN for r in rises
+        )
         checks["no_lasting_gap"] = out["ratio_tail"] < GAP_MIN
     elif kind == "divergence_from_start":
         early = _median(ratio[5: int(0.2 * n)])

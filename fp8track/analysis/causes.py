@@ -34,10 +34,17 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-CAUSES = ("recompute_delayed", "compile_checkpointing", "fp8_param_gather", "tp_amax_group", "lora_lower_bound")
+CAUSES = (
+    "recompute_delayed",
+    "compile_checkpointing",
+    "fp8_param_gather",
+    "tp_amax_group",
+    "lora_lower_bound",
+)
 
 LORA_MARKERS = ("lora_a", "lora_b", "lora_down", "lora_up", "lora_embedding")
-"""Lower-cased name parts of LoRA adapter layers (PEFT's ``lora_A``/``lora_B``, diffusers' ``lora_down``/``lora_up``)."""
+"""Lower-cased name parts of LoRA adapter layers (PEFT's ``lora_A``/``lora_B``, diffusers'
+``lora_down``/``lora_up``)."""
 
 LORA_UNDERFLOW_PCT = 99.0
 """A LoRA tensor with at least this share of its elements flushed is as good as all zero."""
@@ -104,17 +111,23 @@ def known_causes(meta: Mapping[str, Any], rows: Iterable[Any] = ()) -> dict[str,
     out: dict[str, str] = {}
     if ckpt and scaling == "delayed":
         out["recompute_delayed"] = (
-            "known cause: activation checkpointing with delayed scaling records the recomputed forward's amax "
-            "twice (TE #539, #1190; fixed in TE PR #646): rerun without checkpointing, or with current scaling, "
-            "or a TE version with the fix")
+            "known cause: activation checkpointing with delayed scaling records the recomputed forward's "
+            "amax "
+            "twice (TE #539, #1190; fixed in TE PR #646): rerun without checkpointing, or with current "
+            "scaling, "
+            "or a TE version with the fix"
+        )
     if ckpt and compiled:
         out["compile_checkpointing"] = (
             "known cause: torch.compile with activation checkpointing must recompute with eager's precision "
-            "casts (torchtitan #1056, fixed by PR #1108): rerun without torch.compile, or without checkpointing")
+            "casts (torchtitan #1056, fixed by PR #1108): rerun without torch.compile, or without "
+            "checkpointing"
+        )
     if _truthy(prec.get("fp8_weights")):
         out["fp8_param_gather"] = (
             "known cause: FP8 parameters and their all-gather (Megatron-LM PR #6038, Megatron-Bridge #1255): "
-            "keep the primary weights in BF16 (no FP8 parameter gather / overlapped param gather) and compare")
+            "keep the primary weights in BF16 (no FP8 parameter gather / overlapped param gather) and compare"
+        )
     if _tensor_parallel(prec) and scaling in ("delayed", "current"):
         out["tp_amax_group"] = (
             "known cause: with tensor parallelism the amax must be reduced over the TP group, or ranks "

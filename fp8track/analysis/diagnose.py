@@ -157,7 +157,9 @@ class Finding:
         if self.kind not in KINDS:
             raise ConfigError(f"unknown finding kind {self.kind!r}; valid values are: {', '.join(KINDS)}")
         if self.severity not in SEVERITIES:
-            raise ConfigError(f"unknown severity {self.severity!r}; valid values are: {', '.join(SEVERITIES)}")
+            raise ConfigError(
+                f"unknown severity {self.severity!r}; valid values are: {', '.join(SEVERITIES)}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -245,18 +247,32 @@ class Diagnosis:
             "findings": [f.to_dict() for f in self.findings],
             "layer_ranking": [_plain(r.to_dict()) for r in self.layer_ranking],
             "ranking_window": list(self.ranking_window) if self.ranking_window else None,
-            "loss": _plain({
-                "common_steps": len(lc.steps), "control_noise_rel": lc.noise, "tolerance_rel": lc.tolerance,
-                "final_gap_rel": lc.final_gap, "max_gap_rel": lc.max_gap, "onset": lc.onset, "phase": lc.phase,
-                "smooth": lc.smooth, "unit": lc.unit, "unit_label": lc.unit_label, "level_rel": lc.level,
-                "z": lc.z, "z_cut": lc.z_cut, "severity": lc.severity,
-            }),
-            "spikes": {"fp8": [_plain(e.to_dict()) for e in self.fp8_spikes],
-                       "control": [_plain(e.to_dict()) for e in self.control_spikes]},
+            "loss": _plain(
+                {
+                    "common_steps": len(lc.steps),
+                    "control_noise_rel": lc.noise,
+                    "tolerance_rel": lc.tolerance,
+                    "final_gap_rel": lc.final_gap,
+                    "max_gap_rel": lc.max_gap,
+                    "onset": lc.onset,
+                    "phase": lc.phase,
+                    "smooth": lc.smooth,
+                    "unit": lc.unit,
+                    "unit_label": lc.unit_label,
+                    "level_rel": lc.level,
+                    "z": lc.z,
+                    "z_cut": lc.z_cut,
+                    "severity": lc.severity,
+                }
+            ),
+            "spikes": {
+                "fp8": [_plain(e.to_dict()) for e in self.fp8_spikes],
+                "control": [_plain(e.to_dict()) for e in self.control_spikes],
+            },
             "eval": _plain(self.eval_metrics),
             "method": "relative: the loss and evaluation gaps in units of the control's own noise, "
-                      "layers against the run's other layers, the control, and their own history; "
-                      "no fixed universal threshold",
+            "layers against the run's other layers, the control, and their own history; "
+            "no fixed universal threshold",
         }
 
 
@@ -301,11 +317,33 @@ def compare_loss(
     runs saw the same batches (``paired``), else in the control's step-to-step noise; the onset is
     the gap's change point, its phase ``"start"`` or ``"mid"``, its severity in that noise unit."""
     cfg = config or DiagnosisConfig()
-    j = judge_gap(fp8, control, paired, GapConfig(noise_k=cfg.noise_k, smooth=cfg.smooth, sustain=min(cfg.sustain, 1.0),
-                                                  start_fraction=cfg.start_fraction))
+    j = judge_gap(
+        fp8,
+        control,
+        paired,
+        GapConfig(
+            noise_k=cfg.noise_k,
+            smooth=cfg.smooth,
+            sustain=min(cfg.sustain, 1.0),
+            start_fraction=cfg.start_fraction,
+        ),
+    )
     return LossComparison(
-        j.steps, j.fp8, j.control, j.rel_gap, j.smooth_gap, j.noise, j.tolerance, j.onset_step, j.phase, j.smooth,
-        j.unit, j.level, j.z, j.z_cut, j.severity,
+        j.steps,
+        j.fp8,
+        j.control,
+        j.rel_gap,
+        j.smooth_gap,
+        j.noise,
+        j.tolerance,
+        j.onset_step,
+        j.phase,
+        j.smooth,
+        j.unit,
+        j.level,
+        j.z,
+        j.z_cut,
+        j.severity,
     )
 
 
@@ -379,8 +417,17 @@ def compare_evals(
             if math.isfinite(own) and own > 0:
                 noise, source = max(own, 1e-6), "control evaluation noise"
         z = worse / noise if noise > 0 else math.inf
-        out[name] = {"step": step, "fp8": a, "control": b, "worse_rel": worse, "noise_rel": noise,
-                     "noise_source": source, "z": z, "dropped": z > noise_k, "higher_is_better": direction > 0}
+        out[name] = {
+            "step": step,
+            "fp8": a,
+            "control": b,
+            "worse_rel": worse,
+            "noise_rel": noise,
+            "noise_source": source,
+            "z": z,
+            "dropped": z > noise_k,
+            "higher_is_better": direction > 0,
+        }
     return out
 
 
@@ -435,15 +482,27 @@ class Evidence:
 
     def loss_evidence(self) -> dict[str, Any]:
         lc, i = self.loss, self.loss.steps.index(self.loss.onset) if self.loss.onset is not None else 0
-        return {"onset_step": lc.onset, "gap_rel_at_end": lc.final_gap, "max_gap_rel": lc.max_gap,
-                "control_noise_rel": lc.noise, "tolerance_rel": lc.tolerance, "gap_in_noise_units": self.gap_z,
-                "fp8_loss_at_onset": lc.fp8[i], "control_loss_at_onset": lc.control[i],
-                "fp8_final_loss": lc.fp8[-1], "control_final_loss": lc.control[-1],
-                "gap_level_rel": lc.level, "gap_z_cut": lc.z_cut, "noise_unit": lc.unit,
-                "nonfinite_steps": [e.start_step for e in self.nonfinite]}
+        return {
+            "onset_step": lc.onset,
+            "gap_rel_at_end": lc.final_gap,
+            "max_gap_rel": lc.max_gap,
+            "control_noise_rel": lc.noise,
+            "tolerance_rel": lc.tolerance,
+            "gap_in_noise_units": self.gap_z,
+            "fp8_loss_at_onset": lc.fp8[i],
+            "control_loss_at_onset": lc.control[i],
+            "fp8_final_loss": lc.fp8[-1],
+            "control_final_loss": lc.control[-1],
+            "gap_level_rel": lc.level,
+            "gap_z_cut": lc.z_cut,
+            "noise_unit": lc.unit,
+            "nonfinite_steps": [e.start_step for e in self.nonfinite],
+        }
 
 
-def gather_evidence(fp8: RunData, control: RunData, cfg: DiagnosisConfig, loss_key: str | None = None) -> Evidence:
+def gather_evidence(
+    fp8: RunData, control: RunData, cfg: DiagnosisConfig, loss_key: str | None = None
+) -> Evidence:
     """Everything :data:`RULES` read: the loss comparison, spikes, rows, shifts, ranking, evaluations."""
     fkey, ckey = fp8.loss_key(loss_key), control.loss_key(loss_key)
     fl, cl = fp8.metrics[fkey], control.metrics[ckey]
@@ -454,16 +513,33 @@ def gather_evidence(fp8: RunData, control: RunData, cfg: DiagnosisConfig, loss_k
     fp8_spikes = detect_spikes({s: fl[s] for s in steps}, scfg)
     ctl_base = Baseline.from_series(control.source, {s: cl[s] for s in steps}, scfg, key=ckey)
     fp8_rows, ctl_rows = tuple(fp8.tensor_rows), tuple(control.tensor_rows)
-    ranking = tuple(rank_layers(fp8_rows, control=ctl_rows or None, events=fp8.events, history_z=cfg.history_z))
+    ranking = tuple(
+        rank_layers(fp8_rows, control=ctl_rows or None, events=fp8.events, history_z=cfg.history_z)
+    )
     outs = tuple(outliers(ranking, cfg.outlier_z, cfg.outlier_min_score))
     top = [r.layer for r in ranking if ranking and r.rank == ranking[0].rank]
-    named = tuple([r.layer for r in outs][: cfg.top_k] or [r.layer for r in ranking][: max(cfg.top_k, len(top))])
+    named = tuple(
+        [r.layer for r in outs][: cfg.top_k] or [r.layer for r in ranking][: max(cfg.top_k, len(top))]
+    )
     fp8_layers = list(fp8.meta.get("fp8_layers") or [])
     model_order = tuple(fp8_layers + [n for n in (fp8.meta.get("bf16_layers") or []) if n not in fp8_layers])
     evals = compare_evals(fp8.eval_metrics(), control.eval_metrics(), loss.noise, cfg.noise_k)
     return Evidence(
-        fp8, control, cfg, loss, tuple(fp8_spikes), ctl_base, fp8_rows, ctl_rows, tuple(history_shifts(fp8_rows)),
-        ranking, outs, named, model_order, evals, _row_spacing(fp8_rows) or spacing,
+        fp8,
+        control,
+        cfg,
+        loss,
+        tuple(fp8_spikes),
+        ctl_base,
+        fp8_rows,
+        ctl_rows,
+        tuple(history_shifts(fp8_rows)),
+        ranking,
+        outs,
+        named,
+        model_order,
+        evals,
+        _row_spacing(fp8_rows) or spacing,
         known_causes(fp8.meta, fp8_rows),
     )
 
@@ -477,7 +553,9 @@ def _severity(z: float, cut: float) -> str:
     return "medium" if z >= 1.5 * cut else "low"
 
 
-def _layers_near(rows: Sequence[Any], step: int, spacing: int, history_z: float) -> list[tuple[str, str, str, float]]:
+def _layers_near(
+    rows: Sequence[Any], step: int, spacing: int, history_z: float
+) -> list[tuple[str, str, str, float]]:
     """``(layer, tensor, signal, z)`` of (layer, tensor) pairs whose statistics at the sampled step
     nearest ``step`` (within ``spacing``) jump against their own other samples, strongest first."""
     by_key: dict[tuple[str, str], dict[int, dict[str, float]]] = {}
@@ -525,22 +603,38 @@ def rule_shared_spikes(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
     if not shared:
         return []
     zs = [e.z_score for e, _ in shared if math.isfinite(e.z_score)]
-    return [Finding(
-        "shared_spikes", "low", confidence(len(shared) + 1.0, 1.0),
-        f"{len(shared)} loss spike(s) also in the BF16 control: a general training problem, not FP8",
-        "The FP8 run spiked where the control did (within "
-        f"{ev.cfg.classify_window} steps). Look at data, learning rate and optimizer state first.",
-        steps=tuple(e.start_step for e, _ in shared),
-        evidence={"spikes": [{"start_step": e.start_step, "control_start_step": c.control_start_step,
-                              "rel_excess": e.rel_excess, "recover_steps": e.recover_steps,
-                              "control_recover_steps": c.control_recover_steps, "z": e.z_score}
-                             for e, c in shared], "max_z": max(zs) if zs else math.inf},
-        next_experiments=(
-            "inspect the batches at these steps (data quality, sequence lengths) and the learning-rate schedule",
-            "lower the learning rate or add warm-up / gradient clipping; the same change should help the control",
-            "only if FP8 recovers much more slowly than the control, treat them as FP8 spikes",
-        ),
-    )]
+    return [
+        Finding(
+            "shared_spikes",
+            "low",
+            confidence(len(shared) + 1.0, 1.0),
+            f"{len(shared)} loss spike(s) also in the BF16 control: a general training problem, not FP8",
+            "The FP8 run spiked where the control did (within "
+            f"{ev.cfg.classify_window} steps). Look at data, learning rate and optimizer state first.",
+            steps=tuple(e.start_step for e, _ in shared),
+            evidence={
+                "spikes": [
+                    {
+                        "start_step": e.start_step,
+                        "control_start_step": c.control_start_step,
+                        "rel_excess": e.rel_excess,
+                        "recover_steps": e.recover_steps,
+                        "control_recover_steps": c.control_recover_steps,
+                        "z": e.z_score,
+                    }
+                    for e, c in shared
+                ],
+                "max_z": max(zs) if zs else math.inf,
+            },
+            next_experiments=(
+                "inspect the batches at these steps (data quality, sequence lengths) and the learning-rate "
+                "schedule",
+                "lower the learning rate or add warm-up / gradient clipping; the same change should help "
+                "the control",
+                "only if FP8 recovers much more slowly than the control, treat them as FP8 spikes",
+            ),
+        )
+    ]
 
 
 def rule_fp8_only_spikes(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
@@ -637,26 +731,38 @@ def rule_downstream_drop(ev: Evidence, found: Sequence[Finding]) -> list[Finding
     if not dropped or lc.onset is not None or ev.nonfinite:
         return []
     worst_name, worst = max(dropped.items(), key=lambda kv: kv[1]["z"])
-    return [Finding(
-        "downstream_drop_with_normal_loss", "high" if worst["z"] >= 3 * cfg.noise_k else "medium",
-        confidence(worst["z"], cfg.noise_k),
-        f"Evaluation drops ({', '.join(dropped)}) while the training loss matches the control",
-        f"{worst_name}: {worst['fp8']:.4g} vs control {worst['control']:.4g} at step {worst['step']} "
-        f"({100 * worst['worse_rel']:.1f}% worse, {worst['z']:.0f}x the {worst['noise_source']}), while the "
-        f"training loss stays within {100 * lc.tolerance:.2f}% of the control. Loss alone misses "
-        "problems in the inference path: scaling factors, weight loading, precision mix.",
-        steps=(int(worst["step"]),), layers=tuple(ev.named[:1]),
-        evidence={"eval": dropped, "loss_final_gap_rel": lc.final_gap},
-        next_experiments=(
-            "check the inference chain: fp8track check-inference CKPT (trained vs fresh scales vs BF16, "
-            "per-layer output error, checkpoint reload of weights and amax histories)",
-            "verify inference loads the trained scaling state (amax histories, scales) and the final weights",
-            "use FP8 training + FP8 inference as the control: BF16 inference of an FP8-trained model can add error",
-        ),
-    )]
+    return [
+        Finding(
+            "downstream_drop_with_normal_loss",
+            "high" if worst["z"] >= 3 * cfg.noise_k else "medium",
+            confidence(worst["z"], cfg.noise_k),
+            f"Evaluation drops ({', '.join(dropped)}) while the training loss matches the control",
+            f"{worst_name}: {worst['fp8']:.4g} vs control {worst['control']:.4g} at step {worst['step']} "
+            f"({100 * worst['worse_rel']:.1f}% worse, {worst['z']:.0f}x the {worst['noise_source']}), while "
+            f"the "
+            f"training loss stays within {100 * lc.tolerance:.2f}% of the control. Loss alone misses "
+            "problems in the inference path: scaling factors, weight loading, precision mix.",
+            steps=(int(worst["step"]),),
+            layers=tuple(ev.named[:1]),
+            evidence={"eval": dropped, "loss_final_gap_rel": lc.final_gap},
+            next_experiments=(
+                "check the inference chain: fp8track check-inference CKPT (trained vs fresh scales vs BF16, "
+                "per-layer output error, checkpoint reload of weights and amax histories)",
+                "verify inference loads the trained scaling state (amax histories, scales) and the final "
+                "weights",
+                "use FP8 training + FP8 inference as the control: BF16 inference of an FP8-trained model "
+                "can add error",
+            ),
+        )
+    ]
 
 
-TROUBLE_KINDS = ("fp8_only_spikes", "divergence_from_start", "mid_training_gap", "downstream_drop_with_normal_loss")
+TROUBLE_KINDS = (
+    "fp8_only_spikes",
+    "divergence_from_start",
+    "mid_training_gap",
+    "downstream_drop_with_normal_loss",
+)
 ERROR_SIGNALS = ("rel_error_db", "cos_loss")
 CORROBORATE_Z = 2.0
 """Robust z (against comparable tensors of the other layers) of a layer's relative error (incl. the
@@ -704,26 +810,49 @@ def rule_layer_outlier(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
             sev = "medium"
         worst_sig = max(r.z, key=lambda k: r.z[k] if math.isfinite(r.z[k]) else -math.inf)
         base = "the control's same layer" if r.excess else "the model's other layers"
-        out.append(Finding(
-            "layer_outlier", sev, confidence(r.score, cfg.outlier_min_score) * (1.0 if sep >= CLEAR_SEPARATION else 0.5),
-            f"Layer {r.layer} ({r.tensor}) stands out" + (f" from step {own['step']}" if own else ""),
-            f"Risk score {r.score:.1f}, {sep:.1f}x the next layer's, against comparable {r.tensor} tensors "
-            f"({r.fmt}) of the other layers, as excess over {base}; worst signal {worst_sig} "
-            f"(z {r.z[worst_sig]:.1f}): SQNR {st.get('sqnr_db', math.nan):.1f} dB (without its largest element "
-            f"{st.get('bulk_sqnr_db', math.nan):.1f} dB), underflow {st.get('underflow_pct', math.nan):.2f}%, "
-            f"cos {st.get('cos', math.nan):.5f}, |drift| {st.get('abs_drift_log2', math.nan):.2f} binades."
-            + (f" Against its own history, {own['signal']} worsened from step {own['step']} (z {own['z']:.1f})."
-               if own else ""),
-            steps=(own["step"],) if own else (), layers=(r.layer,), tensors=(r.tensor,),
-            evidence={"score": r.score, "separation": sep, "rank": r.rank, "tied": list(r.tied), "z": dict(r.z),
-                      "stats": st, "own_history": own, "excess_over_control": r.excess},
-            next_experiments=(
-                f"look for outlier features entering {r.layer}'s {r.tensor} (amax over steps)",
-                f"rerun with {r.layer} in BF16 (--bf16-layers {r.layer}) and compare the loss gap",
-                "try current or block scaling for this layer's tensors (what-if rows show the expected error)",
-                *ev.causes.values(),
-            ),
-        ))
+        out.append(
+            Finding(
+                "layer_outlier",
+                sev,
+                confidence(r.score, cfg.outlier_min_score) * (1.0 if sep >= CLEAR_SEPARATION else 0.5),
+                f"Layer {r.layer} ({r.tensor}) stands out" + (f" from step {own['step']}" if own else ""),
+                f"Risk score {r.score:.1f}, {sep:.1f}x the next layer's, against comparable {r.tensor} "
+                f"tensors "
+                f"({r.fmt}) of the other layers, as excess over {base}; worst signal {worst_sig} "
+                f"(z {r.z[worst_sig]:.1f}): SQNR {st.get('sqnr_db', math.nan):.1f} dB (without its largest "
+                f"element "
+                f"{st.get('bulk_sqnr_db', math.nan):.1f} dB), underflow "
+                f"{st.get('underflow_pct', math.nan):.2f}%, "
+                f"cos {st.get('cos', math.nan):.5f}, |drift| {st.get('abs_drift_log2', math.nan):.2f} "
+                f"binades."
+                + (
+                    f" Against its own history, {own['signal']} worsened from step {own['step']} (z "
+                    f"{own['z']:.1f})."
+                    if own
+                    else ""
+                ),
+                steps=(own["step"],) if own else (),
+                layers=(r.layer,),
+                tensors=(r.tensor,),
+                evidence={
+                    "score": r.score,
+                    "separation": sep,
+                    "rank": r.rank,
+                    "tied": list(r.tied),
+                    "z": dict(r.z),
+                    "stats": st,
+                    "own_history": own,
+                    "excess_over_control": r.excess,
+                },
+                next_experiments=(
+                    f"look for outlier features entering {r.layer}'s {r.tensor} (amax over steps)",
+                    f"rerun with {r.layer} in BF16 (--bf16-layers {r.layer}) and compare the loss gap",
+                    "try current or block scaling for this layer's tensors (what-if rows show the expected "
+                    "error)",
+                    *ev.causes.values(),
+                ),
+            )
+        )
     return out
 
 
@@ -734,27 +863,55 @@ def rule_healthy(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
     lc, watch = ev.loss, _watch(ev, found)
     best = ev.ranking[0] if ev.ranking else None
     ties = f", tied with {', '.join(best.tied)}" if best and best.tied else ""
-    return [Finding(
-        "healthy", "info", confidence(lc.z_cut / max(abs(lc.max_gap) / lc.noise, 1e-9), 1.0),
-        "FP8 matches the BF16 control",
-        f"Loss gap {100 * lc.final_gap:+.2f}% at the end, within the cut of {100 * lc.tolerance:.2f}% "
-        f"({lc.z_cut:.1f}x {lc.unit_label}, {100 * lc.noise:.2f}%); no FP8-only spikes; no evaluation drop; no layer stands out "
-        f"against the others more than in the control with an error to show for it"
-        + (f" (highest risk score {best.score:.1f}, {best.layer}{ties})." if best else ".")
-        + (f" To watch: {', '.join(f'{r.layer} ({r.tensor}, worst signal {max(r.z, key=lambda k: r.z[k])})' for r in watch)}"
-           " stand out against comparable tensors of the other layers"
-           + (" with a larger quantisation error" if any(_error_stands_out(r) for r in watch) else "")
-           + ", without any loss or evaluation impact: rerun the diagnosis after longer training."
-           if watch else ""),
-        layers=tuple(r.layer for r in watch),
-        evidence={"final_gap_rel": lc.final_gap, "max_gap_rel": lc.max_gap, "control_noise_rel": lc.noise,
-                  "tolerance_rel": lc.tolerance, "noise_unit": lc.unit, "eval": ev.evals,
-                  "top_layer": best.layer if best else None, "top_score": best.score if best else None,
-                  "top_tied_with": list(best.tied) if best else [],
-                  "watch": [{"layer": r.layer, "tensor": r.tensor, "score": r.score, "z": dict(r.z),
-                             "error_stands_out": _error_stands_out(r)} for r in watch]},
-        next_experiments=("keep monitoring at a lower sampling rate; rerun the diagnosis after longer training",),
-    )]
+    return [
+        Finding(
+            "healthy",
+            "info",
+            confidence(lc.z_cut / max(abs(lc.max_gap) / lc.noise, 1e-9), 1.0),
+            "FP8 matches the BF16 control",
+            f"Loss gap {100 * lc.final_gap:+.2f}% at the end, within the cut of {100 * lc.tolerance:.2f}% "
+            f"({lc.z_cut:.1f}x {lc.unit_label}, {100 * lc.noise:.2f}%); no FP8-only spikes; no evaluation "
+            f"drop; no layer stands out "
+            f"against the others more than in the control with an error to show for it"
+            + (f" (highest risk score {best.score:.1f}, {best.layer}{ties})." if best else ".")
+            + (
+                " To watch: "
+                + ", ".join(
+                    f"{r.layer} ({r.tensor}, worst signal {max(r.z, key=lambda k: r.z[k])})" for r in watch
+                )
+                + " stand out against comparable tensors of the other layers"
+                + (" with a larger quantisation error" if any(_error_stands_out(r) for r in watch) else "")
+                + ", without any loss or evaluation impact: rerun the diagnosis after longer training."
+                if watch
+                else ""
+            ),
+            layers=tuple(r.layer for r in watch),
+            evidence={
+                "final_gap_rel": lc.final_gap,
+                "max_gap_rel": lc.max_gap,
+                "control_noise_rel": lc.noise,
+                "tolerance_rel": lc.tolerance,
+                "noise_unit": lc.unit,
+                "eval": ev.evals,
+                "top_layer": best.layer if best else None,
+                "top_score": best.score if best else None,
+                "top_tied_with": list(best.tied) if best else [],
+                "watch": [
+                    {
+                        "layer": r.layer,
+                        "tensor": r.tensor,
+                        "score": r.score,
+                        "z": dict(r.z),
+                        "error_stands_out": _error_stands_out(r),
+                    }
+                    for r in watch
+                ],
+            },
+            next_experiments=(
+                "keep monitoring at a lower sampling rate; rerun the diagnosis after longer training",
+            ),
+        )
+    ]
 
 
 Rule = Callable[[Evidence, Sequence[Finding]], list[Finding]]
@@ -776,7 +933,9 @@ def _median_or_none(xs: Sequence[int]) -> float | None:
     return float(np.median(xs)) if xs else None
 
 
-def _numerics_experiments(top_layers: Sequence[str], all_layers: Sequence[str], cfg: DiagnosisConfig) -> tuple[str, ...]:
+def _numerics_experiments(
+    top_layers: Sequence[str], all_layers: Sequence[str], cfg: DiagnosisConfig
+) -> tuple[str, ...]:
     """Step 4 of the path, in its order; first/last layers only where they are among the top."""
     exps = [
         "FP8 inputs with a BF16 GEMM (recipe fp8_input_bf16_gemm): separates quantisation of the "
@@ -787,11 +946,17 @@ def _numerics_experiments(top_layers: Sequence[str], all_layers: Sequence[str], 
     if top_layers:
         names = ",".join(top_layers[: cfg.top_k])
         hint = ""
-        if all_layers and (all_layers[0] in top_layers[: cfg.top_k] or all_layers[-1] in top_layers[: cfg.top_k]):
+        if all_layers and (
+            all_layers[0] in top_layers[: cfg.top_k] or all_layers[-1] in top_layers[: cfg.top_k]
+        ):
             hint = " (the first/last layer is among them, as is often the case)"
-        exps.append(f"keep the top-ranked layers in BF16: --bf16-layers {names}{hint}; measurement decides the set")
+        exps.append(
+            f"keep the top-ranked layers in BF16: --bf16-layers {names}{hint}; measurement decides the set"
+        )
     else:
-        exps.append("keep the top-ranked layers of layer_ranking in BF16 (auto:K); measurement decides the set")
+        exps.append(
+            "keep the top-ranked layers of layer_ranking in BF16 (auto:K); measurement decides the set"
+        )
     return tuple(exps)
 
 
@@ -829,9 +994,15 @@ def mismatched_diagnosis(fp8: RunData, control: RunData, mismatch: Mismatch) -> 
     the mismatch's one line, no ranking, no loss comparison."""
     empty = LossComparison((), (), (), (), (), math.nan, math.nan, None, None, 0)
     finding = Finding(
-        "mismatched_runs", "high", 0.99, "The FP8 run and the control cannot be compared", mismatch.message,
+        "mismatched_runs",
+        "high",
+        0.99,
+        "The FP8 run and the control cannot be compared",
+        mismatch.message,
         evidence={"mismatch": mismatch.kind},
-        next_experiments=("pass the FP8 run and its BF16 control: the same model, data and steps, the control in BF16",),
+        next_experiments=(
+            "pass the FP8 run and its BF16 control: the same model, data and steps, the control in BF16",
+        ),
     )
     return Diagnosis(fp8.source, control.source, (finding,), (), None, empty)
 

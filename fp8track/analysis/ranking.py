@@ -58,7 +58,13 @@ from fp8track.errors import ConfigError
 from fp8track.numerics.formats import get_format
 
 SIGNALS: tuple[str, ...] = (
-    "rel_error_db", "cos_loss", "underflow_pct", "overflow_pct", "abs_drift_log2", "own_shift", "drift_events",
+    "rel_error_db",
+    "cos_loss",
+    "underflow_pct",
+    "overflow_pct",
+    "abs_drift_log2",
+    "own_shift",
+    "drift_events",
 )
 """The per-tensor signals of the risk score, each larger-is-worse (module docstring)."""
 
@@ -69,7 +75,8 @@ SIGNAL_FLOORS: Mapping[str, float] = {
     "rel_error_db": 1.0,  # dB: SQNR differences under ~1 dB are within sampling noise
     "cos_loss": 0.25,  # decades of (1 - cos)
     "underflow_pct": 0.5,  # percentage points
-    "overflow_pct": 0.5,  # percentage points, as underflow: delayed scaling saturates a few elements routinely
+    # percentage points, as underflow: delayed scaling saturates a few elements routinely
+    "overflow_pct": 0.5,
     "abs_drift_log2": 0.5,  # half a binade
     "own_shift": 2.0,  # a history z: shifts of a few own-noise units are ordinary training drift
     "drift_events": 1.0,  # severity is |peak drift| / threshold (>= 1 when an event fired)
@@ -122,9 +129,18 @@ class LayerRisk:
     excess: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layer": self.layer, "score": self.score, "tensor": self.tensor, "z": dict(self.z),
-                "stats": {t: dict(s) for t, s in self.stats.items()}, "rank": self.rank, "tied": list(self.tied),
-                "onset": self.onset, "fmt": self.fmt, "excess_over_control": self.excess}
+        return {
+            "layer": self.layer,
+            "score": self.score,
+            "tensor": self.tensor,
+            "z": dict(self.z),
+            "stats": {t: dict(s) for t, s in self.stats.items()},
+            "rank": self.rank,
+            "tied": list(self.tied),
+            "onset": self.onset,
+            "fmt": self.fmt,
+            "excess_over_control": self.excess,
+        }
 
 
 # --- per-row signals -------------------------------------------------------------------------------
@@ -181,7 +197,11 @@ def bulk_sqnr_db(stats: Mapping[str, float]) -> float:
     """
     mse, sqnr, amax = (float(stats.get(k, math.nan)) for k in ("mse", "sqnr_db", "amax"))
     numel, under = float(stats.get("numel", math.nan)), float(stats.get("underflow_pct", math.nan))
-    flushed = 10.0 * math.log10(100.0 / under) if math.isfinite(under) and under >= FLUSHED_MAJORITY_PCT else math.nan
+    flushed = (
+        10.0 * math.log10(100.0 / under)
+        if math.isfinite(under) and under >= FLUSHED_MAJORITY_PCT
+        else math.nan
+    )
     energy = math.nan
     if all(math.isfinite(v) for v in (mse, amax, numel, sqnr)) and numel > 1 and mse > 0:
         n = numel * (1.0 - float(stats.get("nonfinite_pct", 0.0) or 0.0) / 100.0)
@@ -349,7 +369,9 @@ class _Summary:
 def _summarise(points: Sequence[_Point], shift: HistoryShift | None, history_z: float,
                start: int | None, drift: Mapping[Key, Sequence[tuple[int, float]]], key: Key) -> _Summary:
     """Peaks of the signals and median statistics over the window from ``start`` (or the own onset)."""
-    onset = start if start is not None else (shift.step if shift is not None and shift.z > history_z else None)
+    onset = (
+        start if start is not None else (shift.step if shift is not None and shift.z > history_z else None)
+    )
     win = [p for p in points if onset is None or p.step >= onset] or list(points)
     peaks = {s: peak([p.sig[s] for p in win]) for s in ROW_SIGNALS}
     peaks["own_shift"] = max(shift.z, 0.0) if shift is not None else 0.0
@@ -381,7 +403,9 @@ def _drift_by_key(events: Iterable[Any]) -> dict[Key, list[tuple[int, float]]]:
             continue
         sev = data.get("severity")
         if isinstance(sev, (int, float)) and math.isfinite(sev):
-            out.setdefault((str(data.get("layer")), str(data.get("tensor"))), []).append((int(step), float(sev)))
+            out.setdefault((str(data.get("layer")), str(data.get("tensor"))), []).append(
+                (int(step), float(sev))
+            )
     return out
 
 
@@ -410,7 +434,9 @@ def rank_layers(
     if not series:
         return []
     drift = _drift_by_key(events)
-    summ = {k: _summarise(pts, _best_shift(k, pts, 3), history_z, start, drift, k) for k, pts in series.items()}
+    summ = {
+        k: _summarise(pts, _best_shift(k, pts, 3), history_z, start, drift, k) for k, pts in series.items()
+    }
     ctl_series = _series(control) if control is not None else {}
     ctl_summ: dict[Key, _Summary] = {}
     for k, s in summ.items():
@@ -427,7 +453,10 @@ def rank_layers(
         excess = bool(ctl_summ) and all(k in ctl_summ and ctl_summ[k].fmt == summ[k].fmt for k in keys)
         z_by_signal = {}
         for sig in SIGNALS:
-            vals = [_minus(summ[k].peaks[sig], ctl_summ[k].peaks[sig]) if excess else summ[k].peaks[sig] for k in keys]
+            vals = [
+                _minus(summ[k].peaks[sig], ctl_summ[k].peaks[sig]) if excess else summ[k].peaks[sig]
+                for k in keys
+            ]
             z_by_signal[sig] = robust_z(vals, SIGNAL_FLOORS[sig])
         for i, k in enumerate(keys):
             z = {sig: z_by_signal[sig][i] for sig in SIGNALS}
@@ -445,7 +474,9 @@ def rank_layers(
         score, z, excess = scored[k]
         stats = {kk[1]: {**summ[kk].stats, "onset": summ[kk].onset, "fmt": summ[kk].fmt}
                  for kk in series if kk[0] == layer}
-        risks.append(LayerRisk(layer, score, k[1], z, stats, onset=summ[k].onset, fmt=summ[k].fmt, excess=excess))
+        risks.append(
+            LayerRisk(layer, score, k[1], z, stats, onset=summ[k].onset, fmt=summ[k].fmt, excess=excess)
+        )
     risks.sort(key=lambda r: (-r.score, order[r.layer]))
     return _with_ranks(risks)
 
@@ -463,11 +494,15 @@ def _with_ranks(risks: Sequence[LayerRisk]) -> list[LayerRisk]:
     out = []
     for i, r in enumerate(risks):
         mates = tuple(o.layer for j, o in enumerate(risks) if j != i and ranks[j] == ranks[i])
-        out.append(LayerRisk(r.layer, r.score, r.tensor, r.z, r.stats, ranks[i], mates, r.onset, r.fmt, r.excess))
+        out.append(
+            LayerRisk(r.layer, r.score, r.tensor, r.z, r.stats, ranks[i], mates, r.onset, r.fmt, r.excess)
+        )
     return out
 
 
-def outliers(ranking: Sequence[LayerRisk], z_threshold: float = 3.5, min_score: float = 3.0) -> list[LayerRisk]:
+def outliers(
+    ranking: Sequence[LayerRisk], z_threshold: float = 3.5, min_score: float = 3.0
+) -> list[LayerRisk]:
     """Layers whose risk score stands out from the other layers' scores: robust z of the score
     above ``z_threshold`` (3.5, the usual modified-z cut-off) *and* a score of at least
     ``min_score`` (one signal three robust deviations worse than the typical comparable tensor),

@@ -21,9 +21,23 @@ STEPS, EVERY = 30, 5
 def test_demo_trains_three_runs_diagnoses_and_keeps_wandb_runs_apart(tmp_path):
     out = tmp_path / "demo"
     proc = subprocess.run(
-        [sys.executable, "-m", "fp8track.cli", "demo", "--out", str(out), "--steps", str(STEPS), "--every-n-steps",
-         str(EVERY), "--no-progress", "--wandb"],
-        capture_output=True, text=True, timeout=1200,
+        [
+            sys.executable,
+            "-m",
+            "fp8track.cli",
+            "demo",
+            "--out",
+            str(out),
+            "--steps",
+            str(STEPS),
+            "--every-n-steps",
+            str(EVERY),
+            "--no-progress",
+            "--wandb",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the console ends with the answers; the summary is a file, not a JSON dump on the console
@@ -33,7 +47,11 @@ def test_demo_trains_three_runs_diagnoses_and_keeps_wandb_runs_apart(tmp_path):
     assert [a.split(":")[0] for a in answers] == ["fp8-delayed", "fp8-planted"]
     assert "[fp8track] training [1/3] bf16-control" in proc.stdout
     control, fp8, planted = summary["runs"]
-    assert (control["recipe"], fp8["recipe"], planted["name"]) == ("bf16", "delayed:hybrid:h16:max", "fp8-planted")
+    assert (control["recipe"], fp8["recipe"], planted["name"]) == (
+        "bf16",
+        "delayed:hybrid:h16:max",
+        "fp8-planted",
+    )
     uri = f"sqlite:///{out / 'mlflow.db'}"
     assert f"mlflow ui --backend-store-uri {uri}" in proc.stdout
     url = re.search(r"Compare the runs: +(\S+)", proc.stdout).group(1)
@@ -88,11 +106,21 @@ def test_demo_trains_three_runs_diagnoses_and_keeps_wandb_runs_apart(tmp_path):
         steps = sorted({int(r["trainer/global_step"]) for r in rows if "fp8/loss" in r})
         assert steps == list(range(STEPS))  # the loss of every optimizer step, not only the sampled ones
         ours = RunReader(run["run_dir"]).series("fp8/loss")
-        assert all(r["fp8/loss"] == pytest.approx(ours[int(r["trainer/global_step"])]) for r in rows if "fp8/loss" in r)
+        assert all(
+            r["fp8/loss"] == pytest.approx(ours[int(r["trainer/global_step"])])
+            for r in rows
+            if "fp8/loss" in r
+        )
     # the report went into the FP8 runs' W&B runs as HTML (a resumed offline run with the same id)
     for run in (fp8, planted):
         rows = [r for f in by_id[run["wandb_run_id"]] for r in read_wandb_history(f)]
-        # the history reader flattens nested values: {"fp8track/report": {"_type": ...}} -> "fp8track/report._type"
-        assert any(r.get("fp8track/report._type") == "html-file"
-                   or (isinstance(r.get("fp8track/report"), dict) and r["fp8track/report"].get("_type") == "html-file")
-                   for r in rows), rows[-1]
+        # the history reader flattens nested values:
+        # {"fp8track/report": {"_type": ...}} -> "fp8track/report._type"
+        assert any(
+            r.get("fp8track/report._type") == "html-file"
+            or (
+                isinstance(r.get("fp8track/report"), dict)
+                and r["fp8track/report"].get("_type") == "html-file"
+            )
+            for r in rows
+        ), rows[-1]

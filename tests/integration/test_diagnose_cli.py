@@ -16,8 +16,13 @@ from fp8track.analysis.synthetic_loss import plant_divergence  # noqa: E402
 
 
 def _cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "fp8track.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=600, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "fp8track.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=cwd,
+    )
 
 
 class _Imgs(HTMLParser):
@@ -36,8 +41,11 @@ class _Imgs(HTMLParser):
 def _planted(tmp_path):
     # the planted layer from step 150 and the loss rising from 160: a mid-training gap naming it, and
     # the layer outlier (statistics nominate, the loss decides)
-    run, ctl = _pair(tmp_path, fp8_rows=lambda rng: _rows(rng, planted_from=150),
-                     fp8_loss=lambda c, rng: plant_divergence(c * (1 + rng.normal(0, 0.002, len(c))), 160, 0.004))
+    run, ctl = _pair(
+        tmp_path,
+        fp8_rows=lambda rng: _rows(rng, planted_from=150),
+        fp8_loss=lambda c, rng: plant_divergence(c * (1 + rng.normal(0, 0.002, len(c))), 160, 0.004),
+    )
     return tmp_path / "fp8", tmp_path / "control"
 
 
@@ -54,7 +62,9 @@ def test_diagnose_writes_json_and_a_self_contained_report(tmp_path):
     p = _Imgs()
     p.feed(html)
     assert p.kinds == ["mid_training_gap", "layer_outlier"]
-    assert len(p.imgs) == 7 and all(s.startswith("data:image/png;base64,") for s in p.imgs)  # loss, eval, ranking, 4 heatmaps
+    assert len(p.imgs) == 7 and all(
+        s.startswith("data:image/png;base64,") for s in p.imgs
+    )  # loss, eval, ranking, 4 heatmaps
     assert "http" not in html.replace("http-equiv", "")  # nothing fetched from the network
     assert "no fixed universal threshold" in d["method"]
 
@@ -87,7 +97,9 @@ def test_diagnose_reads_an_mlflow_run_and_logs_the_report_there(tmp_path):
                     for s in ("sqnr_db", "cos", "underflow_pct", "overflow_pct", "scale_drift_log2")]
     for i in range(0, len(metrics), 1000):
         client.log_batch(run_id, metrics=metrics[i:i + 1000])
-    proc = _cli("diagnose", f"mlflow:{run_id}", "--baseline", ctl, "--out", tmp_path / "out", "--tracking-uri", uri)
+    proc = _cli(
+        "diagnose", f"mlflow:{run_id}", "--baseline", ctl, "--out", tmp_path / "out", "--tracking-uri", uri
+    )
     assert proc.returncode == 0, proc.stderr
     d = json.loads((tmp_path / "out" / "diagnosis.json").read_text())
     assert d["findings"][0]["kind"] == "mid_training_gap" and d["layer_ranking"][0]["layer"] == PLANTED
@@ -99,7 +111,13 @@ def test_report_renders_in_headless_chromium(tmp_path, chromium):
     fp8, ctl = _planted(tmp_path)
     assert _cli("diagnose", fp8, "--baseline", ctl, "--out", tmp_path / "out").returncode == 0
     url = (tmp_path / "out" / "report.html").as_uri()
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", f"--user-data-dir={tmp_path / 'prof'}"]
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={tmp_path / 'prof'}",
+    ]
     dom = subprocess.run([chromium, *flags, "--dump-dom", url], capture_output=True, text=True, timeout=180)
     assert dom.returncode == 0, dom.stderr[-2000:]
     p = _Imgs()
@@ -124,7 +142,13 @@ def test_check_inference_cli_on_an_example_checkpoint(tmp_path):
     from fp8track.examples.gpt import build_example
     from fp8track.inference import save_checkpoint
 
-    build = {"recipe": "delayed:hybrid:h16:max", "n_layer": 1, "n_embd": 32, "block_size": 32, "max_bytes": 20000}
+    build = {
+        "recipe": "delayed:hybrid:h16:max",
+        "n_layer": 1,
+        "n_embd": 32,
+        "block_size": 32,
+        "max_bytes": 20000,
+    }
     module, data, _ = build_example(**build)
     data.setup()
     x, y = next(iter(data.train_dataloader()))
@@ -140,4 +164,6 @@ def test_check_inference_cli_on_an_example_checkpoint(tmp_path):
     assert res["checkpoint_restored_exactly"] is True and res["problems"] == []
     torch.save({"state_dict": {}}, tmp_path / "plain.pt")
     bad = _cli("check-inference", tmp_path / "plain.pt")
-    assert bad.returncode == 2 and "not an fp8track checkpoint" in bad.stderr and "Traceback" not in bad.stderr
+    assert (
+        bad.returncode == 2 and "not an fp8track checkpoint" in bad.stderr and "Traceback" not in bad.stderr
+    )

@@ -21,14 +21,23 @@ from fp8track.monitoring.records import MetricsRecord, RunMeta, RunWriter, Tenso
 
 N = 300
 EVERY = 10
-LAYERS = [f"blocks.{i}.{m}" for i in range(3) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")] + ["lm_head"]
+LAYERS = [f"blocks.{i}.{m}" for i in range(3) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")] + [
+    "lm_head"
+]
 PLANTED = "blocks.1.mlp.fc"
 
 
 def _stats(rng, sqnr=30.0, under=1.0, drift=0.0):
     sqnr = sqnr + rng.normal(0, 0.4)
-    return {"sqnr_db": sqnr, "cos": 1 - 0.5 * 10 ** (-sqnr / 10), "underflow_pct": max(under + rng.normal(0, 0.08), 0),
-            "overflow_pct": 0.0, "scale_drift_log2": drift + rng.normal(0, 0.1), "mse": 1e-4, "amax": 1.0}
+    return {
+        "sqnr_db": sqnr,
+        "cos": 1 - 0.5 * 10 ** (-sqnr / 10),
+        "underflow_pct": max(under + rng.normal(0, 0.08), 0),
+        "overflow_pct": 0.0,
+        "scale_drift_log2": drift + rng.normal(0, 0.1),
+        "mse": 1e-4,
+        "amax": 1.0,
+    }
 
 
 def _rows(rng, variant="actual", planted_from=None, planted_steps=()):
@@ -64,7 +73,9 @@ def _pair(tmp_path, fp8_loss=None, fp8_rows=None, fp8_evals=None, ctl_evals=None
     fp8 = control * (1 + rng.normal(0, 0.002, N)) if fp8_loss is None else fp8_loss(control, rng)
     evals = {s: {"val_loss": 2.4 - 0.1 * s / N, "val_acc": 0.60 + 0.1 * s / N} for s in range(59, N, 60)}
     ctl = _write(tmp_path, "control", control, _rows(rng, "shadow"), ctl_evals or evals, recipe="bf16")
-    run = _write(tmp_path, "fp8", fp8, fp8_rows(rng) if fp8_rows else _rows(rng), fp8_evals or evals, precision)
+    run = _write(
+        tmp_path, "fp8", fp8, fp8_rows(rng) if fp8_rows else _rows(rng), fp8_evals or evals, precision
+    )
     return run, ctl
 
 
@@ -91,7 +102,9 @@ def test_planted_outlier_layer_with_a_normal_loss_is_a_layer_to_watch(tmp_path):
     f = d.top
     assert f.layers == (PLANTED,)
     watch = f.evidence["watch"]
-    assert [(w["layer"], w["tensor"], w["error_stands_out"]) for w in watch] == [(PLANTED, "activation", True)]
+    assert [(w["layer"], w["tensor"], w["error_stands_out"]) for w in watch] == [
+        (PLANTED, "activation", True)
+    ]
     assert d.layer_ranking[0].layer == PLANTED
     # the planted layer is judged from its own onset on; the ranking spans every sampled step
     assert d.layer_ranking[0].onset == 150 and d.ranking_window == (0, N - EVERY)
@@ -104,11 +117,17 @@ def test_divergence_from_start_lists_newly_enabled_options(tmp_path):
         return control[0] * (1 + rng.normal(0, 0.02, N))
 
     precision = {"recipe": "delayed", "fp8_weights": True, "cpu_offloading": True, "torch_compile": False}
-    run, ctl = _pair(tmp_path, fp8_loss=broken, fp8_rows=lambda rng: _rows(rng, planted_from=0), precision=precision)
+    run, ctl = _pair(
+        tmp_path, fp8_loss=broken, fp8_rows=lambda rng: _rows(rng, planted_from=0), precision=precision
+    )
     d = diagnose(run, ctl)
     assert d.top.kind == "divergence_from_start"
     assert d.top.severity == "high"
-    assert d.top.evidence["newly_enabled"] == {"recipe": "delayed", "fp8_weights": True, "cpu_offloading": True}
+    assert d.top.evidence["newly_enabled"] == {
+        "recipe": "delayed",
+        "fp8_weights": True,
+        "cpu_offloading": True,
+    }
     exps = d.top.next_experiments
     assert "FP8 recipe" in exps[0] and "FP8 weights" in exps[1] and "CPU offloading" in exps[2]
     assert d.layer_ranking[0].layer == PLANTED
@@ -116,8 +135,11 @@ def test_divergence_from_start_lists_newly_enabled_options(tmp_path):
 
 
 def test_mid_training_instability_is_a_mid_training_gap_with_the_planted_layer_first(tmp_path):
-    run, ctl = _pair(tmp_path, fp8_loss=lambda c, rng: plant_divergence(c * (1 + rng.normal(0, 0.002, N)), 180, 0.004),
-                     fp8_rows=lambda rng: _rows(rng, planted_from=170))
+    run, ctl = _pair(
+        tmp_path,
+        fp8_loss=lambda c, rng: plant_divergence(c * (1 + rng.normal(0, 0.002, N)), 180, 0.004),
+        fp8_rows=lambda rng: _rows(rng, planted_from=170),
+    )
     d = diagnose(run, ctl)
     assert d.top.kind == "mid_training_gap"
     # a runaway rise from 180: loss_gap.judge_gap walks a gradual rise back to the midpoint of its
@@ -125,8 +147,14 @@ def test_mid_training_instability_is_a_mid_training_gap_with_the_planted_layer_f
     assert 180 <= d.top.steps[0] <= 230
     assert d.layer_ranking[0].layer == PLANTED and d.top.layers[0] == PLANTED
     exps = d.top.next_experiments
-    # the path's order: BF16 GEMM with FP8 inputs, current scaling, block scaling, BF16 fallback of the top layers
-    assert ["fp8_input_bf16_gemm" in exps[0], "current" in exps[1], "mxfp8" in exps[2], PLANTED in exps[3]] == [True] * 4
+    # the path's order: BF16 GEMM with FP8 inputs, current scaling, block scaling,
+    # BF16 fallback of the top layers
+    assert [
+        "fp8_input_bf16_gemm" in exps[0],
+        "current" in exps[1],
+        "mxfp8" in exps[2],
+        PLANTED in exps[3],
+    ] == [True] * 4
     assert "layer_outlier" in d.kinds()
 
 
@@ -181,7 +209,9 @@ def test_a_layer_hard_in_the_control_too_is_not_an_fp8_outlier(tmp_path):
     # judged as excess over the same layer in the control, the planted layer is no worse than any other
     planted = next(r for r in d.layer_ranking if r.layer == PLANTED)
     assert all(r.excess for r in d.layer_ranking)
-    assert planted.score < 3.0 and planted.stats["activation"]["underflow_pct"] == pytest.approx(18.0, abs=0.5)
+    assert planted.score < 3.0 and planted.stats["activation"]["underflow_pct"] == pytest.approx(
+        18.0, abs=0.5
+    )
     assert d.kinds() == ["healthy"]  # the model's own property, not FP8's
     # without the control the same rows make it the clear outlier (the peer comparison alone)
     from fp8track.analysis.ranking import rank_layers
@@ -217,10 +247,28 @@ def test_gap_is_judged_in_the_controls_noise_unit():
 
 
 def test_newly_enabled_and_json_is_plain(tmp_path):
-    fp8 = {"recipe": {"name": "current"}, "config": {"precision": {"recipe": "current", "torch_compile": True,
-                                                                   "fused_optimizer": "fused", "precision": "bf16-mixed"}}}
-    ctl = {"recipe": {"name": "bf16"}, "config": {"precision": {"recipe": None, "torch_compile": True,
-                                                                "fused_optimizer": None, "precision": "bf16-mixed"}}}
+    fp8 = {
+        "recipe": {"name": "current"},
+        "config": {
+            "precision": {
+                "recipe": "current",
+                "torch_compile": True,
+                "fused_optimizer": "fused",
+                "precision": "bf16-mixed",
+            }
+        },
+    }
+    ctl = {
+        "recipe": {"name": "bf16"},
+        "config": {
+            "precision": {
+                "recipe": None,
+                "torch_compile": True,
+                "fused_optimizer": None,
+                "precision": "bf16-mixed",
+            }
+        },
+    }
     assert newly_enabled(fp8, ctl) == {"recipe": "current", "fused_optimizer": "fused"}
     d = diagnose(*_pair(tmp_path))
     text = json.dumps(d.to_dict(), allow_nan=False)  # no NaN/inf leaks into diagnosis.json

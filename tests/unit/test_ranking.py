@@ -30,7 +30,9 @@ from fp8track.monitoring.records import TensorStatsRow
 from fp8track.numerics.stats import quant_stats
 
 
-def _row(layer, tensor, step, sqnr=30.0, cos=0.9995, under=1.0, over=0.0, drift=0.0, variant="actual", **extra):
+def _row(
+    layer, tensor, step, sqnr=30.0, cos=0.9995, under=1.0, over=0.0, drift=0.0, variant="actual", **extra
+):
     return TensorStatsRow(step, layer, tensor, {"sqnr_db": sqnr, "cos": cos, "underflow_pct": under,
                                                 "overflow_pct": over, "scale_drift_log2": drift,
                                                 "mse": 1e-4, "amax": 1.0, **extra}, variant)
@@ -87,7 +89,9 @@ def test_bulk_sqnr_matches_the_error_of_the_non_outlier_elements(big, stale):
     keep[x.abs().argmax()] = False
     ref = 10 * math.log10(float((x[keep].double() ** 2).sum() / ((x[keep] - q[keep]).double() ** 2).sum()))
     amax2 = float(x.abs().max()) ** 2
-    assert largest_element_error(s) == pytest.approx(float((x.abs().max() - q[~keep].abs()) ** 2), rel=1e-4, abs=1e-9 * amax2)
+    assert largest_element_error(s) == pytest.approx(
+        float((x.abs().max() - q[~keep].abs()) ** 2), rel=1e-4, abs=1e-9 * amax2
+    )
     if big == 1e7:
         # the outlier carries all but 4e-11 of the energy: SQNR > 100 dB, cos 1.0, and every ordinary
         # element is flushed. float32 sums cannot resolve the rest; the flushed-majority rule does:
@@ -137,7 +141,9 @@ def test_excess_over_the_control_hand_worked():
     assert ranking[0].layer == "l3" and ranking[0].score == pytest.approx(2.0)
     assert outliers(ranking) == []
     # a control in another format is not comparable: plain peer comparison
-    ctl5 = [TensorStatsRow(0, r.layer, r.tensor, {**r.stats, "current_scale": 57344.0}, "shadow") for r in ctl]
+    ctl5 = [
+        TensorStatsRow(0, r.layer, r.tensor, {**r.stats, "current_scale": 57344.0}, "shadow") for r in ctl
+    ]
     assert not any(r.excess for r in rank_layers(fp8, control=ctl5))
 
 
@@ -233,7 +239,12 @@ def _run(seed, fp8, plant=None):
                 if layer == heavy and t == "gradient":
                     x = x * profile
                 amax = float(x.abs().max())
-                planted = fp8 and plant is not None and (layer, t) == (plant.layer, plant.tensor) and step >= plant.start
+                planted = (
+                    fp8
+                    and plant is not None
+                    and (layer, t) == (plant.layer, plant.tensor)
+                    and step >= plant.start
+                )
                 if planted and plant.kind == "outlier_element":
                     x[0] = plant.strength * mags[(layer, t)]  # a steady outlier: exact at the format's max
                 hist = history.setdefault((layer, t), [])
@@ -246,7 +257,9 @@ def _run(seed, fp8, plant=None):
                 if planted and plant.kind == "overflow":
                     scale *= plant.strength
                 hist.append(float(x.abs().max()))
-                rows.append(TensorStatsRow(step, layer, t, quant_stats(x, fmt, scale), "actual" if fp8 else "shadow"))
+                rows.append(
+                    TensorStatsRow(step, layer, t, quant_stats(x, fmt, scale), "actual" if fp8 else "shadow")
+                )
     return rows
 
 
@@ -303,7 +316,9 @@ def test_outlier_hiding_damage_is_corroborated_by_its_error(planted):
     loss a layer to watch (statistics nominate, the loss decides)."""
     plant, fp8, ctl = planted["weight-first"]
     # (at the plant's first step the delayed scale predates the outlier, which saturates)
-    late = [r.stats for r in fp8 if (r.layer, r.tensor) == (plant.layer, plant.tensor) and r.step > plant.start]
+    late = [
+        r.stats for r in fp8 if (r.layer, r.tensor) == (plant.layer, plant.tensor) and r.step > plant.start
+    ]
     assert min(s["sqnr_db"] for s in late) > 40 and min(s["cos"] for s in late) > 0.9999
     assert min(s["underflow_pct"] for s in late) > 95
     risk = rank_layers(fp8, control=ctl)[0]
