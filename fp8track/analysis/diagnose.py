@@ -960,10 +960,23 @@ def _numerics_experiments(
     return tuple(exps)
 
 
+SYMPTOM_KINDS = tuple(k for k in KINDS if k not in ("mismatched_runs", "layer_outlier", "healthy"))
+"""The path's failure kinds, read from the loss and evaluation curves: what is wrong with the run."""
+
+
+def finding_order(f: Finding) -> tuple[int, int, int]:
+    """Sort key of the findings: a symptom of medium or high severity first (what is wrong: spikes, a
+    gap, an evaluation drop), then by severity and the path's order. A layer outlier says *where* to
+    look; it is raised only with loss or evaluation trouble, so it follows the symptom it explains
+    rather than hiding it (two high layer outliers above a medium FP8-only spike read as "no spike")."""
+    symptom_first = 0 if f.kind in SYMPTOM_KINDS and f.severity in ("high", "medium") else 1
+    return symptom_first, SEVERITIES.index(f.severity), KINDS.index(f.kind)
+
+
 def diagnose(fp8: RunData, control: RunData, config: DiagnosisConfig | None = None,
              loss_key: str | None = None) -> Diagnosis:
     """Diagnose ``fp8`` against its BF16 ``control`` (module docstring): gather the evidence once,
-    run :data:`RULES` in the path's order, sort the findings by severity then path order.
+    run :data:`RULES` in the path's order, sort the findings (:func:`finding_order`).
 
     Raises:
         ConfigError: when the runs have no loss metric or fewer than 3 common loss steps.
@@ -978,9 +991,7 @@ def diagnose(fp8: RunData, control: RunData, config: DiagnosisConfig | None = No
     findings: list[Finding] = []
     for kind in RULES:  # the path's order (KINDS; mismatched_runs is decided before the rules)
         findings.extend(RULES[kind](ev, tuple(findings)))
-    order = {k: i for i, k in enumerate(KINDS)}
-    sev = {k: i for i, k in enumerate(SEVERITIES)}
-    findings.sort(key=lambda f: (sev[f.severity], order[f.kind]))
+    findings.sort(key=finding_order)
     steps = sorted({int(r.step) for r in ev.fp8_rows})
     window = (steps[0], steps[-1]) if steps else None
     return Diagnosis(
