@@ -347,7 +347,7 @@ def train_run(spec: RunSpec, log_dir: Path) -> dict[str, Any]:
     ``eval_clean`` (``{step: val_loss through the correct path}``), ``planted_layers``, ``seconds``.
     """
     import fp8track
-    from fp8track.monitoring.monitor import run_meta_for
+    from fp8track.monitoring.monitor import data_fingerprint, run_meta_for
 
     model = build_model(spec.family, spec.seed)
     report = fp8track.apply_fp8(model, spec.recipe, backend="emulated")
@@ -357,8 +357,13 @@ def train_run(spec: RunSpec, log_dir: Path) -> dict[str, Any]:
     meta = run_meta_for(model, name=f"{spec.family}-{spec.recipe}-s{spec.seed}",
                         config={"data_seed": spec.seed, "data_order": f"bench-{spec.seed}-{spec.steps}",
                                 "family": spec.family})
+    # The batches are a function of (seed, steps, data spikes): the FP8 run and its control record
+    # the same fingerprint, so the diagnosis compares them step by step (paired noise unit).
+    fingerprint = data_fingerprint(
+        seed=spec.seed, order=range(spec.steps), data_spikes=repr(spec.data_spikes)
+    )
     mon = fp8track.Monitor(model, fp8track.MonitorConfig(every_n_steps=spec.every_n), log_dir=log_dir,
-                           meta=meta).attach()
+                           meta=meta, data_fingerprint=fingerprint).attach()
     planted = target_layers(fp8_layers, spec.plant.position) if spec.plant else []
     plant = PlantHandle(model, spec.plant, planted).attach() if spec.plant else None
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)

@@ -166,7 +166,9 @@ class Monitor(core.Monitor):
 
     Args (beyond the core's ``model``, ``layers``, ``plans``, ``log_dir``, ``meta``, ``is_writer``,
     ``sharding``, ``apply_report``: the :class:`~fp8track.execution.apply.ApplyReport` that
-    :func:`fp8track.apply_fp8` returned):
+    :func:`fp8track.apply_fp8` returned, ``data_fingerprint``: what data the run saw, from
+    :func:`fp8track.monitoring.monitor.data_fingerprint`, so the diagnosis pairs runs on the same
+    batches):
         config: :class:`fp8track.MonitorConfig`, a mapping or a YAML path (capture settings and
             the detectors' thresholds).
         trackers: :class:`fp8track.trackers.Tracker` objects fed after the records are written.
@@ -198,6 +200,7 @@ class Monitor(core.Monitor):
         is_writer: bool | None = None,
         sharding: ShardSpec | None = None,
         apply_report: ApplyReport | None = None,
+        data_fingerprint: Mapping[str, Any] | None = None,
     ) -> None:
         cfg = MonitorConfig.load(config)
         model = unwrap_model(model)
@@ -216,6 +219,7 @@ class Monitor(core.Monitor):
             is_writer=writer,
             sharding=sharding,
             apply_report=apply_report,
+            data_fingerprint=data_fingerprint,
         )
 
     def __enter__(self) -> Monitor:

@@ -452,6 +452,8 @@ class Evidence:
         evals: per evaluation metric, :func:`compare_evals`.
         row_spacing: steps between two sampled steps of the tensor statistics.
         causes: the known causes the run points to (:func:`fp8track.analysis.causes.known_causes`).
+        paired_spikes: spikes of the FP8/control loss ratio when both runs saw the same batches
+            (:func:`paired_spikes`); empty otherwise.
     """
 
     fp8: RunData
@@ -470,6 +472,7 @@ class Evidence:
     evals: Mapping[str, Mapping[str, Any]]
     row_spacing: int
     causes: Mapping[str, str]
+    paired_spikes: tuple[SpikeEvent, ...] = ()
 
     @property
     def nonfinite(self) -> list[SpikeEvent]:
@@ -541,7 +544,26 @@ def gather_evidence(
         evals,
         _row_spacing(fp8_rows) or spacing,
         known_causes(fp8.meta, fp8_rows),
+        paired_spikes(fl, cl, steps, scfg) if loss.unit == "paired" else (),
     )
+
+
+def paired_spikes(
+    fp8: Mapping[int, float], control: Mapping[int, float], steps: Sequence[int], config: SpikeConfig
+) -> tuple[SpikeEvent, ...]:
+    """Spikes of the ratio ``fp8 / control`` over ``steps``, for two runs that saw the same batches.
+
+    The batches' own difficulty moves both losses alike and cancels in the ratio, so an FP8-only
+    excursion too small to stand out of the raw loss's batch-to-batch noise (a slow 10 % bump over
+    twenty steps while a delayed scale recovers) stands out of the ratio's much smaller noise. The
+    same detector, thresholds and recovery rule as for the raw loss; a data spike both runs take
+    alike leaves the ratio flat, so every event here is FP8-only by construction."""
+    ratio = {
+        s: fp8[s] / control[s]
+        for s in steps
+        if math.isfinite(fp8[s]) and math.isfinite(control[s]) and control[s] > 0
+    }
+    return tuple(e for e in detect_spikes(ratio, config) if e.kind == "spike")
 
 
 # --- the rules: one function per finding kind ----------------------------------------------------
@@ -584,16 +606,25 @@ def _classified_spikes(ev: Evidence) -> tuple[list[Any], list[Any]]:
     """FP8 spikes split into (shared with the control, FP8 only), each as ``(event, classification)``.
     An FP8 spike that never recovers and starts within one smoothing window of a lasting gap's onset
     is that gap's own step up, judged by the gap rules."""
-    shared, only = [], []
+    shared: list[Any] = []
+    only: list[Any] = []
     lc = ev.loss
     spacing = max(1, int(np.median(np.diff(lc.steps)))) if len(lc.steps) > 1 else 1
+
+    def gap_step_up(e: SpikeEvent) -> bool:
+        return (lc.onset is not None and e.status == "not_recovered"
+                and e.start_step >= lc.onset - lc.smooth * spacing)
+
     for e in ev.fp8_spikes:
-        if (lc.onset is not None and e.status == "not_recovered"
-                and e.start_step >= lc.onset - lc.smooth * spacing):
-            continue
-        if e.kind == "spike":
+        if e.kind == "spike" and not gap_step_up(e):
             cls = classify_spike(e, ev.control_base, ev.cfg.classify_window)
             (shared if cls.label == "shared" else only).append((e, cls))
+    # Excursions of the paired ratio that the raw loss's noise hid: FP8-only (the data cancels).
+    seen = [e.start_step for e, _ in shared + only]
+    for e in ev.paired_spikes:
+        if not gap_step_up(e) and all(abs(e.start_step - s) > ev.cfg.classify_window for s in seen):
+            only.append((e, None))
+    only.sort(key=lambda ec: ec[0].start_step)
     return shared, only
 
 

@@ -52,10 +52,13 @@ def _rows(rng, variant="actual", planted_from=None, planted_steps=()):
     return rows
 
 
-def _write(tmp_path, name, loss, rows, evals=None, precision=None, recipe="delayed"):
+def _write(tmp_path, name, loss, rows, evals=None, precision=None, recipe="delayed", data=None):
+    config = {"precision": precision or {"recipe": None if recipe == "bf16" else recipe,
+                                         "fp8_weights": False, "cpu_offloading": False}}
+    if data is not None:
+        config["data"] = data
     meta = RunMeta(name=name, recipe={"name": recipe}, fp8_layers=tuple(LAYERS) if recipe != "bf16" else (),
-                   config={"precision": precision or {"recipe": None if recipe == "bf16" else recipe,
-                                                      "fp8_weights": False, "cpu_offloading": False}})
+                   config=config)
     w = RunWriter(tmp_path / name, meta)
     for s, v in enumerate(loss):
         w.write_metrics(MetricsRecord(s, {"loss": float(v)}))
@@ -183,6 +186,39 @@ def test_fp8_only_spikes_name_the_layer_that_jumps(tmp_path):
     assert d.top.kind == "fp8_only_spikes"
     assert d.top.steps == spike_steps
     assert d.top.layers[0] == PLANTED
+
+
+def _noisy_pair(tmp_path, bump: float, paired: bool, seed: int = 5):
+    """Batches whose difficulty moves both losses by ~6 % per step (common noise), and an FP8 run
+    that follows its control except for a slow excursion of ``bump`` over steps 150-170 (as while a
+    delayed scale recovers from one bad amax); the runs record the same data fingerprint when
+    ``paired``."""
+    from fp8track.monitoring.monitor import data_fingerprint
+
+    rng = np.random.default_rng(seed)
+    control = healthy(Curve(start=6.0, floor=2.0, tau=60.0, sigma=0.06), N, rng)
+    excursion = np.zeros(N)
+    excursion[150:171] = bump * np.sin(np.linspace(0, np.pi, 21))
+    fp8 = control * (1 + excursion) * (1 + rng.normal(0, 0.002, N))
+    data = data_fingerprint(seed=seed, order=range(N)) if paired else None
+    ctl = _write(tmp_path, "control", control, _rows(rng, "shadow"), recipe="bf16", data=data)
+    run = _write(tmp_path, "fp8", fp8, _rows(rng), data=data)
+    return run, ctl
+
+
+def test_an_fp8_only_excursion_hidden_in_the_batch_noise_is_found_on_the_paired_ratio(tmp_path):
+    # a 15 % bump is 2.5 sigma of the raw loss's batch noise, 70 sigma of the ratio's
+    unpaired = diagnose(*_noisy_pair(tmp_path / "a", 0.15, paired=False))
+    assert "fp8_only_spikes" not in unpaired.kinds()
+    d = diagnose(*_noisy_pair(tmp_path / "b", 0.15, paired=True))
+    assert d.loss.unit == "paired"
+    assert d.top.kind == "fp8_only_spikes", d.kinds()
+    (step,) = d.top.steps
+    assert 150 <= step <= 165
+    # the same pair without the excursion: nothing to find in either unit
+    for paired in (True, False):
+        healthy_pair = diagnose(*_noisy_pair(tmp_path / f"h{paired}", 0.0, paired=paired))
+        assert healthy_pair.top.kind == "healthy", healthy_pair.kinds()
 
 
 def test_spikes_in_both_runs_are_shared(tmp_path):
