@@ -253,8 +253,6 @@ class Monitor:
         self.is_writer = (_dist_rank() == 0) if is_writer is None else is_writer
         self.apply_report = apply_report if apply_report is not None else applied_report(model)
         self.meta = meta or run_meta_for(model, report=self.apply_report)
-        if data_fingerprint is not None:
-            self.record_data(data_fingerprint)
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self._sink_factory = sink
         self._writer: RunWriter | None = None
@@ -266,6 +264,8 @@ class Monitor:
         self._closed = False
         self._attached = False
         self._resume_step: int | None = None  # set by load_state_dict: records from here on are redone
+        if data_fingerprint is not None:
+            self.record_data(data_fingerprint)
 
     # -- lifecycle -------------------------------------------------------------------------------
     @property

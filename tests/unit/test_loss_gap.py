@@ -183,3 +183,25 @@ def test_sampled_series_and_a_long_run():
     f = c * (1 + 0.004 * rng.standard_normal(n)) * np.where(np.arange(n) >= 15_000, 1.05, 1.0)
     j = judge_gap(dict(enumerate(f)), dict(enumerate(c)), paired=True)
     assert j.smooth == MAX_SMOOTH and j.lasting and abs(j.onset_step - 15_000) <= 5 and j.severity == "high"
+
+
+def test_plain_monitor_takes_the_data_fingerprint_at_construction(tmp_path):
+    """``fp8track.Monitor(data_fingerprint=...)``: the fingerprint lands in meta.json, and two runs
+    given the same one are paired while a different order is not."""
+    import torch
+
+    import fp8track
+    from fp8track.analysis.baseline import load_run
+    from fp8track.monitoring.monitor import data_fingerprint
+
+    metas = []
+    for name, order in (("a", [3, 1, 2]), ("b", [3, 1, 2]), ("c", [1, 2, 3])):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+        fp = data_fingerprint(seed=7, order=order)
+        with fp8track.Monitor(model, {"every_n_steps": 1}, log_dir=tmp_path / name, data_fingerprint=fp) as mon:
+            model(torch.randn(2, 8)).sum().backward()
+            mon.step(loss=1.0)
+        meta = load_run(mon.run_dir).meta
+        assert meta["config"]["data"] == fp
+        metas.append(meta)
+    assert same_batches(metas[0], metas[1]) and not same_batches(metas[0], metas[2])
