@@ -198,7 +198,8 @@ def test_plain_monitor_takes_the_data_fingerprint_at_construction(tmp_path):
     for name, order in (("a", [3, 1, 2]), ("b", [3, 1, 2]), ("c", [1, 2, 3])):
         model = torch.nn.Sequential(torch.nn.Linear(8, 8))
         fp = data_fingerprint(seed=7, order=order)
-        with fp8track.Monitor(model, {"every_n_steps": 1}, log_dir=tmp_path / name, data_fingerprint=fp) as mon:
+        cfg = {"every_n_steps": 1}
+        with fp8track.Monitor(model, cfg, log_dir=tmp_path / name, data_fingerprint=fp) as mon:
             model(torch.randn(2, 8)).sum().backward()
             mon.step(loss=1.0)
         meta = load_run(mon.run_dir).meta
