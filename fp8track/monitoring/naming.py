@@ -189,8 +189,12 @@ def holder_prefix(model: Any, names: Sequence[str]) -> str:
         return ""
     head = heads.pop()
     # self.body = nn.Sequential(...) is the module's own layers, not a model it holds ("0", "2"
-    # would be no names): only a model class is a holder.
-    return "" if isinstance(getattr(root, head, None), _CONTAINERS) else head
+    # would be no names): only a model class is a holder. A compiled child (torch.compile's
+    # OptimizedModule keeps the module as `_orig_mod`) is judged by what it compiled, so a model
+    # names its layers the same compiled or not.
+    child = getattr(root, head, None)
+    child = getattr(child, "_orig_mod", child)
+    return "" if isinstance(child, _CONTAINERS) else head
 
 
 def canonical_layer_names(model: Any, names: Sequence[str]) -> list[str]:
