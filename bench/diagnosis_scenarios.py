@@ -302,8 +302,8 @@ def scale_fault(layer: nn.Module, tensor: str, log2: float) -> Callable[[], None
     orig = q.quantize
     factor = 2.0 ** -log2
 
-    def faulty(kind: str, x: torch.Tensor, update: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        qx, s = orig(kind, x, update)
+    def faulty(kind: str, x: torch.Tensor, update: bool, *rest: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        qx, s = orig(kind, x, update, *rest)
         if kind != tensor:
             return qx, s
         s = s * factor
