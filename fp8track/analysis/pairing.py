@@ -67,6 +67,11 @@ class Mismatch:
 # --- what a run is -------------------------------------------------------------------------------
 
 
+_NO_VALUE = ("", "None", "null")
+"""How a missing value reads back from a tracker that stores every parameter as text (MLflow
+writes ``str(None)``)."""
+
+
 def run_recipe(run: RunData) -> str | None:
     """The run's FP8 recipe as text (``"delayed:hybrid:h16:max"``, ``"bf16"``), ``None`` when its
     metadata does not say (a run never converted by :func:`fp8track.apply_fp8`)."""
@@ -81,7 +86,7 @@ def run_recipe(run: RunData) -> str | None:
             return str(Recipe.from_dict(recipe))
         except (ConfigError, TypeError, ValueError):
             return str(recipe["name"])
-    if isinstance(recipe, str) and recipe:
+    if isinstance(recipe, str) and recipe not in _NO_VALUE:
         return recipe
     precision = (
         (run.meta.get("config") or {}).get("precision")
@@ -89,7 +94,7 @@ def run_recipe(run: RunData) -> str | None:
         else None
     )
     text = precision.get("recipe") if isinstance(precision, Mapping) else None
-    return str(text) if text else None
+    return str(text) if text and str(text) not in _NO_VALUE else None
 
 
 def run_name(run: RunData) -> str:
