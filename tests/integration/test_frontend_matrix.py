@@ -177,6 +177,10 @@ def test_hf_trainer_report_to_mlflow_puts_fp8_metrics_beside_hf_loss(tmp_path, m
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # what HF's MLflowCallback reads
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "hf-fp8")
+    # an earlier test's MLFlowLogger leaves mlflow's process-wide tracking URI set, which HF's
+    # callback keeps: this store is named explicitly, and the old one restored afterwards
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
     trainer = hf_trainer(tiny_llama(), tmp_path, steps=2, report_to=["mlflow"])
     cb = FP8TrainerCallback(every_n_steps=1).attach(trainer)  # trackers="auto": HF's active MLflow run
     try:
@@ -184,6 +188,7 @@ def test_hf_trainer_report_to_mlflow_puts_fp8_metrics_beside_hf_loss(tmp_path, m
     finally:
         if mlflow.active_run() is not None:
             mlflow.end_run()
+        mlflow.set_tracking_uri(previous)
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("hf-fp8").experiment_id])
     history = {
@@ -207,13 +212,14 @@ def test_hf_trainer_report_to_wandb_puts_fp8_metrics_in_hf_wandb_run(tmp_path, m
     monkeypatch.setenv("WANDB_MODE", "offline")  # read by HF's WandbCallback's wandb.init
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
+    import wandb
+
+    wandb.teardown()  # W&B reads its settings once per process: an earlier test's must not stay
     trainer = hf_trainer(tiny_llama(), tmp_path, steps=2, report_to=["wandb"])
     cb = FP8TrainerCallback(every_n_steps=1).attach(trainer)  # trackers="auto": HF's W&B run
     try:
         trainer.train()
     finally:
-        import wandb
-
         if wandb.run is not None:
             wandb.run.finish()
     run = load_run(tmp_path / "wandb")  # the one offline run HF opened, read back with wandb leet
