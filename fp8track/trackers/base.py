@@ -257,7 +257,7 @@ class QueuedTracker(Tracker):
         self,
         *,
         background: bool = True,
-        max_queue: int = 1000,
+        max_queue: int = 10_000,
         finish_timeout_s: float = 600.0,
         retry_for_s: float = 0.0,
         retry_initial_s: float = 0.5,

@@ -445,7 +445,7 @@ class MLflowTracker(QueuedTracker):
         spool_dir: str | Path | None = None,
         name: str = "mlflow",
         background: bool = True,
-        max_queue: int = 1000,
+        max_queue: int = 10_000,
         finish_timeout_s: float = 600.0,
         retry_for_s: float = 900.0,
         retry_initial_s: float = 0.5,

@@ -95,7 +95,7 @@ class WandbTracker(QueuedTracker):
         own_run: bool = False,
         name: str = "wandb",
         background: bool = True,
-        max_queue: int = 1000,
+        max_queue: int = 10_000,
         finish_timeout_s: float = 600.0,
     ) -> None:
         super().__init__(background=background, max_queue=max_queue, finish_timeout_s=finish_timeout_s)
