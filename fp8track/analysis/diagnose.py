@@ -52,7 +52,7 @@ import numpy as np
 
 from fp8track.analysis.baseline import Baseline, RunData, classify_spike
 from fp8track.analysis.causes import known_causes
-from fp8track.analysis.loss_gap import GapConfig, judge_gap, same_batches, step_noise
+from fp8track.analysis.loss_gap import GapConfig, describe_unit, judge_gap, same_batches, step_noise
 from fp8track.analysis.pairing import Mismatch, align_runs, check_pairing
 from fp8track.analysis.ranking import (
     MAIN_VARIANTS,
@@ -204,9 +204,7 @@ class LossComparison:
     @property
     def unit_label(self) -> str:
         """Words for reports: which noise the gap was judged in."""
-        if self.unit == "paired":
-            return "the paired FP8/control gap's own step-to-step noise (same batches)"
-        return "the control's step-to-step noise (different or unknown batches)"
+        return describe_unit(self.unit)
 
     @property
     def final_gap(self) -> float:

@@ -126,9 +126,7 @@ class GapJudgement:
     @property
     def unit_label(self) -> str:
         """Words for reports: which noise the gap was judged in."""
-        if self.unit == "paired":
-            return "the paired FP8/control gap's own step-to-step noise (same batches)"
-        return "the control's step-to-step noise (different or unknown batches)"
+        return describe_unit(self.unit)
 
     @property
     def final_gap(self) -> float:
@@ -152,6 +150,14 @@ class GapJudgement:
             "z": num(self.z), "z_cut": num(self.z_cut), "severity": self.severity, "smooth": self.smooth,
             "final_gap_rel": num(self.final_gap), "max_gap_rel": num(self.max_gap),
         }
+
+
+def describe_unit(unit: str) -> str:
+    """Words for reports: which noise a gap judged in ``unit`` (``"paired"`` or
+    ``"control_noise"``) was measured in."""
+    if unit == "paired":
+        return "the paired FP8/control gap's own step-to-step noise (same batches)"
+    return "the control's step-to-step noise (different or unknown batches)"
 
 
 def data_fingerprint_of(meta: Mapping[str, Any] | None) -> dict[str, Any]:
