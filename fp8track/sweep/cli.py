@@ -47,8 +47,14 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     if outcome.recommendation is not None:
         print(format_text(outcome.rows, outcome.recommendation))
         report["recommendation"] = outcome.recommendation.to_dict()
+    elif outcome.summary_text is not None:
+        print(outcome.summary_text)
+        report["note"] = "the worker of the last trial wrote the summary"
     else:
-        report["note"] = "other workers are still running trials; the last one to finish writes the summary"
+        report["note"] = (
+            "the worker of the last trial writes the summary; read it with: fp8track sweep "
+            f"{args.sweep} --summary"
+        )
     print(json.dumps(report, indent=1, default=str))
     print(f"Look at it: mlflow ui --backend-store-uri {options.mlflow_uri}")
     if options.wandb:

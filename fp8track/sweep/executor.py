@@ -166,12 +166,14 @@ class SweepOptions:
 @dataclass
 class SweepOutcome:
     """What :func:`run_sweep` leaves: the parent run, every trial row, the recommendation
-    (``None`` until every trial finished), and the trials this process ran."""
+    (``None`` until every trial finished, and in the workers that did not write it), the trials
+    this process ran, and the summary another worker wrote."""
 
     parent_run_id: str
     rows: list[TrialRow] = field(default_factory=list)
     recommendation: Recommendation | None = None
     ran: list[int] = field(default_factory=list)
+    summary_text: str | None = None
 
 
 @dataclass
@@ -691,8 +693,28 @@ class _Sweep:
         outcome = SweepOutcome(self.parent_run_id, ran=list(self.ran))
         done, running = self.counts()
         if done >= self.options.trials and running == 0:
-            outcome.rows, outcome.recommendation = self.finish()
+            # One worker writes the summary (reruns the finalists, writes the parent's artifacts):
+            # the one that ran the highest-numbered finished trial. Every worker computes the same
+            # answer from the shared study, on any machine. A process that ran no trial here (a
+            # resume after that worker died) writes it if nobody has; same-machine resumes take turns
+            # under a file lock.
+            with file_lock(self.options.out / ".sweep-finish.lock"):
+                if self._summary_written():
+                    outcome.summary_text = read_summary(self.client, self.parent_run_id)
+                elif self._summary_writer() in (self.worker, None) or not self.ran:
+                    outcome.rows, outcome.recommendation = self.finish()
         return outcome
+
+    def _summary_writer(self) -> str | None:
+        """The worker of the highest-numbered finished trial (``None`` when none finished)."""
+        finished = [
+            t for t in self.study.get_trials(deepcopy=False)
+            if t.state.name in FINISHED_STATES and not t.user_attrs.get("surplus")
+        ]
+        return max(finished, key=lambda t: t.number).user_attrs.get("worker") if finished else None
+
+    def _summary_written(self) -> bool:
+        return "fp8track.recommendation" in self.client.get_run(self.parent_run_id).data.tags
 
     def _my_last_trial(self) -> Any:
         mine = [t for t in self.study.get_trials(deepcopy=False) if t.user_attrs.get("worker") == self.worker]

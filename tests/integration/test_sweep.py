@@ -226,7 +226,11 @@ def two_workers(tmp_path: Path, name: str, storage: str | None) -> Path:
         subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)
     ]
     outputs = [p.communicate(timeout=600)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs
+    failed = [out[-4000:] for p, out in zip(procs, outputs) if p.returncode != 0]
+    assert not failed, "\n---\n".join(failed)
+    # one worker (the last trial's) reran the finalists and wrote the summary; the other read it or
+    # said where it will be
+    assert sum('"recommendation": {' in out for out in outputs) == 1, outputs
     import optuna
 
     study = optuna.load_study(study_name=name, storage=storage or f"sqlite:///{out / 'optuna.db'}")
@@ -350,11 +354,5 @@ def postgres() -> Iterator[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=False,
-    reason="open bug (issue 21): with the study on PostgreSQL, one of the two workers can fail at the "
-    "end, when both write the parent run's recommendation into the shared MLflow SQLite store "
-    "(seen on a clean-clone CI run and once in three local runs); every trial still ran once",
-)
 def test_two_workers_on_postgresql(tmp_path: Path, postgres: str) -> None:
     two_workers(tmp_path, "pg2", postgres)
