@@ -91,6 +91,74 @@ def applicable_recipe_fields(recipe: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in recipe.items() if name in _RECIPE_FIELDS.get(k, (name,))}
 
 
+META_ARTIFACT = "fp8track_meta.json"
+"""The run's whole :class:`RunMeta` (config, apply report, data fingerprint, full layer lists)."""
+
+
+def run_params(meta: RunMeta) -> dict[str, str]:
+    """The monitor's MLflow params: the compare view's axes, so short and only those that apply.
+
+    * ``fp8.recipe.*``: :func:`applicable_recipe_fields` (a BF16 control or a current-scaling run
+      has no amax history);
+    * ``fp8.backend``, ``fp8.n_bf16_layers``, ``fp8.n_fp8_layers``: when the model went through
+      :func:`fp8track.apply_fp8` (counts, not lists: a comma list of layer names is cut to a few
+      characters on a compare-view axis; the lists are tags, the whole set the artifact);
+    * ``fp8track.precision.*``: what the run enabled around precision (strategy, compile, ...),
+      values that are set (no ``None``) except the recipe, which ``fp8.recipe.*`` already holds.
+
+    The monitor's own settings, the apply report and the data fingerprint are in
+    :data:`META_ARTIFACT`, not params.
+    """
+    recipe = dict(meta.recipe or {})
+    params = flatten("fp8.recipe", applicable_recipe_fields(recipe)) if recipe else {}
+    config = dict(meta.config or {})
+    apply = config.get("apply")
+    if isinstance(apply, Mapping) and apply.get("backend"):
+        params["fp8.backend"] = str(apply["backend"])
+    if recipe:
+        params["fp8.n_bf16_layers"] = str(len(meta.bf16_layers))
+        params["fp8.n_fp8_layers"] = str(len(meta.fp8_layers))
+    precision = config.get("precision")
+    if isinstance(precision, Mapping):
+        params.update(flatten("fp8track.precision", {
+            k: v for k, v in precision.items() if v is not None and k != "recipe"}))
+    return params
+
+
+def name_list(names: Sequence[str], limit: int = MAX_TAG_VALUE_LEN) -> str:
+    """``names`` joined by commas, cut at a whole name to fit ``limit`` characters with the count
+    of those left out (the full list is in :data:`META_ARTIFACT`); ``"none"`` when empty.
+
+    Example:
+        >>> name_list(["layer.0", "layer.1", "layer.2"], limit=20)
+        'layer.0 (+2 more)'
+    """
+    text = ",".join(names)
+    if len(text) <= limit:
+        return text or "none"
+    end = -1  # length of the names kept so far, with their commas
+    for i, name in enumerate(names):
+        end += len(name) + 1
+        if end + len(f" (+{len(names) - i - 1} more)") > limit:
+            return (",".join(names[:i]) + f" (+{len(names) - i} more)").lstrip()
+    return text  # unreachable: the whole text is longer than the limit
+
+
+def run_tags(meta: RunMeta) -> dict[str, str]:
+    """The monitor's MLflow tags: ``fp8.recipe`` (the recipe's name), ``fp8.bf16_layers`` and
+    ``fp8.fp8_layers`` (the layer lists, :func:`name_list`), ``fp8track.run_id``,
+    ``fp8track.version.*``."""
+    recipe = dict(meta.recipe or {})
+    tags = {
+        "fp8.recipe": str(recipe.get("name", json.dumps(recipe, sort_keys=True) if recipe else "none")),
+        "fp8.bf16_layers": name_list(list(meta.bf16_layers)),
+        "fp8.fp8_layers": name_list(list(meta.fp8_layers)),
+        "fp8track.run_id": str(meta.run_id),
+    }
+    tags.update(flatten("fp8track.version", dict(meta.versions)))
+    return tags
+
+
 class HeatmapSummary:
     """A fixed-size layer-by-step summary of some statistics, for the heatmap.
 
@@ -510,33 +578,20 @@ class MLflowTracker(QueuedTracker):
         return self.run_id
 
     def start(self, meta: RunMeta) -> None:
-        """Params ``fp8.recipe.*`` (only the fields the recipe uses: :func:`applicable_recipe_fields`),
-        ``fp8.bf16_layers``, ``fp8.n_bf16_layers``; tags ``fp8.recipe`` (the recipe's name),
-        ``fp8.n_bf16_layers``, ``fp8.fp8_layers``, ``fp8track.run_id``, ``fp8track.version.*``."""
+        """Write the run's facts: :func:`run_params` as params (short, only those that apply: the
+        compare view's axes), :func:`run_tags` as tags (the layer lists), and the whole
+        :class:`RunMeta` as the artifact ``fp8track_meta.json`` (read back by :func:`read_mlflow_run`)."""
         from mlflow.entities import Param, RunTag
 
         run_id = self._ensure_run()
         if not self.own_run:
             self._logged_steps = self._steps_in_run(run_id)
-        m = asdict(meta)
-        recipe = m["recipe"] or {}
-        params = flatten("fp8.recipe", applicable_recipe_fields(recipe)) if recipe else {}
-        params["fp8.bf16_layers"] = ",".join(m["bf16_layers"]) or "none"
-        params["fp8.n_bf16_layers"] = str(len(m["bf16_layers"]))
-        params.update(flatten("fp8track.config", m["config"]) if m["config"] else {})
-        tags = {
-            "fp8.recipe": str(recipe.get("name", json.dumps(recipe, sort_keys=True) if recipe else "none")),
-            "fp8.n_bf16_layers": str(len(m["bf16_layers"])),
-            # The FP8 layers are the complement of the BF16 ones: a tag, not a compare-view axis.
-            "fp8.fp8_layers": ",".join(m["fp8_layers"]) or "none",
-            "fp8track.run_id": str(m["run_id"]),
-        }
-        tags.update(flatten("fp8track.version", m["versions"]))
-        p = [Param(sanitize_key(k), redact(v)[:MAX_PARAM_VALUE_LEN]) for k, v in params.items()]
-        t = [RunTag(sanitize_key(k), redact(v)[:MAX_TAG_VALUE_LEN]) for k, v in tags.items()]
+        p = [Param(sanitize_key(k), redact(v)[:MAX_PARAM_VALUE_LEN]) for k, v in run_params(meta).items()]
+        t = [RunTag(sanitize_key(k), redact(v)[:MAX_TAG_VALUE_LEN]) for k, v in run_tags(meta).items()]
         for i in range(0, max(len(p), len(t)), MAX_PARAMS_TAGS_PER_BATCH):
             chunk = slice(i, i + MAX_PARAMS_TAGS_PER_BATCH)
             self.client.log_batch(run_id, params=p[chunk], tags=t[chunk], synchronous=True)
+        self.client.log_text(run_id, redact(json.dumps(asdict(meta), indent=1, default=str)), META_ARTIFACT)
 
     def _steps_in_run(self, run_id: str) -> frozenset[int]:
         """Steps of an existing run's ``fp8/loss`` history (the monitor logs it at every optimizer
@@ -739,6 +794,19 @@ def unflatten(flat: Mapping[str, str], prefix: str) -> dict[str, Any]:
     return out
 
 
+def _stored_meta(client: MlflowClient, run_id: str) -> dict[str, Any]:
+    """The run's :data:`META_ARTIFACT`, or ``{}`` when it has none (a run another logger wrote)."""
+    if not any(f.path == META_ARTIFACT for f in client.list_artifacts(run_id)):
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        text = Path(client.download_artifacts(run_id, META_ARTIFACT, tmp)).read_text()
+    try:
+        out = json.loads(text)
+    except ValueError:
+        return {}
+    return out if isinstance(out, dict) else {}
+
+
 def read_mlflow_run(run_id: str, tracking_uri: str) -> StoredRun:
     """Read back a run :class:`MLflowTracker` (or any MLflow logger) wrote: every metric's full
     history (several values at one step, e.g. a resumed run: the latest write wins), the tensor
@@ -763,8 +831,11 @@ def read_mlflow_run(run_id: str, tracking_uri: str) -> StoredRun:
         history = sorted(client.get_metric_history(run_id, k), key=lambda m: (m.step, m.timestamp))
         metrics[k] = {int(m.step): float(m.value) for m in history}
     params = dict(run.data.params)
+    stored = _stored_meta(client, run_id)
     meta = {"run_id": run.data.tags.get("fp8track.run_id", run_id), "name": run.info.run_name,
-            "recipe": unflatten(params, "fp8.recipe") or None, "config": unflatten(params, "fp8track.config"),
+            "recipe": stored.get("recipe") or unflatten(params, "fp8.recipe") or None,
+            # runs written before the meta artifact carry the config as params
+            "config": stored.get("config") or unflatten(params, "fp8track.config"),
             "mlflow_run_id": run_id}
     rows = _table_rows(client, run_id) or rows_from_scalars(metrics)
     return StoredRun(f"mlflow:{run_id}", metrics, rows, meta)

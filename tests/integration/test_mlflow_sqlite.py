@@ -91,7 +91,7 @@ def test_metrics_params_tags_tables_and_heatmap(store, tmp_path):
     run = client.get_run(run_id)
     assert run.data.params["fp8.recipe.name"] == "delayed"
     assert run.data.params["fp8.recipe.amax_history_len"] == "16"
-    assert run.data.params["fp8.bf16_layers"] == "head"
+    assert run.data.tags["fp8.bf16_layers"] == "head" and run.data.params["fp8.n_bf16_layers"] == "1"
     assert run.data.tags["fp8.recipe"] == "delayed"
     # the most severe event (severity 7 at step 4), not the last one
     assert run.data.tags["fp8.worst_event.step"] == "4"
