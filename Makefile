@@ -11,13 +11,17 @@ BIN := $(VENV)/bin
 
 .PHONY: install system-deps demo test test-gpu bench bench-gpu lint check
 
-# Debian packages the tests use: PostgreSQL (two sweep workers on one study). Installed only when
-# missing and only as root with apt-get (CI); elsewhere the test says what to install.
+# Debian packages the tests use: PostgreSQL (two sweep workers on one study) and Chromium (the
+# report and the MLflow UI rendered headless). Installed only when missing and only as root with
+# apt-get (CI); elsewhere the tests say what to install.
 system-deps:
-	@if ! command -v initdb >/dev/null && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then \
+	@missing=""; \
+	if ! command -v initdb >/dev/null && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then missing="postgresql"; fi; \
+	if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null; then missing="$$missing chromium"; fi; \
+	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; \
-	  else echo "note: PostgreSQL missing (apt-get install -y postgresql); its sweep test will skip"; fi; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  else echo "note: missing Debian packages:$$missing (apt-get install -y$$missing); their tests will skip"; fi; \
 	fi
 
 $(STAMP): pyproject.toml Makefile

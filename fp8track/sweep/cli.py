@@ -56,13 +56,29 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
             f"{args.sweep} --summary"
         )
     print(json.dumps(report, indent=1, default=str))
-    print(f"Look at it: mlflow ui --backend-store-uri {options.mlflow_uri}")
+    print(_how_to_look(options.mlflow_uri, spec.name))
     if options.wandb:
         print(
             f"W&B offline runs: {options.out / 'wandb'}  "
             f"(upload: wandb sync {options.out / 'wandb'}/offline-run-*)"
         )
     return 0
+
+
+def _how_to_look(tracking_uri: str, name: str) -> str:
+    """:func:`fp8track.sweep.links.how_to_look` for the sweep's trials, oldest first."""
+    from mlflow.tracking import MlflowClient
+
+    from fp8track.sweep.executor import find_parent
+    from fp8track.sweep.links import how_to_look
+
+    client = MlflowClient(tracking_uri)
+    exp_id, parent = find_parent(client, name)
+    trials = client.search_runs(
+        [exp_id], f"tags.mlflow.parentRunId = '{parent}' and tags.`fp8track.role` = 'trial'", max_results=1000
+    )
+    trials.sort(key=lambda r: int(r.data.tags.get("fp8track.trial", 0)))
+    return how_to_look(tracking_uri, exp_id, [r.info.run_id for r in trials])
 
 
 def add_subparser(sub: Any) -> argparse.ArgumentParser:
