@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from fp8track.sweep.summary import format_text
 
     spec = load_sweep(args.sweep)  # every problem of the YAML is refused here, before any training
+    # MLflow draws a progress bar for every small artifact the executor reads (rankings, layer tables)
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     trials = args.trials or spec.run_cap or spec.grid_size
     if trials is None:
         from fp8track.errors import ConfigError
@@ -56,7 +59,10 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
             f"{args.sweep} --summary"
         )
     print(json.dumps(report, indent=1, default=str))
-    print(_how_to_look(options.mlflow_uri, spec.name))
+    try:
+        print(_how_to_look(options.mlflow_uri, spec.name))
+    except Exception:  # the links are a convenience: the sweep itself has finished
+        print(f"Look at it: mlflow ui --backend-store-uri {options.mlflow_uri}")
     if options.wandb:
         print(
             f"W&B offline runs: {options.out / 'wandb'}  "

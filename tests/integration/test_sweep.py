@@ -226,7 +226,7 @@ def two_workers(tmp_path: Path, name: str, storage: str | None) -> Path:
         subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)
     ]
     outputs = [p.communicate(timeout=600)[0] for p in procs]
-    failed = [out[-4000:] for p, out in zip(procs, outputs) if p.returncode != 0]
+    failed = [out[-4000:] for p, out in zip(procs, outputs, strict=True) if p.returncode != 0]
     assert not failed, "\n---\n".join(failed)
     # one worker (the last trial's) reran the finalists and wrote the summary; the other read it or
     # said where it will be
