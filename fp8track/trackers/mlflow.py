@@ -591,7 +591,12 @@ class MLflowTracker(QueuedTracker):
         for i in range(0, max(len(p), len(t)), MAX_PARAMS_TAGS_PER_BATCH):
             chunk = slice(i, i + MAX_PARAMS_TAGS_PER_BATCH)
             self.client.log_batch(run_id, params=p[chunk], tags=t[chunk], synchronous=True)
-        self.client.log_text(run_id, redact(json.dumps(asdict(meta), indent=1, default=str)), META_ARTIFACT)
+        text = redact(json.dumps(asdict(meta), indent=1, default=str))
+        try:  # an unreachable artifact store must not cost the run its metrics
+            self.client.log_text(run_id, text, META_ARTIFACT)
+        except Exception as exc:
+            self._notice(f"{META_ARTIFACT} not written ({type(exc).__name__}: {exc}); the run directory's "
+                         "meta.json holds the same")
 
     def _steps_in_run(self, run_id: str) -> frozenset[int]:
         """Steps of an existing run's ``fp8/loss`` history (the monitor logs it at every optimizer

@@ -113,3 +113,17 @@ def test_monitor_run_params_in_mlflow_and_read_back(tmp_path: Path) -> None:
         assert back["config"]["apply"]["fp8_layers"] == list(meta.fp8_layers)
         assert back["config"]["precision"]["recipe"] == str(Recipe.parse(recipe))
         assert Recipe.from_dict(back["recipe"]) == Recipe.parse(recipe)
+
+
+def test_an_unwritable_artifact_store_costs_only_the_meta_artifact(tmp_path: Path) -> None:
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    from fp8track.trackers.mlflow import META_ARTIFACT, MLflowTracker
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    t = MLflowTracker(tracking_uri=uri, experiment_name="ro", artifact_location="/proc/fp8track-no-such-dir",
+                      background=False, heatmap=False)
+    t.start(_meta("current", "last:1"))  # does not raise
+    assert MlflowClient(uri).get_run(t.run_id).data.params["fp8.n_fp8_layers"] == "2"
+    assert any(META_ARTIFACT in n and "not written" in n for n in t.take_notices())
