@@ -8,7 +8,8 @@ AJAX calls; virtual time does not advance while a fetch is pending) the links th
 the experiment opens on its runs, the compare view's plot starts on ``bf16_layers``, ``recipe``
 and ``fp8_flop_share``, its params are the sweep's two, a pruned trial shows as pruned; the
 monitor's compare view has counts, not layer lists, and no amax history where none applies.
-``pareto.png`` is shown by the run's artifact page and Chromium paints it pixel for pixel.
+``pareto.png`` is shown as an image on the parent run's artifact page, and Chromium paints it pixel
+for pixel.
 Skips only when Chromium is missing and cannot be installed (``tests/conftest.py``)."""
 
 from __future__ import annotations
@@ -208,15 +209,17 @@ def test_sweep_and_monitor_params_in_the_mlflow_ui(
         parent = client.search_runs([exp.experiment_id], "tags.`fp8track.role` = 'parent'")[0].info.run_id
         artifact_page = f"{uri}/#/experiments/{exp.experiment_id}/runs/{parent}/artifacts/pareto.png"
         page = render(chromium, tmp_path, artifact_page, "pareto.png")
-        assert any("pareto.png" in src for src in page.images), page.images
+        # the UI fetches the artifact and shows it as an image from a blob: URL
+        assert any(src.startswith(f"blob:{uri}/") for src in page.images), page.images
         png_url = f"{uri}/get-artifact?path=pareto.png&run_uuid={parent}"
         with urllib.request.urlopen(png_url, timeout=30) as r:
             png = Image.open(io.BytesIO(r.read())).convert("RGB")
         shot = tmp_path / "pareto_shot.png"
         html = tmp_path / "pareto.html"
-        html.write_text(f'<html><body style="margin:0;background:#000"><img src="{png_url}"></body></html>')
+        html.write_text('<html><body style="margin:0;background:#000">'
+                        f'<img style="display:block" src="{png_url}"></body></html>')
         chromium_run(chromium, tmp_path / "prof-png", f"--window-size={png.width},{png.height}",
-                     "--virtual-time-budget=5000", f"--screenshot={shot}", html.as_uri())
+                     "--hide-scrollbars", "--virtual-time-budget=5000", f"--screenshot={shot}", html.as_uri())
         painted = np.asarray(Image.open(shot).convert("RGB"), dtype=np.int16)[: png.height, : png.width]
         want = np.asarray(png, dtype=np.int16)
         assert painted.shape == want.shape
