@@ -40,6 +40,7 @@ from fp8track.monitoring.capture import (
     select_layers,
     validate_tensors,
     validate_whatif,
+    variant_format,
 )
 from fp8track.monitoring.naming import LOSS_METRIC, metric_name, run_metric, worst_metric
 from fp8track.monitoring.records import (
@@ -537,7 +538,7 @@ class Monitor:
         if not live:
             return []
         plans = [self.captures[fqn].plan for (fqn, _, _), _ in live]
-        fmts = [plan.formats[tensor] for plan, ((_, tensor, _), _) in zip(plans, live, strict=True)]
+        fmts = [variant_format(plan, t, v) for plan, ((_, t, v), _) in zip(plans, live, strict=True)]
         stats = finalize_many([part for _, part in live], fmts, [plan.margin for plan in plans])
         return [
             TensorStatsRow(step, fqn, tensor, s, variant)

@@ -70,6 +70,28 @@ class NVFP4Options:
 
 
 @dataclass(frozen=True)
+class NVFP4Recipe:
+    """TE's ``NVFP4BlockScaling`` parts that are on (each has a ``disable_*`` switch in TE).
+
+    :meth:`options` gives the :class:`NVFP4Options` of one operand, as TE's recipe sets its
+    ``QParams``: activation ``fp4_quant_fwd_inp`` (RHT on the column-wise copy only), weight
+    ``fp4_quant_fwd_weight`` (16x16 tiles; never RHT or SR), gradient ``fp4_quant_bwd_grad``
+    (SR in both orientations, RHT on the column-wise copy).
+    """
+
+    rht: bool = True
+    stochastic_rounding: bool = True
+    tile_2d: bool = True
+
+    def options(self, tensor: str, columnwise: bool = False) -> NVFP4Options:
+        if tensor == "weight":
+            return NVFP4Options(tile_2d=self.tile_2d)
+        return NVFP4Options(
+            stochastic=self.stochastic_rounding and tensor == "gradient", rht=self.rht and columnwise
+        )
+
+
+@dataclass(frozen=True)
 class NVFP4Quantized:
     """One NVFP4 quantisation of a 2-D tensor (all float32 on the input's device).
 
