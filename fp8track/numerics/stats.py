@@ -597,22 +597,31 @@ def nvfp4_partial_stats(
         return p
     q = nvfp4_quantize(operand, options, generator)
     xo = random_hadamard_transform(_finite_f32(operand)) if options.rht else _finite_f32(operand)
-    xd, d = xo.to(torch.float64), q.dequantized.to(torch.float64)
     absx = xo.abs()
+    amax = absx.amax()
+    # Products on values normalised by a power of two (no float32 overflow near 3e38), summed per
+    # row in float32, rows in float64, as the fused kernel does (stats_kernel.py).
+    mant, exp = torch.frexp(amax)
+    norm = torch.where(amax > 0, torch.exp2(-exp.to(torch.float32)), torch.ones_like(amax))
+    xn, dn = xo * norm, q.dequantized * norm
+    inv2 = (1.0 / norm.to(torch.float64)) ** 2
+
+    def total(v: torch.Tensor) -> torch.Tensor:
+        return v.sum(dim=-1).to(torch.float64).sum() * inv2
+
     occupied = q.decode_scales > 0
     occupied = occupied | ~occupied.any()
-    nz = absx[absx > 0]
     p[_IDX["numel"]] = numel
     p[_IDX["n_finite"]] = finite.sum()
     p[_IDX["nnz_x"]] = (xo != 0).sum()
     p[_IDX["nnz_d"]] = (q.codes != 0).sum()
     p[_IDX["n_overflow"]] = q.clipped
-    p[_IDX["sum_x2"]] = (xd * xd).sum()
-    p[_IDX["sum_d2"]] = (d * d).sum()
-    p[_IDX["sum_xd"]] = (xd * d).sum()
-    p[_IDX["sum_err2"]] = ((xd - d) ** 2).sum()
-    p[_IDX["amax"]] = absx.amax() if absx.numel() else 0.0
-    p[_IDX["neg_amin"]] = -nz.amin() if nz.numel() else -math.inf
+    p[_IDX["sum_x2"]] = total(xn * xn)
+    p[_IDX["sum_d2"]] = total(dn * dn)
+    p[_IDX["sum_xd"]] = total(xn * dn)
+    p[_IDX["sum_err2"]] = total((xn - dn).square())
+    p[_IDX["amax"]] = amax
+    p[_IDX["neg_amin"]] = -torch.where(absx > 0, absx, math.inf).amin()
     enc = q.encode_scales
     p[_IDX["scale_max"]] = torch.where(occupied, enc, -math.inf).amax()
     p[_IDX["neg_scale_min"]] = -torch.where(occupied, enc, math.inf).amin()

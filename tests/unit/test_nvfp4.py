@@ -118,6 +118,12 @@ def test_edge_cases_zero_nonfinite_and_scale_underflow() -> None:
     q = nvfp4_quantize(x)
     assert q.decode_scales.max().item() == 448.0 and q.codes.abs().max().item() == 6.0
     assert torch.isfinite(q.dequantized).all()
+    # Scaling by a power of two changes no statistic but the magnitudes (no float32 overflow in the sums).
+    base = torch.randn(32, 64)
+    s1, s2 = nvfp4_quant_stats(base), nvfp4_quant_stats(base * 2.0**100)
+    for k in ("sqnr_db", "cos", "underflow_pct", "overflow_pct"):
+        assert s2[k] == pytest.approx(s1[k], rel=1e-6), k
+    assert s2["mse"] == pytest.approx(s1["mse"] * 2.0**200, rel=1e-6)
 
 
 def test_two_d_tiles_share_one_scale_and_are_transposition_invariant() -> None:
