@@ -111,8 +111,15 @@ def stats_part(n: int, reps: int) -> dict[str, Any]:
             x, NVFP4Options(stochastic=True), generator=torch.Generator().manual_seed(0)),
     }
     times = {k: _best(f, reps) for k, f in cases.items()}
+    # Not used by the monitor (a compile per shape, below): what a compiled NVFP4 kernel would cost.
+    compiled = torch.compile(nvfp4_partial_stats, dynamic=False)
+    t0 = time.perf_counter()
+    compiled(x)
+    compile_s = time.perf_counter() - t0
+    times["nvfp4 row-wise 1x16, torch.compile (not used by the monitor)"] = _best(lambda: compiled(x), reps)
     base = times["amax (one read)"]
     return {"shape": [n, n], "dtype": "bfloat16", "threads": torch.get_num_threads(), "reps": reps,
+            "nvfp4_compile_seconds": round(compile_s, 1),
             "cases": {k: {"ms_best": round(1e3 * t, 2), "x_one_read": round(t / base, 1)} for k, t in times.items()}}
 
 
