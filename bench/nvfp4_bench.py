@@ -64,8 +64,13 @@ def _llama(recipe: str, bf16_layers: str, seed: int, steps: int) -> dict[str, An
 def loss_part(steps: int, llama_steps: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, runs, fn in (
-        ("gpt", GPT_RUNS, lambda r, b, s: train_loop(*build_example(recipe=r, bf16_layers=b, seed=s)[:2], steps,
-                                                      eval_batches=16)),
+        (
+            "gpt",
+            GPT_RUNS,
+            lambda r, b, s: train_loop(
+                *build_example(recipe=r, bf16_layers=b, seed=s)[:2], steps, eval_batches=16
+            ),
+        ),
         ("llama", LLAMA_RUNS, lambda r, b, s: _llama(r, b, s, llama_steps)),
     ):
         res = {}
@@ -74,8 +79,15 @@ def loss_part(steps: int, llama_steps: int) -> dict[str, Any]:
             r = fn(recipe, keep, seed)
             res[f"{recipe}|{keep}|seed{seed}"] = {"val_loss": round(r["val_loss"], 4),
                                                    "ms_per_step": round(1e3 * r["seconds_per_step"], 1)}
-            print(name, recipe, keep, seed, res[f"{recipe}|{keep}|seed{seed}"], f"{time.perf_counter() - t0:.0f}s",
-                  flush=True)
+            print(
+                name,
+                recipe,
+                keep,
+                seed,
+                res[f"{recipe}|{keep}|seed{seed}"],
+                f"{time.perf_counter() - t0:.0f}s",
+                flush=True,
+            )
         base = res["bf16|none|seed0"]["val_loss"]
         for v in res.values():
             v["gap_vs_bf16_seed0"] = round(v["val_loss"] - base, 4)
@@ -118,9 +130,16 @@ def stats_part(n: int, reps: int) -> dict[str, Any]:
     compile_s = time.perf_counter() - t0
     times["nvfp4 row-wise 1x16, torch.compile (not used by the monitor)"] = _best(lambda: compiled(x), reps)
     base = times["amax (one read)"]
-    return {"shape": [n, n], "dtype": "bfloat16", "threads": torch.get_num_threads(), "reps": reps,
-            "nvfp4_compile_seconds": round(compile_s, 1),
-            "cases": {k: {"ms_best": round(1e3 * t, 2), "x_one_read": round(t / base, 1)} for k, t in times.items()}}
+    return {
+        "shape": [n, n],
+        "dtype": "bfloat16",
+        "threads": torch.get_num_threads(),
+        "reps": reps,
+        "nvfp4_compile_seconds": round(compile_s, 1),
+        "cases": {
+            k: {"ms_best": round(1e3 * t, 2), "x_one_read": round(t / base, 1)} for k, t in times.items()
+        },
+    }
 
 
 def main() -> None:

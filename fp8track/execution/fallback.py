@@ -52,7 +52,6 @@ carries it). A term that matches no layer, or names a missing module, raises
 from __future__ import annotations
 
 import math
-
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -459,7 +458,8 @@ def _validate_term(term: str) -> None:
         count = term.split(":", 1)[1]
         if not count.isdigit() or int(count) < 1:
             raise ConfigError(
-                f"bf16_layers term {term!r} needs a positive integer count (or, for first:/last:, a percentage in (0, 100]); "
+                f"bf16_layers term {term!r} needs a positive integer count "
+                "(or, for first:/last:, a percentage in (0, 100]); "
                 f"valid forms: {', '.join(_KEYWORDS)}"
             )
     elif term.startswith("re:"):

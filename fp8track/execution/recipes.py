@@ -24,7 +24,8 @@ String grammar (:meth:`Recipe.from_string`): ``NAME[:TOKEN]...`` where each toke
 ``hybrid`` | ``e4m3`` (format), ``h<N>`` (amax history length), ``max`` | ``most_recent``
 (amax compute algorithm), ``m<N>`` (margin), ``gemm=fp8`` | ``gemm=bf16`` (GEMM mode),
 ``variant=<torchao variant>``, and for ``nvfp4`` TE's switches ``no_rht``, ``no_sr``, ``no_2d``
-(``NVTE_NVFP4_DISABLE_RHT``, ``..._STOCHASTIC_ROUNDING``, ``..._2D_QUANTIZATION``). Example: ``"delayed:hybrid:h16:max"``. Each option is given at
+(``NVTE_NVFP4_DISABLE_RHT``, ``..._STOCHASTIC_ROUNDING``, ``..._2D_QUANTIZATION``).
+Example: ``"delayed:hybrid:h16:max"``. Each option is given at
 most once and only to a recipe it applies to (:data:`RECIPE_OPTIONS`: ``h<N>`` and
 ``max|most_recent`` to ``delayed``, ``m<N>`` to ``delayed``/``current``/``fp8_input_bf16_gemm``, ...);
 an inapplicable option at its default value is accepted, so the canonical strings of

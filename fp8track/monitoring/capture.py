@@ -53,14 +53,14 @@ from fp8track.execution.layers import (
 from fp8track.monitoring.naming import canonical_layer_names
 from fp8track.monitoring.sharding import ShardSpec, Share, observed_weight, share_of
 from fp8track.numerics.formats import TENSOR_KINDS, get_format_pair
-from fp8track.numerics.scaling import BLOCK_SCALINGS, amax, block_layout, current_scale
 from fp8track.numerics.nvfp4 import NVFP4Recipe, new_generator
+from fp8track.numerics.scaling import BLOCK_SCALINGS, amax, block_layout, current_scale
 from fp8track.numerics.stats import (
     block_partial_stats,
-    nvfp4_partial_stats,
     empty_partial,
     identity_partial,
     merge_partials,
+    nvfp4_partial_stats,
     partial_stats,
 )
 

@@ -113,7 +113,9 @@ class NVFP4Quantized:
     clipped: torch.Tensor
 
 
-def round_e2m1(v: torch.Tensor, generator: torch.Generator | None = None, stochastic: bool = False) -> torch.Tensor:
+def round_e2m1(
+    v: torch.Tensor, generator: torch.Generator | None = None, stochastic: bool = False
+) -> torch.Tensor:
     """Round values already clamped to [-6, 6] onto the E2M1 grid.
 
     Round to nearest, ties to even (TE's ``cast_to_fp4x2`` thresholds: 0.25 -> 0, 0.75 -> 1,
@@ -248,7 +250,11 @@ def max_blockwise_dynamic_range(x: torch.Tensor, block_size: int = 32, dims: int
     pr, pc = (-r) % rows, (-c) % block_size
     x2 = torch.nn.functional.pad(x2, (0, pc, 0, pr)) if (pr or pc) else x2
     R, C = x2.shape
-    b = x2.reshape(R // rows, rows, C // block_size, block_size).permute(0, 2, 1, 3).reshape(-1, rows * block_size)
+    b = (
+        x2.reshape(R // rows, rows, C // block_size, block_size)
+        .permute(0, 2, 1, 3)
+        .reshape(-1, rows * block_size)
+    )
     if b.numel() == 0:
         return 0.0
     hi = b.amax(dim=1)

@@ -320,7 +320,9 @@ def partial_stats(
     """
     fmt = get_format(fmt)
     if fmt.name == "e2m1":
-        raise ConfigError("format 'e2m1' is NVFP4's: use nvfp4_partial_stats (two-level scales), not partial_stats")
+        raise ConfigError(
+            "format 'e2m1' is NVFP4's: use nvfp4_partial_stats (two-level scales), not partial_stats"
+        )
     x = x.detach()
     n = x.numel()
     s = None if scale is None else _as_scale(scale, x.device)
@@ -566,10 +568,13 @@ def block_quant_stats(x: torch.Tensor, recipe: str, fmt: str | FP8Format = "e4m3
     return finalize(block_partial_stats(x, recipe, fmt), fmt)
 
 
+_ROWWISE = NVFP4Options()
+
+
 @torch.no_grad()
 def nvfp4_partial_stats(
     x: torch.Tensor,
-    options: NVFP4Options = NVFP4Options(),
+    options: NVFP4Options = _ROWWISE,
     columnwise: bool = False,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
@@ -634,7 +639,7 @@ def _finite_f32(x: torch.Tensor) -> torch.Tensor:
 
 
 def nvfp4_quant_stats(
-    x: torch.Tensor, options: NVFP4Options = NVFP4Options(), columnwise: bool = False,
+    x: torch.Tensor, options: NVFP4Options = _ROWWISE, columnwise: bool = False,
     generator: torch.Generator | None = None,
 ) -> dict[str, float]:
     """:func:`quant_stats` for NVFP4 (see :func:`nvfp4_partial_stats`); ``current_scale`` is

@@ -30,7 +30,9 @@ def variant_summary(rows: Iterable[Any]) -> list[tuple[str, str, str, dict[str, 
     out = []
     for (layer, tensor, variant), acc in series.items():
         summary = {
-            c: (max(vals) if c == "overflow_pct" else statistics.median(vals)) for c, vals in acc.items() if vals
+            c: (max(vals) if c == "overflow_pct" else statistics.median(vals))
+            for c, vals in acc.items()
+            if vals
         }
         out.append((layer, tensor, variant, summary))
     return out
@@ -44,15 +46,18 @@ def variants_table(runs: Sequence[tuple[str, Iterable[Any]]]) -> str:
     for label, rows in runs:
         for layer, tensor, variant, s in variant_summary(rows):
             cells = "".join(f"<td>{_fmt(s.get(c))}</td>" for c in COLUMNS)
-            body.append(f"<tr><td>{e(label)}</td><td>{e(layer)}</td><td>{e(tensor)}</td><td>{e(variant)}</td>{cells}</tr>")
+            keys = "".join(f"<td>{e(v)}</td>" for v in (label, layer, tensor, variant))
+            body.append(f"<tr>{keys}{cells}</tr>")
     if not body:
-        return "<p>No what-if or column-wise statistics recorded (monitor option <code>whatif</code>; block recipes).</p>"
+        return ("<p>No what-if or column-wise statistics recorded "
+                "(monitor option <code>whatif</code>; block recipes).</p>")
     head = "".join(f"<th>{c}</th>" for c in COLUMNS)
     return (
-        "<p>What another recipe would do to the same tensors (<code>whatif</code>) and the column-wise copies "
-        "block recipes quantise for the backward GEMMs; medians over steps (overflow: max).</p>"
+        "<p>What another recipe would do to the same tensors (<code>whatif</code>) and the column-wise "
+        "copies block recipes quantise for the backward GEMMs; medians over steps (overflow: max).</p>"
         f'<table id="variants"><tr><th>run</th><th>layer</th><th>tensor</th><th>variant</th>{head}</tr>'
-        + "".join(body) + "</table>"
+        + "".join(body)
+        + "</table>"
     )
 
 

@@ -79,12 +79,20 @@ def test_whatif_nvfp4_and_columnwise_rows_in_wandb_mlflow_and_report(tmp_path) -
         local = _variant_rows(load_run(ref["dir"]))
         assert {k[3] for k in local} == want[run]
         for src in ("mlflow", "wandb"):
-            got = _variant_rows(load_run(ref[src], tracking_uri=uri)) if src == "mlflow" else _wandb_table_rows(
-                ref[src])
+            got = (
+                _variant_rows(load_run(ref[src], tracking_uri=uri))
+                if src == "mlflow"
+                else _wandb_table_rows(ref[src])
+            )
             assert set(got) == set(local), (run, src)
             for k in local:
                 for stat in ("underflow_pct", "mse", "sqnr_db", "overflow_pct"):
-                    assert got[k][stat] == pytest.approx(local[k][stat], rel=1e-5, abs=1e-12), (run, src, k, stat)
+                    assert got[k][stat] == pytest.approx(local[k][stat], rel=1e-5, abs=1e-12), (
+                        run,
+                        src,
+                        k,
+                        stat,
+                    )
     diagnose_runs(refs["fp8"]["dir"], refs["control"]["dir"], tmp_path / "diag")
     page = (tmp_path / "diag" / "report.html").read_text()
     assert 'id="variants"' in page

@@ -26,7 +26,15 @@ class _LM(nn.Module):
 
 @pytest.mark.parametrize(
     ("count", "total", "want"),
-    [("15%", 32, 5), ("15%", 20, 3), ("15%", 2, 1), ("100%", 7, 7), ("50%", 3, 2), ("1%", 40, 1), ("3", 9, 3)],
+    [
+        ("15%", 32, 5),
+        ("15%", 20, 3),
+        ("15%", 2, 1),
+        ("100%", 7, 7),
+        ("50%", 3, 2),
+        ("1%", 40, 1),
+        ("3", 9, 3),
+    ],
 )
 def test_block_count_rounds_up(count: str, total: int, want: int) -> None:
     assert block_count(count, total) == want

@@ -28,7 +28,15 @@ def _te_threshold_cast(v: torch.Tensor) -> torch.Tensor:
     a = v.abs()
     idx = torch.zeros_like(a, dtype=torch.long)
     # (lower bound, inclusive?) per code 1..7, from cast_to_fp4x2.
-    bounds = [(0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False)]
+    bounds = [
+        (0.25, False),
+        (0.75, True),
+        (1.25, False),
+        (1.75, True),
+        (2.5, False),
+        (3.5, True),
+        (5.0, False),
+    ]
     for code, (b, inclusive) in enumerate(bounds, start=1):
         idx = torch.where(a >= b if inclusive else a > b, code, idx)
     return torch.copysign(grid[idx], v)
