@@ -83,7 +83,7 @@ class CaptureConfig:
         tensors: subset of ``("activation", "weight", "gradient")``.
         scalar_stats: statistics logged as per-layer scalars (all go to the tensor-stats table).
         whatif: extra recipes to evaluate on the same tensors (``"current"``, ``"mxfp8"``,
-            ``"block"``), table only.
+            ``"block"``, ``"nvfp4"``), table only; block ones add ``<name>_columnwise`` rows.
         per_layer_scalars: False logs per-layer detail to tables only (bounded metric count).
         shadow_format: format pair used to judge BF16 layers (``"hybrid"`` or ``"e4m3"``).
         track_grad_norm: compute the total gradient norm on sampled steps (for spike attribution).
