@@ -13,6 +13,8 @@ must be given in the sequence form):
 ``first:N``        the first N repeated blocks of every stack (Megatron
                    ``--num-layers-at-start-in-bf16``)
 ``last:N``         the last N repeated blocks of every stack (``--num-layers-at-end-in-bf16``)
+``first:P%``,     a fraction of every stack's blocks, rounded up (torchtitan's NVFP4 recipe:
+``last:P%``       ``last:15%,head``, the last ~15 % of blocks and the LM head)
 ``head``           the output head: the linears after the last repeated block (``lm_head``,
                    a classifier with its pooler, CLIP's projections), plus Hugging Face's
                    ``get_output_embeddings()``; without repeated blocks, the last linear;
@@ -49,6 +51,7 @@ carries it). A term that matches no layer, or names a missing module, raises
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -73,6 +76,8 @@ _KEYWORDS = (
     "first_last",
     "first:N",
     "last:N",
+    "first:P%",
+    "last:P%",
     "first_last:N",
     "head",
     "re:PATTERN",
@@ -336,11 +341,11 @@ class FallbackSpec:
         for term in self.terms:
             if term.startswith(("first:", "last:")):
                 side, n_text = term.split(":")
-                n = int(n_text)
                 if stacks is None:
                     stacks = block_stacks(model)
                 if stacks:
                     for stack, blocks in stacks:
+                        n = block_count(n_text, len(blocks))
                         if n > len(blocks):
                             raise ConfigError(
                                 f"bf16_layers term {term!r} asks for {n} blocks but stack {stack!r} "
@@ -351,6 +356,7 @@ class FallbackSpec:
                         for b in picked:
                             take(match_layers(model, b, linears), f"{term} (block {b})")
                 else:
+                    n = block_count(n_text, len(order()))
                     if n > len(order()):
                         raise ConfigError(
                             f"bf16_layers term {term!r} asks for {n} linears but the model has "
@@ -427,14 +433,33 @@ def _linear_named(name: str, linears: Sequence[str]) -> str:
     return hits[0] if len(hits) == 1 else name
 
 
+def block_count(count: str, total: int) -> int:
+    """Blocks a ``first:``/``last:`` count asks for out of ``total``: ``N``, or ``P%`` of ``total``
+    rounded up (torchtitan's NVFP4 recipe keeps the last ~15 % of blocks in BF16: ``last:15%`` of
+    32 blocks keeps 5; any positive percentage keeps at least one)."""
+    if count.endswith("%"):
+        return math.ceil(float(count[:-1]) / 100.0 * total - 1e-9)
+    return int(count)
+
+
+def _is_percentage(count: str) -> bool:
+    try:
+        return count.endswith("%") and 0.0 < float(count[:-1]) <= 100.0
+    except ValueError:
+        return False
+
+
 def _validate_term(term: str) -> None:
     if not term:
         raise ConfigError("empty bf16_layers term")
+    if term.startswith(("first:", "last:")) and _is_percentage(term.split(":", 1)[1]):
+        return
     if term.startswith(("first:", "last:", "auto:")):
         count = term.split(":", 1)[1]
         if not count.isdigit() or int(count) < 1:
             raise ConfigError(
-                f"bf16_layers term {term!r} needs a positive integer count; "
+                f"bf16_layers term {term!r} needs a positive integer count "
+                "(or, for first:/last:, a percentage in (0, 100]); "
                 f"valid forms: {', '.join(_KEYWORDS)}"
             )
     elif term.startswith("re:"):

@@ -15,12 +15,17 @@ name                    meaning (TE class)
 ``block``               1x128 blocks for activation and gradient, 128x128 tiles for the weight,
                         power-of-two scales (``Float8BlockScaling``; Megatron's ``blockwise``)
 ``fp8_input_bf16_gemm`` current scaling, operands quantised then dequantised, BF16 GEMM
+``nvfp4``               E2M1 values, 1x16 blocks with E4M3 scales and an FP32 global scale,
+                        16x16 weight tiles, stochastic rounding of gradients, 16x16 random
+                        Hadamard transform on the wgrad operands (``NVFP4BlockScaling``)
 ======================  ====================================================================
 
 String grammar (:meth:`Recipe.from_string`): ``NAME[:TOKEN]...`` where each token is one of
 ``hybrid`` | ``e4m3`` (format), ``h<N>`` (amax history length), ``max`` | ``most_recent``
 (amax compute algorithm), ``m<N>`` (margin), ``gemm=fp8`` | ``gemm=bf16`` (GEMM mode),
-``variant=<torchao variant>``. Example: ``"delayed:hybrid:h16:max"``. Each option is given at
+``variant=<torchao variant>``, and for ``nvfp4`` TE's switches ``no_rht``, ``no_sr``, ``no_2d``
+(``NVTE_NVFP4_DISABLE_RHT``, ``..._STOCHASTIC_ROUNDING``, ``..._2D_QUANTIZATION``).
+Example: ``"delayed:hybrid:h16:max"``. Each option is given at
 most once and only to a recipe it applies to (:data:`RECIPE_OPTIONS`: ``h<N>`` and
 ``max|most_recent`` to ``delayed``, ``m<N>`` to ``delayed``/``current``/``fp8_input_bf16_gemm``, ...);
 an inapplicable option at its default value is accepted, so the canonical strings of
@@ -39,10 +44,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from fp8track.errors import ConfigError, check_int, invalid_choice
-from fp8track.numerics.formats import FORMAT_PAIRS, FormatPair, get_format_pair
+from fp8track.numerics.formats import E2M1, FORMAT_PAIRS, FormatPair, get_format_pair
+from fp8track.numerics.nvfp4 import NVFP4Recipe
 from fp8track.numerics.scaling import AMAX_COMPUTE_ALGOS
 
-RECIPE_NAMES = ("bf16", "delayed", "current", "mxfp8", "block", "fp8_input_bf16_gemm")
+RECIPE_NAMES = ("bf16", "delayed", "current", "mxfp8", "block", "fp8_input_bf16_gemm", "nvfp4")
 GEMM_MODES = ("auto", "fp8", "bf16")
 """``fp8``: FP8 x FP8 GEMM with scales applied to the float32 accumulator (``torch._scaled_mm``);
 ``bf16``: operands quantised, dequantised to BF16, BF16 GEMM; ``auto``: the recipe's own choice
@@ -66,6 +72,8 @@ TE_DEFAULT_FORMATS: dict[str, str] = {
     "mxfp8": "e4m3",
     "block": "e4m3",
     "fp8_input_bf16_gemm": "hybrid",
+    # NVFP4BlockScaling.fp8_format = Format.E4M3 (its block scales; the values are E2M1).
+    "nvfp4": "e4m3",
 }
 # The options that mean something for each recipe (besides ``name``), as in Transformer Engine's recipe
 # classes (transformer_engine/common/recipe/__init__.py): only DelayedScaling has amax_history_len and
@@ -81,7 +89,15 @@ RECIPE_OPTIONS: dict[str, tuple[str, ...]] = {
     "mxfp8": ("fp8_format", "gemm"),
     "block": ("fp8_format", "gemm"),
     "fp8_input_bf16_gemm": ("fp8_format", "margin", "gemm"),
+    # NVFP4BlockScaling: disable_rht, disable_stochastic_rounding, disable_2d_quantization.
+    "nvfp4": ("fp8_format", "disable_rht", "disable_stochastic_rounding", "disable_2d_quantization"),
 }
+NVFP4_SWITCHES = {
+    "no_rht": "disable_rht",
+    "no_sr": "disable_stochastic_rounding",
+    "no_2d": "disable_2d_quantization",
+}
+"""Recipe-string tokens of TE's ``NVFP4BlockScaling`` switches -> field names."""
 # How each field is written in the string grammar (for messages).
 _TOKEN_FORMS = {
     "fp8_format": "hybrid|e4m3",
@@ -90,6 +106,9 @@ _TOKEN_FORMS = {
     "margin": "m<N>",
     "gemm": "gemm=fp8|bf16",
     "variant": "variant=<torchao variant>",
+    "disable_rht": "no_rht",
+    "disable_stochastic_rounding": "no_sr",
+    "disable_2d_quantization": "no_2d",
 }
 # Megatron-LM / NeMo key spellings accepted by from_dict, mapped to field names.
 _KEY_ALIASES = {
@@ -119,6 +138,9 @@ class Recipe:
         gemm: one of :data:`GEMM_MODES` (emulated backend).
         variant: torchao variant of ``current`` (:data:`TORCHAO_VARIANTS`); only ``tensorwise``
             is emulated and run by TE, the row-wise ones run on the torchao backend only.
+        disable_rht, disable_stochastic_rounding, disable_2d_quantization: ``nvfp4`` only, TE's
+            ``NVFP4BlockScaling`` switches (default False: RHT on the wgrad operands, stochastic
+            rounding of gradients, 16x16 weight tiles).
     """
 
     name: str = "delayed"
@@ -128,6 +150,9 @@ class Recipe:
     margin: int = 0
     gemm: str = "auto"
     variant: str = "tensorwise"
+    disable_rht: bool = False
+    disable_stochastic_rounding: bool = False
+    disable_2d_quantization: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in RECIPE_NAMES:
@@ -148,6 +173,14 @@ class Recipe:
             raise ConfigError(
                 "recipe 'fp8_input_bf16_gemm' runs a BF16 GEMM by definition; gemm='fp8' contradicts it"
             )
+        if self.name == "nvfp4" and self.fp8_format != "e4m3":
+            raise ConfigError(
+                f"recipe 'nvfp4' has E4M3 block scales only (TE's NVFP4BlockScaling asserts it); "
+                f"got fp8_format={self.fp8_format!r}"
+            )
+        for switch in NVFP4_SWITCHES.values():
+            if not isinstance(getattr(self, switch), bool):
+                raise ConfigError(f"{switch} must be True or False, got {getattr(self, switch)!r}")
         if self.variant not in TORCHAO_VARIANTS:
             raise invalid_choice("variant", self.variant, TORCHAO_VARIANTS)
         if self.variant != "tensorwise":
@@ -182,7 +215,7 @@ class Recipe:
 
     @property
     def scaling(self) -> str:
-        """How scales are chosen: ``none``, ``delayed``, ``current``, ``mxfp8`` or ``block``."""
+        """How scales are chosen: ``none``, ``delayed``, ``current``, ``mxfp8``, ``block`` or ``nvfp4``."""
         if self.name == "bf16":
             return "none"
         return "current" if self.name == "fp8_input_bf16_gemm" else self.name
@@ -198,8 +231,22 @@ class Recipe:
 
     @property
     def formats(self) -> FormatPair:
-        """The :class:`~fp8track.numerics.formats.FormatPair` (forward / backward element formats)."""
+        """The :class:`~fp8track.numerics.formats.FormatPair` (forward / backward element formats;
+        E2M1 for every operand of ``nvfp4``, whose ``fp8_format`` is its block scales')."""
+        if self.name == "nvfp4":
+            return FormatPair("e2m1", E2M1, E2M1)
         return get_format_pair(self.fp8_format)
+
+    @property
+    def nvfp4(self) -> NVFP4Recipe | None:
+        """The NVFP4 parts this recipe turns on (``None`` unless ``name == "nvfp4"``)."""
+        if self.name != "nvfp4":
+            return None
+        return NVFP4Recipe(
+            rht=not self.disable_rht,
+            stochastic_rounding=not self.disable_stochastic_rounding,
+            tile_2d=not self.disable_2d_quantization,
+        )
 
     # --- (de)serialisation --------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -270,6 +317,7 @@ class Recipe:
             parts.append(f"gemm={self.gemm}")
         if self.variant != "tensorwise":
             parts.append(f"variant={self.variant}")
+        parts.extend(tok for tok, field in NVFP4_SWITCHES.items() if getattr(self, field))
         return ":".join(parts)
 
     def __str__(self) -> str:
@@ -277,8 +325,13 @@ class Recipe:
 
 
 def _parse_token(tok: str, text: str) -> dict[str, Any]:
-    grammar = "tokens are hybrid|e4m3, h<N>, max|most_recent, m<N>, gemm=fp8|bf16, variant=<name>"
+    grammar = (
+        "tokens are hybrid|e4m3, h<N>, max|most_recent, m<N>, gemm=fp8|bf16, variant=<name>, "
+        "no_rht|no_sr|no_2d (nvfp4)"
+    )
     t = tok.strip()
+    if t in NVFP4_SWITCHES:
+        return {NVFP4_SWITCHES[t]: True}
     if t in FORMAT_PAIRS:
         return {"fp8_format": t}
     if t in AMAX_COMPUTE_ALGOS:

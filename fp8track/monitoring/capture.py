@@ -53,19 +53,26 @@ from fp8track.execution.layers import (
 from fp8track.monitoring.naming import canonical_layer_names
 from fp8track.monitoring.sharding import ShardSpec, Share, observed_weight, share_of
 from fp8track.numerics.formats import TENSOR_KINDS, get_format_pair
+from fp8track.numerics.nvfp4 import NVFP4Recipe, new_generator
 from fp8track.numerics.scaling import BLOCK_SCALINGS, amax, block_layout, current_scale
 from fp8track.numerics.stats import (
     block_partial_stats,
     empty_partial,
     identity_partial,
     merge_partials,
+    nvfp4_partial_stats,
     partial_stats,
 )
 
 # How a tensor is scaled, per recipe family. "per_tensor" covers delayed, current and
 # fp8_input_bf16_gemm (one scale per tensor); block recipes carry their own per-block scales.
-SCALING_KINDS = ("per_tensor", *BLOCK_SCALINGS)
-WHATIF_VARIANTS = ("current", *BLOCK_SCALINGS)
+SCALING_KINDS = ("per_tensor", *BLOCK_SCALINGS, "nvfp4")
+WHATIF_VARIANTS = ("current", *BLOCK_SCALINGS, "nvfp4")
+COLUMNWISE_SCALINGS = (*BLOCK_SCALINGS, "nvfp4")
+"""Scalings whose column-wise copy (the dgrad/wgrad operand TE quantises along the other axis)
+differs from the row-wise one: each gets a ``<variant>_columnwise`` row, like TE's ``_columnwise``
+statistics (per-tensor scales are the same in both orientations)."""
+_STATS_GENERATORS: dict[torch.device, torch.Generator] = {}
 
 ScaleFn = Callable[[], "torch.Tensor | None"]
 
@@ -94,6 +101,7 @@ class LayerPlan:
     scale_fns: dict[str, ScaleFn] = field(default_factory=dict)
     margin: int = 0
     power_2_scales: bool | None = None
+    nvfp4: NVFP4Recipe | None = None
 
     @property
     def variant(self) -> str:
@@ -113,8 +121,8 @@ def tensor_partial(
 
     ``share``: this rank's share of a distributed ``x`` (:func:`fp8track.monitoring.sharding.share_of`).
     """
-    fmt = plan.formats[tensor]
     scaling = scaling or plan.scaling
+    fmt = _fp8_format(plan, tensor)
     if share is not None and not share.trivial:
         p = _shared_partial(share, plan, tensor, scaling)
         return p if into is None else merge_partials([into, p])
@@ -126,8 +134,33 @@ def tensor_partial(
         return partial_stats(x, fmt, scale, plan.margin, into=into)
     if x.dim() < 1 or x.shape[-1] == 0:
         return partial_stats(x, fmt, None, plan.margin, into=into)
-    p = block_partial_stats(x, block_layout(scaling, tensor), fmt, plan.power_2_scales is not False)
+    base = scaling.removesuffix("_columnwise")
+    columnwise = base != scaling
+    if base == "nvfp4":
+        options = (plan.nvfp4 or NVFP4Recipe()).options(tensor, columnwise)
+        gen = None
+        if options.stochastic:  # a private generator: monitoring never moves torch's random stream
+            gen = _STATS_GENERATORS.setdefault(x.device, new_generator(x.device))
+        p = nvfp4_partial_stats(x, options, columnwise, gen)
+    else:
+        if columnwise:
+            x = x.reshape(-1, x.shape[-1]).t()
+        p = block_partial_stats(x, block_layout(base, tensor), fmt, plan.power_2_scales is not False)
     return p if into is None else merge_partials([into, p])
+
+
+def _fp8_format(plan: LayerPlan, tensor: str) -> str:
+    """The FP8 format FP8 what-ifs of ``plan`` use (E4M3 for an NVFP4 layer's E2M1 operands)."""
+    fmt = plan.formats[tensor]
+    return "e4m3" if fmt == "e2m1" else fmt
+
+
+def variant_format(plan: LayerPlan, tensor: str, variant: str) -> str:
+    """The element format a ``(tensor, variant)`` row of ``plan`` is finalised with."""
+    base = variant.removesuffix("_columnwise")
+    if base == "nvfp4" or (base in ("actual", "shadow") and plan.scaling == "nvfp4"):
+        return "e2m1"
+    return _fp8_format(plan, tensor)
 
 
 def pow2_current_scale(x: torch.Tensor, fmt: str, margin: int = 0, amax_epsilon: float = 0.0) -> torch.Tensor:
@@ -313,17 +346,24 @@ class LayerCapture:
             v
             for v in self._whatif_asked
             if not (v == "current" and plan.scaling == "per_tensor" and not plan.fp8)
+            and not (v == plan.scaling and plan.fp8)
         )
 
     def _observation_list(self) -> list[tuple[str, str | None]]:
         """``(variant, what-if scaling)`` pairs observed per tensor; built once the plan is resolved."""
         if self._observations is None:
-            self._observations = [(self.plan.variant, None), *((v, v) for v in self.whatif)]
+            plan = self.plan
+            obs: list[tuple[str, str | None]] = [(plan.variant, None), *((v, v) for v in self.whatif)]
+            for variant, scaling in list(obs):
+                s = scaling or plan.scaling
+                if s in COLUMNWISE_SCALINGS:
+                    obs.append((f"{variant}_columnwise", f"{s}_columnwise"))
+            self._observations = obs
         return self._observations
 
     def keys(self) -> list[tuple[str, str]]:
         """Every (tensor, variant) this layer reports, in a fixed order (same on every rank)."""
-        variants = [self.plan.variant, *self.whatif]
+        variants = [v for v, _ in self._observation_list()]
         return [(t, v) for t in self.tensors for v in variants]
 
     def attach(self) -> None:
@@ -473,6 +513,8 @@ def plan_for(fqn: str, module: nn.Module, shadow_format: str = "hybrid") -> Laye
         return shadow_plan(fqn, shadow_format)
     formats = {t: backend.format_for(module, t) for t in TENSOR_KINDS}
     rule = backend.scale_rule(module)
+    if rule.scaling == "nvfp4":
+        return LayerPlan(fqn, True, formats, scaling="nvfp4", nvfp4=rule.nvfp4)
     if rule.scaling in BLOCK_SCALINGS:
         return LayerPlan(
             fqn, True, formats, scaling=rule.scaling, margin=rule.margin, power_2_scales=rule.power_2_scales

@@ -40,6 +40,7 @@ from fp8track.monitoring.capture import (
     select_layers,
     validate_tensors,
     validate_whatif,
+    variant_format,
 )
 from fp8track.monitoring.naming import LOSS_METRIC, metric_name, run_metric, worst_metric
 from fp8track.monitoring.records import (
@@ -82,7 +83,7 @@ class CaptureConfig:
         tensors: subset of ``("activation", "weight", "gradient")``.
         scalar_stats: statistics logged as per-layer scalars (all go to the tensor-stats table).
         whatif: extra recipes to evaluate on the same tensors (``"current"``, ``"mxfp8"``,
-            ``"block"``), table only.
+            ``"block"``, ``"nvfp4"``), table only; block ones add ``<name>_columnwise`` rows.
         per_layer_scalars: False logs per-layer detail to tables only (bounded metric count).
         shadow_format: format pair used to judge BF16 layers (``"hybrid"`` or ``"e4m3"``).
         track_grad_norm: compute the total gradient norm on sampled steps (for spike attribution).
@@ -537,7 +538,7 @@ class Monitor:
         if not live:
             return []
         plans = [self.captures[fqn].plan for (fqn, _, _), _ in live]
-        fmts = [plan.formats[tensor] for plan, ((_, tensor, _), _) in zip(plans, live, strict=True)]
+        fmts = [variant_format(plan, t, v) for plan, ((_, t, v), _) in zip(plans, live, strict=True)]
         stats = finalize_many([part for _, part in live], fmts, [plan.margin for plan in plans])
         return [
             TensorStatsRow(step, fqn, tensor, s, variant)

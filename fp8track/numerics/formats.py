@@ -1,12 +1,14 @@
 """FP8 formats and their limits.
 
-Two element formats exist (OCP FP8, as in PyTorch ``float8_e4m3fn`` / ``float8_e5m2``):
+Two FP8 element formats exist (OCP FP8, as in PyTorch ``float8_e4m3fn`` / ``float8_e5m2``), plus
+NVFP4's E2M1 (max 6), which only :mod:`fp8track.numerics.nvfp4` quantises:
 
 ======  =======  ==============  ==================
 name    max      smallest normal smallest subnormal
 ======  =======  ==============  ==================
 e4m3    448      2**-6           2**-9
 e5m2    57344    2**-14          2**-16
+e2m1    6        1               0.5
 ======  =======  ==============  ==================
 
 Recipes pick a *format pair*: ``e4m3`` uses E4M3 for every tensor, ``hybrid`` uses E4M3 for the
@@ -55,7 +57,11 @@ class FP8Format:
 E4M3 = FP8Format("e4m3", torch.float8_e4m3fn, 448.0, 2.0**-6, 2.0**-9, 3, 8)
 E5M2 = FP8Format("e5m2", torch.float8_e5m2, 57344.0, 2.0**-14, 2.0**-16, 2, 15)
 
-FORMATS: dict[str, FP8Format] = {f.name: f for f in (E4M3, E5M2)}
+# NVFP4's element format (OCP E2M1: 0, 0.5, 1, 1.5, 2, 3, 4, 6), quantised only by
+# fp8track.numerics.nvfp4 (two-level scales); here so statistics finalise with its max (6).
+E2M1 = FP8Format("e2m1", torch.float4_e2m1fn_x2, 6.0, 1.0, 0.5, 1, 2)
+
+FORMATS: dict[str, FP8Format] = {f.name: f for f in (E4M3, E5M2, E2M1)}
 
 
 def get_format(fmt: str | FP8Format) -> FP8Format:

@@ -29,6 +29,7 @@ numel               element count, non-finite elements included
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -40,6 +41,12 @@ import torch
 
 from fp8track.errors import ConfigError, invalid_choice
 from fp8track.numerics.formats import FP8Format, get_format
+from fp8track.numerics.nvfp4 import (
+    NVFP4Options,
+    columnwise_operand,
+    nvfp4_quantize,
+    random_hadamard_transform,
+)
 from fp8track.numerics.scaling import (
     BLOCK_LAYOUTS,
     block_scales,
@@ -312,6 +319,10 @@ def partial_stats(
         the partial of ``x``, merged with ``into`` when given (a new tensor).
     """
     fmt = get_format(fmt)
+    if fmt.name == "e2m1":
+        raise ConfigError(
+            "format 'e2m1' is NVFP4's: use nvfp4_partial_stats (two-level scales), not partial_stats"
+        )
     x = x.detach()
     n = x.numel()
     s = None if scale is None else _as_scale(scale, x.device)
@@ -555,3 +566,82 @@ def block_quant_stats(x: torch.Tensor, recipe: str, fmt: str | FP8Format = "e4m3
     tensor-wide scale because of power-of-two rounding.
     """
     return finalize(block_partial_stats(x, recipe, fmt), fmt)
+
+
+_ROWWISE = NVFP4Options()
+
+
+@torch.no_grad()
+def nvfp4_partial_stats(
+    x: torch.Tensor,
+    options: NVFP4Options = _ROWWISE,
+    columnwise: bool = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Partial of ``x`` quantised to NVFP4 as TE does (:mod:`fp8track.numerics.nvfp4`); eager, no
+    host sync. Finalize it with format ``"e2m1"``.
+
+    The statistics describe the operand the GEMM multiplies: with ``columnwise`` the transposed
+    copy (blocks along the token dimension, the wgrad operand), with ``options.rht`` after the
+    Hadamard transform. ``underflow_pct`` counts non-zero elements whose E2M1 code is 0, as TE's
+    ``count_nonzero_nvfp4`` does (a block whose E4M3 scale itself underflows keeps non-zero codes
+    but dequantises to 0: ``mse``/``cos`` show it); ``overflow_pct`` counts ``|x * e_b| > 6``
+    (clipped by an E4M3 scale rounded down); ``scale`` is the block encode scale ``e_b`` (its min
+    and max over blocks holding data), so ``scale_drift_log2`` against ``6 / amax`` is ~0.
+    """
+    x = x.detach()
+    numel = x.numel()
+    finite = torch.isfinite(x)
+    if columnwise:
+        operand = columnwise_operand(torch.where(finite, x, 0), options.rht)
+        options = dataclasses.replace(options, rht=False)
+    else:
+        operand = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1)
+    p = empty_partial(x.device)
+    if numel == 0:
+        return p
+    q = nvfp4_quantize(operand, options, generator)
+    xo = random_hadamard_transform(_finite_f32(operand)) if options.rht else _finite_f32(operand)
+    absx = xo.abs()
+    amax = absx.amax()
+    # Products on values normalised by a power of two (no float32 overflow near 3e38), summed per
+    # row in float32, rows in float64, as the fused kernel does (stats_kernel.py).
+    mant, exp = torch.frexp(amax)
+    norm = torch.where(amax > 0, torch.exp2(-exp.to(torch.float32)), torch.ones_like(amax))
+    xn, dn = xo * norm, q.dequantized * norm
+    inv2 = (1.0 / norm.to(torch.float64)) ** 2
+
+    def total(v: torch.Tensor) -> torch.Tensor:
+        return v.sum(dim=-1).to(torch.float64).sum() * inv2
+
+    occupied = q.decode_scales > 0
+    occupied = occupied | ~occupied.any()
+    p[_IDX["numel"]] = numel
+    p[_IDX["n_finite"]] = finite.sum()
+    p[_IDX["nnz_x"]] = (xo != 0).sum()
+    p[_IDX["nnz_d"]] = (q.codes != 0).sum()
+    p[_IDX["n_overflow"]] = q.clipped
+    p[_IDX["sum_x2"]] = total(xn * xn)
+    p[_IDX["sum_d2"]] = total(dn * dn)
+    p[_IDX["sum_xd"]] = total(xn * dn)
+    p[_IDX["sum_err2"]] = total((xn - dn).square())
+    p[_IDX["amax"]] = amax
+    p[_IDX["neg_amin"]] = -torch.where(absx > 0, absx, math.inf).amin()
+    enc = q.encode_scales
+    p[_IDX["scale_max"]] = torch.where(occupied, enc, -math.inf).amax()
+    p[_IDX["neg_scale_min"]] = -torch.where(occupied, enc, math.inf).amin()
+    return p
+
+
+def _finite_f32(x: torch.Tensor) -> torch.Tensor:
+    x = x.to(torch.float32)
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
+def nvfp4_quant_stats(
+    x: torch.Tensor, options: NVFP4Options = _ROWWISE, columnwise: bool = False,
+    generator: torch.Generator | None = None,
+) -> dict[str, float]:
+    """:func:`quant_stats` for NVFP4 (see :func:`nvfp4_partial_stats`); ``current_scale`` is
+    ``6 / amax``."""
+    return finalize(nvfp4_partial_stats(x, options, columnwise, generator), "e2m1")

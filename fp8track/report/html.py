@@ -18,6 +18,7 @@ from fp8track.analysis.baseline import RunData
 from fp8track.analysis.diagnose import Diagnosis, Finding
 from fp8track.analysis.pairing import run_name, run_recipe
 from fp8track.report.figures import all_figures, finite_or, stats_line
+from fp8track.report.variants import variants_table
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2rem auto;
@@ -141,6 +142,8 @@ def render_report(d: Diagnosis, fp8: RunData, control: RunData) -> str:
         f"{fig('fig-eval')}"
         f"<h2>Layer ranking</h2>{_ranking_table(d)}{fig('fig-ranking')}"
         f"<h2>Per-layer heatmaps</h2>{heatmaps or '<p>No tensor statistics recorded.</p>'}"
+        "<h2>What-if and column-wise statistics</h2>"
+        f"{variants_table([(run_name(fp8), fp8.tensor_rows), (run_name(control), control.tensor_rows)])}"
         f'<h2>Method</h2><p class="method">{e(METHOD)}</p>'
     )
     return (

@@ -24,7 +24,7 @@ def _mlp():
         ({"every_n_steps": 2.5}, "every_n_steps"),
         ({"tensors": ("activation", "grads")}, "'grads'.*'activation', 'weight', 'gradient'"),
         ({"scalar_stats": ("mse", "snr")}, "'snr'.*'amax'"),
-        ({"whatif": ("nvfp4",)}, "'nvfp4'.*'current', 'mxfp8', 'block'"),
+        ({"whatif": ("mxfp4",)}, "'mxfp4'.*'current', 'mxfp8', 'block', 'nvfp4'"),
         ({"shadow_format": "e5m2"}, "'e5m2'.*'hybrid'"),
     ],
 )

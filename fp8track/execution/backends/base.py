@@ -32,6 +32,7 @@ from torch import nn
 from fp8track.errors import ConfigError, invalid_choice
 from fp8track.execution.layers import add_gemm_kind, is_hf_conv1d, preview_names
 from fp8track.execution.recipes import Recipe
+from fp8track.numerics.nvfp4 import NVFP4Recipe
 
 ScaleFn = Callable[[], "torch.Tensor | None"]
 
@@ -44,11 +45,13 @@ class ScaleRule:
         scaling: ``"delayed"``, ``"current"``, ``"mxfp8"`` or ``"block"``.
         margin: the margin in binades (``scale = M / amax / 2**margin``).
         power_2_scales: round scales down to a power of two (``None``: the scaling's own default).
+        nvfp4: the NVFP4 parts on (scaling ``"nvfp4"`` only).
     """
 
     scaling: str
     margin: int = 0
     power_2_scales: bool | None = None
+    nvfp4: NVFP4Recipe | None = None
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,9 @@ class Backend:
     def scale_rule(self, module: nn.Module) -> ScaleRule:
         """The FP8 module's scale rule."""
         recipe = self.recipe_of(module)
-        return ScaleRule(recipe.scaling, recipe.margin) if recipe is not None else ScaleRule("current")
+        if recipe is None:
+            return ScaleRule("current")
+        return ScaleRule(recipe.scaling, recipe.margin, nvfp4=recipe.nvfp4)
 
     def used_scales(self, module: nn.Module) -> dict[str, torch.Tensor] | None:
         """The scales the module used last, on device (no host sync), or ``None`` when transient."""

@@ -10,6 +10,11 @@ that quantises exactly what TE quantises, with the recipe's formats and scales:
   recipes quantise each operand along the GEMM's reduction dimension, as TE's row-wise and
   column-wise copies do: MXFP8 1x32 blocks with E8M0 scales for every operand; ``block`` 1x128
   blocks for activation and gradient, 128x128 tiles for the weight, power-of-two scales.
+* ``nvfp4`` (TE's ``NVFP4BlockScaling``, :mod:`fp8track.numerics.nvfp4`): activation 1x16 blocks,
+  weight 16x16 tiles, dY 1x16 with stochastic rounding (a private seeded generator per layer);
+  the wgrad operands column-wise with the 16x16 random Hadamard transform along the tokens;
+  each switch off with ``no_rht`` / ``no_sr`` / ``no_2d``. GEMMs in float32 from the
+  dequantised operands (what the FP4 tensor core accumulates, up to summation order).
 * the bias gradient comes from the high-precision ``dY`` (TE's dbias does too).
 
 Scales (all from :mod:`fp8track.numerics.scaling`):
@@ -58,6 +63,7 @@ from fp8track.execution.checkpointing import in_backward
 from fp8track.execution.layers import InOutWeightGemm, is_hf_conv1d
 from fp8track.execution.recipes import Recipe
 from fp8track.numerics.formats import FP8Format
+from fp8track.numerics.nvfp4 import NVFP4Recipe, new_generator, nvfp4_quantize
 from fp8track.numerics.scaling import (
     BLOCK_LAYOUTS,
     BLOCK_SCALINGS,
@@ -226,7 +232,14 @@ class _EmulatedFP8LinearFn(torch.autograd.Function):
         lead = x.shape[:-1]
         x2d = x.reshape(-1, x.shape[-1])
         with torch.autocast(x.device.type, enabled=False):
-            if recipe.scaling in BLOCK_SCALINGS:
+            if recipe.nvfp4 is not None:
+                nv = recipe.nvfp4
+                xq = nvfp4_quantize(x2d, nv.options("activation"))
+                wq = nvfp4_quantize(weight, nv.options("weight"))
+                sx, sw = xq.decode_scales, wq.decode_scales
+                out = (xq.dequantized @ wq.dequantized.t()).to(out_dtype)
+                ctx.save_for_backward(x2d, weight)
+            elif recipe.scaling in BLOCK_SCALINGS:
                 fmt = recipe.formats.forward
                 xd, sx = block_fake_quantize(x2d, block_layout(recipe.scaling, "activation"), fmt)
                 wd, sw = block_fake_quantize(weight, block_layout(recipe.scaling, "weight"), fmt)
@@ -258,7 +271,9 @@ class _EmulatedFP8LinearFn(torch.autograd.Function):
         lead = grad_out.shape[:-1]
         g = grad_out.reshape(-1, grad_out.shape[-1])
         with torch.autocast(g.device.type, enabled=False):
-            if recipe.scaling in BLOCK_SCALINGS:
+            if recipe.nvfp4 is not None:
+                grad_x, grad_w, sg = _nvfp4_backward(layer, recipe.nvfp4, g, *ctx.saved_tensors, ctx.x_dtype)
+            elif recipe.scaling in BLOCK_SCALINGS:
                 x2d, weight = ctx.saved_tensors
                 fwd, bwd = recipe.formats.forward, recipe.formats.backward
                 layout = {k: block_layout(recipe.scaling, k) for k in ("activation", "weight", "gradient")}
@@ -294,6 +309,23 @@ class _EmulatedFP8LinearFn(torch.autograd.Function):
         )
 
 
+def _nvfp4_backward(
+    layer: EmulatedFP8Layer, nv: NVFP4Recipe, g: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor,
+    x_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dgrad and wgrad of TE's NVFP4 recipe: dY row-wise (stochastic rounding) times the weight's
+    column-wise copy (16x16 tiles are the same in both orientations); for wgrad, dY and x
+    column-wise (blocks along tokens), both Hadamard-transformed along the tokens, whose product
+    the orthonormal transform leaves unchanged: ``(dY^T H)(x^T H)^T = dY^T x``."""
+    gen = layer._sr_generator(g.device)
+    gq = nvfp4_quantize(g, nv.options("gradient"), gen)
+    w_col = nvfp4_quantize(weight.t(), nv.options("weight", columnwise=True)).dequantized
+    grad_x = (gq.dequantized @ w_col.t()).to(x_dtype)
+    g_col = nvfp4_quantize(g.t(), nv.options("gradient", columnwise=True), gen).dequantized
+    x_col = nvfp4_quantize(x2d.t(), nv.options("activation", columnwise=True)).dequantized
+    return grad_x, g_col @ x_col.t(), gq.decode_scales
+
+
 class EmulatedFP8Layer:
     """What both emulated FP8 GEMM layers share: the recipe, the scale state, the FP8 forward.
 
@@ -310,6 +342,14 @@ class EmulatedFP8Layer:
         self.fp8_recipe = Recipe.parse(recipe)
         self._quantizers = _Quantizers(self.fp8_recipe)
         self._last_scales = {}
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _sr_generator(self, device: torch.device) -> torch.Generator:
+        """This layer's stochastic-rounding generator on ``device`` (private, seeded: see
+        :func:`fp8track.numerics.nvfp4.new_generator`)."""
+        if device not in self._generators:
+            self._generators[device] = new_generator(device)
+        return self._generators[device]
 
     def _fp8_gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T + b`` in emulated FP8, ``weight`` given ``[out, in]``."""
@@ -463,7 +503,7 @@ class EmulatedBackend(Backend):
     def scale_rule(self, module: nn.Module) -> ScaleRule:
         recipe = self.recipe_of(module)
         assert recipe is not None
-        return ScaleRule(recipe.scaling, recipe.margin)
+        return ScaleRule(recipe.scaling, recipe.margin, nvfp4=recipe.nvfp4)
 
     def convert(
         self, model: nn.Module, recipe: Recipe, names: Sequence[str], keep_bf16: Collection[str]

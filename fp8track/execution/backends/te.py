@@ -133,6 +133,12 @@ def to_te_recipe(recipe: Recipe) -> Any:
         return r.Float8CurrentScaling(fp8_format=fmt)
     if recipe.scaling == "mxfp8":
         return r.MXFP8BlockScaling(fp8_format=fmt)
+    if recipe.name == "nvfp4":  # NVFP4BlockScaling (TE >= 2.8, SM 10.x); its three switches
+        return r.NVFP4BlockScaling(
+            disable_rht=recipe.disable_rht,
+            disable_stochastic_rounding=recipe.disable_stochastic_rounding,
+            disable_2d_quantization=recipe.disable_2d_quantization,
+        )
     return r.Float8BlockScaling(fp8_format=fmt)
 
 

@@ -53,7 +53,7 @@ def torchao_config(recipe: Recipe, device_type: str = "cpu") -> Any:
             "torchao does not offer delayed scaling (removed in torchao 0.10, pytorch/ao#1680); "
             "use recipe 'current', or backend 'emulated' or 'te' for delayed scaling"
         )
-    if recipe.scaling in BLOCK_SCALINGS:
+    if recipe.scaling in BLOCK_SCALINGS or recipe.name == "nvfp4":
         raise ConfigError(
             f"recipe {recipe.name!r} is not part of torchao's float8 training API (tensorwise/rowwise only); "
             "use backend 'emulated' or 'te'"
