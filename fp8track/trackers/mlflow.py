@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fp8track.errors import ConfigError, check_int
+from fp8track.execution.recipes import RECIPE_OPTIONS
 from fp8track.monitoring import naming
 from fp8track.monitoring.naming import sanitize_key
 from fp8track.monitoring.records import EventRecord, RunMeta, TensorStatsRow, redact
@@ -74,21 +75,17 @@ def flatten(prefix: str, value: Any) -> dict[str, str]:
     return out
 
 
-# Recipe fields by the recipes that use them (fp8track.execution.recipes.Recipe); the rest would be
-# compare-view axes a run never used (a BF16 control has no amax history).
-_RECIPE_FIELDS = {
-    "amax_history_len": ("delayed",), "amax_compute_algo": ("delayed",),
-    "margin": ("delayed", "current", "fp8_input_bf16_gemm"), "variant": ("current",),
-}
-
-
 def applicable_recipe_fields(recipe: Mapping[str, Any]) -> dict[str, Any]:
-    """The recipe's fields that apply to it: only ``name`` for ``bf16``; the amax history only for
-    ``delayed``; ``margin`` for per-tensor scaling; ``variant`` for ``current``."""
+    """The recipe's fields that apply to it (``RECIPE_OPTIONS``, the recipe grammar's own table):
+    only ``name`` for ``bf16``; the amax history only for ``delayed``; ``margin`` for per-tensor
+    scaling; ``variant`` for ``current``; the NVFP4 switches for ``nvfp4``. The rest would be
+    compare-view axes a run never used (a BF16 control has no amax history)."""
     name = recipe.get("name")
     if name == "bf16":
         return {"name": name}
-    return {k: v for k, v in recipe.items() if name in _RECIPE_FIELDS.get(k, (name,))}
+    options = {o for opts in RECIPE_OPTIONS.values() for o in opts}
+    used = set(RECIPE_OPTIONS.get(str(name), options))
+    return {k: v for k, v in recipe.items() if k not in options or k in used}
 
 
 META_ARTIFACT = "fp8track_meta.json"

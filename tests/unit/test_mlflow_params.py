@@ -34,6 +34,10 @@ SETUP = {  # precision_setup of the model below with no optimizer (fused_optimiz
         ("current", {"name", "fp8_format", "margin", "gemm", "variant"}),
         ("mxfp8", {"name", "fp8_format", "gemm"}),
         ("block", {"name", "fp8_format", "gemm"}),
+        (
+            "nvfp4:no_rht",
+            {"name", "fp8_format", "disable_rht", "disable_stochastic_rounding", "disable_2d_quantization"},
+        ),
     ],
 )
 def test_recipe_params_are_only_the_fields_the_recipe_uses(recipe: str, keys: set[str]) -> None:
