@@ -501,6 +501,17 @@ class Evidence:
         }
 
 
+def breaks_after_gap(r: LayerRisk, loss: LossComparison, loss_spacing: int, row_spacing: int) -> bool:
+    """Whether layer ``r`` broke on its own (its own-history onset) clearly after a lasting loss gap
+    opened: later than the gap's onset by more than the gap's smoothing width (``loss.smooth``
+    logged steps ``loss_spacing`` apart) plus one statistics sampling interval (``row_spacing``):
+    the two onsets' resolution. Such a layer cannot explain the gap: it is a separate,
+    later problem, judged on its own severity (:func:`finding_order`)."""
+    if loss.onset is None or r.onset is None:
+        return False
+    return r.onset > loss.onset + loss.smooth * loss_spacing + row_spacing
+
+
 def gather_evidence(
     fp8: RunData, control: RunData, cfg: DiagnosisConfig, loss_key: str | None = None
 ) -> Evidence:
@@ -509,7 +520,7 @@ def gather_evidence(
     fl, cl = fp8.metrics[fkey], control.metrics[ckey]
     loss = compare_loss(fl, cl, cfg, paired=same_batches(fp8.meta, control.meta))
     steps = loss.steps
-    spacing = max(1, int(np.median(np.diff(steps)))) if len(steps) > 1 else 1
+    spacing = _loss_spacing(loss)
     scfg = spike_config_for(len(steps))
     fp8_spikes = detect_spikes({s: fl[s] for s in steps}, scfg)
     ctl_base = Baseline.from_series(control.source, {s: cl[s] for s in steps}, scfg, key=ckey)
@@ -518,9 +529,13 @@ def gather_evidence(
         rank_layers(fp8_rows, control=ctl_rows or None, events=fp8.events, history_z=cfg.history_z)
     )
     outs = tuple(outliers(ranking, cfg.outlier_z, cfg.outlier_min_score))
-    top = [r.layer for r in ranking if ranking and r.rank == ranking[0].rank]
+    # The layers a lasting gap names: those that can explain it, not one that broke on its own later.
+    row_spacing = _row_spacing(fp8_rows) or spacing
+    later = {r.layer for r in ranking if breaks_after_gap(r, loss, spacing, row_spacing)}
+    top = [r.layer for r in ranking if ranking and r.rank == ranking[0].rank and r.layer not in later]
     named = tuple(
-        [r.layer for r in outs][: cfg.top_k] or [r.layer for r in ranking][: max(cfg.top_k, len(top))]
+        [r.layer for r in outs if r.layer not in later][: cfg.top_k]
+        or [r.layer for r in ranking if r.layer not in later][: max(cfg.top_k, len(top))]
     )
     fp8_layers = list(fp8.meta.get("fp8_layers") or [])
     model_order = tuple(fp8_layers + [n for n in (fp8.meta.get("bf16_layers") or []) if n not in fp8_layers])
@@ -540,7 +555,7 @@ def gather_evidence(
         named,
         model_order,
         evals,
-        _row_spacing(fp8_rows) or spacing,
+        row_spacing,
         known_causes(fp8.meta, fp8_rows),
         paired_spikes(fl, cl, steps, scfg) if loss.unit == "paired" else (),
     )
@@ -720,7 +735,7 @@ def rule_divergence_from_start(ev: Evidence, found: Sequence[Finding]) -> list[F
         exps.insert(0, f"keep everything as in the control except the FP8 recipe ({new['recipe']}): "
                        "if that alone diverges, go to the numerics experiments")
     return [Finding(
-        "divergence_from_start", "high", confidence(ev.gap_z, lc.z_cut),
+        "divergence_from_start", "high" if lc.severity == "high" else "medium", confidence(ev.gap_z, lc.z_cut),
         f"FP8 diverges from the start (gap opens at step {lc.onset})",
         f"The FP8 loss departs from the control from step {lc.onset} on and never comes back: "
         f"{100 * lc.final_gap:+.1f}% at the end, {ev.gap_z:.0f}x {lc.unit_label} "
@@ -839,6 +854,7 @@ def rule_layer_outlier(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
             sev = "medium"
         worst_sig = max(r.z, key=lambda k: r.z[k] if math.isfinite(r.z[k]) else -math.inf)
         base = "the control's same layer" if r.excess else "the model's other layers"
+        later = breaks_after_gap(r, ev.loss, _loss_spacing(ev.loss), ev.row_spacing)
         out.append(
             Finding(
                 "layer_outlier",
@@ -859,6 +875,12 @@ def rule_layer_outlier(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
                     f"{own['z']:.1f})."
                     if own
                     else ""
+                )
+                + (
+                    f" It broke at step {r.onset}, after the loss gap opened (step {ev.loss.onset}): "
+                    "it does not explain that gap but is a separate, later problem."
+                    if later
+                    else ""
                 ),
                 steps=(own["step"],) if own else (),
                 layers=(r.layer,),
@@ -872,6 +894,7 @@ def rule_layer_outlier(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
                     "stats": st,
                     "own_history": own,
                     "excess_over_control": r.excess,
+                    "breaks_after_gap": later,
                 },
                 next_experiments=(
                     f"look for outlier features entering {r.layer}'s {r.tensor} (amax over steps)",
@@ -997,8 +1020,13 @@ def finding_order(f: Finding) -> tuple[int, int, int]:
     """Sort key of the findings: a symptom of medium or high severity first (what is wrong: spikes, a
     gap, an evaluation drop), then by severity and the path's order. A layer outlier says *where* to
     look; it is raised only with loss or evaluation trouble, so it follows the symptom it explains
-    rather than hiding it (two high layer outliers above a medium FP8-only spike read as "no spike")."""
+    rather than hiding it (two high layer outliers above a medium FP8-only spike read as "no spike").
+    A layer outlier that broke on its own after the lasting gap opened (``breaks_after_gap``) is a
+    separate problem, not an explanation: it competes with the symptoms on severity."""
     symptom_first = 0 if f.kind in SYMPTOM_KINDS and f.severity in ("high", "medium") else 1
+    if f.kind == "layer_outlier" and f.evidence.get("breaks_after_gap"):
+        # It broke after the gap opened, so the gap does not explain it: its own severity decides.
+        symptom_first = 0
     return symptom_first, SEVERITIES.index(f.severity), KINDS.index(f.kind)
 
 
@@ -1045,6 +1073,10 @@ def mismatched_diagnosis(fp8: RunData, control: RunData, mismatch: Mismatch) -> 
         ),
     )
     return Diagnosis(fp8.source, control.source, (finding,), (), None, empty)
+
+
+def _loss_spacing(loss: LossComparison) -> int:
+    return max(1, int(np.median(np.diff(loss.steps)))) if len(loss.steps) > 1 else 1
 
 
 def _row_spacing(rows: Sequence[Any]) -> int | None:
