@@ -614,8 +614,8 @@ def ground_truth(sc: Scenario, fp8: Mapping[str, Any], control: Mapping[str, Any
             seg = range(a, min(n, b + lag + 2))
             i = max(seg, key=lambda t: sm[t])
             ctl_rise = control["loss"][i] / _median(control["loss"][max(0, i - 10):i])
-            peaks.append({"window": [a, b], "peak_step": i, "peak_ratio": ratio[i], "peak_ratio_smoothed": sm[i],
-                          "control_rise": ctl_rise})
+            peaks.append({"window": [a, b], "peak_step": i, "peak_ratio": ratio[i],
+                          "peak_ratio_smoothed": sm[i], "control_rise": ctl_rise})
         out["spikes"] = peaks
         # The same measure the healthy check bounds: a spike is what no healthy pair shows.
         checks["fp8_spike"] = any(p["peak_ratio_smoothed"] >= SPIKE_MIN for p in peaks)

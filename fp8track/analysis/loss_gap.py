@@ -69,9 +69,10 @@ class GapConfig:
             band a healthy FP8 run's per-step wander keeps against the control on the same batches
             (0.9-1.6 % measured on the example GPT).
         seed_band: a lasting gap that ends below this (median gap over the last fifth of the
-            common steps) is not a finding (0.05): healthy FP8/BF16 pairs of small models drift apart by that much on the
-            same batches, as two seeds would (the diagnosis benchmark's 5 healthy pairs end between
-            -8.5 % and +3.8 % and peak at +8.2 %), and one pair cannot tell such a gap from damage.
+            common steps) is not a finding (0.05): healthy FP8/BF16 pairs of small models drift
+            apart by that much on the same batches, as two seeds would (the diagnosis benchmark's 5
+            healthy pairs end between -8.5 % and +3.8 % and peak at +8.2 %), and one pair cannot
+            tell such a gap from damage.
             It is kept as ``band_onset_step`` / ``level`` for the report.
     """
 
@@ -117,7 +118,8 @@ class GapJudgement:
         z: ``level / noise``; z_cut: ``tolerance / noise``.
         severity: ``"none"``, ``"medium"`` or ``"high"``.
         smooth: the running median's width.
-        band_onset_step: the onset of a gap that lasts but ends inside ``GapConfig.seed_band`` (not a lasting gap then: ``lasting`` is False), else ``None``.
+        band_onset_step: the onset of a gap that lasts but ends inside
+            ``GapConfig.seed_band`` (not a lasting gap then: ``lasting`` is False), else ``None``.
         seed_band: that band (relative).
     """
 
