@@ -98,8 +98,12 @@ def loss_figure(d: Diagnosis) -> Figure:
     gx.plot(
         steps[finite], 100 * np.array(lc.smooth_gap)[finite], color=FP8_COLOR, lw=1.5, label="running median"
     )
+    unit = "paired gap noise" if lc.unit == "paired" else "control noise"
     gx.axhspan(-100 * lc.tolerance, 100 * lc.tolerance, color=CONTROL_COLOR, alpha=0.15,
-               label=f"±{100 * lc.tolerance:.2f}% (control noise x k)")
+               label=f"±{100 * lc.tolerance:.2f}% ({unit} x k)")
+    if lc.seed_band > lc.tolerance:  # a lasting gap must also end beyond this (loss_gap.GapConfig.seed_band)
+        gx.axhline(100 * lc.seed_band, color=CONTROL_COLOR, ls=":", lw=1,
+                   label=f"+{100 * lc.seed_band:.0f}% seed band")
     gx.axhline(0, color="black", lw=0.5)
     gx.set_ylabel("gap to control (%)")
     gx.set_xlabel("step")
