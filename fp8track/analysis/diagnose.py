@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -209,6 +209,7 @@ class Diagnosis:
                     "onset": lc.onset_step,
                     "band_onset": lc.band_onset_step,
                     "seed_band_rel": lc.seed_band,
+                    "corroborated_by": lc.corroborated_by,
                     "phase": lc.phase,
                     "smooth": lc.smooth,
                     "unit": lc.unit,
@@ -264,14 +265,16 @@ def relative_noise(values: Sequence[float]) -> float:
 
 def compare_loss(
     fp8: Mapping[int, float], control: Mapping[int, float], config: DiagnosisConfig | None = None,
-    paired: bool = False,
+    paired: bool = False, seed_band: float | None = None,
 ) -> GapJudgement:
     """Step-aligned loss comparison and the onset of a lasting gap, judged by
     :func:`fp8track.analysis.loss_gap.judge_gap`: in the paired FP8/control gap's own noise when both
     runs saw the same batches (``paired``), else in the control's step-to-step noise; the onset is
-    the gap's change point, its phase ``"start"`` or ``"mid"``, its severity in that noise unit."""
+    the gap's change point, its phase ``"start"`` or ``"mid"``, its severity in that noise unit;
+    ``seed_band`` overrides :attr:`fp8track.analysis.loss_gap.GapConfig.seed_band`."""
     cfg = config or DiagnosisConfig()
-    j = judge_gap(
+    band = {} if seed_band is None else {"seed_band": seed_band}
+    return judge_gap(
         fp8,
         control,
         paired,
@@ -280,9 +283,9 @@ def compare_loss(
             smooth=cfg.smooth,
             sustain=min(cfg.sustain, 1.0),
             start_fraction=cfg.start_fraction,
+            **band,
         ),
     )
-    return j
 
 
 def spike_config_for(n_steps: int) -> SpikeConfig:
@@ -442,6 +445,22 @@ class Evidence:
         }
 
 
+def corroborating_break(
+    outs: Sequence[LayerRisk], loss: GapJudgement, loss_spacing: int, row_spacing: int
+) -> str | None:
+    """The outlier layer whose own-history break explains a gap that ends inside the seed band
+    (``loss.band_onset_step``): it broke no later than the gap's onset plus the onsets' resolution
+    (:func:`breaks_after_gap`) and no earlier than twice that resolution before it; ``None`` when
+    no outlier did (the gap stays no finding)."""
+    if loss.band_onset_step is None:
+        return None
+    res = loss.smooth * loss_spacing + row_spacing
+    for r in outs:
+        if r.onset is not None and loss.band_onset_step - 2 * res <= r.onset <= loss.band_onset_step + res:
+            return r.layer
+    return None
+
+
 def breaks_after_gap(r: LayerRisk, loss: GapJudgement, loss_spacing: int, row_spacing: int) -> bool:
     """Whether layer ``r`` broke on its own (its own-history onset) clearly after a lasting loss gap
     opened: later than the gap's onset by more than the gap's smoothing width (``loss.smooth``
@@ -470,8 +489,13 @@ def gather_evidence(
         rank_layers(fp8_rows, control=ctl_rows or None, events=fp8.events, history_z=cfg.history_z)
     )
     outs = tuple(outliers(ranking, cfg.outlier_z, cfg.outlier_min_score))
-    # The layers a lasting gap names: those that can explain it, not one that broke on its own later.
     row_spacing = _row_spacing(fp8_rows) or spacing
+    if (cause := corroborating_break(outs, loss, spacing, row_spacing)) is not None:
+        # The seed band is there because one pair cannot tell drift from damage; a layer that broke
+        # on its own just before the gap opened tells them apart: the gap is judged without it.
+        loss = replace(compare_loss(fl, cl, cfg, paired=loss.unit == "paired", seed_band=0.0),
+                       corroborated_by=cause)
+    # The layers a lasting gap names: those that can explain it, not one that broke on its own later.
     later = {r.layer for r in ranking if breaks_after_gap(r, loss, spacing, row_spacing)}
     top = [r.layer for r in ranking if ranking and r.rank == ranking[0].rank and r.layer not in later]
     named = tuple(
@@ -698,7 +722,9 @@ def rule_mid_training_gap(ev: Evidence, found: Sequence[Finding]) -> list[Findin
         f"FP8 falls behind the control mid-training (from step {lc.onset_step})",
         f"The FP8 loss tracked the control until step {lc.onset_step}, then stayed above it: "
         f"{100 * lc.level:+.1f}% since then, {ev.gap_z:.0f}x {lc.unit_label} "
-        f"({100 * lc.noise:.2f}%). Top-ranked layers: {', '.join(named)}.",
+        f"({100 * lc.noise:.2f}%). Top-ranked layers: {', '.join(named)}."
+        + (f" The gap ends inside the {100 * lc.seed_band:.0f}% seed band, but {lc.corroborated_by} broke "
+           "on its own just before it opened: damage, not drift." if lc.corroborated_by else ""),
         steps=(lc.onset_step,), layers=named,
         tensors=tuple(dict.fromkeys(r.tensor for r in ev.ranking if r.layer in named)),
         evidence={**ev.loss_evidence(), "known_causes": sorted(ev.causes)},

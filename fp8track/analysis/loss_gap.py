@@ -121,6 +121,8 @@ class GapJudgement:
         band_onset_step: the onset of a gap that lasts but ends inside
             ``GapConfig.seed_band`` (not a lasting gap then: ``lasting`` is False), else ``None``.
         seed_band: that band (relative).
+        corroborated_by: set by the diagnosis when a layer's own break explains a gap that would
+            end inside the band, and the gap was judged without it (``None`` otherwise).
     """
 
     unit: str
@@ -141,6 +143,7 @@ class GapJudgement:
     smooth: int
     band_onset_step: int | None = None
     seed_band: float = 0.0
+    corroborated_by: str | None = None
 
     @property
     def unit_label(self) -> str:
@@ -168,6 +171,8 @@ class GapJudgement:
             "onset_step": self.onset_step, "phase": self.phase, "level_rel": num(self.level),
             "z": num(self.z), "z_cut": num(self.z_cut), "severity": self.severity, "smooth": self.smooth,
             "final_gap_rel": num(self.final_gap), "max_gap_rel": num(self.max_gap),
+            "band_onset_step": self.band_onset_step, "seed_band_rel": self.seed_band,
+            "corroborated_by": self.corroborated_by,
         }
 
 

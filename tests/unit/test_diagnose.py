@@ -314,3 +314,21 @@ def test_newly_enabled_and_json_is_plain(tmp_path):
     assert '"layer_ranking"' in text
     with pytest.raises(ValueError, match="noise_k"):
         DiagnosisConfig(noise_k=0)
+
+
+def test_a_gap_inside_the_seed_band_needs_a_layer_that_broke_just_before_it(tmp_path):
+    """A lasting 3.5 % gap from step 160 ends inside the 5 % seed band: alone it is drift (healthy,
+    its onset kept); with a layer whose own history breaks at step 150 it is damage, a mid-training
+    gap naming that layer first (``corroborated_by``). A layer breaking long before does not count."""
+    step_up = lambda c, rng: c * (1 + rng.normal(0, 0.002, N)) * np.where(np.arange(N) >= 160, 1.035, 1.0)  # noqa: E731
+    alone = diagnose(*_pair(tmp_path / "a", fp8_loss=step_up))
+    assert alone.kinds() == ["healthy"] and alone.loss.corroborated_by is None
+    assert alone.loss.band_onset_step == pytest.approx(160, abs=6) and not alone.loss.lasting
+    broke = diagnose(*_pair(
+        tmp_path / "b", fp8_loss=step_up, fp8_rows=lambda rng: _rows(rng, planted_from=150)))
+    assert broke.top.kind == "mid_training_gap" and broke.top.layers[0] == PLANTED
+    assert broke.loss.corroborated_by == PLANTED and broke.loss.onset_step == pytest.approx(160, abs=6)
+    assert "seed band" in broke.top.text
+    early = diagnose(*_pair(
+        tmp_path / "c", fp8_loss=step_up, fp8_rows=lambda rng: _rows(rng, planted_from=30)))
+    assert early.loss.corroborated_by is None and not early.loss.lasting
