@@ -45,14 +45,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from fp8track.analysis.baseline import Baseline, RunData, classify_spike
 from fp8track.analysis.causes import known_causes
-from fp8track.analysis.loss_gap import GapConfig, describe_unit, judge_gap, same_batches, step_noise
+from fp8track.analysis.loss_gap import GapConfig, GapJudgement, judge_gap, same_batches, step_noise
 from fp8track.analysis.pairing import Mismatch, align_runs, check_pairing
 from fp8track.analysis.ranking import (
     MAIN_VARIANTS,
@@ -171,52 +171,6 @@ class Finding:
 
 
 @dataclass(frozen=True)
-class LossComparison:
-    """The FP8 loss against the control's, step-aligned (steps both runs logged).
-
-    Attributes:
-        steps: common steps.
-        fp8, control: the two losses at those steps.
-        rel_gap: ``(fp8 - control) / |control|`` per step (``inf`` where FP8 is non-finite).
-        smooth_gap: ``rel_gap`` through the centred running median.
-        noise: the control's relative step-to-step noise sigma (module docstring).
-        tolerance: ``noise_k * 1.2533 * noise / sqrt(smooth)`` (module docstring).
-        onset: first step of the lasting gap, ``None`` when there is none.
-        phase: ``"start"`` / ``"mid"`` for an onset, else ``None``.
-    """
-
-    steps: tuple[int, ...]
-    fp8: tuple[float, ...]
-    control: tuple[float, ...]
-    rel_gap: tuple[float, ...]
-    smooth_gap: tuple[float, ...]
-    noise: float
-    tolerance: float
-    onset: int | None
-    phase: str | None
-    smooth: int
-    unit: str = "control_noise"
-    level: float = math.nan
-    z: float = math.nan
-    z_cut: float = math.nan
-    severity: str = "none"
-
-    @property
-    def unit_label(self) -> str:
-        """Words for reports: which noise the gap was judged in."""
-        return describe_unit(self.unit)
-
-    @property
-    def final_gap(self) -> float:
-        """Smoothed relative gap at the last common step."""
-        return self.smooth_gap[-1] if self.smooth_gap else math.nan
-
-    @property
-    def max_gap(self) -> float:
-        return max(self.smooth_gap, default=math.nan)
-
-
-@dataclass(frozen=True)
 class Diagnosis:
     """Findings (most severe first, path order within a severity) and the layer ranking."""
 
@@ -225,7 +179,7 @@ class Diagnosis:
     findings: tuple[Finding, ...]
     layer_ranking: tuple[LayerRisk, ...]
     ranking_window: tuple[int, int] | None
-    loss: LossComparison
+    loss: GapJudgement
     fp8_spikes: tuple[SpikeEvent, ...] = ()
     control_spikes: tuple[SpikeEvent, ...] = ()
     eval_metrics: Mapping[str, Any] = field(default_factory=dict)
@@ -252,7 +206,10 @@ class Diagnosis:
                     "tolerance_rel": lc.tolerance,
                     "final_gap_rel": lc.final_gap,
                     "max_gap_rel": lc.max_gap,
-                    "onset": lc.onset,
+                    "onset": lc.onset_step,
+                    "band_onset": lc.band_onset_step,
+                    "seed_band_rel": lc.seed_band,
+                    "corroborated_by": lc.corroborated_by,
                     "phase": lc.phase,
                     "smooth": lc.smooth,
                     "unit": lc.unit,
@@ -308,14 +265,16 @@ def relative_noise(values: Sequence[float]) -> float:
 
 def compare_loss(
     fp8: Mapping[int, float], control: Mapping[int, float], config: DiagnosisConfig | None = None,
-    paired: bool = False,
-) -> LossComparison:
+    paired: bool = False, seed_band: float | None = None,
+) -> GapJudgement:
     """Step-aligned loss comparison and the onset of a lasting gap, judged by
     :func:`fp8track.analysis.loss_gap.judge_gap`: in the paired FP8/control gap's own noise when both
     runs saw the same batches (``paired``), else in the control's step-to-step noise; the onset is
-    the gap's change point, its phase ``"start"`` or ``"mid"``, its severity in that noise unit."""
+    the gap's change point, its phase ``"start"`` or ``"mid"``, its severity in that noise unit;
+    ``seed_band`` overrides :attr:`fp8track.analysis.loss_gap.GapConfig.seed_band`."""
     cfg = config or DiagnosisConfig()
-    j = judge_gap(
+    band = {} if seed_band is None else {"seed_band": seed_band}
+    return judge_gap(
         fp8,
         control,
         paired,
@@ -324,24 +283,8 @@ def compare_loss(
             smooth=cfg.smooth,
             sustain=min(cfg.sustain, 1.0),
             start_fraction=cfg.start_fraction,
+            **band,
         ),
-    )
-    return LossComparison(
-        j.steps,
-        j.fp8,
-        j.control,
-        j.rel_gap,
-        j.smooth_gap,
-        j.noise,
-        j.tolerance,
-        j.onset_step,
-        j.phase,
-        j.smooth,
-        j.unit,
-        j.level,
-        j.z,
-        j.z_cut,
-        j.severity,
     )
 
 
@@ -457,7 +400,7 @@ class Evidence:
     fp8: RunData
     control: RunData
     cfg: DiagnosisConfig
-    loss: LossComparison
+    loss: GapJudgement
     fp8_spikes: tuple[SpikeEvent, ...]
     control_base: Baseline
     fp8_rows: tuple[Any, ...]
@@ -482,9 +425,10 @@ class Evidence:
         return self.loss.z
 
     def loss_evidence(self) -> dict[str, Any]:
-        lc, i = self.loss, self.loss.steps.index(self.loss.onset) if self.loss.onset is not None else 0
+        lc = self.loss
+        i = lc.steps.index(lc.onset_step) if lc.onset_step is not None else 0
         return {
-            "onset_step": lc.onset,
+            "onset_step": lc.onset_step,
             "gap_rel_at_end": lc.final_gap,
             "max_gap_rel": lc.max_gap,
             "control_noise_rel": lc.noise,
@@ -501,6 +445,33 @@ class Evidence:
         }
 
 
+def corroborating_break(
+    outs: Sequence[LayerRisk], loss: GapJudgement, loss_spacing: int, row_spacing: int
+) -> str | None:
+    """The outlier layer whose own-history break explains a gap that ends inside the seed band
+    (``loss.band_onset_step``): it broke no later than the gap's onset plus the onsets' resolution
+    (:func:`breaks_after_gap`) and no earlier than twice that resolution before it; ``None`` when
+    no outlier did (the gap stays no finding)."""
+    if loss.band_onset_step is None:
+        return None
+    res = loss.smooth * loss_spacing + row_spacing
+    for r in outs:
+        if r.onset is not None and loss.band_onset_step - 2 * res <= r.onset <= loss.band_onset_step + res:
+            return r.layer
+    return None
+
+
+def breaks_after_gap(r: LayerRisk, loss: GapJudgement, loss_spacing: int, row_spacing: int) -> bool:
+    """Whether layer ``r`` broke on its own (its own-history onset) clearly after a lasting loss gap
+    opened: later than the gap's onset by more than the gap's smoothing width (``loss.smooth``
+    logged steps ``loss_spacing`` apart) plus one statistics sampling interval (``row_spacing``):
+    the two onsets' resolution. Such a layer cannot explain the gap: it is a separate,
+    later problem, judged on its own severity (:func:`finding_order`)."""
+    if loss.onset_step is None or r.onset is None:
+        return False
+    return r.onset > loss.onset_step + loss.smooth * loss_spacing + row_spacing
+
+
 def gather_evidence(
     fp8: RunData, control: RunData, cfg: DiagnosisConfig, loss_key: str | None = None
 ) -> Evidence:
@@ -509,7 +480,7 @@ def gather_evidence(
     fl, cl = fp8.metrics[fkey], control.metrics[ckey]
     loss = compare_loss(fl, cl, cfg, paired=same_batches(fp8.meta, control.meta))
     steps = loss.steps
-    spacing = max(1, int(np.median(np.diff(steps)))) if len(steps) > 1 else 1
+    spacing = _loss_spacing(loss)
     scfg = spike_config_for(len(steps))
     fp8_spikes = detect_spikes({s: fl[s] for s in steps}, scfg)
     ctl_base = Baseline.from_series(control.source, {s: cl[s] for s in steps}, scfg, key=ckey)
@@ -518,9 +489,18 @@ def gather_evidence(
         rank_layers(fp8_rows, control=ctl_rows or None, events=fp8.events, history_z=cfg.history_z)
     )
     outs = tuple(outliers(ranking, cfg.outlier_z, cfg.outlier_min_score))
-    top = [r.layer for r in ranking if ranking and r.rank == ranking[0].rank]
+    row_spacing = _row_spacing(fp8_rows) or spacing
+    if (cause := corroborating_break(outs, loss, spacing, row_spacing)) is not None:
+        # The seed band is there because one pair cannot tell drift from damage; a layer that broke
+        # on its own just before the gap opened tells them apart: the gap is judged without it.
+        loss = replace(compare_loss(fl, cl, cfg, paired=loss.unit == "paired", seed_band=0.0),
+                       corroborated_by=cause)
+    # The layers a lasting gap names: those that can explain it, not one that broke on its own later.
+    later = {r.layer for r in ranking if breaks_after_gap(r, loss, spacing, row_spacing)}
+    top = [r.layer for r in ranking if ranking and r.rank == ranking[0].rank and r.layer not in later]
     named = tuple(
-        [r.layer for r in outs][: cfg.top_k] or [r.layer for r in ranking][: max(cfg.top_k, len(top))]
+        [r.layer for r in outs if r.layer not in later][: cfg.top_k]
+        or [r.layer for r in ranking if r.layer not in later][: max(cfg.top_k, len(top))]
     )
     fp8_layers = list(fp8.meta.get("fp8_layers") or [])
     model_order = tuple(fp8_layers + [n for n in (fp8.meta.get("bf16_layers") or []) if n not in fp8_layers])
@@ -540,7 +520,7 @@ def gather_evidence(
         named,
         model_order,
         evals,
-        _row_spacing(fp8_rows) or spacing,
+        row_spacing,
         known_causes(fp8.meta, fp8_rows),
         paired_spikes(fl, cl, steps, scfg) if loss.unit == "paired" else (),
     )
@@ -610,8 +590,8 @@ def _classified_spikes(ev: Evidence) -> tuple[list[Any], list[Any]]:
     spacing = max(1, int(np.median(np.diff(lc.steps)))) if len(lc.steps) > 1 else 1
 
     def gap_step_up(e: SpikeEvent) -> bool:
-        return (lc.onset is not None and e.status == "not_recovered"
-                and e.start_step >= lc.onset - lc.smooth * spacing)
+        return (lc.onset_step is not None and e.status == "not_recovered"
+                and e.start_step >= lc.onset_step - lc.smooth * spacing)
 
     for e in ev.fp8_spikes:
         if e.kind == "spike" and not gap_step_up(e):
@@ -706,7 +686,7 @@ def rule_fp8_only_spikes(ev: Evidence, found: Sequence[Finding]) -> list[Finding
 def rule_divergence_from_start(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
     """Path step 3: a lasting gap from the start; software first (what the FP8 run newly enabled)."""
     lc = ev.loss
-    if lc.onset is None or lc.phase != "start":
+    if lc.onset_step is None or lc.phase != "start":
         return []
     new = newly_enabled(ev.fp8.meta, ev.control.meta)
     evidence = {**ev.loss_evidence(), "newly_enabled": new, "known_causes": sorted(ev.causes)}
@@ -720,29 +700,32 @@ def rule_divergence_from_start(ev: Evidence, found: Sequence[Finding]) -> list[F
         exps.insert(0, f"keep everything as in the control except the FP8 recipe ({new['recipe']}): "
                        "if that alone diverges, go to the numerics experiments")
     return [Finding(
-        "divergence_from_start", "high", confidence(ev.gap_z, lc.z_cut),
-        f"FP8 diverges from the start (gap opens at step {lc.onset})",
-        f"The FP8 loss departs from the control from step {lc.onset} on and never comes back: "
+        "divergence_from_start", "high" if lc.severity == "high" else "medium",
+        confidence(ev.gap_z, lc.z_cut),
+        f"FP8 diverges from the start (gap opens at step {lc.onset_step})",
+        f"The FP8 loss departs from the control from step {lc.onset_step} on and never comes back: "
         f"{100 * lc.final_gap:+.1f}% at the end, {ev.gap_z:.0f}x {lc.unit_label} "
         f"({100 * lc.noise:.2f}%). Suspect software first. Newly enabled relative to the control: "
         + (", ".join(f"{k}={v}" for k, v in new.items()) or "nothing recorded") + ".",
-        steps=(lc.onset,), layers=tuple(ev.named[:1]), evidence=evidence, next_experiments=tuple(exps),
+        steps=(lc.onset_step,), layers=tuple(ev.named[:1]), evidence=evidence, next_experiments=tuple(exps),
     )]
 
 
 def rule_mid_training_gap(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
     """Path step 4: a lasting gap that opens later; the numerics experiments on the named layers."""
     lc, cfg = ev.loss, ev.cfg
-    if lc.onset is None or lc.phase != "mid":
+    if lc.onset_step is None or lc.phase != "mid":
         return []
     named = ev.named
     return [Finding(
         "mid_training_gap", "high" if lc.severity == "high" else "medium", confidence(ev.gap_z, lc.z_cut),
-        f"FP8 falls behind the control mid-training (from step {lc.onset})",
-        f"The FP8 loss tracked the control until step {lc.onset}, then stayed above it: "
+        f"FP8 falls behind the control mid-training (from step {lc.onset_step})",
+        f"The FP8 loss tracked the control until step {lc.onset_step}, then stayed above it: "
         f"{100 * lc.level:+.1f}% since then, {ev.gap_z:.0f}x {lc.unit_label} "
-        f"({100 * lc.noise:.2f}%). Top-ranked layers: {', '.join(named)}.",
-        steps=(lc.onset,), layers=named,
+        f"({100 * lc.noise:.2f}%). Top-ranked layers: {', '.join(named)}."
+        + (f" The gap ends inside the {100 * lc.seed_band:.0f}% seed band, but {lc.corroborated_by} broke "
+           "on its own just before it opened: damage, not drift." if lc.corroborated_by else ""),
+        steps=(lc.onset_step,), layers=named,
         tensors=tuple(dict.fromkeys(r.tensor for r in ev.ranking if r.layer in named)),
         evidence={**ev.loss_evidence(), "known_causes": sorted(ev.causes)},
         next_experiments=_numerics_experiments(named, ev.model_order, cfg) + tuple(ev.causes.values()),
@@ -757,7 +740,7 @@ def rule_downstream_drop(ev: Evidence, found: Sequence[Finding]) -> list[Finding
     level = max(lc.level, 0.0) if math.isfinite(lc.level) else 0.0
     dropped = {k: v for k, v in ev.evals.items()
                if v["dropped"] and v["worse_rel"] - level > cfg.noise_k * v["noise_rel"]}
-    if not dropped or lc.onset is not None or ev.nonfinite:
+    if not dropped or lc.onset_step is not None or ev.nonfinite:
         return []
     worst_name, worst = max(dropped.items(), key=lambda kv: kv[1]["z"])
     return [
@@ -839,6 +822,7 @@ def rule_layer_outlier(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
             sev = "medium"
         worst_sig = max(r.z, key=lambda k: r.z[k] if math.isfinite(r.z[k]) else -math.inf)
         base = "the control's same layer" if r.excess else "the model's other layers"
+        later = breaks_after_gap(r, ev.loss, _loss_spacing(ev.loss), ev.row_spacing)
         out.append(
             Finding(
                 "layer_outlier",
@@ -859,6 +843,12 @@ def rule_layer_outlier(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
                     f"{own['z']:.1f})."
                     if own
                     else ""
+                )
+                + (
+                    f" It broke at step {r.onset}, after the loss gap opened (step {ev.loss.onset_step}): "
+                    "it does not explain that gap but is a separate, later problem."
+                    if later
+                    else ""
                 ),
                 steps=(own["step"],) if own else (),
                 layers=(r.layer,),
@@ -872,6 +862,7 @@ def rule_layer_outlier(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
                     "stats": st,
                     "own_history": own,
                     "excess_over_control": r.excess,
+                    "breaks_after_gap": later,
                 },
                 next_experiments=(
                     f"look for outlier features entering {r.layer}'s {r.tensor} (amax over steps)",
@@ -898,10 +889,17 @@ def rule_healthy(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
             "info",
             confidence(lc.z_cut / max(abs(lc.max_gap) / lc.noise, 1e-9), 1.0),
             "FP8 matches the BF16 control",
-            f"Loss gap {100 * lc.final_gap:+.2f}% at the end, within the cut of {100 * lc.tolerance:.2f}% "
-            f"({lc.z_cut:.1f}x {lc.unit_label}, {100 * lc.noise:.2f}%); no FP8-only spikes; no evaluation "
-            f"drop; no layer stands out "
-            f"against the others more than in the control with an error to show for it"
+            (
+                f"Loss gap {100 * lc.final_gap:+.2f}% at the end: a gap from step {lc.band_onset_step} "
+                f"that ends inside the {100 * lc.seed_band:.0f}% band healthy FP8/BF16 pairs drift apart "
+                "by on the same batches (rerun another seed to tell drift from damage)"
+                if lc.band_onset_step is not None
+                else f"Loss gap {100 * lc.final_gap:+.2f}% at the end, within the cut of "
+                f"{100 * lc.tolerance:.2f}% ({lc.z_cut:.1f}x {lc.unit_label}, {100 * lc.noise:.2f}%)"
+            )
+            + "; no FP8-only spikes; no evaluation "
+            "drop; no layer stands out "
+            "against the others more than in the control with an error to show for it"
             + (f" (highest risk score {best.score:.1f}, {best.layer}{ties})." if best else ".")
             + (
                 " To watch: "
@@ -921,6 +919,7 @@ def rule_healthy(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
                 "control_noise_rel": lc.noise,
                 "tolerance_rel": lc.tolerance,
                 "noise_unit": lc.unit,
+                "band_onset_step": lc.band_onset_step,
                 "eval": ev.evals,
                 "top_layer": best.layer if best else None,
                 "top_score": best.score if best else None,
@@ -997,8 +996,13 @@ def finding_order(f: Finding) -> tuple[int, int, int]:
     """Sort key of the findings: a symptom of medium or high severity first (what is wrong: spikes, a
     gap, an evaluation drop), then by severity and the path's order. A layer outlier says *where* to
     look; it is raised only with loss or evaluation trouble, so it follows the symptom it explains
-    rather than hiding it (two high layer outliers above a medium FP8-only spike read as "no spike")."""
+    rather than hiding it (two high layer outliers above a medium FP8-only spike read as "no spike").
+    A layer outlier that broke on its own after the lasting gap opened (``breaks_after_gap``) is a
+    separate problem, not an explanation: it competes with the symptoms on severity."""
     symptom_first = 0 if f.kind in SYMPTOM_KINDS and f.severity in ("high", "medium") else 1
+    if f.kind == "layer_outlier" and f.evidence.get("breaks_after_gap"):
+        # It broke after the gap opened, so the gap does not explain it: its own severity decides.
+        symptom_first = 0
     return symptom_first, SEVERITIES.index(f.severity), KINDS.index(f.kind)
 
 
@@ -1032,7 +1036,8 @@ def diagnose(fp8: RunData, control: RunData, config: DiagnosisConfig | None = No
 def mismatched_diagnosis(fp8: RunData, control: RunData, mismatch: Mismatch) -> Diagnosis:
     """The diagnosis of two runs that cannot be compared: one ``mismatched_runs`` finding carrying
     the mismatch's one line, no ranking, no loss comparison."""
-    empty = LossComparison((), (), (), (), (), math.nan, math.nan, None, None, 0)
+    empty = GapJudgement("control_noise", (), (), (), (), (), math.nan, math.nan, False, None, None,
+                         math.nan, math.nan, math.nan, "none", 0)
     finding = Finding(
         "mismatched_runs",
         "high",
@@ -1045,6 +1050,10 @@ def mismatched_diagnosis(fp8: RunData, control: RunData, mismatch: Mismatch) -> 
         ),
     )
     return Diagnosis(fp8.source, control.source, (finding,), (), None, empty)
+
+
+def _loss_spacing(loss: GapJudgement) -> int:
+    return max(1, int(np.median(np.diff(loss.steps)))) if len(loss.steps) > 1 else 1
 
 
 def _row_spacing(rows: Sequence[Any]) -> int | None:
@@ -1061,7 +1070,6 @@ __all__ = [
     "Finding",
     "Diagnosis",
     "Evidence",
-    "LossComparison",
     "diagnose",
     "gather_evidence",
     "mismatched_diagnosis",

@@ -66,17 +66,17 @@ def loss_figure(d: Diagnosis) -> Figure:
         ys = [lc.fp8[index[s]] if color == FP8_COLOR else lc.control[index[s]] for s in xs]
         if xs:
             ax.scatter(xs, ys, marker="v", s=50, color=color, edgecolor="black", zorder=3, label=label)
-    if lc.onset is not None:
+    if lc.onset_step is not None:
         for a in (ax, gx):
-            a.axvline(lc.onset, color=BAD_COLOR, ls="--", lw=1.2)
+            a.axvline(lc.onset_step, color=BAD_COLOR, ls="--", lw=1.2)
         # In axes height, on the side of the line with more room: the label stays inside the plot.
-        right_half = lc.onset > (steps[0] + steps[-1]) / 2
+        right_half = lc.onset_step > (steps[0] + steps[-1]) / 2
         ax.text(
-            lc.onset,
+            lc.onset_step,
             0.97,
-            f" gap opens (step {lc.onset}, {lc.phase}) "
+            f" gap opens (step {lc.onset_step}, {lc.phase}) "
             if right_half
-            else f" gap opens (step {lc.onset}, {lc.phase})",
+            else f" gap opens (step {lc.onset_step}, {lc.phase})",
             transform=ax.get_xaxis_transform(),
             color=BAD_COLOR,
             ha="right" if right_half else "left",
@@ -98,8 +98,12 @@ def loss_figure(d: Diagnosis) -> Figure:
     gx.plot(
         steps[finite], 100 * np.array(lc.smooth_gap)[finite], color=FP8_COLOR, lw=1.5, label="running median"
     )
+    unit = "paired gap noise" if lc.unit == "paired" else "control noise"
     gx.axhspan(-100 * lc.tolerance, 100 * lc.tolerance, color=CONTROL_COLOR, alpha=0.15,
-               label=f"±{100 * lc.tolerance:.2f}% (control noise x k)")
+               label=f"±{100 * lc.tolerance:.2f}% ({unit} x k)")
+    if lc.seed_band > lc.tolerance:  # a lasting gap must also end beyond this (loss_gap.GapConfig.seed_band)
+        gx.axhline(100 * lc.seed_band, color=CONTROL_COLOR, ls=":", lw=1,
+                   label=f"+{100 * lc.seed_band:.0f}% seed band")
     gx.axhline(0, color="black", lw=0.5)
     gx.set_ylabel("gap to control (%)")
     gx.set_xlabel("step")

@@ -94,6 +94,8 @@ def test_demo_trains_three_runs_diagnoses_and_keeps_wandb_runs_apart(tmp_path):
     assert f"<tr><th>top-ranked layer</th><td>{planted_layer}</td></tr>" in html
     planted_console = proc.stdout[proc.stdout.index("== planted run"):]
     assert f"Top-ranked layer: {planted_layer}" in " ".join(planted_console.split())
+    # the console's last word on the planted run names the planted layer, in its top finding too
+    assert answers[1].startswith(f"fp8-planted: {d['findings'][0]['kind']} ") and PLANT_LAYER in answers[1]
 
     # one W&B run per training run (a reused run would mix the three losses into one history)
     by_id: dict[str, list[Path]] = {}

@@ -1,8 +1,8 @@
 """The diagnosis benchmark's CI subset end to end: real FP8 and BF16 runs recorded by the Monitor,
 every planted phenomenon checked independently of the diagnosis, then the public diagnosis scored.
 
-The diagnosis's accuracy is recorded (printed, and as pytest properties), not asserted: the
-thresholds of issue #19 are asserted once the improved ranking and loss evidence are merged."""
+The diagnosis's accuracy on this subset is asserted (every kind on top, no false alarm, the
+planted layer first) and recorded (printed, and as pytest properties)."""
 
 from __future__ import annotations
 
@@ -38,13 +38,19 @@ def test_ci_subset_plants_materialise_and_are_scored(tmp_path, record_property):
     gap = by["mid_training_gap"]["ground_truth"]
     assert gap["ratio_before"] <= 1.03 and gap["ratio_late"] >= 1.05
     spikes = by["fp8_only_spikes"]["ground_truth"]["spikes"]
-    assert any(s["peak_ratio"] >= 1.10 for s in spikes)
+    assert any(s["peak_ratio_smoothed"] >= 1.10 for s in spikes)  # beyond what healthy pairs show
+    # The diagnosis on this subset (issue 19's bar, measured on the full set in README): every kind
+    # on top, no false alarm, the planted layer first in the ranking.
+    missed = [(r["name"], r["diagnosis"]["findings"][:1]) for r in rows if not r["score"]["kind_top"]]
+    assert not missed, missed
+    assert not by["healthy"]["score"]["false_alarm"]
     # Single-layer plants are scored on the layer; the naive rules see the planted layer's rows.
     for r in rows:
         if r["plant"] and r["plant"]["position"] != "all":
             for key in bench.LAYER_KEYS:
                 assert key + "_top1" in r["score"], (r["name"], key)
             assert r["score"]["naive_underflow_rank"] is not None and r["score"]["naive_mse_rank"] is not None
+            assert r["score"]["diagnosis_top1"], (r["name"], r["diagnosis"]["ranking_top5"])
     t = result["totals"]
     assert t["verified"] == t["scenarios"] == len(rows)
     for key in ("kind_top", "kind_among", "false_alarms", "diagnosis_top1", "diagnosis_top3",

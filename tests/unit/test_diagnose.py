@@ -134,7 +134,7 @@ def test_divergence_from_start_lists_newly_enabled_options(tmp_path):
     exps = d.top.next_experiments
     assert "FP8 recipe" in exps[0] and "FP8 weights" in exps[1] and "CPU offloading" in exps[2]
     assert d.layer_ranking[0].layer == PLANTED
-    assert d.loss.phase == "start" and d.loss.onset is not None and d.loss.onset <= 0.1 * N
+    assert d.loss.phase == "start" and d.loss.onset_step is not None and d.loss.onset_step <= 0.1 * N
 
 
 def test_mid_training_instability_is_a_mid_training_gap_with_the_planted_layer_first(tmp_path):
@@ -268,17 +268,20 @@ def test_gap_is_judged_in_the_controls_noise_unit():
     alt = [3.0 * (1 + (0.01 if s % 2 else -0.01)) for s in range(9)]
     d = np.diff(alt) / np.abs(np.array(alt[:-1]))
     assert relative_noise(alt) == pytest.approx(1.4826 * np.median(np.abs(d - np.median(d))) / math.sqrt(2))
-    # the same 3% lasting gap on other batches: alarming against a quiet control, noise against a noisy one
+    # the same 6% lasting gap on other batches: alarming against a quiet control, noise against a noisy
+    # one (a gap must also end beyond the 5% seed band: loss_gap.GapConfig.seed_band; a 3% one does not)
     quiet = {s: 3.0 * (1 + 0.001 * rng.standard_normal()) for s in steps}
-    assert compare_loss({s: v * 1.03 for s, v in quiet.items()}, quiet).onset == 0
+    assert compare_loss({s: v * 1.06 for s, v in quiet.items()}, quiet).onset_step == 0
+    assert compare_loss({s: v * 1.03 for s, v in quiet.items()}, quiet).onset_step is None
     loud = {s: 3.0 * (1 + 0.1 * rng.standard_normal()) for s in steps}
-    judged = compare_loss({s: v * 1.03 for s, v in loud.items()}, loud)
-    assert judged.onset is None and judged.unit == "control_noise"
-    # the same batches: the paired gap's own noise is the unit; a lasting 3% gap from step 200 stands out
+    judged = compare_loss({s: v * 1.06 for s, v in loud.items()}, loud)
+    assert judged.onset_step is None and judged.unit == "control_noise"
+    # the same batches: the paired gap's own noise is the unit; a lasting 6% gap from step 200 stands out
     falling = {s: (3.0 + 2.0 * math.exp(-s / 100)) * (1 + 0.1 * rng.standard_normal()) for s in steps}
-    paired = compare_loss({s: v * (1.03 if s >= 200 else 1.0) * (1 + 0.002 * rng.standard_normal())
+    paired = compare_loss({s: v * (1.06 if s >= 200 else 1.0) * (1 + 0.002 * rng.standard_normal())
                            for s, v in falling.items()}, falling, paired=True)
-    assert paired.unit == "paired" and paired.onset == pytest.approx(200, abs=3) and paired.phase == "mid"
+    assert paired.unit == "paired" and paired.phase == "mid"
+    assert paired.onset_step == pytest.approx(200, abs=3)
     assert confidence(3.0, 3.0) == 0.05 and confidence(9.0, 3.0) == pytest.approx(1 - math.exp(-2))
 
 
@@ -311,3 +314,21 @@ def test_newly_enabled_and_json_is_plain(tmp_path):
     assert '"layer_ranking"' in text
     with pytest.raises(ValueError, match="noise_k"):
         DiagnosisConfig(noise_k=0)
+
+
+def test_a_gap_inside_the_seed_band_needs_a_layer_that_broke_just_before_it(tmp_path):
+    """A lasting 3.5 % gap from step 160 ends inside the 5 % seed band: alone it is drift (healthy,
+    its onset kept); with a layer whose own history breaks at step 150 it is damage, a mid-training
+    gap naming that layer first (``corroborated_by``). A layer breaking long before does not count."""
+    step_up = lambda c, rng: c * (1 + rng.normal(0, 0.002, N)) * np.where(np.arange(N) >= 160, 1.035, 1.0)  # noqa: E731
+    alone = diagnose(*_pair(tmp_path / "a", fp8_loss=step_up))
+    assert alone.kinds() == ["healthy"] and alone.loss.corroborated_by is None
+    assert alone.loss.band_onset_step == pytest.approx(160, abs=6) and not alone.loss.lasting
+    broke = diagnose(*_pair(
+        tmp_path / "b", fp8_loss=step_up, fp8_rows=lambda rng: _rows(rng, planted_from=150)))
+    assert broke.top.kind == "mid_training_gap" and broke.top.layers[0] == PLANTED
+    assert broke.loss.corroborated_by == PLANTED and broke.loss.onset_step == pytest.approx(160, abs=6)
+    assert "seed band" in broke.top.text
+    early = diagnose(*_pair(
+        tmp_path / "c", fp8_loss=step_up, fp8_rows=lambda rng: _rows(rng, planted_from=30)))
+    assert early.loss.corroborated_by is None and not early.loss.lasting

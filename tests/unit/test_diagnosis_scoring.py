@@ -129,15 +129,19 @@ def test_ground_truth_of_fp8_only_spikes_needs_a_calm_control():
     sc = ds.Scenario("s", "fp8_only_spikes", ds.RunSpec("gpt", "current", 0, 100, 5, 0, plant=plant))
     ctl = [2.0] * 100
     fp8 = list(ctl)
-    fp8[42] = 2.6  # ratio 1.3 at step 42
+    fp8[42] = 2.6  # one step at ratio 1.3: a raw blip healthy pairs show too (the smoothed ratio stays 1.0)
+    one = ds.ground_truth(sc, {"loss": fp8, "plant_touches": 4}, {"loss": ctl}, {"ok": True})
+    assert not one["materialised"] and one["spikes"][0]["peak_ratio_smoothed"] == pytest.approx(1.0)
+    fp8[41:44] = [2.6] * 3  # three steps: the 5-step running median of the ratio reaches 1.3
     out = ds.ground_truth(sc, {"loss": fp8, "plant_touches": 4}, {"loss": ctl}, {"ok": True})
-    assert out["spikes"][0]["peak_step"] == 42 and out["spikes"][0]["peak_ratio"] == pytest.approx(1.3)
+    peak = out["spikes"][0]
+    assert peak["peak_step"] == 41 and peak["peak_ratio_smoothed"] == pytest.approx(1.3)
     assert out["materialised"] and out["accepted_kinds"] == ["fp8_only_spikes"]
     lasting = fp8[:80] + [2.4] * 20  # the damage leaves a lasting 20 % gap too
     assert ds.ground_truth(sc, {"loss": lasting, "plant_touches": 4}, {"loss": ctl}, {"ok": True})[
         "accepted_kinds"] == ["fp8_only_spikes", "mid_training_gap"]
     both = list(ctl)
-    both[42] = 2.8  # the control spiked there too: not FP8-only
+    both[41:44] = [2.8] * 3  # the control spiked there too: not FP8-only
     assert not ds.ground_truth(sc, {"loss": fp8, "plant_touches": 4}, {"loss": both}, {"ok": True})[
         "materialised"
     ]

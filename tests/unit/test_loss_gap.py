@@ -32,6 +32,22 @@ def _pair(seed: int, gap: float = 0.0, start: int = 180, paired: bool = True, si
     return dict(enumerate(fp8.tolist())), dict(enumerate(ctl.tolist()))
 
 
+NO_BAND = GapConfig(seed_band=0.0)
+"""Detection alone: a lasting gap however small its end level (the seed band is tested apart)."""
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_seed_band_a_gap_ending_inside_it_is_no_finding(seed: int) -> None:
+    """A 3.5 % gap from step 180 is statistically lasting (the paired noise is ~0.5 %) but ends
+    inside the 5 % seed band: not lasting, its onset kept as band_onset_step; at 8 % it is a finding."""
+    j = judge_gap(*_pair(seed, gap=0.035, start=180), paired=True)
+    assert not j.lasting and j.severity == "none" and j.onset_step is None and j.phase is None
+    assert j.band_onset_step is not None and abs(j.band_onset_step - 180) <= 6
+    assert j.seed_band == 0.05 and judge_gap(*_pair(seed, gap=0.035), paired=True, config=NO_BAND).lasting
+    big = judge_gap(*_pair(seed, gap=0.08, start=180), paired=True)
+    assert big.lasting and big.band_onset_step is None and abs(big.onset_step - 180) <= 6
+
+
 def test_step_noise_hand_worked() -> None:
     # diffs 1, -1, 3, 0: median 0.5, |dev| 0.5 1.5 2.5 0.5 -> MAD 1.0
     assert step_noise(np.array([0.0, 1.0, 0.0, 3.0, 3.0]), relative=False) == pytest.approx(
@@ -68,7 +84,7 @@ def test_paired_healthy_is_no_gap(seed: int) -> None:
 @pytest.mark.parametrize("seed", range(8))
 def test_paired_lasting_gap_found_with_its_onset(seed: int) -> None:
     fp8, ctl = _pair(seed, gap=0.055, start=180)
-    j = judge_gap(fp8, ctl, paired=True)
+    j = judge_gap(fp8, ctl, paired=True, config=NO_BAND)
     assert j.lasting and j.unit == "paired"
     assert abs(j.onset_step - 180) <= 6, j.onset_step
     assert j.phase == "mid"
@@ -115,7 +131,7 @@ def test_config_and_input_errors() -> None:
         GapConfig(sustain=1.5)
     j = judge_gap(*_pair(0, gap=0.055), paired=True, config=GapConfig(min_gap=0.1))
     assert not j.lasting and j.tolerance == pytest.approx(0.1)  # the cut never goes below min_gap
-    d = judge_gap(*_pair(0, gap=0.055), paired=True).to_dict()
+    d = judge_gap(*_pair(0, gap=0.055), paired=True, config=NO_BAND).to_dict()
     assert d["unit"] == "paired" and d["lasting"] and "same batches" in d["unit_label"]
 
 
@@ -175,13 +191,13 @@ def test_sampled_series_and_a_long_run():
     from fp8track.analysis.loss_gap import MAX_SMOOTH
 
     fp8, ctl = _pair(3, gap=0.055, start=180)
-    j = judge_gap({s: v for s, v in fp8.items() if s % 5 == 0}, ctl, paired=True)
+    j = judge_gap({s: v for s, v in fp8.items() if s % 5 == 0}, ctl, paired=True, config=NO_BAND)
     assert j.lasting and abs(j.onset_step - 180) <= 5 and len(j.steps) == N // 5
     rng = np.random.default_rng(0)
     n = 20_000
     c = 4 * (1 + np.arange(n) / 2000) ** -0.3 * (1 + 0.02 * rng.standard_normal(n))
     f = c * (1 + 0.004 * rng.standard_normal(n)) * np.where(np.arange(n) >= 15_000, 1.05, 1.0)
-    j = judge_gap(dict(enumerate(f)), dict(enumerate(c)), paired=True)
+    j = judge_gap(dict(enumerate(f)), dict(enumerate(c)), paired=True, config=NO_BAND)
     assert j.smooth == MAX_SMOOTH and j.lasting and abs(j.onset_step - 15_000) <= 5 and j.severity == "high"
 
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from fp8track.analysis.diagnose import Diagnosis, Finding, LossComparison, mismatched_diagnosis
+from fp8track.analysis.diagnose import Diagnosis, Finding, mismatched_diagnosis
+from fp8track.analysis.loss_gap import GapJudgement
 from fp8track.analysis.pairing import Mismatch
 from fp8track.cli import COMMANDS, build_parser
 from fp8track.monitoring.records import TensorStatsRow
@@ -23,17 +24,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_diagnose import _pair, _rows  # noqa: E402
 
 
-def _loss(onset: int | None, n: int = 200) -> LossComparison:
+def _loss(onset: int | None, n: int = 200) -> GapJudgement:
     steps = tuple(range(n))
     ctl = tuple(3.0 - s / n for s in steps)
     fp8 = tuple(
         c * (1.05 if onset is not None and s >= onset else 1.0) for s, c in zip(steps, ctl, strict=True)
     )
     gap = tuple(f / c - 1 for f, c in zip(fp8, ctl, strict=True))
-    return LossComparison(steps, fp8, ctl, gap, gap, 0.01, 0.02, onset, "mid" if onset else None, 5)
+    return GapJudgement("paired", steps, fp8, ctl, gap, gap, 0.01, 0.02, onset is not None, onset,
+                        "mid" if onset else None, 0.05, 5.0, 2.0, "high" if onset is not None else "none", 5)
 
 
-def _diagnosis(loss: LossComparison, findings: tuple[Finding, ...] | None = None) -> Diagnosis:
+def _diagnosis(loss: GapJudgement, findings: tuple[Finding, ...] | None = None) -> Diagnosis:
     f = Finding("healthy", "info", 0.9, "FP8 matches the BF16 control", "text")
     return Diagnosis("a/fp8", "a/control", findings or (f,), (), None, loss)
 
