@@ -29,8 +29,8 @@ import time
 import torch
 
 from fp8track import Monitor, MonitorConfig
-from fp8track.execution.apply import apply_fp8
 from fp8track.examples.gpt import GPT, GPTConfig
+from fp8track.execution.apply import apply_fp8
 from fp8track.monitoring.records import EventRecord, RunReader
 from fp8track.monitoring.schedule import BurstPolicy
 

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from fp8track.errors import ConfigError, check_int
-from fp8track.numerics.scaling import quantize
 from fp8track.monitoring.capture import LayerPlan, tensor_partial
+from fp8track.numerics.scaling import quantize
 from fp8track.numerics.stats import finalize
 
 DUMP_FORMAT = 1
@@ -104,7 +104,9 @@ def plan_dict(plan: Any) -> dict[str, Any]:
     }
 
 
-def observation(tensor: str, x: torch.Tensor, scale: torch.Tensor | None, fmt: str, per_tensor: bool) -> dict[str, Any]:
+def observation(
+    tensor: str, x: torch.Tensor, scale: torch.Tensor | None, fmt: str, per_tensor: bool
+) -> dict[str, Any]:
     """One dumped observation: ``x`` (copied to the CPU), the scale the backend used, the FP8 tensor."""
     x = x.detach()
     q = None

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -52,13 +52,19 @@ from fp8track.monitoring.records import (
     TensorStatsRow,
 )
 from fp8track.monitoring.run_meta import (  # re-exported: the run metadata lived here before
-    EVAL_NAME_PREFIXES,
     data_fingerprint,
     precision_setup,
     run_meta_for,
     select_eval_metrics,
 )
-from fp8track.monitoring.schedule import BURST_LAYERS, BURST_TRIGGERS, Burst, BurstPolicy, normalise_windows, scheduled
+from fp8track.monitoring.schedule import (
+    BURST_LAYERS,
+    BURST_TRIGGERS,
+    Burst,
+    BurstPolicy,
+    normalise_windows,
+    scheduled,
+)
 from fp8track.monitoring.sharding import ShardSpec, grad_sq_share, is_dtensor
 from fp8track.numerics.formats import TENSOR_KINDS, get_format_pair
 from fp8track.numerics.stats import NUM_SUM, PARTIAL_SIZE, STAT_NAMES, finalize_many

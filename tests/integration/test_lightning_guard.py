@@ -77,7 +77,11 @@ def test_nan_stops_before_the_poisoned_checkpoint(tmp_path, poison):
     assert _saved_steps(tmp_path) == list(range(1, k + 1))
     last = torch.load(tmp_path / "ckpt" / f"step={k}.ckpt", weights_only=True)["state_dict"]
     assert all(torch.isfinite(v).all() for v in last.values())
-    why = "non-finite loss (nan) at step 13" if poison == "loss" else "non-finite parameters after step: body.0.weight"
+    why = (
+        "non-finite loss (nan) at step 13"
+        if poison == "loss"
+        else "non-finite parameters after step: body.0.weight"
+    )
     assert why in str(err.value)
     events = list(RunReader(monitor.run_dir).events())
     halt = [e for e in events if e.kind == "halt"]

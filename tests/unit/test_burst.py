@@ -98,7 +98,12 @@ def _train(tmp_path, steps=100, planted=(), recipe=None, **cfg):
     report = fp8track.apply_fp8(model, recipe, backend="emulated") if recipe else None
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     config = MonitorConfig.from_dict(
-        {"every_n_steps": 10, "spikes": {"warmup": 20, "window": 32}, "tensors": ["activation", "weight"], **cfg}
+        {
+            "every_n_steps": 10,
+            "spikes": {"warmup": 20, "window": 32},
+            "tensors": ["activation", "weight"],
+            **cfg,
+        }
     )
     g = torch.Generator().manual_seed(1)
     with Monitor(model, config, log_dir=tmp_path, apply_report=report) as mon:
@@ -157,7 +162,11 @@ def test_dump_reloads_and_recomputes_the_logged_row(tmp_path, recipe):
     assert sum(f.stat().st_size for f in files) == dump_events[0].data["bytes"]
     raw = torch.load(files[2], weights_only=True)  # plain data: no code runs while loading
     assert raw["layer"] == "fc3" and raw["observations"][0]["x"].shape == (32, 64)
-    rows = {(r.layer, r.tensor): r.stats for r in reader.tensor_stats() if r.step == step and r.variant == "actual"}
+    rows = {
+        (r.layer, r.tensor): r.stats
+        for r in reader.tensor_stats()
+        if r.step == step and r.variant == "actual"
+    }
     for f in files:
         d = dumps.load_dump(f)
         recomputed = dumps.recompute_stats(d)
