@@ -537,16 +537,17 @@ class Monitor:
         """The writer's part of a flush: finalise, analyse, react, emit."""
         step, rows, series, step_metrics = self._finalise(keys, pending, host)
         # Every earlier step's loss goes to the records and the trackers under its own step number
-        # (trackers then hold the loss of every optimizer step, not only of the sampled ones).
+        # (trackers then hold the loss of every optimizer step, not only of the sampled ones), in
+        # the logging step's one tracker batch (one MLflow log_batch per flush, not per step).
         # A NaN loss is not written as a value: the analyzers' non-finite event records it.
-        for s, loss, gnorm in series:
-            if s != step and not math.isnan(loss):
-                self._emit(s, _loss_metrics(loss, gnorm), [], [])
+        earlier = [
+            (s, _loss_metrics(loss, gnorm)) for s, loss, gnorm in series if s != step and not math.isnan(loss)
+        ]
         metrics, events = self._analyse(step, series, rows)
         events.extend(self._react(step, pending, host, keys, events, with_stats))
         metrics.update(self._flop_share(step, events) if with_stats else {})
         self.last_events = events
-        self._emit(step, {**step_metrics, **self._scalars(rows), **metrics}, rows, events)
+        self._emit(step, {**step_metrics, **self._scalars(rows), **metrics}, rows, events, earlier=earlier)
 
     # -- reacting to what a flush found: bursts, dumps, the guard --------------------------------
     def _react(
@@ -838,14 +839,19 @@ class Monitor:
         rows: Sequence[TensorStatsRow],
         events: Sequence[EventRecord],
         write_metrics: bool = True,
+        earlier: Sequence[tuple[int, dict[str, float]]] = (),
     ) -> None:
+        """Write one logging step (and the loss-only ``earlier`` steps of its flush) to the run
+        directory, then hand it to the trackers as one batch."""
         if self._writer is not None:
+            for s, m in earlier:
+                self._writer.write_metrics(MetricsRecord(s, m))
             if write_metrics and metrics:
                 self._writer.write_metrics(MetricsRecord(step, metrics))
             self._writer.write_tensor_stats(rows)
             self._writer.write_events(events)
         if self._fanout is not None:
-            self._fanout.log(StepBatch(step, metrics, tuple(rows), tuple(events)))
+            self._fanout.log(StepBatch(step, metrics, tuple(rows), tuple(events), tuple(earlier)))
 
     # -- evaluations -------------------------------------------------------------------------------
     def record_eval(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:

@@ -269,3 +269,49 @@ def test_no_share_warning_for_a_bf16_control(tmp_path):
             mon.step(loss=torch.tensor(1.0))
     assert mon.fp8_flop_share == 0.0
     assert not [w for w in caught if "GEMM FLOPs" in str(w.message)]
+
+
+# -- one tracker call per flush ---------------------------------------------------------------------
+
+
+def test_a_flush_goes_to_mlflow_in_one_log_batch(tmp_path):
+    mlflow = pytest.importorskip("mlflow")
+    from fp8track.trackers.base import Tracker
+    from fp8track.trackers.mlflow import MLflowTracker
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = client.create_run(client.create_experiment("coalesce")).info.run_id
+    calls = []
+    original = client.log_batch
+
+    def counting_log_batch(run, metrics=(), *a, **k):  # counts real calls; the real method runs
+        calls.append(sorted({m.step for m in metrics}))
+        return original(run, metrics, *a, **k)
+
+    client.log_batch = counting_log_batch
+
+    class PerStep(Tracker):  # a tracker that does not coalesce: one batch per step, as before
+        name = "per_step"
+
+        def __init__(self):
+            self.batches = []
+
+        def log(self, batch):
+            self.batches.append((batch.step, dict(batch.metrics), batch.earlier))
+
+    per_step = PerStep()
+    mlf = MLflowTracker(client=client, run_id=run_id, heatmap=False, background=False)
+    model = torch.nn.Linear(4, 2)
+    losses = [1.0 + 0.5 * i for i in range(12)]
+    cfg = MonitorConfig(every_n_steps=5, burst_steps=0)
+    with Monitor(model, cfg, log_dir=tmp_path, trackers=[mlf, per_step]) as mon:
+        for loss in losses:
+            model(torch.ones(3, 4)).sum().backward()
+            mon.step(loss=torch.tensor(loss))
+    metric_calls = [c for c in calls if c]
+    # flushes at steps 0, 5, 10 (sampled) and 11 (close): steps 1-4 ride with 5, 6-9 with 10
+    assert metric_calls[:4] == [[0], [1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11]]
+    history = client.get_metric_history(run_id, "fp8/loss")
+    assert sorted((m.step, m.value) for m in history) == list(enumerate(losses))
+    steps_with_loss = [s for s, m, earlier in per_step.batches if "fp8/loss" in m]
+    assert steps_with_loss == list(range(12)) and all(e == () for _, _, e in per_step.batches)
