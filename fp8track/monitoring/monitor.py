@@ -89,9 +89,10 @@ GUARD_ACTIONS = ("stop", "log")
 that step is written) or ``"log"`` (recorded only)."""
 FP8_SHARE_METRIC = run_metric("fp8_flop_share")
 DEFAULT_BURST_STEPS = 8
-"""K, steps sampled after an event: bench/results_burst.json measured a burst step at ~1.6x an
-unsampled step on the example GPT (CPU), so 8 steps cost about 5 unsampled steps, less than half
-a default 10-step sampling period, while covering a spike detector's shortest episodes."""
+"""K, steps sampled after an event. A burst step costs what a sampled step costs: 2.1-2.2x an
+unsampled one on the example GPT (bench/results_monitor.json, every_1 vs none), so a burst of 8
+adds about 9 unsampled steps' worth of time per event; 8 covers the spike detector's confirmation
+and recovery checks (2 + 3 steps) with room for an intermittent fault to recur."""
 
 
 @dataclass(frozen=True)
@@ -208,7 +209,9 @@ class StepAnalyzer(Protocol):
 
 class StepSink(Protocol):
     """Where the writer rank sends each logging step after the run directory has it (the tracker
-    fan-out of :mod:`fp8track.trackers`); built by a factory that receives the run directory."""
+    fan-out of :mod:`fp8track.trackers`); built by a factory that receives the run directory.
+    A sink whose ``coalesces`` attribute is true gets a flush's loss-only steps inside the logging
+    step's batch (``StepBatch.earlier``, one call per flush); any other gets one batch per step."""
 
     def start(self, meta: RunMeta, recorded_before_resume: int | None = None) -> None: ...
 
@@ -851,7 +854,10 @@ class Monitor:
             self._writer.write_tensor_stats(rows)
             self._writer.write_events(events)
         if self._fanout is not None:
-            self._fanout.log(StepBatch(step, metrics, tuple(rows), tuple(events), tuple(earlier)))
+            batch = StepBatch(step, metrics, tuple(rows), tuple(events), tuple(earlier))
+            # A sink that does not say it takes a batch's earlier steps gets one batch per step.
+            for b in [batch] if getattr(self._fanout, "coalesces", False) else batch.split():
+                self._fanout.log(b)
 
     # -- evaluations -------------------------------------------------------------------------------
     def record_eval(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:

@@ -465,6 +465,8 @@ class TrackerFanout:
         self.notices: dict[str, int] = {t.name: 0 for t in trackers}
         self._skip_through: int | None = None
 
+    coalesces = True  # takes StepBatch.earlier; splits per tracker that does not
+
     def _fail(self, tracker: Tracker, step: int | None, what: str, exc: BaseException) -> None:
         self.failures[tracker.name] = self.failures.get(tracker.name, 0) + 1
         path = missed_path(self.run_dir, tracker.name)
