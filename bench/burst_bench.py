@@ -7,6 +7,7 @@ Prints JSON (``bench/results_burst.json``). Configurations run side by side in i
 * ``every_10``: the default sampling with bursts switched off (``burst_steps=0``);
 * ``every_10_bursts``: the default sampling with the default bursts (opened only by what the
   analyzers see in this healthy run);
+* ``every_10_bursts_drift``: the same with drift events opening bursts too (opt-in);
 * ``forced_bursts``: every 10, plus a burst of K steps opened every 40 steps (as if a spike were
   seen), to time steps inside a burst.
 
@@ -32,7 +33,7 @@ from fp8track import Monitor, MonitorConfig
 from fp8track.examples.gpt import GPT, GPTConfig
 from fp8track.execution.apply import apply_fp8
 from fp8track.monitoring.records import EventRecord, RunReader
-from fp8track.monitoring.schedule import BurstPolicy
+from fp8track.monitoring.schedule import BURST_TRIGGERS, BurstPolicy
 
 BATCH = 16
 
@@ -83,6 +84,10 @@ def step_times(rounds: int, per_round: int, burst_steps: int) -> dict:
         "none": (None, None),
         "every_10": (MonitorConfig(every_n_steps=10, burst_steps=0, max_dumps=0), None),
         "every_10_bursts": (MonitorConfig(every_n_steps=10, burst_steps=burst_steps, max_dumps=0), None),
+        "every_10_bursts_drift": (
+            MonitorConfig(every_n_steps=10, burst_steps=burst_steps, max_dumps=0, burst_on=BURST_TRIGGERS),
+            None,
+        ),
         "forced_bursts": (MonitorConfig(every_n_steps=10, burst_steps=burst_steps, max_dumps=0), 40),
     }
     monitors = {k: (Monitor(model, c, log_dir=tmp) if c else None) for k, (c, _) in configs.items()}

@@ -59,7 +59,7 @@ from fp8track.monitoring.run_meta import (  # re-exported: the run metadata live
 )
 from fp8track.monitoring.schedule import (
     BURST_LAYERS,
-    BURST_TRIGGERS,
+    DEFAULT_BURST_TRIGGERS,
     Burst,
     BurstPolicy,
     normalise_windows,
@@ -119,7 +119,8 @@ class CaptureConfig:
             back to the schedule; 0 switches bursts off (:mod:`fp8track.monitoring.schedule`).
         burst_layers: ``"implicated"`` (the layers the event names; every layer for loss events)
             or ``"all"``.
-        burst_on: event kinds that open a burst (``spike``, ``nonfinite``, ``divergence``, ``drift``).
+        burst_on: event kinds that open a burst: ``spike``, ``nonfinite``, ``divergence`` (default)
+            and ``drift`` (opt-in: frequent under delayed scaling).
         max_dumps: tensor dumps per run, each taken on the first burst step after an event, of the
             burst's layers (:mod:`fp8track.monitoring.dumps`); 0 switches dumps off.
         max_dump_bytes: bytes of tensors per dump (layers past it are left out and named).
@@ -144,7 +145,7 @@ class CaptureConfig:
     start_end_list: tuple[tuple[int, int], ...] = ()
     burst_steps: int = DEFAULT_BURST_STEPS
     burst_layers: str = "implicated"
-    burst_on: tuple[str, ...] = BURST_TRIGGERS
+    burst_on: tuple[str, ...] = DEFAULT_BURST_TRIGGERS
     max_dumps: int = 2
     max_dump_bytes: int = 256 * 2**20
     on_nonfinite: str = "stop"

@@ -13,7 +13,7 @@ from fp8track.config import MonitorConfig
 from fp8track.errors import ConfigError
 from fp8track.frontend import Monitor, run_summary
 from fp8track.monitoring.records import EventRecord, RunReader
-from fp8track.monitoring.schedule import Burst, BurstPolicy, scheduled
+from fp8track.monitoring.schedule import BURST_TRIGGERS, Burst, BurstPolicy, scheduled
 from fp8track.numerics.formats import get_format
 
 # -- schedule --------------------------------------------------------------------------------------
@@ -50,7 +50,8 @@ def test_bad_settings_are_config_errors(changes, needle):
 
 
 def test_burst_opens_extends_and_narrows():
-    b = Burst(BurstPolicy(steps=4, layers="implicated"))
+    assert "drift" not in BurstPolicy().triggers  # opt-in
+    b = Burst(BurstPolicy(steps=4, layers="implicated", triggers=BURST_TRIGGERS))
     drift = EventRecord("drift", 10, {"layer": "fc1", "tensor": "activation"})
     ev = b.open(10, [drift])
     assert ev is not None and (ev.data["from"], ev.data["to"], ev.data["layers"]) == (11, 14, ["fc1"])
