@@ -89,10 +89,10 @@ GUARD_ACTIONS = ("stop", "log")
 that step is written) or ``"log"`` (recorded only)."""
 FP8_SHARE_METRIC = run_metric("fp8_flop_share")
 DEFAULT_BURST_STEPS = 8
-"""K, steps sampled after an event. A burst step costs what a sampled step costs: 2.1-2.2x an
-unsampled one on the example GPT (bench/results_monitor.json, every_1 vs none), so a burst of 8
-adds about 9 unsampled steps' worth of time per event; 8 covers the spike detector's confirmation
-and recovery checks (2 + 3 steps) with room for an intermittent fault to recur."""
+"""K, steps sampled after an event. A burst step of every layer costs 1.3x an unsampled step on the
+example GPT (bench/results_burst.json), so a burst of 8 adds about 2.4 unsampled steps' worth of
+time per event; 8 covers the spike detector's confirmation and recovery checks (2 + 3 steps) with
+room for an intermittent fault to recur."""
 
 
 @dataclass(frozen=True)
