@@ -32,7 +32,10 @@ class MonitorConfig(CaptureConfig):
 
     Attributes (beyond the capture fields of
     :class:`fp8track.monitoring.monitor.CaptureConfig`: ``every_n_steps``, ``steps``, ``tensors``,
-    ``scalar_stats``, ``whatif``, ``per_layer_scalars``, ``shadow_format``, ``track_grad_norm``):
+    ``scalar_stats``, ``whatif``, ``per_layer_scalars``, ``shadow_format``, ``track_grad_norm``,
+    the TE-style windows ``start_step`` / ``end_step`` / ``start_end_list``, the bursts
+    ``burst_steps`` / ``burst_layers`` / ``burst_on``, the dumps ``max_dumps`` / ``max_dump_bytes``,
+    the guard ``on_nonfinite`` / ``on_divergence`` and ``fp8_share_warn_below``; docs/monitoring.md):
         run_name: the name stored in the run metadata.
         spikes: :class:`fp8track.analysis.spikes.SpikeConfig` (window, z thresholds, recovery;
             ``action`` is what the Lightning callback does when a spike opens).

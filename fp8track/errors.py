@@ -30,6 +30,12 @@ class RankFailure(RuntimeError):
     """
 
 
+class TrainingHalted(RuntimeError):
+    """fp8track stopped training: a non-finite loss, gradient or parameter (or, when asked, a
+    divergence or a spike) was seen before a checkpoint of that step was written. The message says
+    why and at which step; the run directory's ``halt`` event records it too."""
+
+
 def invalid_choice(what: str, value: object, valid: Iterable[object], hint: str = "") -> ConfigError:
     """Build the standard "unknown X" error: names the value received and the valid ones."""
     choices = ", ".join(repr(v) for v in valid)

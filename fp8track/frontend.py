@@ -19,6 +19,7 @@ from fp8track.errors import ConfigError
 from fp8track.execution.apply import ApplyReport
 from fp8track.monitoring import monitor as core
 from fp8track.monitoring.capture import LayerFilter, LayerPlan
+from fp8track.monitoring.monitor import FP8_SHARE_METRIC
 from fp8track.monitoring.naming import LOSS_METRIC, run_metric
 from fp8track.monitoring.records import EventRecord, RunMeta, RunReader
 from fp8track.monitoring.sharding import ShardSpec
@@ -106,7 +107,8 @@ def run_summary(run_dir: str | Path, top_k: int = 5) -> dict[str, Any]:
         ``{"layer", "score", "tensor"}``; ``spikes``, ``fp8_only_spikes``, ``shared_spikes``
         (the last two only with a control), ``divergences``, ``drift_events``: the analyzers' last
         counts (None when never logged); ``loss_gap_vs_baseline``: the last FP8-minus-control
-        loss gap in nats (None without a control).
+        loss gap in nats (None without a control); ``fp8_flop_share``: the share of the GEMM
+        FLOPs that ran in FP8 on the last fully sampled step (None before one).
     """
     reader = RunReader(run_dir)
     last: dict[str, float] = {}
@@ -124,6 +126,7 @@ def run_summary(run_dir: str | Path, top_k: int = 5) -> dict[str, Any]:
     for key, name in _SUMMARY_COUNTS.items():
         out[key] = int(last[name]) if name in last else None
     out["loss_gap_vs_baseline"] = last.get(run_metric("loss_gap_vs_baseline"))
+    out["fp8_flop_share"] = last.get(FP8_SHARE_METRIC)
     return out
 
 

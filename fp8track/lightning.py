@@ -16,7 +16,8 @@ from fp8track.errors import invalid_choice
 from fp8track.execution.apply import ApplyReport
 from fp8track.frontend import FrontendResults, Monitor, check_frontend_args, load_control
 from fp8track.monitoring.capture import LayerFilter
-from fp8track.monitoring.monitor import StepAnalyzer, run_meta_for, total_grad_norm
+from fp8track.monitoring.monitor import StepAnalyzer, total_grad_norm
+from fp8track.monitoring.run_meta import run_meta_for
 from fp8track.monitoring.sharding import ShardSpec
 from fp8track.trackers import Tracker
 
@@ -56,6 +57,11 @@ class FP8Monitor(Callback, FrontendResults):
             ``val``/``eval``/``test``/``downstream``) or a list of logged names.
         apply_report: what :func:`fp8track.apply_fp8` returned (recipe and FP8/BF16 layers for
             the run metadata); ``None``: the report of an ``apply_fp8`` call on the module, if any.
+        on_nonfinite: ``"stop"`` (default: a non-finite loss, gradient norm or parameter raises
+            :class:`fp8track.errors.TrainingHalted` before any checkpoint of that step is written,
+            from this callback's ``on_train_batch_end``, which runs before ``ModelCheckpoint``'s,
+            or from ``on_save_checkpoint``) or ``"log"``; overrides ``config.on_nonfinite``.
+            ``config.on_divergence="stop"`` does the same for a divergence onset.
 
     Raises:
         ConfigError: at construction for bad values; in ``on_fit_start`` (after precision plugins
@@ -91,9 +97,12 @@ class FP8Monitor(Callback, FrontendResults):
         analyzers: Sequence[StepAnalyzer] | None = None,
         eval_metrics: str | Sequence[str] = "auto",
         apply_report: ApplyReport | None = None,
+        on_nonfinite: str | None = None,
     ) -> None:
         cfg = MonitorConfig.load(config)
         changes: dict[str, Any] = {}
+        if on_nonfinite is not None:
+            changes["on_nonfinite"] = on_nonfinite
         if every_n_steps is not None:
             changes["every_n_steps"] = every_n_steps
         if on_spike is not None:
@@ -213,11 +222,38 @@ class FP8Monitor(Callback, FrontendResults):
         self._micro_batches += 1
         if trainer.global_step > self._step_at_batch_start:  # an optimizer step completed
             mean_loss = self._loss_sum / self._micro_batches if self._loss_sum is not None else None
-            flushed = self.monitor.config.samples(self.monitor.global_step)
+            flushed = self.monitor.sampling
             self.monitor.end_step(mean_loss, self._grad_norm)
             self._loss_sum, self._micro_batches, self._grad_norm = None, 0, None
-            if flushed and self.on_spike != "log":
-                self._act_on_spikes(trainer)
+            if flushed:
+                # Before ModelCheckpoint's own on_train_batch_end (Lightning runs checkpoint
+                # callbacks last): a halted run never saves this step.
+                self._halt_if(trainer, self.monitor.halt_reason, "after")
+                if self.on_spike != "log":
+                    self._act_on_spikes(trainer)
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # Every save (ModelCheckpoint, trainer.save_checkpoint) passes here before the file is
+        # written: the guard checks the unflushed losses and the parameters, and raising here
+        # leaves the last good checkpoint the latest one.
+        if self.monitor is None or self.monitor.closed:
+            return
+        self._halt_if(trainer, self.monitor.guard(), "before saving the checkpoint of")
+
+    def _halt_if(self, trainer: pl.Trainer, reason: str | None, when: str) -> None:
+        """Stop training (every rank alike) when a rank's guard gave a reason."""
+        if not trainer.strategy.reduce_boolean_decision(reason is not None, all=False):
+            return
+        from fp8track.errors import TrainingHalted
+
+        why = reason or "another rank saw a non-finite loss, gradient or parameter"
+        raise TrainingHalted(
+            f"fp8track stopped training {when} step {trainer.global_step}: {why} "
+            f"(on_nonfinite={self.config.on_nonfinite!r}; the last checkpoint written before it is the "
+            "last good one; records: the 'halt' event of the run directory)"
+        )
 
     def _act_on_spikes(self, trainer: pl.Trainer) -> None:
         # Rank 0 saw the events; every rank takes part in the decision (no collective in a
@@ -242,7 +278,7 @@ class FP8Monitor(Callback, FrontendResults):
         """Name the precision set-up in the run metadata (before the run directory is written)."""
         from dataclasses import replace
 
-        from fp8track.monitoring.monitor import precision_setup
+        from fp8track.monitoring.run_meta import precision_setup
 
         if self.monitor is None or self.monitor.run_dir is not None:
             return
@@ -270,7 +306,7 @@ class FP8Monitor(Callback, FrontendResults):
         # Validation metrics per evaluation, so the control comparison covers more than training loss.
         if self.monitor is None or trainer.sanity_checking:
             return
-        from fp8track.monitoring.monitor import select_eval_metrics
+        from fp8track.monitoring.run_meta import select_eval_metrics
 
         self.monitor.record_eval(
             trainer.global_step, select_eval_metrics(trainer.callback_metrics, self.eval_metrics)

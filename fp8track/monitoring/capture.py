@@ -326,6 +326,10 @@ class LayerCapture:
         self._recomputes = 0  # forwards run inside backward this step and taken as their recompute
         self._resting_weight: torch.Tensor | None = None
         self.partials: dict[tuple[str, str], torch.Tensor] = {}
+        self.flops = 0  # GEMM FLOPs (forward + both backward GEMMs) seen since the last take_flops
+        # Called with (tensor, x, scale used or None) for every observation while set: the
+        # monitor's tensor dumps (fp8track.monitoring.dumps).
+        self.recorder: Callable[[str, torch.Tensor, torch.Tensor | None], None] | None = None
         self._observations: list[tuple[str, str | None]] | None = None  # after the plan resolves
         # The forward hook stays registered while attached, sampled step or not: a compiled model
         # guards on a module's hooks, so adding one per sampled step would recompile.
@@ -403,6 +407,12 @@ class LayerCapture:
         self.partials.clear()
         return out
 
+    def take_flops(self) -> int:
+        """GEMM FLOPs of the forwards observed since the last call (``6 * tokens * in * out`` per
+        forward: the forward GEMM and both backward GEMMs), from shapes only; resets."""
+        flops, self.flops = self.flops, 0
+        return flops
+
     def wants(self, tensor: str) -> bool:
         """Whether an observation of ``tensor`` now would be recorded (sampled step, tracked tensor,
         weight not yet seen this step)."""
@@ -422,6 +432,9 @@ class LayerCapture:
     def _add(self, tensor: str, x: torch.Tensor, actual: torch.Tensor | None = None) -> None:
         x = x.detach()
         share = share_of(x, tensor, self.sharding, self.collective_timeout_s)
+        if self.recorder is not None and actual is None:
+            fn = self.plan.scale_fns.get(tensor) if self.plan.scaling == "per_tensor" else None
+            self.recorder(tensor, share.local, fn() if fn is not None else None)
         partials = self.partials
         for variant, scaling in self._observation_list():
             key = (tensor, variant)
@@ -451,6 +464,9 @@ class LayerCapture:
             self._observe_forward(module, args)
         if isinstance(output, tuple) and output and self.te:
             output = output[0]  # TE's return_bias=True gives (out, bias) (TransformerLayer's proj)
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor) and isinstance(output, torch.Tensor) and x.dim() and output.dim():
+            self.flops += 6 * x.numel() * output.shape[-1]  # tokens * in = numel
         if "gradient" in self.tensors and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(self._gradient_hook)
 

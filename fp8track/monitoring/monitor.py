@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -42,6 +42,7 @@ from fp8track.monitoring.capture import (
     validate_whatif,
     variant_format,
 )
+from fp8track.monitoring.dumps import DumpBudget, DumpPolicy, LayerDump, observation, plan_dict, write_dump
 from fp8track.monitoring.naming import LOSS_METRIC, metric_name, run_metric, worst_metric
 from fp8track.monitoring.records import (
     EventRecord,
@@ -50,6 +51,20 @@ from fp8track.monitoring.records import (
     RunWriter,
     StepBatch,
     TensorStatsRow,
+)
+from fp8track.monitoring.run_meta import (  # re-exported: the run metadata lived here before
+    data_fingerprint,
+    precision_setup,
+    run_meta_for,
+    select_eval_metrics,
+)
+from fp8track.monitoring.schedule import (
+    BURST_LAYERS,
+    DEFAULT_BURST_TRIGGERS,
+    Burst,
+    BurstPolicy,
+    normalise_windows,
+    scheduled,
 )
 from fp8track.monitoring.sharding import ShardSpec, grad_sq_share, is_dtensor
 from fp8track.numerics.formats import TENSOR_KINDS, get_format_pair
@@ -70,6 +85,15 @@ DEFAULT_SCALAR_STATS = (
 WORST_MAX = ("underflow_pct", "overflow_pct", "mse", "nonfinite_pct")
 # ...and these when smaller.
 WORST_MIN = ("cos", "sqnr_db")
+GUARD_ACTIONS = ("stop", "log")
+"""``on_nonfinite`` / ``on_divergence``: ``"stop"`` (the guard stops training before a checkpoint of
+that step is written) or ``"log"`` (recorded only)."""
+FP8_SHARE_METRIC = run_metric("fp8_flop_share")
+DEFAULT_BURST_STEPS = 8
+"""K, steps sampled after an event. A burst step of every layer costs 1.3x an unsampled step on the
+example GPT (bench/results_burst.json), so a burst of 8 adds about 2.4 unsampled steps' worth of
+time per event; 8 covers the spike detector's confirmation and recovery checks (2 + 3 steps) with
+room for an intermittent fault to recur."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +113,23 @@ class CaptureConfig:
         track_grad_norm: compute the total gradient norm on sampled steps (for spike attribution).
         collective_timeout_s: the longest a rank waits for the others in fp8track's all-reduces
             before raising :class:`fp8track.errors.RankFailure` (a peer died or hangs).
+        start_step, end_step: sample only between these steps (inclusive; ``end_step=None``: no
+            end), as TE's debug API features (``steps`` are sampled whatever the window).
+        start_end_list: ``[[start, end], ...]`` windows (inclusive), replacing start/end (TE).
+        burst_steps: after an event (``burst_on``) sample every step of the next K steps, then go
+            back to the schedule; 0 switches bursts off (:mod:`fp8track.monitoring.schedule`).
+        burst_layers: ``"implicated"`` (the layers the event names; every layer for loss events)
+            or ``"all"``.
+        burst_on: event kinds that open a burst: ``spike``, ``nonfinite``, ``divergence`` (default)
+            and ``drift`` (opt-in: frequent under delayed scaling).
+        max_dumps: tensor dumps per run, each taken on the first burst step after an event, of the
+            burst's layers (:mod:`fp8track.monitoring.dumps`); 0 switches dumps off.
+        max_dump_bytes: bytes of tensors per dump (layers past it are left out and named).
+        on_nonfinite: ``"stop"`` (default: a non-finite loss or gradient stops training before a
+            checkpoint of that step is saved, :meth:`Monitor.guard`) or ``"log"``.
+        on_divergence: ``"log"`` (default) or ``"stop"`` (a divergence onset stops training too).
+        fp8_share_warn_below: with an FP8 recipe, warn at the first fully sampled step when less
+            than this share of the GEMM FLOPs ran in FP8, naming the layers that did not and why.
     """
 
     every_n_steps: int = 10
@@ -100,9 +141,34 @@ class CaptureConfig:
     shadow_format: str = "hybrid"
     track_grad_norm: bool = True
     collective_timeout_s: float = 600.0
+    start_step: int = 0
+    end_step: int | None = None
+    start_end_list: tuple[tuple[int, int], ...] = ()
+    burst_steps: int = DEFAULT_BURST_STEPS
+    burst_layers: str = "implicated"
+    burst_on: tuple[str, ...] = DEFAULT_BURST_TRIGGERS
+    max_dumps: int = 2
+    max_dump_bytes: int = 256 * 2**20
+    on_nonfinite: str = "stop"
+    on_divergence: str = "log"
+    fp8_share_warn_below: float = 0.5
 
     def __post_init__(self) -> None:
         check_int("every_n_steps", self.every_n_steps, 1)
+        check_int("start_step", self.start_step, 0)
+        if self.end_step is not None:
+            check_int("end_step", self.end_step, self.start_step)
+        object.__setattr__(self, "start_end_list", normalise_windows(self.start_end_list))
+        object.__setattr__(self, "burst_on", self.burst_policy().triggers)
+        if self.burst_layers not in BURST_LAYERS:
+            raise invalid_choice("burst_layers", self.burst_layers, BURST_LAYERS)
+        self.dump_policy()
+        for name in ("on_nonfinite", "on_divergence"):
+            if getattr(self, name) not in GUARD_ACTIONS:
+                raise invalid_choice(name, getattr(self, name), GUARD_ACTIONS)
+        check_float("fp8_share_warn_below", self.fp8_share_warn_below, 0.0)
+        if self.fp8_share_warn_below > 1:
+            raise ConfigError(f"fp8_share_warn_below is a share in [0, 1], got {self.fp8_share_warn_below!r}")
         check_float("collective_timeout_s", self.collective_timeout_s, 0.0, strict=True)
         for s in self.steps:
             check_int("steps entry", s, 0)
@@ -117,7 +183,16 @@ class CaptureConfig:
         get_format_pair(self.shadow_format)
 
     def samples(self, step: int) -> bool:
-        return step % self.every_n_steps == 0 or step in self.steps
+        """Whether the fixed schedule samples ``step`` (bursts come on top, decided by the monitor)."""
+        return scheduled(
+            step, self.every_n_steps, self.steps, self.start_step, self.end_step, self.start_end_list
+        )
+
+    def burst_policy(self) -> BurstPolicy:
+        return BurstPolicy(self.burst_steps, self.burst_layers, tuple(self.burst_on))
+
+    def dump_policy(self) -> DumpPolicy:
+        return DumpPolicy(self.max_dumps, self.max_dump_bytes)
 
 
 class StepAnalyzer(Protocol):
@@ -136,7 +211,9 @@ class StepAnalyzer(Protocol):
 
 class StepSink(Protocol):
     """Where the writer rank sends each logging step after the run directory has it (the tracker
-    fan-out of :mod:`fp8track.trackers`); built by a factory that receives the run directory."""
+    fan-out of :mod:`fp8track.trackers`); built by a factory that receives the run directory.
+    A sink whose ``coalesces`` attribute is true gets a flush's loss-only steps inside the logging
+    step's batch (``StepBatch.earlier``, one call per flush); any other gets one batch per step."""
 
     def start(self, meta: RunMeta, recorded_before_resume: int | None = None) -> None: ...
 
@@ -265,6 +342,16 @@ class Monitor:
         self._closed = False
         self._attached = False
         self._resume_step: int | None = None  # set by load_state_dict: records from here on are redone
+        self._burst = Burst(cfg.burst_policy())
+        self._why: str | None = None  # "schedule" or "burst" on a sampled step
+        self._full_sample = False  # every layer sampled this step (the FP8 FLOP share needs all)
+        self._dumps_left = cfg.max_dumps
+        self._dump_request: set[str] | None | bool = False  # False: none; None: all layers
+        self._dump: tuple[DumpBudget, dict[str, LayerDump]] | None = None
+        self.halt_reason: str | None = None
+        self._halt_events: list[EventRecord] = []
+        self.fp8_flop_share: float | None = None
+        self._share_checked = False
         if data_fingerprint is not None:
             self.record_data(data_fingerprint)
 
@@ -332,14 +419,20 @@ class Monitor:
     def begin_step(self, step: int) -> None:
         """Mark the start of optimizer step ``step`` (before its first forward)."""
         self.global_step = step
-        sampled = self.config.samples(step)
+        fixed = self.config.samples(step)
+        burst = self._burst.active(step)
+        sampled = fixed or burst
         # Layers change state only around sampled steps: an unsampled step after an unsampled
         # one does no per-layer work (no hooks are registered either).
         if sampled or self._sampled or not self._layers_idle:
-            for cap in self.captures.values():
-                cap.begin_step(sampled)
+            for fqn, cap in self.captures.items():
+                cap.begin_step(fixed or self._burst.wants(step, fqn))
             self._layers_idle = not sampled
         self._sampled = sampled
+        self._why = None if not sampled else ("schedule" if fixed else "burst")
+        self._full_sample = fixed or (burst and self._burst.layers is None)
+        if sampled and self._dump_request is not False:
+            self._arm_dump(step)
 
     def step(
         self, loss: torch.Tensor | float | None = None, grad_norm: torch.Tensor | float | None = None
@@ -372,6 +465,7 @@ class Monitor:
         self._sampled = False
         for cap in self.captures.values():  # nothing is captured between steps (e.g. validation)
             cap.begin_step(False)
+            cap.recorder = None
         if self._te is not None:
             self._te.end_step()  # nvdlfw's iteration follows global_step (every rank calls it)
         self._layers_idle = True
@@ -415,25 +509,208 @@ class Monitor:
 
         One job per step: :meth:`_take_partials` (the layers' device partials),
         :meth:`_reduce_to_host` (one SUM and one MAX collective, one host copy), :meth:`_finalise`
-        (statistics rows, the steps that had a loss), :meth:`_analyse` (the analyzers), then
-        :meth:`_emit` once per buffered step with a loss and once for the logging step.
+        (statistics rows, the steps that had a loss), :meth:`_analyse` (the analyzers),
+        :meth:`_react` (bursts, dumps, the guard) and the FLOP share, then :meth:`_emit` once per
+        buffered step with a loss and once for the logging step.
         """
         device = self._device()
         keys, parts = self._take_partials(device) if with_stats else ([], [])
         pending, self._pending = self._pending, []
         host = self._reduce_to_host(parts, pending, device, reduce)
-        if host is None:
-            return
+        if host is not None:
+            self._write_flush(keys, pending, host, with_stats)
+        if with_stats and reduce and self.config.burst_steps and _dist_world() > 1:
+            self._share_burst(device)
+
+    def _share_burst(self, device: torch.device) -> None:
+        """Every rank samples the same steps and layers: the writer's burst (all layers under
+        several ranks) is broadcast, one small collective per sampled step when bursts are on."""
+        import torch.distributed as dist
+
+        window = torch.tensor([self._burst.start, self._burst.until], dtype=torch.int64, device=device)
+        dist.broadcast(window, src=0)
+        self._burst.start, self._burst.until = (int(v) for v in window.tolist())
+        self._burst.layers = None
+
+    def _write_flush(
+        self,
+        keys: Sequence[tuple[str, str, str]],
+        pending: Sequence[_PendingStep],
+        host: Sequence[float],
+        with_stats: bool,
+    ) -> None:
+        """The writer's part of a flush: finalise, analyse, react, emit."""
         step, rows, series, step_metrics = self._finalise(keys, pending, host)
         # Every earlier step's loss goes to the records and the trackers under its own step number
-        # (trackers then hold the loss of every optimizer step, not only of the sampled ones).
+        # (trackers then hold the loss of every optimizer step, not only of the sampled ones), in
+        # the logging step's one tracker batch (one MLflow log_batch per flush, not per step).
         # A NaN loss is not written as a value: the analyzers' non-finite event records it.
-        for s, loss, gnorm in series:
-            if s != step and not math.isnan(loss):
-                self._emit(s, _loss_metrics(loss, gnorm), [], [])
+        earlier = [
+            (s, _loss_metrics(loss, gnorm)) for s, loss, gnorm in series if s != step and not math.isnan(loss)
+        ]
         metrics, events = self._analyse(step, series, rows)
+        events.extend(self._react(step, pending, host, keys, events, with_stats))
+        metrics.update(self._flop_share(step, events) if with_stats else {})
         self.last_events = events
-        self._emit(step, {**step_metrics, **self._scalars(rows), **metrics}, rows, events)
+        self._emit(step, {**step_metrics, **self._scalars(rows), **metrics}, rows, events, earlier=earlier)
+
+    # -- reacting to what a flush found: bursts, dumps, the guard --------------------------------
+    def _react(
+        self,
+        step: int,
+        pending: Sequence[_PendingStep],
+        host: Sequence[float],
+        keys: Sequence[tuple[str, str, str]],
+        events: Sequence[EventRecord],
+        with_stats: bool,
+    ) -> list[EventRecord]:
+        """The events this flush adds on the writer: why the step was sampled (a burst step), the
+        burst an event opens, the tensor dump of the step, and the guard's decision."""
+        out: list[EventRecord] = []
+        if self._why == "burst" and with_stats:
+            out.append(EventRecord("sampled", step, self._burst.reason(step)))
+        if self._dump is not None:
+            out.append(self._write_dump(step))
+        opened = self._burst.open(step, events) if with_stats else None
+        if opened is not None:
+            out.append(opened)
+            if self._dumps_left > 0 and self._writer is not None:
+                self._dump_request = self._burst.layers
+        reason = self._halt_for(pending, host, keys, events)
+        if reason is not None and self.halt_reason is None:
+            self.halt_reason = reason
+            self._halt_events.append(EventRecord("halt", step, {"reason": reason}))
+        out.extend(self._halt_events)
+        self._halt_events = []
+        return out
+
+    def _halt_for(
+        self,
+        pending: Sequence[_PendingStep],
+        host: Sequence[float],
+        keys: Sequence[tuple[str, str, str]],
+        events: Sequence[EventRecord],
+    ) -> str | None:
+        """Why training must stop after this flush (``on_nonfinite`` / ``on_divergence``), or None."""
+        cfg = self.config
+        if cfg.on_nonfinite == "stop":
+            n = len(keys) * PARTIAL_SIZE
+            losses, gnorms = host[n : n + len(pending)], host[n + len(pending) :]
+            for p, loss, g in zip(pending, losses, gnorms, strict=True):
+                if p.loss is not None and not math.isfinite(loss):
+                    return f"non-finite loss ({loss}) at step {p.step}"
+                if p.grad_norm is not None and not math.isfinite(g):
+                    return f"non-finite gradient norm ({g}) at step {p.step}"
+        if cfg.on_divergence == "stop":
+            for e in events:
+                if e.kind == "divergence":
+                    return f"divergence detected at step {e.step} ({e.data.get('reason', 'loss rising')})"
+        return None
+
+    def guard(self, parameters: bool = True) -> str | None:
+        """Whether the run is safe to checkpoint now: ``None``, or why not. Call it before saving a
+        checkpoint (the Lightning callback does, in ``on_save_checkpoint``).
+
+        Besides what the flushes decided (:attr:`halt_reason`: a non-finite loss or gradient norm
+        with ``on_nonfinite="stop"``, a divergence with ``on_divergence="stop"``), it checks the
+        losses of the unsampled steps not yet flushed and, with ``parameters``, that every
+        parameter is finite (a non-finite gradient on an unsampled step poisons the weights before
+        any loss shows it). This waits for the device once (a checkpoint save waits anyway).
+        This rank's view only: under DDP reduce the decision over ranks before acting on it.
+        """
+        if self.halt_reason is None and self.config.on_nonfinite == "stop":
+            reason = _nonfinite_pending(self._pending) or (
+                _nonfinite_parameters(self.model) if parameters else None
+            )
+            if reason is not None:
+                self.halt_reason = reason
+                self._halt_events.append(EventRecord("halt", self.global_step, {"reason": reason}))
+        return self.halt_reason
+
+    def _flop_share(self, step: int, events: list[EventRecord]) -> dict[str, float]:
+        """The share of the GEMM FLOPs the hooks saw this step that ran in FP8 (a fully sampled
+        step only), and the one-time warning when it is under ``fp8_share_warn_below``."""
+        flops = {fqn: cap.take_flops() for fqn, cap in self.captures.items()}
+        total = sum(flops.values())
+        if not self._full_sample or total == 0:
+            return {}
+        fp8 = sum(f for fqn, f in flops.items() if self.captures[fqn].plan.fp8)
+        self.fp8_flop_share = share = fp8 / total
+        if not self._share_checked:
+            self._share_checked = True
+            events.extend(self._check_share(step, share, flops))
+        return {FP8_SHARE_METRIC: share}
+
+    def _check_share(self, step: int, share: float, flops: Mapping[str, int]) -> list[EventRecord]:
+        report = self.apply_report
+        asked = report.recipe.quantizes if report is not None else any(
+            cap.plan.fp8 for cap in self.captures.values()
+        )
+        if not asked or share >= self.config.fp8_share_warn_below:
+            return []
+        why = _why_not_fp8(report)
+        missing = [
+            (fqn, why.get(fqn, "its backend runs it in high precision (not an FP8 layer)"))
+            for fqn, f in sorted(flops.items(), key=lambda kv: -kv[1])
+            if f and not self.captures[fqn].plan.fp8
+        ]
+        text = (
+            f"only {100 * share:.1f}% of the GEMM FLOPs ran in FP8 at step {step} "
+            f"(warning below {100 * self.config.fp8_share_warn_below:.0f}%); not in FP8: "
+            + "; ".join(f"{n} ({r})" for n, r in missing[:8])
+            + (f"; and {len(missing) - 8} more" if len(missing) > 8 else "")
+        )
+        if self.is_writer:
+            warnings.warn(f"fp8track: {text}", stacklevel=4)
+        data = {"share": share, "layers": [n for n, _ in missing], "reasons": [r for _, r in missing],
+                "alert": True, "level": "WARN", "title": "FP8 is off for much of the model", "text": text}
+        return [EventRecord("fp8_share", step, data)]
+
+    # -- tensor dumps --------------------------------------------------------------------------------
+    def _arm_dump(self, step: int) -> None:
+        """Dump the requested layers' observations of this sampled step (first step of a burst)."""
+        wanted, self._dump_request = self._dump_request, False
+        self._dumps_left -= 1
+        budget = DumpBudget(self.config.max_dump_bytes)
+        layers: dict[str, LayerDump] = {}
+        for fqn, cap in self.captures.items():
+            if cap.active and (wanted is None or fqn in wanted):  # type: ignore[operator]
+                cap.recorder = self._recorder(fqn, cap, budget, layers, step)
+        self._dump = (budget, layers)
+
+    def _recorder(
+        self, fqn: str, cap: LayerCapture, budget: DumpBudget, layers: dict[str, LayerDump], step: int
+    ) -> Callable[[str, torch.Tensor, torch.Tensor | None], None]:
+        def record(tensor: str, x: torch.Tensor, scale: torch.Tensor | None) -> None:
+            plan = cap.plan
+            per_tensor = plan.scaling == "per_tensor"
+            nbytes = x.numel() * (x.element_size() + (1 if per_tensor and scale is not None else 0))
+            if not budget.take(fqn, nbytes):
+                layers.pop(fqn, None)  # a layer is dumped whole or not at all
+                return
+            dump = layers.setdefault(fqn, LayerDump(step, fqn, plan_dict(plan)))
+            dump.observations.append(observation(tensor, x, scale, plan.formats[tensor], per_tensor))
+
+        return record
+
+    def _write_dump(self, step: int) -> EventRecord:
+        assert self._dump is not None
+        budget, layers = self._dump
+        self._dump = None
+        files, total = [], 0
+        for dump in layers.values():
+            if self._writer is None:
+                break
+            try:
+                path, size = write_dump(self._writer.run_dir, dump)
+            except OSError as exc:  # a full disk must not stop training
+                warnings.warn(f"fp8track: tensor dump of {dump.layer} failed ({exc!r})", stacklevel=2)
+                continue
+            files.append(str(path.relative_to(self._writer.run_dir)))
+            total += size
+        return EventRecord(
+            "dump", step, {"files": files, "bytes": total, "left_out": sorted(budget.refused)}
+        )
 
     def _take_partials(self, device: torch.device) -> tuple[list[tuple[str, str, str]], list[torch.Tensor]]:
         """``(fqn, tensor, variant)`` keys and the device partials the layers accumulated since the
@@ -567,14 +844,22 @@ class Monitor:
         rows: Sequence[TensorStatsRow],
         events: Sequence[EventRecord],
         write_metrics: bool = True,
+        earlier: Sequence[tuple[int, dict[str, float]]] = (),
     ) -> None:
+        """Write one logging step (and the loss-only ``earlier`` steps of its flush) to the run
+        directory, then hand it to the trackers as one batch."""
         if self._writer is not None:
+            for s, m in earlier:
+                self._writer.write_metrics(MetricsRecord(s, m))
             if write_metrics and metrics:
                 self._writer.write_metrics(MetricsRecord(step, metrics))
             self._writer.write_tensor_stats(rows)
             self._writer.write_events(events)
         if self._fanout is not None:
-            self._fanout.log(StepBatch(step, metrics, tuple(rows), tuple(events)))
+            batch = StepBatch(step, metrics, tuple(rows), tuple(events), tuple(earlier))
+            # A sink that does not say it takes a batch's earlier steps gets one batch per step.
+            for b in [batch] if getattr(self._fanout, "coalesces", False) else batch.split():
+                self._fanout.log(b)
 
     # -- evaluations -------------------------------------------------------------------------------
     def record_eval(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -600,9 +885,10 @@ class Monitor:
 
     # -- checkpointing -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Plain data: step counter, losses not yet flushed, analyzer states."""
+        """Plain data: step counter, losses not yet flushed, analyzer states, the burst."""
         pending = [(p.step, _to_float(p.loss), _to_float(p.grad_norm)) for p in self._pending]
         return {
+            "burst": self._burst.state_dict(),
             "global_step": self.global_step,
             "pending": pending,
             "run_id": self.meta.run_id,
@@ -626,136 +912,43 @@ class Monitor:
             self._resume_step = min([p.step for p in self._pending] + [self.global_step])
         for a, s in zip(self.analyzers, state.get("analyzers", []), strict=False):
             a.load_state_dict(s)
+        if "burst" in state:
+            self._burst.load_state_dict(state["burst"])
 
 
-def run_meta_for(
-    model: nn.Module,
-    name: str = "fp8track",
-    config: Mapping[str, Any] | None = None,
-    report: ApplyReport | None = None,
-) -> RunMeta:
-    """Run metadata for ``model``: the recipe and FP8/BF16 layer sets of ``report`` (else of an
-    :func:`fp8track.apply_fp8` call on the model or a submodule, if any), plus ``config``."""
-    report = report if report is not None else applied_report(model)
-    config = {"precision": precision_setup(model, report=report), **dict(config or {})}
+def _why_not_fp8(report: ApplyReport | None) -> dict[str, str]:
+    """Layer -> why it is not in FP8, from :func:`fp8track.apply_fp8`'s report (the fallback
+    spec's reason, the backend's shape guard, a module no backend converts)."""
     if report is None:
-        return RunMeta(name=name, config=config)
-    return RunMeta(
-        name=name,
-        recipe=report.recipe.to_dict(),
-        fp8_layers=tuple(report.fp8_layers),
-        bf16_layers=tuple(n for n, _ in report.bf16_layers),
-        config={**config, "apply": report.to_dict()},
-    )
-
-
-EVAL_NAME_PREFIXES = ("val", "valid", "eval", "test", "downstream")
-"""Logged metric names that count as evaluation metrics by default (:func:`select_eval_metrics`)."""
-
-
-def select_eval_metrics(logged: Mapping[str, Any], names: str | Sequence[str] = "auto") -> dict[str, Any]:
-    """The evaluation metrics among ``logged`` (e.g. Lightning's ``trainer.callback_metrics`` at
-    validation end): ``names`` itself when a list (missing ones are skipped), or for ``"auto"``
-    every name whose first word is one of :data:`EVAL_NAME_PREFIXES` (``val_loss``, ``val/acc``,
-    ``eval_accuracy``, ``test_f1``...)."""
-    if names != "auto":
-        return {n: logged[n] for n in names if n in logged}
-    out = {}
-    for name, value in logged.items():
-        head = str(name).lower().replace("/", "_").split("_")[0]
-        if head in EVAL_NAME_PREFIXES:
-            out[name] = value
+        return {}
+    out = {n: f"kept in BF16: {r}" for n, r in report.bf16_layers}
+    out.update({n: f"unsupported module: {r}" for n, r in report.unconverted})
     return out
 
 
-def precision_setup(
-    model: nn.Module, optimizers: Sequence[Any] = (), report: ApplyReport | None = None, **extra: Any
-) -> dict[str, Any]:
-    """What the run enabled around precision, as read from the model and its optimizers, so a
-    diagnosis can list what the FP8 run newly enabled relative to its control.
-
-    Keys: ``recipe`` (name, from :func:`fp8track.apply_fp8`'s report, else ``None``),
-    ``fp8_weights`` (a parameter is stored in an FP8 dtype or an FP8 tensor subclass),
-    ``activation_checkpointing`` (a checkpoint wrapper module or a Hugging Face model with
-    gradient checkpointing on), ``torch_compile`` (a compiled module), ``fused_optimizer``
-    (``"fused"``/``"foreach"``/``None``), plus ``extra`` (the frontends add ``precision_plugin``,
-    ``precision``, ``strategy``, ``cpu_offloading``).
-    """
-    fp8_dtypes = {
-        getattr(torch, n)
-        for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-        if hasattr(torch, n)
-    }
-    report = report if report is not None else applied_report(model)
-    fp8_weights = any(
-        p.dtype in fp8_dtypes or "float8" in type(p.data).__name__.lower() for p in model.parameters()
-    )
-    checkpointing = any(
-        "checkpointwrapper" in type(m).__name__.lower() or getattr(m, "is_gradient_checkpointing", False)
-        for m in model.modules()
-    )
-    compiled = any(
-        type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
-        for m in model.modules()
-    )
-    fused = None
-    for opt in optimizers:
-        defaults = getattr(opt, "defaults", {}) or {}
-        if defaults.get("fused"):
-            fused = "fused"
-        elif defaults.get("foreach") and fused is None:
-            fused = "foreach"
-    out = {
-        "recipe": str(report.recipe) if report is not None else None,
-        "fp8_weights": fp8_weights,
-        "activation_checkpointing": checkpointing,
-        "torch_compile": compiled,
-        "fused_optimizer": fused,
-    }
-    out.update(extra)
-    return out
+def _nonfinite_pending(pending: Sequence[_PendingStep]) -> str | None:
+    """The first buffered step whose loss is non-finite (one device wait), or None."""
+    given = [p for p in pending if p.loss is not None]
+    if not given:
+        return None
+    ok = torch.isfinite(torch.stack([p.loss.to(given[0].loss.device) for p in given])).tolist()  # type: ignore[union-attr]
+    for p, fine in zip(given, ok, strict=True):
+        if not fine:
+            return f"non-finite loss ({float(p.loss)}) at step {p.step}"  # type: ignore[arg-type]
+    return None
 
 
-def data_fingerprint(
-    seed: int | None = None, order: Iterable[Any] | None = None, **extra: Any
-) -> dict[str, Any]:
-    """What data a run saw, for :class:`Monitor`'s ``data_fingerprint``: two runs whose
-    fingerprints are equal saw the same batches in the same order, and their losses compare step
-    by step (:func:`fp8track.analysis.loss_gap.same_batches`).
-
-    Args:
-        seed: the data seed (shuffling, sampling).
-        order: the sample indices (or batch ids) in the order the run consumes them, e.g.
-            ``list(sampler)`` for the first epoch; hashed (SHA-256 of their ``repr``), so a long
-            order costs 64 characters in the metadata. Tensors are hashed from their values.
-        extra: other JSON scalars that identify the data (dataset name, sequence length).
-
-    Raises:
-        ConfigError: when neither ``seed`` nor ``order`` is given.
-
-    Example:
-        >>> data_fingerprint(seed=0, order=[2, 0, 1])["n_order"]
-        3
-    """
-    import hashlib
-
-    if seed is None and order is None:
-        raise ConfigError("data_fingerprint needs the data seed, the batch order, or both")
-    out: dict[str, Any] = {}
-    if seed is not None:
-        out["seed"] = int(seed)
-    if order is not None:
-        h = hashlib.sha256()
-        n = 0
-        for item in order:
-            value = item.detach().cpu().tolist() if isinstance(item, torch.Tensor) else item
-            h.update(repr(value).encode())
-            h.update(b"\x00")
-            n += 1
-        out["order_sha256"] = h.hexdigest()
-        out["n_order"] = n
-    out.update(extra)
-    return out
+def _nonfinite_parameters(model: nn.Module) -> str | None:
+    """Names the parameters holding NaN or inf (one device wait), or None when all are finite."""
+    named = [(n, p) for n, p in model.named_parameters() if p.is_floating_point() and p.numel()]
+    if not named:
+        return None
+    norms = torch._foreach_norm([(p.to_local() if is_dtensor(p) else p).detach() for _, p in named])
+    flags = torch.stack([torch.isfinite(v.to(norms[0].device)) for v in norms]).tolist()
+    bad = [n for (n, _), fine in zip(named, flags, strict=True) if not fine]
+    if not bad:
+        return None
+    return f"non-finite parameters after step: {', '.join(bad[:4])}" + (" ..." if len(bad) > 4 else "")
 
 
 def _loss_series(
@@ -828,6 +1021,8 @@ __all__ = [
     "StepAnalyzer",
     "StepSink",
     "DEFAULT_SCALAR_STATS",
+    "GUARD_ACTIONS",
+    "FP8_SHARE_METRIC",
     "precision_setup",
     "select_eval_metrics",
     "data_fingerprint",

@@ -156,12 +156,29 @@ class StepBatch:
         metrics: scalar name -> value; names from :mod:`fp8track.monitoring.naming` (``fp8/loss`` included).
         tensor_rows: per (layer, tensor, variant) statistics of this step (long-format table rows).
         events: spikes, divergence, drift, findings that happened at or were reported at this step.
+        earlier: ``(step, metrics)`` of earlier steps flushed with this one (the losses of the
+            unsampled steps since the last logging step), in step order: one tracker call for the
+            whole flush (trackers that cannot take them get :meth:`split` batches).
     """
 
     step: int
     metrics: Mapping[str, float] = field(default_factory=dict)
     tensor_rows: Sequence[TensorStatsRow] = ()
     events: Sequence[EventRecord] = ()
+    earlier: Sequence[tuple[int, Mapping[str, float]]] = ()
+
+    @property
+    def steps(self) -> list[int]:
+        """Every step this batch carries, in order (the earlier ones, then :attr:`step`)."""
+        return [s for s, _ in self.earlier] + [self.step]
+
+    def split(self) -> list[StepBatch]:
+        """One batch per step: each earlier step's metrics alone, then this step without them."""
+        if not self.earlier:
+            return [self]
+        return [StepBatch(s, m) for s, m in self.earlier] + [
+            StepBatch(self.step, self.metrics, self.tensor_rows, self.events)
+        ]
 
     def __post_init__(self) -> None:
         check_int("StepBatch.step", self.step, 0)
@@ -172,6 +189,10 @@ class StepBatch:
         # Sequences become tuples so a batch handed to a worker thread cannot change under it.
         object.__setattr__(self, "tensor_rows", tuple(self.tensor_rows))
         object.__setattr__(self, "events", tuple(self.events))
+        earlier = tuple((int(s), m) for s, m in self.earlier)
+        if any(s >= self.step for s, _ in earlier):
+            raise ConfigError(f"StepBatch.earlier holds a step >= {self.step}: {[s for s, _ in earlier]}")
+        object.__setattr__(self, "earlier", earlier)
 
 
 class RunWriter:

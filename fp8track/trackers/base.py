@@ -18,7 +18,7 @@ import time
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +206,9 @@ class Tracker(ABC):
     # True where a step sent twice would break the step axis (W&B's history, a Lightning logger): a
     # resumed run then skips the steps the process that died had recorded (see TrackerFanout.start).
     monotonic_steps: bool = False
+    coalesces: bool = False
+    """Whether :meth:`log` takes a batch's ``earlier`` steps (one call per flush); others get one
+    batch per step (:meth:`StepBatch.split`)."""
 
     def start(self, meta: RunMeta) -> None:  # noqa: B027 (optional hook)
         """Record what the run is (recipe, BF16 layers, versions) as config/params/tags."""
@@ -281,7 +284,7 @@ class QueuedTracker(Tracker):
         self._failures: list[tuple[int | None, BaseException]] = []
         self._failures_lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._inflight: int | None = None
+        self._inflight: StepBatch | None = None
         self._finished = False
 
     @abstractmethod
@@ -337,12 +340,13 @@ class QueuedTracker(Tracker):
             try:
                 if batch is None:
                     return
-                self._inflight = batch.step
+                self._inflight = batch
                 try:
                     self._deliver_with_retry(batch)
                 except Exception as exc:  # a tracker error must never kill the process
                     if not self._stop.is_set():  # after a timed-out finish, finish recorded it
-                        self._record_failure(batch.step, exc)
+                        for step in batch.steps:
+                            self._record_failure(step, exc)
                 finally:
                     self._inflight = None
             finally:
@@ -387,15 +391,16 @@ class QueuedTracker(Tracker):
                 # retries).
                 self._stop.set()
                 timeout = TimeoutError(f"not delivered within {self.finish_timeout_s} s")
-                if self._inflight is not None:
-                    self._record_failure(self._inflight, timeout)
+                inflight = self._inflight
+                for step in inflight.steps if inflight is not None else []:
+                    self._record_failure(step, timeout)
                 while True:
                     try:
                         batch = self._queue.get_nowait()
                     except queue.Empty:
                         break
-                    if batch is not None:
-                        self._record_failure(batch.step, timeout)
+                    for step in batch.steps if batch is not None else []:
+                        self._record_failure(step, timeout)
                     self._queue.task_done()
                 raise timeout
             else:
@@ -459,6 +464,8 @@ class TrackerFanout:
         self.failures: dict[str, int] = {t.name: 0 for t in trackers}
         self.notices: dict[str, int] = {t.name: 0 for t in trackers}
         self._skip_through: int | None = None
+
+    coalesces = True  # takes StepBatch.earlier; splits per tracker that does not
 
     def _fail(self, tracker: Tracker, step: int | None, what: str, exc: BaseException) -> None:
         self.failures[tracker.name] = self.failures.get(tracker.name, 0) + 1
@@ -524,14 +531,19 @@ class TrackerFanout:
                 self._fail(t, None, "start", exc)
 
     def log(self, batch: StepBatch) -> None:
-        replayed = self._skip_through is not None and batch.step <= self._skip_through
+        skip = self._skip_through
         for t in self.trackers:
-            if replayed and t.monotonic_steps:
-                continue
-            try:
-                t.log(batch)
-            except Exception as exc:
-                self._fail(t, batch.step, "log", exc)
+            parts = [batch] if t.coalesces else batch.split()
+            for part in parts:
+                if skip is not None and t.monotonic_steps:
+                    if part.step <= skip:
+                        continue
+                    part = replace(part, earlier=[(s, m) for s, m in part.earlier if s > skip])
+                try:
+                    t.log(part)
+                except Exception as exc:
+                    for step in part.steps:
+                        self._fail(t, step, "log", exc)
             self._collect(t, "log")
 
     def finish(self) -> None:

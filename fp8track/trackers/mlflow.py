@@ -493,6 +493,8 @@ class MLflowTracker(QueuedTracker):
             refuses the file store; use ``sqlite:///<path>``).
     """
 
+    coalesces = True  # a flush's loss-only steps go out in the same log_batch as its logging step
+
     def __init__(
         self,
         client: MlflowClient | None = None,
@@ -624,9 +626,13 @@ class MLflowTracker(QueuedTracker):
         # A retry re-sends identical (key, value, timestamp, step) points, which MLflow's stores
         # keep once (its SQL store skips rows that already exist), so a retry adds no duplicate.
         ts = self._ts[1]
-        metrics = [Metric(self._key(k), v, ts, step) for k, v in scalar_metrics(batch.metrics).items()]
-        if step in self._logged_steps:
-            metrics = []  # already in the run (a resumed or replayed step): one point per step
+        metrics = [
+            Metric(self._key(k), v, ts, s)
+            for s, m in (*batch.earlier, (step, batch.metrics))
+            # a step already in the run (resumed or replayed) is not sent again: one point per step
+            if s not in self._logged_steps
+            for k, v in scalar_metrics(m).items()
+        ]
         for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
             self.client.log_batch(run_id, metrics=metrics[i : i + MAX_METRICS_PER_BATCH], synchronous=True)
         if self._buffered_step == step:

@@ -21,6 +21,7 @@ LAYERS = {
     "monitoring": 30,
     "analysis": 40,
     "trackers": 35,
+    "dumps": 45,  # public reader of tensor dumps (re-exports monitoring.dumps)
     "report": 50,  # the HTML report: reads records and analysis
     "inference": 55,  # the inference-chain check: runs models, reads analysis
     "config": 65,  # frontend-level configuration (capture + analysis thresholds)

@@ -140,7 +140,17 @@ class TorchaoBackend(Backend):
             return Converted(())
         linears = [n for n in names if not is_hf_conv1d(model.get_submodule(n))]
         device = next((p.device.type for p in model.parameters()), "cpu")
-        return Converted(tuple(convert(model, recipe, linears, keep_bf16, device_type=device)))
+        # torchao's hardware rule (torchao/float8/float8_linear_utils.py, _auto_filter_for_recipe):
+        # float8 GEMMs need both dims divisible by 16; applied on CPU too, so emulation refuses
+        # what a GPU run would.
+        refused = {
+            n: f"shape {m.in_features}x{m.out_features}: torchao's float8 GEMM needs dims divisible by 16"
+            for n in linears
+            if n not in keep_bf16
+            and ((m := model.get_submodule(n)).in_features % 16 or m.out_features % 16)
+        }
+        keep = set(keep_bf16) | set(refused)
+        return Converted(tuple(convert(model, recipe, linears, keep, device_type=device)), refused)
 
 
 register(TorchaoBackend())

@@ -1,0 +1,190 @@
+"""Tensor dumps: the tensors of implicated layers on the sampled step after an event, saved so the
+problem can be reproduced offline, and the reader that recomputes their statistics exactly.
+
+What TE >= 2.15's ``DumpTensors`` debug feature does on TE (``torch.save`` of the high-precision and
+quantised tensors per layer and iteration); this one works on every backend and on CPU.
+
+One file per (step, layer): ``<run_dir>/dumps/step<step:08d>/<layer>.pt``, a plain dict that
+``torch.load(path, weights_only=True)`` reads (tensors, strings, numbers, lists, dicts only)::
+
+    {"format": 1, "step": int, "layer": str,
+     "plan": {"fp8": bool, "formats": {tensor: "e4m3" | "e5m2"}, "scaling": str, "margin": int,
+              "power_2_scales": bool | None, "variant": "actual" | "shadow"},
+     "observations": [{"tensor": "activation" | "weight" | "gradient",
+                       "x": high-precision tensor (the dtype the GEMM saw, on the CPU),
+                       "scale": float32 scalar tensor the backend used (delayed scaling) or None,
+                       "q": the FP8 tensor x * scale saturated to the format (per-tensor scaling),
+                            or None (block recipes: their per-block scales are re-derived)}, ...]}
+
+Observations are in the order the hooks saw them (micro-batches in order), so merging their
+partials reproduces the logged row (:func:`recompute_stats`). Dumps are bounded: at most
+``max_dumps`` per run and ``max_bytes`` per dump (layers past the budget are left out and the
+``dump`` event says so). Only the writer rank dumps, its own (local) tensors.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fp8track.errors import ConfigError, check_int
+from fp8track.monitoring.capture import LayerPlan, tensor_partial
+from fp8track.numerics.scaling import quantize
+from fp8track.numerics.stats import finalize
+
+DUMP_FORMAT = 1
+DUMP_DIR = "dumps"
+
+
+@dataclass(frozen=True)
+class DumpPolicy:
+    """Bounds on tensor dumps.
+
+    Attributes:
+        max_dumps: dumps (events) per run; 0 switches dumps off.
+        max_bytes: bytes of tensors per dump (all its layers together).
+    """
+
+    max_dumps: int = 2
+    max_bytes: int = 256 * 2**20
+
+    def __post_init__(self) -> None:
+        check_int("max_dumps", self.max_dumps, 0)
+        check_int("max_dump_bytes", self.max_bytes, 1)
+
+
+class DumpBudget:
+    """The bytes one dump may still hold, shared by the layers it covers."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.left = max_bytes
+        self.refused: set[str] = set()
+
+    def take(self, layer: str, nbytes: int) -> bool:
+        if layer in self.refused or nbytes > self.left:
+            self.refused.add(layer)
+            return False
+        self.left -= nbytes
+        return True
+
+
+@dataclass
+class LayerDump:
+    """One layer's dumped observations of one step (what a dump file holds)."""
+
+    step: int
+    layer: str
+    plan: dict[str, Any]
+    observations: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": DUMP_FORMAT,
+            "step": self.step,
+            "layer": self.layer,
+            "plan": self.plan,
+            "observations": self.observations,
+        }
+
+
+def plan_dict(plan: Any) -> dict[str, Any]:
+    """The parts of a :class:`fp8track.monitoring.capture.LayerPlan` a dump needs (plain data)."""
+    return {
+        "fp8": bool(plan.fp8),
+        "formats": dict(plan.formats),
+        "scaling": plan.scaling,
+        "margin": int(plan.margin),
+        "power_2_scales": plan.power_2_scales,
+        "variant": plan.variant,
+    }
+
+
+def observation(
+    tensor: str, x: torch.Tensor, scale: torch.Tensor | None, fmt: str, per_tensor: bool
+) -> dict[str, Any]:
+    """One dumped observation: ``x`` (copied to the CPU), the scale the backend used, the FP8 tensor."""
+    x = x.detach()
+    q = None
+    if per_tensor and scale is not None:
+        q = quantize(x, fmt, scale).cpu()
+    return {
+        "tensor": tensor,
+        "x": x.to("cpu", copy=True),
+        "scale": None if scale is None else scale.detach().to("cpu", torch.float32).reshape(()),
+        "q": q,
+    }
+
+
+def _file_name(layer: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", layer) + ".pt"
+
+
+def write_dump(run_dir: Path, dump: LayerDump) -> tuple[Path, int]:
+    """Save one layer's dump; returns its path and size in bytes."""
+    folder = run_dir / DUMP_DIR / f"step{dump.step:08d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / _file_name(dump.layer)
+    torch.save(dump.to_dict(), path)
+    return path, path.stat().st_size
+
+
+def load_dump(path: str | Path) -> LayerDump:
+    """Read a dump file (``torch.load(weights_only=True)``: no code runs while loading).
+
+    Raises:
+        ConfigError: a missing file or one that is not an fp8track dump of a known format.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"no dump file at {p}")
+    data = torch.load(p, weights_only=True, map_location="cpu")
+    if not isinstance(data, Mapping) or data.get("format") != DUMP_FORMAT:
+        raise ConfigError(f"{p} is not an fp8track tensor dump (format {DUMP_FORMAT})")
+    return LayerDump(int(data["step"]), str(data["layer"]), dict(data["plan"]), list(data["observations"]))
+
+
+def list_dumps(run_dir: str | Path) -> list[Path]:
+    """Every dump file of a run directory, by step then layer."""
+    return sorted((Path(run_dir) / DUMP_DIR).glob("step*/*.pt"))
+
+
+def recompute_stats(dump: LayerDump) -> dict[str, dict[str, float]]:
+    """The statistics of each dumped tensor kind, recomputed from the high-precision tensors with
+    the scale rule (and stored scales) of the layer's plan: equal to the ``actual``/``shadow`` row
+    the monitor logged for that layer and step (same kernel, same merge order)."""
+    info = dump.plan
+    by_tensor: dict[str, list[torch.Tensor]] = {}
+    for obs in dump.observations:
+        scale = obs.get("scale")
+        plan = LayerPlan(
+            dump.layer,
+            bool(info["fp8"]),
+            dict(info["formats"]),
+            scaling=str(info["scaling"]),
+            scale_fns={obs["tensor"]: (lambda s=scale: s)} if scale is not None else {},
+            margin=int(info["margin"]),
+            power_2_scales=info["power_2_scales"],
+        )
+        prev = by_tensor.setdefault(obs["tensor"], [])
+        into = prev[-1] if prev else None
+        prev.append(tensor_partial(obs["x"], plan, obs["tensor"], into=into))
+    return {
+        t: finalize(parts[-1], info["formats"][t], int(info["margin"])) for t, parts in by_tensor.items()
+    }
+
+
+__all__ = [
+    "DumpPolicy",
+    "DumpBudget",
+    "LayerDump",
+    "load_dump",
+    "list_dumps",
+    "recompute_stats",
+    "write_dump",
+    "DUMP_DIR",
+]

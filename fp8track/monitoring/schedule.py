@@ -1,0 +1,204 @@
+"""When the monitor samples: a fixed schedule as Transformer Engine's debug API has it, plus bursts.
+
+Fixed schedule (TE debug API's feature fields, ``transformer_engine/debug/features/utils/__init__.py``
+``next_enabled_iter``: a step runs when ``step % freq == 0`` and ``start_step <= step <= end_step``,
+``end_step`` inclusive, ``start_end_list`` replacing start/end): ``every_n_steps`` is TE's ``freq``;
+``steps`` are sampled whatever the rest says.
+
+Burst: when an analysis event opens (loss spike, non-finite loss or gradient, divergence onset, a
+drift excursion on a sampled step) the monitor samples every step of the next ``burst_steps``
+steps, all layers or the ones the event names, then returns to its schedule. A burst opened while
+one runs extends it. Why each step was sampled is recorded (:meth:`Burst.reason`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fp8track.errors import ConfigError, check_int, invalid_choice
+from fp8track.monitoring.records import EventRecord
+
+BURST_TRIGGERS = ("spike", "nonfinite", "divergence", "drift")
+"""Event kinds that may open a burst (their analyzers' ``EventRecord.kind``)."""
+DEFAULT_BURST_TRIGGERS = ("spike", "nonfinite", "divergence")
+"""The default: loss events. ``drift`` is opt-in: on the example GPT under delayed scaling, drift
+excursions opened 13 bursts in 240 healthy steps (74 burst steps, median step 1.12x),
+bench/results_burst.json."""
+BURST_LAYERS = ("implicated", "all")
+
+
+def normalise_windows(windows: Iterable[Sequence[int]]) -> tuple[tuple[int, int], ...]:
+    """``[[start, end], ...]`` (inclusive, as TE) validated and as tuples.
+
+    Raises:
+        ConfigError: a window that is not two integers ``0 <= start <= end``.
+    """
+    out = []
+    for w in windows:
+        pair = tuple(w)
+        if len(pair) != 2:
+            raise ConfigError(f"start_end_list entries must be [start, end] pairs, got {list(pair)!r}")
+        for v in pair:
+            check_int("start_end_list bound", v, 0)
+        if pair[0] > pair[1]:
+            raise ConfigError(f"start_end_list window {list(pair)!r} starts after it ends")
+        out.append((int(pair[0]), int(pair[1])))
+    return tuple(out)
+
+
+def scheduled(
+    step: int,
+    every_n_steps: int,
+    steps: Sequence[int] = (),
+    start_step: int = 0,
+    end_step: int | None = None,
+    start_end_list: Sequence[tuple[int, int]] = (),
+) -> bool:
+    """Whether the fixed schedule samples ``step`` (see the module docstring).
+
+    Example:
+        >>> [s for s in range(30) if scheduled(s, 5, (7,), start_end_list=((10, 20),))]
+        [7, 10, 15, 20]
+    """
+    if step in steps:
+        return True
+    if step % every_n_steps:
+        return False
+    if start_end_list:
+        return any(a <= step <= b for a, b in start_end_list)
+    return step >= start_step and (end_step is None or step <= end_step)
+
+
+@dataclass(frozen=True)
+class BurstPolicy:
+    """How the monitor reacts to an event.
+
+    Attributes:
+        steps: K, how many steps after the event's flush are all sampled (0 switches bursts off).
+        layers: ``"implicated"`` (the layers an event names; all layers for loss events, which
+            name none) or ``"all"``.
+        triggers: the event kinds that open a burst (:data:`BURST_TRIGGERS`).
+    """
+
+    steps: int = 8
+    layers: str = "implicated"
+    triggers: tuple[str, ...] = DEFAULT_BURST_TRIGGERS
+
+    def __post_init__(self) -> None:
+        check_int("burst_steps", self.steps, 0)
+        if self.layers not in BURST_LAYERS:
+            raise invalid_choice("burst_layers", self.layers, BURST_LAYERS)
+        triggers = tuple(self.triggers)
+        for t in triggers:
+            if t not in BURST_TRIGGERS:
+                raise invalid_choice("burst trigger", t, BURST_TRIGGERS)
+        object.__setattr__(self, "triggers", triggers)
+
+
+def opens(event: EventRecord, triggers: Sequence[str]) -> bool:
+    """Whether ``event`` opens a burst: a trigger kind, and for spikes / non-finite losses their
+    opening record (a closing record reports a recovery)."""
+    if event.kind not in triggers:
+        return False
+    status = event.data.get("status")
+    return status in (None, "open")
+
+
+def implicated_layers(event: EventRecord) -> str | None:
+    """The layer an event names (drift excursions and layer outliers), else ``None`` (loss events)."""
+    layer = event.data.get("layer")
+    return str(layer) if layer else None
+
+
+class Burst:
+    """The burst state of one monitor: which steps are sampled densely, for which layers, and why.
+
+    Plain data in :meth:`state_dict`, so a resumed run finishes a burst it was in.
+    """
+
+    def __init__(self, policy: BurstPolicy) -> None:
+        self.policy = policy
+        self.start = 0  # first step of the current burst
+        self.until = -1  # last step of the current burst (inclusive)
+        self.trigger: dict[str, Any] = {}
+        self.layers: set[str] | None = None  # None: every layer
+
+    def active(self, step: int) -> bool:
+        return self.start <= step <= self.until
+
+    def open(self, step: int, events: Sequence[EventRecord]) -> EventRecord | None:
+        """After the flush of ``step``: open (or extend) a burst over ``step+1 .. step+K`` when an
+        event in ``events`` triggers one. Returns the ``burst`` event recording it, or ``None``."""
+        if self.policy.steps == 0:
+            return None
+        fired = [e for e in events if opens(e, self.policy.triggers)]
+        if not fired:
+            return None
+        names = {implicated_layers(e) for e in fired}
+        extending = self.active(step + 1)
+        if self.policy.layers == "all" or None in names or (extending and self.layers is None):
+            layers: set[str] | None = None
+        else:
+            layers = {n for n in names if n} | ((self.layers or set()) if extending else set())
+        self.layers = layers
+        if not extending:
+            self.start = step + 1
+        self.until = step + self.policy.steps
+        first = fired[0]
+        self.trigger = {"kind": first.kind, "step": first.step}
+        return EventRecord(
+            "burst",
+            step,
+            {
+                "from": step + 1,
+                "to": self.until,
+                "trigger": first.kind,
+                "trigger_step": first.step,
+                "triggers": sorted({e.kind for e in fired}),
+                "layers": "all" if layers is None else sorted(layers),
+            },
+        )
+
+    def wants(self, step: int, layer: str) -> bool:
+        """Whether ``layer`` is sampled at ``step`` by the burst."""
+        return self.active(step) and (self.layers is None or layer in self.layers)
+
+    def reason(self, step: int) -> dict[str, Any]:
+        """Why ``step`` is sampled densely (the ``sampled`` event's data)."""
+        return {
+            "why": "burst",
+            "trigger": self.trigger.get("kind"),
+            "trigger_step": self.trigger.get("step"),
+            "layers": "all" if self.layers is None else sorted(self.layers),
+            "until": self.until,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "start": self.start,
+            "until": self.until,
+            "trigger": dict(self.trigger),
+            "layers": None if self.layers is None else sorted(self.layers),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.start = int(state.get("start", self.start))
+        self.until = int(state.get("until", self.until))
+        self.trigger = dict(state.get("trigger", self.trigger))
+        layers = state.get("layers", None)
+        self.layers = None if layers is None else set(layers)
+
+
+__all__ = [
+    "BURST_TRIGGERS",
+    "DEFAULT_BURST_TRIGGERS",
+    "BURST_LAYERS",
+    "BurstPolicy",
+    "Burst",
+    "scheduled",
+    "normalise_windows",
+    "opens",
+    "implicated_layers",
+]
