@@ -25,7 +25,7 @@ partials reproduces the logged row (:func:`recompute_stats`). Dumps are bounded:
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -153,6 +153,11 @@ def list_dumps(run_dir: str | Path) -> list[Path]:
     return sorted((Path(run_dir) / DUMP_DIR).glob("step*/*.pt"))
 
 
+def _constant(value: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A scale function that returns the dumped scale (a LayerPlan's ``scale_fns`` entry)."""
+    return lambda: value
+
+
 def recompute_stats(dump: LayerDump) -> dict[str, dict[str, float]]:
     """The statistics of each dumped tensor kind, recomputed from the high-precision tensors with
     the scale rule (and stored scales) of the layer's plan: equal to the ``actual``/``shadow`` row
@@ -166,7 +171,7 @@ def recompute_stats(dump: LayerDump) -> dict[str, dict[str, float]]:
             bool(info["fp8"]),
             dict(info["formats"]),
             scaling=str(info["scaling"]),
-            scale_fns={obs["tensor"]: (lambda s=scale: s)} if scale is not None else {},
+            scale_fns={obs["tensor"]: _constant(scale)} if scale is not None else {},
             margin=int(info["margin"]),
             power_2_scales=info["power_2_scales"],
         )
