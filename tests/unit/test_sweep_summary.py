@@ -148,3 +148,10 @@ def test_summary_text_columns_fit_their_contents() -> None:
     assert "delayed:hybrid:h1024:max:m0" in text and "re:model\\.layers\\.(0|1)\\.mlp" in text
     lines = text.splitlines()
     assert len(lines[1]) >= len(lines[2])  # the rule spans the widest row
+
+
+def test_at_equal_fp8_share_the_faster_recipe_is_cheaper() -> None:
+    recipes = ["bf16", "mxfp8", "current:e4m3", "nvfp4:no_rht", "delayed:hybrid:h16:max", "blockwise"]
+    rows = [_row(i, r, "none", 1.0, 0.0) for i, r in enumerate(recipes)]
+    order = [r.recipe.split(":")[0] for r in sorted(rows, key=TrialRow.cost_key)]
+    assert order == ["nvfp4", "delayed", "current", "mxfp8", "blockwise", "bf16"]
