@@ -1,4 +1,5 @@
-"""What bursts and dumps cost on the example GPT (CPU, emulated FP8 with delayed scaling).
+"""What bursts and dumps cost on the example GPT or a Hugging Face Llama built from a config (CPU,
+emulated FP8 with delayed scaling).
 
 Prints JSON (``bench/results_burst.json``). Configurations run side by side in interleaved rounds
 (the order rotates each round) so machine noise hits all alike:
@@ -14,7 +15,7 @@ Prints JSON (``bench/results_burst.json``). Configurations run side by side in i
 Reported: mean / median step time and their ratio to ``none``; the median of unsampled, scheduled
 and burst steps; bytes of one dump of every layer (the first burst step after an event).
 
-Usage: python bench/burst_bench.py [--rounds 6] [--steps-per-round 40]
+Usage: python bench/burst_bench.py [--model gpt|llama] [--rounds 6] [--steps-per-round 40]
 """
 
 from __future__ import annotations
@@ -38,15 +39,33 @@ from fp8track.monitoring.schedule import BURST_TRIGGERS, BurstPolicy
 BATCH = 16
 
 
-def build(seed: int = 0):
+LLAMA = {"vocab_size": 256, "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+"""The Llama of ``--model llama``: random weights from a config (no download), GQA like Llama's."""
+
+
+def build(model_name: str = "gpt", seed: int = 0):
+    """``(model, optimizer, batches, loss_fn)`` with the model's linears in emulated delayed FP8."""
     torch.manual_seed(seed)
-    model = GPT(GPTConfig())
+    g = torch.Generator().manual_seed(seed)
+    if model_name == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA))
+        vocab, length = LLAMA["vocab_size"], LLAMA["max_position_embeddings"]
+
+        def loss_fn(b):
+            return model(input_ids=b[:, :-1], labels=b[:, :-1]).loss
+    else:
+        model = GPT(GPTConfig())
+        vocab, length = model.config.vocab, model.config.block_size
+
+        def loss_fn(b):
+            return model.loss(b[:, :-1], b[:, 1:])
     apply_fp8(model, "delayed", backend="emulated")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(seed)
-    cfg = model.config
-    batches = [torch.randint(0, cfg.vocab, (BATCH, cfg.block_size + 1), generator=g) for _ in range(8)]
-    return model, opt, batches
+    batches = [torch.randint(0, vocab, (BATCH, length + 1), generator=g) for _ in range(8)]
+    return model, opt, batches, loss_fn
 
 
 def force_burst(mon: Monitor) -> None:
@@ -55,7 +74,7 @@ def force_burst(mon: Monitor) -> None:
     mon._burst.open(mon.global_step - 1, [EventRecord("spike", mon.global_step - 1, {"status": "open"})])
 
 
-def run(model, opt, batches, mon, n, times, kinds, period=None):
+def run(loss_fn, opt, batches, mon, n, times, kinds, period=None):
     for i in range(n):
         b = batches[i % len(batches)]
         kind = "none"
@@ -65,7 +84,7 @@ def run(model, opt, batches, mon, n, times, kinds, period=None):
                 "scheduled" if mon.config.samples(step) else "unsampled"
             )
         t0 = time.perf_counter()
-        loss = model.loss(b[:, :-1], b[:, 1:])
+        loss = loss_fn(b)
         loss.backward()
         opt.step()
         if mon is not None:
@@ -77,8 +96,8 @@ def run(model, opt, batches, mon, n, times, kinds, period=None):
             force_burst(mon)
 
 
-def step_times(rounds: int, per_round: int, burst_steps: int) -> dict:
-    model, opt, batches = build()
+def step_times(model_name: str, rounds: int, per_round: int, burst_steps: int) -> dict:
+    model, opt, batches, loss_fn = build(model_name)
     tmp = tempfile.mkdtemp()
     configs = {
         "none": (None, None),
@@ -98,7 +117,7 @@ def step_times(rounds: int, per_round: int, burst_steps: int) -> dict:
         mon = monitors[name]
         if mon is not None:
             mon.attach()
-        run(model, opt, batches, mon, n, t, k, configs[name][1])
+        run(loss_fn, opt, batches, mon, n, t, k, configs[name][1])
         if mon is not None:
             mon.detach()
 
@@ -134,14 +153,14 @@ def step_times(rounds: int, per_round: int, burst_steps: int) -> dict:
     return out
 
 
-def dump_bytes() -> dict:
-    model, opt, batches = build()
+def dump_bytes(model_name: str) -> dict:
+    model, opt, batches, loss_fn = build(model_name)
     tmp = tempfile.mkdtemp()
     mon = Monitor(model, MonitorConfig(every_n_steps=10, burst_steps=2, max_dumps=1), log_dir=tmp)
-    run(model, opt, batches, mon, 3, [], [])
+    run(loss_fn, opt, batches, mon, 3, [], [])
     force_burst(mon)
     mon._dump_request = None  # every layer, as a loss event asks
-    run(model, opt, batches, mon, 4, [], [])
+    run(loss_fn, opt, batches, mon, 4, [], [])
     mon.close()
     ev = next(e for e in RunReader(mon.run_dir).events() if e.kind == "dump")
     return {"layers": len(ev.data["files"]), "bytes": ev.data["bytes"], "left_out": ev.data["left_out"]}
@@ -149,6 +168,7 @@ def dump_bytes() -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--model", choices=("gpt", "llama"), default="gpt")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps-per-round", type=int, default=40)
     p.add_argument("--burst-steps", type=int, default=BurstPolicy().steps)
@@ -158,10 +178,11 @@ def main() -> None:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "load_average_1min_at_start": os.getloadavg()[0],
-        "model": {**GPTConfig().__dict__, "batch": BATCH, "recipe": "delayed (emulated)"},
+        "model": {"name": a.model, **(LLAMA if a.model == "llama" else GPTConfig().__dict__), "batch": BATCH,
+                  "recipe": "delayed (emulated)"},
         "burst_steps": a.burst_steps,
-        "step_time": step_times(a.rounds, a.steps_per_round, a.burst_steps),
-        "dump_all_layers": dump_bytes(),
+        "step_time": step_times(a.model, a.rounds, a.steps_per_round, a.burst_steps),
+        "dump_all_layers": dump_bytes(a.model),
     }
     json.dump(result, sys.stdout, indent=2)
     print()
