@@ -10,13 +10,17 @@ Plants (:class:`Plant`), all acting on FP8 quantisation state or on what one lay
 * ``amax`` (delayed scaling): the layer's amax history of one tensor kind gets a value ``2**log2``
   times its largest entry at every step of the plant's windows, as a corrupted history (or one
   outlier step) would leave it; the scale computed from it is ``2**log2`` too small, so the tensor
-  underflows for the window plus one history length. Activation, weight and gradient alike.
+  underflows for the window plus one history length. Activation, weight and gradient alike. (A
+  history lowered instead does nothing: each step writes its own amax into the history before the
+  next scale is computed from its maximum.)
 * ``outlier`` (any per-tensor scaling, activation only): one extra batch element carrying a single
   huge value joins the layer's input and its output row is dropped again; per-tensor scaling of the
   layer's input is set by that value and the real activations underflow. The BF16 GEMM's rows are
   independent, so the BF16 model computes the same thing.
-* ``scale`` (any per-tensor scaling): every FP8 layer quantises one tensor kind with its scale
-  times ``2**-log2`` (a software fault such as a scale applied twice), from step 0.
+* ``scale`` (any per-tensor scaling): the layer quantises one tensor kind with its scale times
+  ``2**-log2`` in the plant's windows: ``log2 > 0`` flushes it (a software fault such as a scale
+  applied twice), ``log2 < 0`` saturates it (every element above ``amax * 2**log2`` clips to the
+  format's largest value).
 
 Data spikes (shared by both runs: a batch of uniformly random tokens) and a broken inference path
 (evaluation through weights quantised with a scale ``2**-log2`` too small) complete the kinds of the
@@ -48,6 +52,9 @@ BATCH = 16
 LR = 3e-3
 EVAL_BATCHES = 4
 OUTLIER = 1e6
+RESULT_FORMAT = 3
+"""Version of what :func:`train_run` returns (2: with ``gemm_error``; 3: scale plants count their
+touches); part of the cache key."""
 
 
 # --- configuration -------------------------------------------------------------------------------
@@ -78,6 +85,9 @@ class Plant:
             raise ValueError(f"bad plant {self.tensor!r} at {self.position!r}")
         if self.mechanism == "outlier" and self.tensor != "activation":
             raise ValueError("the outlier plant damages activations only")
+        if self.mechanism == "amax" and self.log2 <= 0:
+            raise ValueError("an amax plant needs log2 > 0 (a lowered history is overwritten by the step's "
+                             "own amax); saturate with the scale plant")
 
     def active(self, step: int) -> bool:
         return any(a <= step < b for a, b in self.windows)
@@ -98,7 +108,7 @@ class RunSpec:
     eval_fault_log2: float = 0.0
 
     def key(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True, default=str)
+        blob = json.dumps({**asdict(self), "result_format": RESULT_FORMAT}, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -236,9 +246,16 @@ class PlantHandle:
         elif self.plant.mechanism == "scale":
             for name in self.layers:
                 self._restore.append(
-                    scale_fault(self.model.get_submodule(name), self.plant.tensor, self.plant.log2)
+                    scale_fault(self.model.get_submodule(name), self.plant.tensor, self.plant.log2,
+                                self._scale_active)
                 )
         return self
+
+    def _scale_active(self) -> bool:
+        """Whether the scale plant acts now; counts the quantisations it changes."""
+        on = self.plant.active(self.step)
+        self.touched += int(on)
+        return on
 
     def detach(self) -> None:
         for h in self._handles:
@@ -261,11 +278,8 @@ class PlantHandle:
             # a lasting plant injects the same value every step instead of compounding it.
             ref = self._ref.setdefault(name, float(scaler.amax_history.max()))
             if ref > 0 and math.isfinite(ref):
-                with torch.no_grad():
-                    if self.plant.log2 > 0:  # one outlier entry: the scale is too small (underflow)
-                        scaler.amax_history[0] = ref * 2.0 ** self.plant.log2
-                    else:  # a history too low throughout: the scale is too large (saturation)
-                        scaler.amax_history.fill_(ref * 2.0 ** self.plant.log2)
+                with torch.no_grad():  # one outlier entry: the scale is too small (underflow)
+                    scaler.amax_history[0] = ref * 2.0 ** self.plant.log2
                 self.touched += 1
 
     def _attach_outlier(self, layer: nn.Module) -> None:
@@ -293,10 +307,11 @@ def _is_padded(x: torch.Tensor) -> bool:
     return bool(last[0] == OUTLIER) and bool((last[1:] == 0).all())
 
 
-def scale_fault(layer: nn.Module, tensor: str, log2: float) -> Callable[[], None]:
+def scale_fault(layer: nn.Module, tensor: str, log2: float,
+                active: Callable[[], bool] = lambda: True) -> Callable[[], None]:
     """Make an emulated FP8 layer quantise ``tensor`` with its scale times ``2**-log2`` (the scale
-    it reports as used is the faulty one). Returns the undo. A layer without FP8 quantisers (BF16)
-    is left alone."""
+    it reports as used is the faulty one) whenever ``active()``. Returns the undo. A layer without
+    FP8 quantisers (BF16) is left alone."""
     from fp8track.numerics.scaling import quantize
 
     q = getattr(layer, "_quantizers", None)
@@ -307,7 +322,7 @@ def scale_fault(layer: nn.Module, tensor: str, log2: float) -> Callable[[], None
 
     def faulty(kind: str, x: torch.Tensor, update: bool, *rest: Any) -> tuple[torch.Tensor, torch.Tensor]:
         qx, s = orig(kind, x, update, *rest)
-        if kind != tensor:
+        if kind != tensor or not active():
             return qx, s
         s = s * factor
         return quantize(x, q.fmt[kind], s), s
@@ -327,6 +342,88 @@ def broken_inference(model: nn.Module, log2: float) -> Iterator[None]:
     finally:
         for u in undo:
             u()
+
+
+# --- layer damage, measured without the monitor ------------------------------------------------------
+
+
+def _weight_out_in(layer: nn.Module) -> torch.Tensor:
+    """The layer's weight as ``[out, in]`` (Hugging Face's ``Conv1D`` stores ``[in, out]``)."""
+    from fp8track.execution.backends.emulated import EmulatedFP8Conv1D
+
+    w = layer.weight
+    return w.t() if isinstance(layer, EmulatedFP8Conv1D) or type(layer).__name__ == "Conv1D" else w
+
+
+def _rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    den = float(ref.norm())
+    return float((got.float() - ref).norm()) / den if den > 0 else math.nan
+
+
+class GemmErrorProbe:
+    """The relative error of each layer's GEMM against the same GEMM in float32, from the training
+    loop (plain torch, independent of the monitor and the diagnosis).
+
+    On steps :meth:`measure` selects: ``forward`` is ``||y - (x W^T + b)|| / ||x W^T + b||`` for the
+    layer's output ``y`` and input ``x`` (the outlier plant's padded row left out); ``dgrad`` is
+    ``||dX - dY W|| / ||dY W||`` for the input gradient ``dX`` the layer's backward returned. A
+    layer whose quantisation is broken reads near 1 (an underflowed operand gives a zero GEMM);
+    healthy FP8 GEMMs of these models read a few percent.
+    """
+
+    def __init__(self, model: nn.Module, layers: Sequence[str], backward: bool) -> None:
+        self.on = False
+        self.errors: dict[str, dict[str, dict[int, float]]] = {"forward": {}, "dgrad": {}}
+        self.step = -1
+        self._handles = []
+        for name in layers:
+            m = model.get_submodule(name)
+            self._handles.append(m.register_forward_hook(self._forward(name)))
+            if backward:
+                self._handles.append(m.register_full_backward_hook(self._backward(name)))
+
+    def measure(self, step: int, on: bool) -> None:
+        self.step, self.on = step, on
+
+    def _forward(self, name: str) -> Callable[..., None]:
+        def hook(m: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
+            if not (self.on and m.training and torch.is_grad_enabled()):
+                return
+            x = args[0]
+            if x.shape[0] == out.shape[0] + 1 and _is_padded(x):
+                x = x[:-1]
+            with torch.no_grad():
+                b = None if m.bias is None else m.bias.float()
+                ref = F.linear(x.float(), _weight_out_in(m).float(), b)
+                self.errors["forward"].setdefault(name, {})[self.step] = _rel_error(out, ref)
+
+        return hook
+
+    def _backward(self, name: str) -> Callable[..., None]:
+        def hook(m: nn.Module, grad_in: tuple[Any, ...], grad_out: tuple[Any, ...]) -> None:
+            if not self.on or grad_in[0] is None or grad_out[0] is None:
+                return
+            with torch.no_grad():
+                ref = grad_out[0].float() @ _weight_out_in(m).float()
+                self.errors["dgrad"].setdefault(name, {})[self.step] = _rel_error(grad_in[0], ref)
+
+        return hook
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+PROBE_EVERY = 4
+"""Steps between GEMM-error measurements (every step inside a plant's short windows)."""
+
+
+def probe_step(plant: Plant | None, step: int) -> bool:
+    """Whether the GEMM-error probe measures ``step``: every :data:`PROBE_EVERY`-th step, and every
+    step of a plant window shorter than twice that (an intermittent plant's few steps)."""
+    short = plant is not None and any(a <= step < b and b - a < 2 * PROBE_EVERY for a, b in plant.windows)
+    return short or step % PROBE_EVERY == 0
 
 
 # --- training ------------------------------------------------------------------------------------
@@ -369,6 +466,9 @@ def train_run(spec: RunSpec, log_dir: Path) -> dict[str, Any]:
                            meta=meta, data_fingerprint=fingerprint).attach()
     planted = target_layers(fp8_layers, spec.plant.position) if spec.plant else []
     plant = PlantHandle(model, spec.plant, planted).attach() if spec.plant else None
+    # After the plant's hooks, so the probe sees what the next layer sees (the padded row dropped).
+    probe = GemmErrorProbe(model, list(report.fp8_layers),
+                           backward=spec.plant is not None and spec.plant.tensor == "gradient")
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
     losses: list[float] = []
     evals: dict[int, float] = {}
@@ -377,9 +477,11 @@ def train_run(spec: RunSpec, log_dir: Path) -> dict[str, Any]:
     for step, (x, y) in enumerate(data):
         if plant is not None:
             plant.before_step(step)
+        probe.measure(step, probe_step(spec.plant, step))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model_loss(model, x, y)
         loss.backward()
+        probe.measure(step, False)
         opt.step()
         mon.step(loss=loss.detach())
         opt.zero_grad(set_to_none=True)
@@ -393,11 +495,12 @@ def train_run(spec: RunSpec, log_dir: Path) -> dict[str, Any]:
                 evals[step] = clean[step]
             mon.record_eval(step, {"val_loss": evals[step]})
     mon.close()
+    probe.detach()
     if plant is not None:
         plant.detach()
     return {"run_dir": str(mon.run_dir), "fp8_layers": fp8_layers, "loss": losses, "eval": evals,
             "eval_clean": clean, "planted_layers": planted, "plant_touches": plant.touched if plant else 0,
-            "seconds": time.perf_counter() - t0}
+            "gemm_error": probe.errors, "seconds": time.perf_counter() - t0}
 
 
 def bf16_unaffected(spec: RunSpec, steps: int = 4) -> dict[str, Any]:
@@ -452,11 +555,17 @@ def _spec(family: str, recipe: str, seed: int = 0, **kw: Any) -> RunSpec:
     return RunSpec(family, recipe, seed, kw.pop("steps", STEPS), EVERY, EVAL_EVERY, **kw)
 
 
-def _layer_plant(recipe: str, tensor: str, position: str, lasting: bool) -> Plant:
+SATURATE_LOG2 = -8.0
+"""Strength of a saturating plant: the scale ``2**8`` too large, so every element above
+``amax / 256`` clips to the format's largest value."""
+
+
+def _layer_plant(recipe: str, tensor: str, position: str, lasting: bool, saturate: bool = False) -> Plant:
     windows = ((48, STEPS),) if lasting else ((64, 68), (112, 116))
+    if saturate:
+        return Plant("scale", tensor, position, windows, SATURATE_LOG2)
     mech = "amax" if recipe.startswith("delayed") else "outlier"
-    log2 = 30.0 if tensor == "gradient" else 20.0
-    return Plant(mech, tensor, position, windows, log2)
+    return Plant(mech, tensor, position, windows, 30.0 if tensor == "gradient" else 20.0)
 
 
 def scenarios() -> list[Scenario]:
@@ -500,18 +609,27 @@ def scenarios() -> list[Scenario]:
         ("gpt", CURRENT, "activation", "last", False, True),
         ("llama", CURRENT, "activation", "first", False, False),
     )
-    for fam, recipe, tensor, pos, lasting, ci in layer_cases:
-        kind = "mid_training_gap" if lasting else "fp8_only_spikes"
-        name = f"{'gap' if lasting else 'spikes'}-{fam}-{recipe.split(':')[0]}-{tensor}-{pos}"
-        out.append(
-            Scenario(
-                name,
-                kind,
-                _spec(fam, recipe, plant=_layer_plant(recipe, tensor, pos, lasting)),
-                ci,
-                tags=("lasting" if lasting else "intermittent",),
+    # ... and the other direction: a history too low, so the layer's tensor saturates (overflow)
+    saturating = (
+        ("gpt", DELAYED, "activation", "middle", True, False),
+        ("llama", DELAYED, "weight", "first", True, False),
+        ("gpt2", DELAYED, "gradient", "middle", True, False),
+        ("llama", DELAYED, "activation", "middle", False, False),
+    )
+    for cases, saturate in ((layer_cases, False), (saturating, True)):
+        for fam, recipe, tensor, pos, lasting, ci in cases:
+            kind = "mid_training_gap" if lasting else "fp8_only_spikes"
+            name = (f"{'gap' if lasting else 'spikes'}-{fam}-{recipe.split(':')[0]}-{tensor}-{pos}"
+                    + ("-saturated" if saturate else ""))
+            out.append(
+                Scenario(
+                    name,
+                    kind,
+                    _spec(fam, recipe, plant=_layer_plant(recipe, tensor, pos, lasting, saturate)),
+                    ci,
+                    tags=("lasting" if lasting else "intermittent", "overflow" if saturate else "underflow"),
+                )
             )
-        )
     # loss normal, evaluation through a broken inference path worse
     for fam, recipe, ci in (("gpt", DELAYED, False), ("gpt2", CURRENT, False)):
         out.append(Scenario(f"downstream-{fam}-{recipe.split(':')[0]}", "downstream_drop_with_normal_loss",
@@ -563,6 +681,53 @@ def loss_ratio(fp8: Sequence[float], control: Sequence[float]) -> list[float]:
     return [f / c if math.isfinite(f) else math.inf for f, c in zip(fp8, control, strict=True)]
 
 
+DAMAGE_MIN = 0.3
+"""A damaged layer: the median relative error of its GEMM (forward, or dgrad for a gradient plant)
+over the plant's steps at least this (healthy FP8 GEMMs of these models: a few percent)."""
+DAMAGE_RATIO = 3.0
+"""... and at least this many times every other layer's median over the same steps."""
+
+
+def damage_steps(plant: Plant, recipe: str, steps: int) -> list[int]:
+    """The steps a plant's damage is measured on: its windows, each extended by one amax-history
+    length under delayed scaling (the corrupted entry stays in the history that long)."""
+    from fp8track.execution.recipes import Recipe
+
+    lag = Recipe.parse(recipe).amax_history_len if plant.mechanism == "amax" else 0
+    return sorted({t for a, b in plant.windows for t in range(a, min(steps, b + lag))})
+
+
+def layer_damage(sc: Scenario, fp8: Mapping[str, Any]) -> dict[str, Any]:
+    """Whether the plant damaged its layer and no other, from the training loop's GEMM-error probe
+    (:class:`GemmErrorProbe`, never the monitor): the planted layer's median relative GEMM error
+    over :func:`damage_steps` against :data:`DAMAGE_MIN` and :data:`DAMAGE_RATIO` times the worst
+    other layer's. ``verified`` is False for plants on every layer and runs without probe data."""
+    plant = sc.fp8.plant
+    if plant is None or not sc.scores_layer or "gemm_error" not in fp8:
+        return {"verified": False}
+    measure = "dgrad" if plant.tensor == "gradient" else "forward"
+    errs: Mapping[str, Mapping[str, float]] = fp8["gemm_error"][measure]
+    steps = set(damage_steps(plant, sc.fp8.recipe, sc.fp8.steps))
+    first = min(a for a, _ in plant.windows)
+
+    def med(layer: str, keep: Callable[[int], bool]) -> float:
+        return _median([v for t, v in errs.get(layer, {}).items() if keep(int(t)) and math.isfinite(v)])
+
+    planted = fp8["planted_layers"][0]
+    during = {layer: med(layer, lambda t: t in steps) for layer in errs}
+    others = {k: v for k, v in during.items() if k != planted and math.isfinite(v)}
+    worst_other = max(others.items(), key=lambda kv: kv[1]) if others else (None, 0.0)
+    p = during.get(planted, math.nan)
+    return {
+        "measure": measure,
+        "planted_error": p,
+        "planted_error_before": med(planted, lambda t: 10 <= t < first),
+        "worst_other_layer": worst_other[0],
+        "worst_other_error": worst_other[1],
+        "verified": bool(math.isfinite(p) and p >= DAMAGE_MIN and p >= DAMAGE_RATIO * worst_other[1]),
+    }
+
+
 def ground_truth(sc: Scenario, fp8: Mapping[str, Any], control: Mapping[str, Any],
                  bf16_check: Mapping[str, Any]) -> dict[str, Any]:
     """Whether the scenario's phenomenon materialised, from the training loop's own losses and
@@ -576,7 +741,7 @@ def ground_truth(sc: Scenario, fp8: Mapping[str, Any], control: Mapping[str, Any
     out: dict[str, Any] = {"final_ratio_smoothed": sm[-1], "max_ratio_smoothed": max(sm[10:])}
     checks: dict[str, bool] = {"bf16_unaffected": bool(bf16_check["ok"])}
     if spec.plant is not None:
-        checks["plant_acted"] = fp8["plant_touches"] > 0 or spec.plant.mechanism == "scale"
+        checks["plant_acted"] = fp8["plant_touches"] > 0
     kind = sc.expected_kind
     out["ratio_tail"] = _median(tail)
     if kind == "healthy":
@@ -635,4 +800,10 @@ def ground_truth(sc: Scenario, fp8: Mapping[str, Any], control: Mapping[str, Any
     out.setdefault("accepted_kinds", [kind])
     out["checks"] = checks
     out["materialised"] = all(checks.values())
+    # The layer ranking's own ground truth: the planted layer's GEMM is the broken one, whether or
+    # not one broken layer of a small model moves the loss.
+    out["layer_damage"] = layer_damage(sc, fp8)
+    out["layer_verified"] = bool(
+        out["layer_damage"]["verified"] and checks["bf16_unaffected"] and checks.get("plant_acted", False)
+    )
     return out

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fp8track.analysis.baseline import RunData
-from fp8track.analysis.diagnose import Diagnosis
+from fp8track.analysis.diagnose import Diagnosis, spike_config_for
 from fp8track.optional import require
 
 if TYPE_CHECKING:
@@ -58,6 +58,10 @@ def loss_figure(d: Diagnosis) -> Figure:
     ax.plot(steps, lc.control, color=CONTROL_COLOR, lw=1, label="BF16 control")
     ax.plot(steps, lc.fp8, color=FP8_COLOR, lw=1, alpha=0.85, label="FP8")
     index = {s: i for i, s in enumerate(lc.steps)}
+    warm = spike_config_for(len(steps)).warmup
+    if 1 < warm <= len(steps):  # the detector cannot mark a spike before it has a baseline: say so
+        ax.axvspan(steps[0], steps[warm - 1], color="grey", alpha=0.12, lw=0,
+                   label=f"spike detection warming up (first {warm} steps)")
     for events, color, label in (
         (d.fp8_spikes, FP8_COLOR, "FP8 spike"),
         (d.control_spikes, CONTROL_COLOR, "control spike"),
@@ -85,7 +89,7 @@ def loss_figure(d: Diagnosis) -> Figure:
             clip_on=True,
         )
     ax.set_ylabel("training loss")
-    ax.set_title("Training loss: FP8 vs BF16 control (triangles: detected spikes)")
+    ax.set_title("Training loss: FP8 vs BF16 control (triangles: spikes detected after the warm-up)")
     ax.legend(fontsize=8)
     finite = np.isfinite(np.array(lc.smooth_gap))
     gx.plot(

@@ -68,13 +68,14 @@ def test_false_alarm_is_a_non_healthy_high_or_medium_finding():
 
 
 def test_score_row_and_totals():
-    layers = {"diagnosis": ["b", "planted", "c"], "finding": ["planted"], "naive_underflow": ["planted"],
-              "naive_mse": ["a", "b", "c", "planted"]}
+    layers = {"diagnosis": ["b", "planted", "c"], "finding": ["planted"], "top_finding": [],
+              "naive_underflow": ["planted"], "naive_mse": ["a", "b", "c", "planted"]}
     s = bench.score_row("mid_training_gap", ["layer_outlier", "mid_training_gap"], layers, "planted", False)
     assert (s["kind_top"], s["kind_among"]) == (False, True)
     assert (s["diagnosis_rank"], s["diagnosis_top1"], s["diagnosis_top3"]) == (2, False, True)
     assert (s["naive_mse_rank"], s["naive_mse_top3"]) == (4, False)
     assert s["finding_top1"] and s["naive_underflow_top1"]
+    assert (s["top_finding_rank"], s["top_finding_top3"]) == (None, False)
     assert "false_alarm" not in s
     healthy = bench.score_row("healthy", ["layer_outlier", "healthy"], None, None, True)
     assert healthy == {"kind_top": False, "kind_among": True, "false_alarm": True}
@@ -83,19 +84,30 @@ def test_score_row_and_totals():
                            ["fp8_only_spikes", "mid_training_gap"])
     assert (both["kind_top"], both["kind_among"]) == (True, False)
 
+    # a broken middle layer that did not move the loss: scored on the layer, not on the kind
+    quiet = bench.score_row("mid_training_gap", ["healthy"], {k: ["planted", "b"] for k in layers}, "planted",
+                            False)
     rows = [
-        {"name": "g", "verified": True, "expected_kind": "mid_training_gap", "score": s},
+        {"name": "g", "verified": True, "layer_verified": True, "expected_kind": "mid_training_gap",
+         "score": s},
         {"name": "h", "verified": True, "expected_kind": "healthy", "score": healthy},
         {"name": "u", "verified": False, "expected_kind": "healthy",
          "score": bench.score_row("healthy", ["healthy"], None, None, False)},
+        {"name": "q", "verified": False, "layer_verified": True, "expected_kind": "mid_training_gap",
+         "score": quiet},
+        {"name": "x", "verified": False, "layer_verified": False, "expected_kind": "mid_training_gap",
+         "score": quiet},
     ]
     t = bench.totals(rows)
-    assert (t["scenarios"], t["verified"], t["not_materialised"]) == (3, 2, ["u"])
+    assert (t["scenarios"], t["verified"], t["not_materialised"]) == (5, 2, ["u", "q", "x"])
     assert t["kind_top"] == {"n": 2, "hits": 0, "share": 0.0}
     assert t["kind_among"] == {"n": 2, "hits": 2, "share": 1.0}
     assert t["false_alarms"] == {"n": 1, "hits": 1, "share": 1.0}
-    assert t["diagnosis_top1"]["hits"] == 0 and t["diagnosis_top3"] == {"n": 1, "hits": 1, "share": 1.0}
-    assert t["naive_underflow_top1"]["share"] == 1.0 and t["naive_mse_top3"]["share"] == 0.0
+    assert (t["layer_scored"], t["layer_not_verified"]) == (["g", "q"], ["x"])
+    assert t["diagnosis_top1"] == {"n": 2, "hits": 1, "share": 0.5}
+    assert t["diagnosis_top3"] == {"n": 2, "hits": 2, "share": 1.0}
+    assert t["diagnosis_top1_loss_verified"] == {"n": 1, "hits": 0, "share": 0.0}
+    assert t["naive_underflow_top1"]["share"] == 1.0 and t["naive_mse_top3"]["hits"] == 1
 
 
 def _gap_scenario():
@@ -172,3 +184,62 @@ def test_scenario_set_covers_every_kind_three_families_and_both_scalings():
 def test_cli_refuses_an_unknown_family_with_exit_2(capsys):
     assert bench.main(["--subset", "ci", "--families", "gpt,bert"]) == 2
     assert "bert" in capsys.readouterr().err
+
+
+def _damage_case(planted_err, other_err):
+    plant = ds.Plant("amax", "weight", "middle", ((40, 44),))
+    sc = ds.Scenario("s", "fp8_only_spikes", ds.RunSpec("gpt", ds.DELAYED, 0, 100, 5, 0, plant=plant))
+    # window 40-43 plus the 16-step history: steps 40..59 count; step 60 and the steps before do not
+    errs = {"p": {**{t: planted_err for t in range(40, 60)}, 20: 0.02, 60: 5.0},
+            "o": {**{t: other_err for t in range(40, 60)}, 24: 9.0}}
+    return sc, {"planted_layers": ["p"], "gemm_error": {"forward": errs, "dgrad": {}}}
+
+
+@pytest.mark.parametrize(("planted_err", "other_err", "verified"),
+                         [(0.9, 0.05, True), (0.25, 0.01, False), (0.9, 0.31, False), (0.95, 0.31, True)])
+def test_layer_damage_needs_a_broken_gemm_that_stands_out(planted_err, other_err, verified):
+    sc, fp8 = _damage_case(planted_err, other_err)
+    assert ds.damage_steps(sc.fp8.plant, sc.fp8.recipe, 100) == list(range(40, 60))
+    out = ds.layer_damage(sc, fp8)
+    assert out["measure"] == "forward" and out["worst_other_layer"] == "o"
+    assert out["planted_error"] == pytest.approx(planted_err)
+    assert out["worst_other_error"] == pytest.approx(other_err)
+    assert out["planted_error_before"] == pytest.approx(0.02)
+    assert out["verified"] is verified
+
+
+def test_gemm_error_probe_reads_zero_in_high_precision_and_one_for_a_flushed_weight():
+    import torch
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    import fp8track
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 48), nn.GELU(), Conv1D(16, 48))
+    rep = fp8track.apply_fp8(model, "current", backend="emulated")
+    names = list(rep.fp8_layers)
+    probe = ds.GemmErrorProbe(model, names, backward=True)
+    x = torch.randn(8, 32, requires_grad=True)
+    probe.measure(0, True)
+    model(x).square().sum().backward()
+    fwd, dgrad = probe.errors["forward"], probe.errors["dgrad"]
+    # healthy E4M3 GEMMs: a few percent off float32; the E5M2 gradient a little more; never zero
+    assert all(0.001 < fwd[n][0] < 0.1 for n in names), fwd
+    assert all(0.001 < dgrad[n][0] < 0.2 for n in names), dgrad
+    # the second layer's weight flushed to zero: its output is its bias, a relative error near 1
+    undo = ds.scale_fault(model.get_submodule(names[1]), "weight", 40.0)
+    probe.measure(1, True)
+    with torch.no_grad():
+        torch.nn.init.zeros_(model.get_submodule(names[1]).bias)
+    model(x).sum().backward()
+    undo()
+    assert fwd[names[1]][1] == pytest.approx(1.0, abs=1e-6) and fwd[names[0]][1] < 0.1
+    # not measured when off, nor in evaluation
+    probe.measure(2, False)
+    model(x).sum().backward()
+    probe.measure(3, True)
+    with torch.no_grad():
+        model(x)
+    probe.detach()
+    assert 2 not in fwd[names[0]] and 3 not in fwd[names[0]]

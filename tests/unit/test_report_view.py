@@ -51,6 +51,16 @@ def test_the_gap_onset_label_stays_inside_its_plot(onset):
     assert box.x0 <= ext.x0 and ext.x1 <= box.x1 and box.y0 <= ext.y0 and ext.y1 <= box.y1, (ext, box)
 
 
+def test_the_loss_figure_shades_the_steps_before_spike_detection_can_fire():
+    d = _diagnosis(_loss(None, n=300))  # 300 steps: window 75, warm-up 37 accepted losses
+    ax = loss_figure(d).axes[0]
+    span = next(p for p in ax.patches if "warming up" in str(p.get_label()))
+    assert span.get_label() == "spike detection warming up (first 37 steps)"
+    x0, x1 = ax.transData.inverted().transform(span.get_window_extent())[:, 0]  # data units, any artist
+    assert (x0, x1) == pytest.approx((0, 36), abs=0.01)
+    assert "after the warm-up" in ax.get_title()
+
+
 def test_colour_limits_leave_out_the_step_0_warm_up():
     m = np.array([[1e6, 1.0, 3.0], [-1e6, 2.0, np.nan]])
     assert colour_limits(m, [0, 10, 20]) == (1.0, 3.0)
