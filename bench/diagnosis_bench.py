@@ -20,8 +20,9 @@ Two ground truths, both measured in the training loop, never by the diagnosis: t
 (``verified``; kind accuracy and false alarms are scored on these) and, for single-layer plants, the
 planted layer's broken GEMM (``layer_verified``: its error against float32 at least 0.3 and 3x any
 other layer's; layer rankings are scored on these, since one broken layer of a small model need not
-move the loss). Scenarios verified neither way are reported and excluded from the scores. Run directories are cached under ``--cache-dir`` by a hash of each run's
-configuration, so a rerun only re-diagnoses (docs/diagnosis.md, "Diagnosis benchmark").
+move the loss). Scenarios verified neither way are reported and excluded from the scores. Run
+directories are cached under ``--cache-dir`` by a hash of each run's configuration, so a rerun only
+re-diagnoses (docs/diagnosis.md, "Diagnosis benchmark").
 """
 
 from __future__ import annotations
