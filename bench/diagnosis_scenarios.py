@@ -17,10 +17,14 @@ Plants (:class:`Plant`), all acting on FP8 quantisation state or on what one lay
   huge value joins the layer's input and its output row is dropped again; per-tensor scaling of the
   layer's input is set by that value and the real activations underflow. The BF16 GEMM's rows are
   independent, so the BF16 model computes the same thing.
-* ``scale`` (any per-tensor scaling): the layer quantises one tensor kind with its scale times
-  ``2**-log2`` in the plant's windows: ``log2 > 0`` flushes it (a software fault such as a scale
-  applied twice), ``log2 < 0`` saturates it (every element above ``amax * 2**log2`` clips to the
-  format's largest value).
+* ``scale_state`` (delayed scaling): before each step of the plant's windows the layer's scale of
+  one tensor kind is multiplied by ``2**-log2``, as a corrupted scale state (a bad restore, a
+  scale written twice) would leave it; the next update recomputes it from the intact amax history,
+  so the fault does not compound. ``log2 < 0`` saturates the tensor: every element above
+  ``amax * 2**log2`` clips to the format's largest value. The monitor reads the same scale.
+* ``scale`` (any per-tensor scaling): the layer's quantiser applies its scale times ``2**-log2``
+  in the plant's windows (a software fault in the quantisation itself, such as a scale applied
+  twice); it reports the faulty scale after the GEMM, so the monitor sees forward tensors' fault.
 
 Data spikes (shared by both runs: a batch of uniformly random tokens) and a broken inference path
 (evaluation through weights quantised with a scale ``2**-log2`` too small) complete the kinds of the
@@ -52,6 +56,7 @@ BATCH = 16
 LR = 3e-3
 EVAL_BATCHES = 4
 OUTLIER = 1e6
+MECHANISMS = ("amax", "scale_state", "outlier", "scale")
 RESULT_FORMAT = 3
 """Version of what :func:`train_run` returns (2: with ``gemm_error``; 3: scale plants count their
 touches); part of the cache key."""
@@ -65,7 +70,7 @@ class Plant:
     """A fault in the FP8 run's quantisation.
 
     Attributes:
-        mechanism: ``"amax"``, ``"outlier"`` or ``"scale"`` (module docstring).
+        mechanism: one of :data:`MECHANISMS` (module docstring).
         tensor: tensor kind it damages.
         position: ``"first"``, ``"middle"``, ``"last"`` FP8 layer in forward order, or ``"all"``.
         windows: ``(start, stop)`` step ranges (stop exclusive) where the plant acts.
@@ -79,7 +84,7 @@ class Plant:
     log2: float = 20.0
 
     def __post_init__(self) -> None:
-        if self.mechanism not in ("amax", "outlier", "scale"):
+        if self.mechanism not in MECHANISMS:
             raise ValueError(f"unknown plant mechanism {self.mechanism!r}")
         if self.tensor not in TENSORS or self.position not in (*POSITIONS, "all"):
             raise ValueError(f"bad plant {self.tensor!r} at {self.position!r}")
@@ -266,13 +271,18 @@ class PlantHandle:
 
     def before_step(self, step: int) -> None:
         self.step = step
-        if self.plant.mechanism != "amax" or not self.plant.active(step):
+        if self.plant.mechanism not in ("amax", "scale_state") or not self.plant.active(step):
             return
         for name in self.layers:
             scaler = (getattr(self.model.get_submodule(name), "delayed_scalers", None) or {}).get(
                 self.plant.tensor
             )
             if scaler is None:  # not an FP8 delayed-scaling layer (the BF16 control): nothing to corrupt
+                continue
+            if self.plant.mechanism == "scale_state":
+                with torch.no_grad():
+                    scaler.scale = scaler.scale * 2.0 ** -self.plant.log2
+                self.touched += 1
                 continue
             # The reference amax is the history's largest entry before the plant first acted, so
             # a lasting plant injects the same value every step instead of compounding it.
@@ -556,14 +566,14 @@ def _spec(family: str, recipe: str, seed: int = 0, **kw: Any) -> RunSpec:
 
 
 SATURATE_LOG2 = -8.0
-"""Strength of a saturating plant: the scale ``2**8`` too large, so every element above
-``amax / 256`` clips to the format's largest value."""
+"""Strength of a saturating plant (``scale_state``): the scale ``2**8`` too large, so every element
+above ``amax / 256`` clips to the format's largest value."""
 
 
 def _layer_plant(recipe: str, tensor: str, position: str, lasting: bool, saturate: bool = False) -> Plant:
     windows = ((48, STEPS),) if lasting else ((64, 68), (112, 116))
     if saturate:
-        return Plant("scale", tensor, position, windows, SATURATE_LOG2)
+        return Plant("scale_state", tensor, position, windows, SATURATE_LOG2)
     mech = "amax" if recipe.startswith("delayed") else "outlier"
     return Plant(mech, tensor, position, windows, 30.0 if tensor == "gradient" else 20.0)
 
