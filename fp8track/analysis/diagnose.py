@@ -663,6 +663,11 @@ def rule_fp8_only_spikes(ev: Evidence, found: Sequence[Finding]) -> list[Finding
     hits = sorted(layer_hits.items(), key=lambda kv: -kv[1])
     layers = tuple(dict.fromkeys(k[0] for k, _ in hits))[: cfg.top_k]
     tensors = tuple(dict.fromkeys(k[1] for k, _ in hits if k[0] in layers))
+    # A layer broken for most of the run does not jump at a spike against its own history; the
+    # layers that stand out against the others (and the control) are then the suspects.
+    standing = () if layers else tuple(r.layer for r in ev.outs)[: cfg.top_k]
+    if standing:
+        layers, tensors = standing, tuple(dict.fromkeys(r.tensor for r in ev.outs if r.layer in standing))
     sev = "high" if slow or len(only) >= 3 else "medium"
     conf = confidence(zmax, 6.0) if len(only) == 1 else max(confidence(zmax, 6.0), 0.8)
     return [Finding(
@@ -671,13 +676,16 @@ def rule_fp8_only_spikes(ev: Evidence, found: Sequence[Finding]) -> list[Finding
         f"The control did not spike within {cfg.classify_window} steps of these. Median FP8 recovery "
         f"{_median_or_none(fp8_rec)} steps vs control spikes {_median_or_none(ctl_rec)}; "
         f"{len(slow)} did not recover. "
-        + (f"Layers whose statistics jump at the spikes: {', '.join(layers)}." if layers else ""),
+        + (f"Layers whose statistics jump at the spikes: {', '.join(layers)}." if layers and not standing
+           else f"No layer's statistics jump at the spikes; standing out over the run: {', '.join(layers)}."
+           if standing else ""),
         steps=tuple(e.start_step for e, _ in only), layers=layers, tensors=tensors,
         evidence={"spikes": [{"start_step": e.start_step, "rel_excess": e.rel_excess, "z": e.z_score,
                               "recover_steps": e.recover_steps, "status": e.status} for e, _ in only],
                   "fp8_median_recover_steps": _median_or_none(fp8_rec),
                   "control_median_recover_steps": _median_or_none(ctl_rec),
                   "layer_jumps": [{"layer": k[0], "tensor": k[1], "z_sum": v} for k, v in hits[:10]],
+                  "layers_standing_out": list(standing),
                   "known_causes": sorted(ev.causes)},
         next_experiments=_numerics_experiments(layers, (), cfg) + tuple(ev.causes.values()),
     )]

@@ -188,6 +188,28 @@ def test_fp8_only_spikes_name_the_layer_that_jumps(tmp_path):
     assert d.top.layers[0] == PLANTED
 
 
+def test_fp8_only_spikes_name_a_layer_broken_all_along_that_stands_out(tmp_path):
+    """The planted layer is broken from step 40 on (SQNR 12 dB against ~30 dB): at the spikes it does
+    not jump against its own history, but it stands out against the other layers: it is named."""
+    spike_steps = (120, 190, 260)
+
+    def spiky(control, rng):
+        out = control * (1 + rng.normal(0, 0.002, N))
+        for s in spike_steps:
+            out = plant_spike(out, s, 1.5, decay=4.0)
+        return out
+
+    run, ctl = _pair(tmp_path, fp8_loss=spiky, fp8_rows=lambda rng: _rows(rng, planted_from=40))
+    d = diagnose(run, ctl)
+    assert d.top.kind == "fp8_only_spikes"
+    assert d.top.layers[0] == PLANTED and d.top.evidence["layers_standing_out"][0] == PLANTED
+    assert d.top.evidence["layer_jumps"] == [] and "standing out over the run" in d.top.text
+    # a layer that jumps at the spikes is named as such, and nothing is "standing out" then
+    run, ctl = _pair(tmp_path / "b", fp8_loss=spiky,
+                     fp8_rows=lambda rng: _rows(rng, planted_steps=spike_steps))
+    assert diagnose(run, ctl).top.evidence["layers_standing_out"] == []
+
+
 def _noisy_pair(tmp_path, bump: float, paired: bool, seed: int = 5):
     """Batches whose difficulty moves both losses by ~6 % per step (common noise), and an FP8 run
     that follows its control except for a slow excursion of ``bump`` over steps 150-170 (as while a
