@@ -237,30 +237,54 @@ def columnwise_operand(x: torch.Tensor, rht: bool) -> torch.Tensor:
     return random_hadamard_transform(x2) if rht else x2
 
 
-def max_blockwise_dynamic_range(x: torch.Tensor, block_size: int = 32, dims: int = 1) -> float:
-    """TE's ``LogTensorStats`` ``max_blockwise_dynamic_range`` (``compute_max_blockwise_dynamic_range``):
-    over blocks of ``block_size`` consecutive elements (``dims=1``) or ``block_size`` x ``block_size``
-    tiles (``dims=2``) of ``x`` seen 2-D, the largest ``log2(block amax) - log2(block nonzero amin)``;
-    all-zero blocks count 0. A partial block is padded with zeros (TE asserts whole blocks)."""
+def blockwise_dynamic_range(
+    x: torch.Tensor, block_size: int = 32, dims: int = 1, max_over_orientations: bool = False
+) -> torch.Tensor:
+    """TE's ``LogTensorStats`` statistic ``max_blockwise_dynamic_range`` as a 0-d float32 tensor on
+    ``x``'s device (no host sync), in log2 units (binades).
+
+    TE's ``compute_max_blockwise_dynamic_range``
+    (``transformer_engine/debug/features/utils/stats_computation.py``): ``x`` seen 2-D
+    ``[-1, last dim]``, cut into blocks of ``block_size`` consecutive elements of a row
+    (``dims=1``) or ``block_size`` x ``block_size`` tiles (``dims=2``); per block
+    ``log2(amax) - log2(smallest nonzero |x|)``, 0 for an all-zero block; the largest over blocks.
+    ``max_over_orientations`` also cuts the transposed tensor and takes the larger (TE sets it for
+    activations and weights, whose GEMMs read both orientations). Differences from TE, which
+    asserts whole blocks and sees only finite values: a partial block is padded with zeros (which
+    change neither its amax nor its nonzero minimum) and non-finite elements count as 0.
+    """
     if dims not in (1, 2):
         raise ValueError(f"dims must be 1 or 2, got {dims}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
     x2 = _finite(x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1)).abs()
-    r, c = x2.shape
+    dr = _one_orientation_range(x2, block_size, dims)
+    # A tile's transpose is a tile of the transposed tensor: 2-D blocks give the same value.
+    if max_over_orientations and dims == 1:
+        dr = torch.maximum(dr, _one_orientation_range(x2.t(), block_size, dims))
+    return dr
+
+
+def _one_orientation_range(a: torch.Tensor, block_size: int, dims: int) -> torch.Tensor:
+    r, c = a.shape
     rows = block_size if dims == 2 else 1
     pr, pc = (-r) % rows, (-c) % block_size
-    x2 = torch.nn.functional.pad(x2, (0, pc, 0, pr)) if (pr or pc) else x2
-    R, C = x2.shape
-    b = (
-        x2.reshape(R // rows, rows, C // block_size, block_size)
-        .permute(0, 2, 1, 3)
-        .reshape(-1, rows * block_size)
-    )
-    if b.numel() == 0:
-        return 0.0
+    a = torch.nn.functional.pad(a, (0, pc, 0, pr)) if (pr or pc) else a
+    R, C = a.shape
+    if a.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=a.device)
+    b = a.reshape(R // rows, rows, C // block_size, block_size).permute(0, 2, 1, 3)
+    b = b.reshape(-1, rows * block_size)
     hi = b.amax(dim=1)
     lo = b.masked_fill(b == 0, float("inf")).amin(dim=1)
-    dr = torch.where(hi > 0, torch.log2(hi) - torch.log2(lo), torch.zeros_like(hi))
-    return float(dr.max())
+    return torch.where(hi > 0, torch.log2(hi) - torch.log2(lo), torch.zeros_like(hi)).amax()
+
+
+def max_blockwise_dynamic_range(
+    x: torch.Tensor, block_size: int = 32, dims: int = 1, max_over_orientations: bool = False
+) -> float:
+    """:func:`blockwise_dynamic_range` as a Python float (waits for the device)."""
+    return float(blockwise_dynamic_range(x, block_size, dims, max_over_orientations))
 
 
 _SEEDS = itertools.count(0x5EED)

@@ -226,3 +226,14 @@ def test_max_blockwise_dynamic_range_hand_worked() -> None:
     assert max_blockwise_dynamic_range(t, 16, 2) == pytest.approx(3.0)
     assert max_blockwise_dynamic_range(t, 16, 1) == 0.0  # each 1x16 block holds one value
     assert math.isfinite(max_blockwise_dynamic_range(torch.randn(3, 50), 32, 1))
+    # TE's max_over_orientations: the transposed tensor's blocks too (columns here).
+    c = torch.ones(32, 32)
+    c[0, 0], c[1, 0] = 4.0, 0.25  # rows: 2 binades; column 0: 4
+    assert max_blockwise_dynamic_range(c, 32, 1) == pytest.approx(2.0)
+    assert max_blockwise_dynamic_range(c, 32, 1, max_over_orientations=True) == pytest.approx(4.0)
+    assert max_blockwise_dynamic_range(c.t(), 32, 1) == pytest.approx(4.0)
+    # 2-D tiles of the transpose are the transposed tiles: the same value either way.
+    assert max_blockwise_dynamic_range(t, 16, 2, max_over_orientations=True) == pytest.approx(3.0)
+    # Non-finite elements count as 0; a partial block is padded with zeros (no change).
+    n = torch.tensor([[float("inf"), 2.0, 0.5, float("nan")]])
+    assert max_blockwise_dynamic_range(n, 32, 1) == pytest.approx(2.0)
