@@ -172,10 +172,11 @@ def largest_element_error(stats: Mapping[str, float]) -> float:
     """Squared quantisation error of the tensor's largest element, ``(amax - q(amax))^2``, from the
     row's ``amax``, ``scale`` and element format alone: the largest element *is* ``+-amax``, so its
     rounding (saturating at the format's maximum, as the kernel does) can be redone exactly. NaN when
-    the row lacks one of them."""
+    the row lacks one of them, and for NVFP4 rows (E2M1): their ``scale`` is the extreme block scale,
+    not the one of the largest element's block (and torch cannot cast to its packed dtype)."""
     amax, scale = float(stats.get("amax", math.nan)), float(stats.get("scale", math.nan))
     fmt = element_format(stats)
-    if fmt == "?" or not (math.isfinite(amax) and math.isfinite(scale)) or scale <= 0:
+    if fmt in ("?", "e2m1") or not (math.isfinite(amax) and math.isfinite(scale)) or scale <= 0:
         return math.nan
     f = get_format(fmt)
     v = torch.tensor(amax, dtype=torch.float32) * torch.tensor(scale, dtype=torch.float32)
@@ -279,14 +280,17 @@ class _Point:
     variant: str
 
 
-def _series(rows: Iterable[Any]) -> dict[Key, list[_Point]]:
-    """Main rows per (layer, tensor), sorted by step, in first-seen (model) order."""
+def _series(rows: Iterable[Any], variant: str | None = None) -> dict[Key, list[_Point]]:
+    """Main rows per (layer, tensor), sorted by step, in first-seen (model) order; with ``variant``
+    that what-if variant's rows (and its ``_columnwise`` rows) instead, and no others."""
+    main = MAIN_VARIANTS if variant is None else (variant,)
+    columnwise = COLUMNWISE_VARIANTS if variant is None else (f"{variant}_columnwise",)
     out: dict[Key, list[_Point]] = {}
     for r in rows:
-        if r.variant in MAIN_VARIANTS:
+        if r.variant in main:
             out.setdefault((r.layer, r.tensor), []).append(
                 _Point(int(r.step), row_signals(r.stats), r.stats, element_format(r.stats), r.variant))
-        elif r.variant in COLUMNWISE_VARIANTS:  # issue 23: a tensor of its own
+        elif r.variant in columnwise:  # issue 23: a tensor of its own
             out.setdefault((r.layer, f"{r.tensor}_columnwise"), []).append(_Point(
                 int(r.step), row_signals(r.stats), r.stats, element_format(r.stats),
                 r.variant.removesuffix("_columnwise")))
@@ -426,18 +430,23 @@ def rank_layers(
     events: Iterable[Any] = (),
     history_z: float = HISTORY_Z,
     start: int | None = None,
+    variant: str | None = None,
 ) -> list[LayerRisk]:
     """Every monitored layer with its risk score (module docstring), riskiest first.
 
     Args:
-        rows: tensor-statistics rows of one run (any number of steps); what-if rows are ignored.
+        rows: tensor-statistics rows of one run (any number of steps); what-if rows are ignored
+            unless ``variant`` names them.
         tensors: restrict to these tensor kinds (default: every kind present).
         control: the BF16 control's rows: signals become the excess over its shadow rows (step 3).
         events: the run's recorded events (``drift`` events naming a layer add evidence).
         history_z: an own-history shift above this sets the layer's window (step 2).
         start: one window start for every layer instead of their own onsets (``None``: own onsets).
+        variant: rank what a what-if recipe would do instead (``"nvfp4"``: the run's ``nvfp4`` and
+            ``nvfp4_columnwise`` rows, e.g. of a BF16 control recorded with ``whatif=["nvfp4"]``);
+            the main rows (``actual``/``shadow``) are then ignored, never mixed in.
     """
-    series = _series(rows)
+    series = _series(rows, variant)
     if tensors is not None:
         series = {k: v for k, v in series.items() if k[1] in tensors}
     if not series:
