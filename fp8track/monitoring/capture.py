@@ -54,7 +54,7 @@ from fp8track.execution.layers import (
 from fp8track.monitoring.naming import canonical_layer_names
 from fp8track.monitoring.sharding import ShardSpec, Share, observed_weight, share_of
 from fp8track.numerics.formats import TENSOR_KINDS, get_format_pair
-from fp8track.numerics.nvfp4 import NVFP4_BLOCK, NVFP4Recipe, blockwise_dynamic_range, new_generator
+from fp8track.numerics.nvfp4 import NVFP4_BLOCK, NVFP4Recipe, blockwise_dynamic_ranges, new_generator
 from fp8track.numerics.scaling import BLOCK_LAYOUTS, BLOCK_SCALINGS, amax, block_layout, current_scale
 from fp8track.numerics.stats import (
     block_partial_stats,
@@ -154,7 +154,8 @@ def tensor_partial(
 
 RangeSpec = tuple[int, int, str]
 """``(block_size, dims, orientation)`` of one ``max_blockwise_dynamic_range``: orientation
-``"both"`` (TE's ``max_over_orientations``), ``"row"`` or ``"column"``."""
+``"both"`` (TE's ``max_over_orientations``), ``"row"`` or ``"column"``
+(:func:`~fp8track.numerics.nvfp4.blockwise_dynamic_ranges`)."""
 
 
 def block_range_spec(plan: LayerPlan, tensor: str, variant: str, scaling: str | None) -> RangeSpec | None:
@@ -182,14 +183,6 @@ def block_range_spec(plan: LayerPlan, tensor: str, variant: str, scaling: str | 
     else:
         orientation = "both" if tensor in ("activation", "weight") else "row"
     return size, 2 if tiles else 1, orientation
-
-
-def block_range(x: torch.Tensor, spec: RangeSpec) -> torch.Tensor:
-    """``max_blockwise_dynamic_range`` of ``x`` as ``spec`` measures it (0-d float64, on device)."""
-    size, dims, orientation = spec
-    if orientation == "column" and x.dim() >= 1:
-        x = x.reshape(-1, x.shape[-1]).t() if x.dim() > 1 else x.reshape(-1, 1)
-    return blockwise_dynamic_range(x, size, dims, orientation == "both").to(torch.float64)
 
 
 def _fp8_format(plan: LayerPlan, tensor: str) -> str:
@@ -506,19 +499,19 @@ class LayerCapture:
         self._add_ranges(tensor, share.local)
 
     def _add_ranges(self, tensor: str, x: torch.Tensor) -> None:
-        """Merge ``x``'s ``max_blockwise_dynamic_range`` into every block row of ``tensor`` (each
-        distinct block and orientation measured once). Under sharding each rank measures its local
-        tensor and the flush's MAX collective takes the largest."""
+        """Merge ``x``'s ``max_blockwise_dynamic_range`` into every block row of ``tensor`` (``|x|``
+        prepared once, each block shape reduced once:
+        :func:`~fp8track.numerics.nvfp4.blockwise_dynamic_ranges`). Under sharding each rank
+        measures its local tensor and the flush's MAX collective takes the largest."""
         if x.dim() < 1 or x.shape[-1] == 0:
             return
-        measured: dict[RangeSpec, torch.Tensor] = {}
-        for variant, scaling in self._observation_list():
-            spec = block_range_spec(self.plan, tensor, variant, scaling)
-            if spec is None:
-                continue
-            value = measured.get(spec)
-            if value is None:
-                value = measured[spec] = block_range(x, spec)
+        rows = [(v, spec) for v, sc in self._observation_list()
+                if (spec := block_range_spec(self.plan, tensor, v, sc)) is not None]
+        if not rows:
+            return
+        values = blockwise_dynamic_ranges(x, [spec for _, spec in rows])
+        for (variant, _), value in zip(rows, values, strict=True):
+            value = value.to(torch.float64)
             prev = self.ranges.get((tensor, variant))
             self.ranges[(tensor, variant)] = value if prev is None else torch.maximum(prev, value)
 

@@ -133,7 +133,8 @@ def test_max_blockwise_dynamic_range_end_to_end_in_records_mlflow_and_wandb(tmp_
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     (tmp_path / "wandb").mkdir()
     ml = MLflowTracker(tracking_uri=uri, run_name="range")
-    wb = WandbTracker.create(project="fp8track-range", name="range", dir=str(tmp_path / "wandb"), mode="offline")
+    wb = WandbTracker.create(project="fp8track-range", name="range", dir=str(tmp_path / "wandb"),
+                             mode="offline")
     mon = Monitor(model, {"every_n_steps": 1, "whatif": ("nvfp4", "block", "current")},
                   log_dir=tmp_path / "runs", trackers=[ml, wb], apply_report=report)
     x1 = torch.ones(32, 32)
@@ -152,7 +153,7 @@ def test_max_blockwise_dynamic_range_end_to_end_in_records_mlflow_and_wandb(tmp_
     local = _variant_rows(load_run(mon.run_dir))
     acts = {"activation": (x1, x2), "weight": (model[0].weight.detach(),), "gradient": (g, g)}
     checked = 0
-    for (step, layer, tensor, variant), stats in local.items():
+    for (_, _, tensor, variant), stats in local.items():
         if variant == "current":
             assert "max_blockwise_dynamic_range" not in stats
             continue
@@ -164,12 +165,11 @@ def test_max_blockwise_dynamic_range_end_to_end_in_records_mlflow_and_wandb(tmp_
         assert stats["max_blockwise_dynamic_range"] == pytest.approx(want, abs=1e-6), (tensor, variant)
         checked += 1
     assert checked == 3 * 6  # 3 tensors x (actual, nvfp4, block) x (row-wise, column-wise)
-    # Hand-worked: MXFP8 1x32 blocks.
-    assert local[(0, "0", "activation", "actual")]["max_blockwise_dynamic_range"] == pytest.approx(6.0)
-    assert local[(0, "0", "activation", "actual_columnwise")]["max_blockwise_dynamic_range"] == pytest.approx(3.0)
-    assert local[(0, "0", "gradient", "actual")]["max_blockwise_dynamic_range"] == pytest.approx(2.0)
-    assert local[(0, "0", "gradient", "actual_columnwise")]["max_blockwise_dynamic_range"] == pytest.approx(4.0)
-    assert local[(0, "0", "weight", "nvfp4")]["max_blockwise_dynamic_range"] == pytest.approx(8.0)
+    # Hand-worked: MXFP8 1x32 blocks; NVFP4's 16x16 weight tiles.
+    hand = {("activation", "actual"): 6.0, ("activation", "actual_columnwise"): 3.0,
+            ("gradient", "actual"): 2.0, ("gradient", "actual_columnwise"): 4.0, ("weight", "nvfp4"): 8.0}
+    for (tensor, variant), want in hand.items():
+        assert local[(0, "0", tensor, variant)]["max_blockwise_dynamic_range"] == pytest.approx(want)
 
     stored = {
         "mlflow": _variant_rows(load_run(f"mlflow:{ml.run_id}", tracking_uri=uri)),

@@ -14,8 +14,8 @@ from fp8track.numerics.stats import block_quant_stats, quant_stats
 def _block_row(x: torch.Tensor, layout: str, block: int) -> dict[str, float]:
     """A block row of activation ``x``: the layout's statistics plus TE's LogTensorStats
     max_blockwise_dynamic_range over 1 x ``block`` blocks, both orientations (activations)."""
-    return {**block_quant_stats(x, layout),
-            "max_blockwise_dynamic_range": max_blockwise_dynamic_range(x, block, 1, max_over_orientations=True)}
+    dr = max_blockwise_dynamic_range(x, block, 1, max_over_orientations=True)
+    return {**block_quant_stats(x, layout), "max_blockwise_dynamic_range": dr}
 
 
 def _train(recipe, tmp_path, steps=4, whatif=()):
@@ -70,7 +70,8 @@ def test_current_scaling_matches_and_whatif_variants(tmp_path):
         stats = rows[(step, "0", "activation", "actual")]
         assert stats["scale"] == pytest.approx(used[step]["activation"].item(), rel=1e-7)
         assert stats["scale_drift_log2"] == pytest.approx(0.0, abs=1e-6)
-        assert rows[(step, "0", "activation", "mxfp8")] == pytest.approx(_block_row(inputs[step], "mxfp8", 32))
+        want = _block_row(inputs[step], "mxfp8", 32)
+        assert rows[(step, "0", "activation", "mxfp8")] == pytest.approx(want)
         assert rows[(step, "0", "activation", "block")] == pytest.approx(
             _block_row(inputs[step], "block128", 128)
         )

@@ -375,7 +375,8 @@ def test_rank_layers_ranks_one_whatif_variant_never_mixed_with_the_main_rows():
     rows = []
     for step in range(6):
         for layer in "abcd":
-            rows.append(_row(layer, "activation", step, sqnr=10.0 if layer == "a" else 30.0, variant="shadow"))
+            rows.append(_row(layer, "activation", step, sqnr=10.0 if layer == "a" else 30.0,
+                             variant="shadow"))
             rows.append(_row(layer, "activation", step, sqnr=5.0 if layer == "c" else 20.0, variant="nvfp4"))
             rows.append(_row(layer, "activation", step, under=40.0 if layer == "b" else 1.0,
                              variant="nvfp4_columnwise"))
