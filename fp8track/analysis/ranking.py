@@ -87,6 +87,8 @@ MAIN_VARIANTS = ("actual", "shadow")
 # Issue 23: the column-wise copies of block recipes (the dgrad/wgrad operands, TE's ``_columnwise``
 # statistics) are ranked as tensors of their own, ``<tensor>_columnwise``, beside the row-wise ones.
 COLUMNWISE_VARIANTS = tuple(f"{v}_columnwise" for v in MAIN_VARIANTS)
+BLOCK_RANGE_STAT = "max_blockwise_dynamic_range"
+"""Block rows' TE ``LogTensorStats`` statistic (binades), carried into :attr:`LayerRisk.stats`."""
 HISTORY_Z = 4.0
 """An own-history shift above this z sets the layer's window (step 2 of the docstring)."""
 
@@ -111,7 +113,8 @@ class LayerRisk:
         tensor: the tensor kind that gives the score.
         z: per-signal z-scores of that tensor (within its group).
         stats: per tensor kind, the statistics over its window (median over the window's samples;
-            ``overflow_pct`` the max), plus ``steps`` (samples in the window), ``onset`` and ``fmt``.
+            ``overflow_pct`` and, on block rows, ``max_blockwise_dynamic_range`` the max), plus
+            ``steps`` (samples in the window), ``onset`` and ``fmt``.
         rank: 1-based; tied layers share a rank.
         tied: the other layers with the same rank.
         onset: first step of the window of the scoring tensor (its own-history onset), or ``None``
@@ -396,6 +399,10 @@ def _summarise(points: Sequence[_Point], shift: HistoryShift | None, history_z: 
     stats["overflow_pct"] = max((v for v in col["overflow_pct"] if math.isfinite(v)), default=math.nan)
     stats["abs_drift_log2"] = _median([p.sig["abs_drift_log2"] for p in win])
     stats["bulk_sqnr_db"] = _median([bulk_sqnr_db(p.stats) for p in win])
+    # Block rows' TE LogTensorStats statistic, shown beside the signals (max, as TE reduces it).
+    ranges = [v for p in win if math.isfinite(v := float(p.stats.get(BLOCK_RANGE_STAT, math.nan)))]
+    if ranges:
+        stats[BLOCK_RANGE_STAT] = max(ranges)
     stats["steps"] = float(len(win))
     fmts = [p.fmt for p in win if p.fmt != "?"]
     return _Summary(peaks, stats, max(set(fmts), key=fmts.count) if fmts else "?", win[0].variant, onset)

@@ -406,3 +406,17 @@ def test_nvfp4_rows_rank_without_the_largest_elements_own_error():
             and s > 2 else 1) + (torch.arange(64) == 3) * (500.0 if layer == "x" else 0)), "actual")
             for s in range(6) for layer in ("w", "x", "y")]
     assert rank_layers(rows)[0].layer == "x"
+
+
+def test_block_rows_carry_their_largest_blockwise_dynamic_range_into_the_ranking():
+    from fp8track.report.figures import stats_line
+
+    rows = [_row(layer, "activation", s, max_blockwise_dynamic_range=float(s + (layer == "b")))
+            for s in range(4) for layer in "ab"]
+    rows += [_row("a", "gradient", s) for s in range(4)]  # a per-tensor row has none
+    risks = {r.layer: r for r in rank_layers(rows)}
+    assert risks["a"].stats["activation"]["max_blockwise_dynamic_range"] == 3.0  # max, not the median
+    assert risks["b"].stats["activation"]["max_blockwise_dynamic_range"] == 4.0
+    assert "max_blockwise_dynamic_range" not in risks["a"].stats["gradient"]
+    assert stats_line(risks["b"].stats["activation"]).endswith("max_blockwise_dynamic_range 4")
+    assert "blockwise" not in stats_line(risks["a"].stats["gradient"])
