@@ -422,6 +422,7 @@ class _Sweep:
             "finalists": self.options.finalists,
             "tolerance_factor": self.options.tolerance_factor,
             "tolerance_floor": self.options.tolerance_floor,
+            "auto_from": self.options.auto_from,
         }
         params.update(
             {f"sweep.{p.name}": p.value if p.kind == "constant" else p.values for p in self.spec.params}

@@ -107,6 +107,7 @@ def test_auto_k_for_nvfp4_is_ranked_from_the_controls_whatif_rows(tmp_path: Path
         return client.search_runs([exp_id], filter_string=(
             f"tags.mlflow.parentRunId = '{parent}' and tags.`fp8track.role` = '{name}'"))
 
+    assert client.get_run(parent).data.params["auto_from"] == "whatif"
     assert role("probe") == []  # nothing trained in NVFP4 but the trial itself
     (control,) = role("control")
     rows = load_run(f"mlflow:{control.info.run_id}", uri).tensor_rows
