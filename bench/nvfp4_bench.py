@@ -4,6 +4,11 @@ statistics against one read of the tensor.
 
     python bench/nvfp4_bench.py --part loss  --out bench/results_nvfp4_loss.json
     python bench/nvfp4_bench.py --part stats --out bench/results_nvfp4_stats.json
+    python bench/nvfp4_bench.py --part range --out bench/results_block_range.json
+
+``range``: what the monitor's ``max_blockwise_dynamic_range`` (TE's LogTensorStats statistic, on
+block rows of sampled steps) adds: per tensor against the block row's own statistics, and per
+sampled step of a small MLP (MXFP8 with what-if NVFP4, every step sampled) with and without it.
 """
 
 from __future__ import annotations
@@ -142,9 +147,80 @@ def stats_part(n: int, reps: int) -> dict[str, Any]:
     }
 
 
+def range_part(n: int, reps: int, steps: int) -> dict[str, Any]:
+    from fp8track.monitoring import capture
+    from fp8track.numerics.nvfp4 import blockwise_dynamic_range
+    from fp8track.numerics.stats import block_partial_stats, nvfp4_partial_stats
+
+    torch.manual_seed(0)
+    x = torch.randn(n, n, dtype=torch.bfloat16)
+    cases = {
+        "amax (one read)": lambda: x.abs().amax(),
+        "mxfp8 block statistics (one row)": lambda: block_partial_stats(x, "mxfp8", "e4m3"),
+        "nvfp4 row-wise statistics (one row)": lambda: nvfp4_partial_stats(x),
+        "range 1x32, both orientations (mxfp8 activation row)": (
+            lambda: blockwise_dynamic_range(x, 32, 1, True)
+        ),
+        "range 1x32, one orientation (gradient / _columnwise row)": lambda: blockwise_dynamic_range(x, 32, 1),
+        "range 1x16, one orientation (nvfp4 gradient row)": lambda: blockwise_dynamic_range(x, 16, 1),
+        "range 16x16 tiles (nvfp4 weight row)": lambda: blockwise_dynamic_range(x, 16, 2),
+        "range 128x128 tiles (block weight row)": lambda: blockwise_dynamic_range(x, 128, 2),
+    }
+    times = {k: _best(f, reps) for k, f in cases.items()}
+    base = times["amax (one read)"]
+    out: dict[str, Any] = {
+        "shape": [n, n], "dtype": "bfloat16", "threads": torch.get_num_threads(), "reps": reps,
+        "cases": {
+            k: {"ms_best": round(1e3 * t, 2), "x_one_read": round(t / base, 1)} for k, t in times.items()
+        },
+    }
+    step = {}
+    spec = capture.block_range_spec
+    for label, fn in (("with", spec), ("without", lambda *a: None)):
+        capture.block_range_spec = fn  # type: ignore[assignment]
+        try:
+            step[label] = _monitor_step_seconds(steps)
+        finally:
+            capture.block_range_spec = spec  # type: ignore[assignment]
+    out["monitor_sampled_step"] = {
+        "model": "Linear(512,1024)-ReLU-Linear(1024,512), batch 256, emulated mxfp8, "
+        "whatif nvfp4, every step sampled",
+        "steps": steps,
+        "ms_per_step_with_range": round(1e3 * step["with"], 1),
+        "ms_per_step_without_range": round(1e3 * step["without"], 1),
+        "ratio": round(step["with"] / step["without"], 3),
+    }
+    return out
+
+
+def _monitor_step_seconds(steps: int) -> float:
+    import tempfile
+
+    from torch import nn
+
+    from fp8track import Monitor, apply_fp8
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 512))
+    report = apply_fp8(model, "mxfp8", backend="emulated")
+    xs = [torch.randn(256, 512) for _ in range(steps + 1)]
+    with tempfile.TemporaryDirectory() as tmp:
+        mon = Monitor(model, {"every_n_steps": 1, "whatif": ["nvfp4"]}, log_dir=tmp, trackers=[],
+                      apply_report=report).attach()
+        mon.begin_step(0)
+        times = []
+        for x in xs:
+            t0 = time.perf_counter()
+            model(x).pow(2).mean().backward()
+            mon.step(loss=torch.tensor(0.0))
+            times.append(time.perf_counter() - t0)
+        mon.close()
+    return statistics.median(times[1:])  # the first step warms up
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--part", choices=("loss", "stats"), required=True)
+    p.add_argument("--part", choices=("loss", "stats", "range"), required=True)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--llama-steps", type=int, default=200)
     p.add_argument("--size", type=int, default=2048)
@@ -153,7 +229,12 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    res = loss_part(args.steps, args.llama_steps) if args.part == "loss" else stats_part(args.size, args.reps)
+    if args.part == "loss":
+        res = loss_part(args.steps, args.llama_steps)
+    elif args.part == "range":
+        res = range_part(args.size, args.reps, min(args.steps, 12))
+    else:
+        res = stats_part(args.size, args.reps)
     text = json.dumps(res, indent=2)
     print(text)
     if args.out:

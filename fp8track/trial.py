@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8track.analysis.ranking import SIGNALS, LayerRisk
-from fp8track.errors import ConfigError
+from fp8track.errors import ConfigError, invalid_choice
 from fp8track.execution.fallback import FallbackSpec
 from fp8track.execution.recipes import Recipe
 
@@ -43,6 +43,14 @@ CONTROL_ENV = "FP8TRACK_SWEEP_CONTROL"
 """The control run of the trial's seed, ``mlflow:<run_id>`` (the monitor's ``baseline``)."""
 RANKING_ENV = "FP8TRACK_SWEEP_RANKING"
 """A JSON file: layer names riskiest first, for ``auto:K`` (written by ``fp8track sweep``)."""
+WHATIF_ENV = "FP8TRACK_SWEEP_WHATIF"
+"""What-if variants (comma-separated, e.g. ``nvfp4``) the program's monitor records; the sweep sets it
+for the BF16 control under ``--auto-from whatif`` (:attr:`TrialSettings.whatif`)."""
+AUTO_FROM = ("probe", "whatif")
+"""Where the sweep's ``auto:K`` ranking comes from: an all-FP8 ``probe`` run of the trial's recipe,
+or the ``whatif`` rows of that recipe in the BF16 control (no probe trained)."""
+WHATIF_RECIPES = ("mxfp8", "block", "nvfp4")
+"""Recipe families whose what-if rows a BF16 control records apart from its ``shadow`` rows."""
 LAYERS_ARTIFACT = "fp8track_layers.json"
 """What :meth:`TrialSettings.apply` writes into the trial's run: every GEMM layer, its shape, FP8 or BF16."""
 FLOP_SHARE_METRIC = "fp8_flop_share"
@@ -68,6 +76,7 @@ class TrialSettings:
     run_id: str | None = None
     tracking_uri: str | None = None
     ranking: tuple[str, ...] | None = None
+    whatif: tuple[str, ...] = ()
 
     @property
     def spec(self) -> str:
@@ -208,6 +217,10 @@ def trial_settings(
             raise ConfigError(
                 f"cannot read the auto:K ranking {os.environ[RANKING_ENV]} ({RANKING_ENV}): {err}"
             ) from err
+    whatif = tuple(v for v in os.environ.get(WHATIF_ENV, "").split(",") if v)
+    for v in whatif:
+        if v not in WHATIF_RECIPES:
+            raise invalid_choice(f"what-if variant in {WHATIF_ENV}", v, WHATIF_RECIPES)
     return TrialSettings(
         recipe=Recipe.parse(values["recipe"]),
         bf16_layers=FallbackSpec.parse(values["bf16_layers"]),
@@ -216,7 +229,26 @@ def trial_settings(
         run_id=os.environ.get(RUN_ID_ENV) or None,
         tracking_uri=os.environ.get(TRACKING_URI_ENV) or None,
         ranking=ranking,
+        whatif=whatif,
     )
+
+
+def whatif_variant(recipe: str | Recipe) -> str:
+    """The what-if variant whose rows show ``recipe`` on a run of another recipe (``auto:K`` from a
+    control recorded with it): its family, one of :data:`WHATIF_RECIPES`. The what-if uses the
+    family's TE defaults (NVFP4: RHT, stochastic rounding and 2-D weight tiles on).
+
+    Raises:
+        ConfigError: ``recipe`` has no what-if rows of its own (delayed and current scaling are
+            the control's ``shadow`` rows or need the run's own scale history).
+    """
+    r = recipe if isinstance(recipe, Recipe) else Recipe.parse(recipe)
+    if r.scaling not in WHATIF_RECIPES:
+        raise invalid_choice(
+            f"recipe for auto:K from what-if rows ({r.to_string()})", r.name, WHATIF_RECIPES,
+            "Rank it from a probe run instead (--auto-from probe)",
+        )
+    return r.scaling
 
 
 def align_ranking(ranking: Sequence[str], names: Sequence[str]) -> list[str]:

@@ -87,6 +87,8 @@ MAIN_VARIANTS = ("actual", "shadow")
 # Issue 23: the column-wise copies of block recipes (the dgrad/wgrad operands, TE's ``_columnwise``
 # statistics) are ranked as tensors of their own, ``<tensor>_columnwise``, beside the row-wise ones.
 COLUMNWISE_VARIANTS = tuple(f"{v}_columnwise" for v in MAIN_VARIANTS)
+BLOCK_RANGE_STAT = "max_blockwise_dynamic_range"
+"""Block rows' TE ``LogTensorStats`` statistic (binades), carried into :attr:`LayerRisk.stats`."""
 HISTORY_Z = 4.0
 """An own-history shift above this z sets the layer's window (step 2 of the docstring)."""
 
@@ -111,7 +113,8 @@ class LayerRisk:
         tensor: the tensor kind that gives the score.
         z: per-signal z-scores of that tensor (within its group).
         stats: per tensor kind, the statistics over its window (median over the window's samples;
-            ``overflow_pct`` the max), plus ``steps`` (samples in the window), ``onset`` and ``fmt``.
+            ``overflow_pct`` and, on block rows, ``max_blockwise_dynamic_range`` the max), plus
+            ``steps`` (samples in the window), ``onset`` and ``fmt``.
         rank: 1-based; tied layers share a rank.
         tied: the other layers with the same rank.
         onset: first step of the window of the scoring tensor (its own-history onset), or ``None``
@@ -172,10 +175,11 @@ def largest_element_error(stats: Mapping[str, float]) -> float:
     """Squared quantisation error of the tensor's largest element, ``(amax - q(amax))^2``, from the
     row's ``amax``, ``scale`` and element format alone: the largest element *is* ``+-amax``, so its
     rounding (saturating at the format's maximum, as the kernel does) can be redone exactly. NaN when
-    the row lacks one of them."""
+    the row lacks one of them, and for NVFP4 rows (E2M1): their ``scale`` is the extreme block scale,
+    not the one of the largest element's block (and torch cannot cast to its packed dtype)."""
     amax, scale = float(stats.get("amax", math.nan)), float(stats.get("scale", math.nan))
     fmt = element_format(stats)
-    if fmt == "?" or not (math.isfinite(amax) and math.isfinite(scale)) or scale <= 0:
+    if fmt in ("?", "e2m1") or not (math.isfinite(amax) and math.isfinite(scale)) or scale <= 0:
         return math.nan
     f = get_format(fmt)
     v = torch.tensor(amax, dtype=torch.float32) * torch.tensor(scale, dtype=torch.float32)
@@ -279,14 +283,17 @@ class _Point:
     variant: str
 
 
-def _series(rows: Iterable[Any]) -> dict[Key, list[_Point]]:
-    """Main rows per (layer, tensor), sorted by step, in first-seen (model) order."""
+def _series(rows: Iterable[Any], variant: str | None = None) -> dict[Key, list[_Point]]:
+    """Main rows per (layer, tensor), sorted by step, in first-seen (model) order; with ``variant``
+    that what-if variant's rows (and its ``_columnwise`` rows) instead, and no others."""
+    main = MAIN_VARIANTS if variant is None else (variant,)
+    columnwise = COLUMNWISE_VARIANTS if variant is None else (f"{variant}_columnwise",)
     out: dict[Key, list[_Point]] = {}
     for r in rows:
-        if r.variant in MAIN_VARIANTS:
+        if r.variant in main:
             out.setdefault((r.layer, r.tensor), []).append(
                 _Point(int(r.step), row_signals(r.stats), r.stats, element_format(r.stats), r.variant))
-        elif r.variant in COLUMNWISE_VARIANTS:  # issue 23: a tensor of its own
+        elif r.variant in columnwise:  # issue 23: a tensor of its own
             out.setdefault((r.layer, f"{r.tensor}_columnwise"), []).append(_Point(
                 int(r.step), row_signals(r.stats), r.stats, element_format(r.stats),
                 r.variant.removesuffix("_columnwise")))
@@ -392,6 +399,10 @@ def _summarise(points: Sequence[_Point], shift: HistoryShift | None, history_z: 
     stats["overflow_pct"] = max((v for v in col["overflow_pct"] if math.isfinite(v)), default=math.nan)
     stats["abs_drift_log2"] = _median([p.sig["abs_drift_log2"] for p in win])
     stats["bulk_sqnr_db"] = _median([bulk_sqnr_db(p.stats) for p in win])
+    # Block rows' TE LogTensorStats statistic, shown beside the signals (max, as TE reduces it).
+    ranges = [v for p in win if math.isfinite(v := float(p.stats.get(BLOCK_RANGE_STAT, math.nan)))]
+    if ranges:
+        stats[BLOCK_RANGE_STAT] = max(ranges)
     stats["steps"] = float(len(win))
     fmts = [p.fmt for p in win if p.fmt != "?"]
     return _Summary(peaks, stats, max(set(fmts), key=fmts.count) if fmts else "?", win[0].variant, onset)
@@ -426,18 +437,23 @@ def rank_layers(
     events: Iterable[Any] = (),
     history_z: float = HISTORY_Z,
     start: int | None = None,
+    variant: str | None = None,
 ) -> list[LayerRisk]:
     """Every monitored layer with its risk score (module docstring), riskiest first.
 
     Args:
-        rows: tensor-statistics rows of one run (any number of steps); what-if rows are ignored.
+        rows: tensor-statistics rows of one run (any number of steps); what-if rows are ignored
+            unless ``variant`` names them.
         tensors: restrict to these tensor kinds (default: every kind present).
         control: the BF16 control's rows: signals become the excess over its shadow rows (step 3).
         events: the run's recorded events (``drift`` events naming a layer add evidence).
         history_z: an own-history shift above this sets the layer's window (step 2).
         start: one window start for every layer instead of their own onsets (``None``: own onsets).
+        variant: rank what a what-if recipe would do instead (``"nvfp4"``: the run's ``nvfp4`` and
+            ``nvfp4_columnwise`` rows, e.g. of a BF16 control recorded with ``whatif=["nvfp4"]``);
+            the main rows (``actual``/``shadow``) are then ignored, never mixed in.
     """
-    series = _series(rows)
+    series = _series(rows, variant)
     if tensors is not None:
         series = {k: v for k, v in series.items() if k[1] in tensors}
     if not series:

@@ -309,6 +309,8 @@ def train(
         trackers="auto" if loggers else "none",
         log_dir=log_dir,
         baseline=control["run_dir"] if control else None,
+        # The what-if rows the sweep asks of its control (auto:K from what-if rows, no probe run).
+        config={"whatif": list(settings.whatif)} if settings is not None and settings.whatif else None,
     )
     trainer = L.Trainer(
         accelerator="cpu",

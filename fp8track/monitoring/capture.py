@@ -31,6 +31,7 @@ checkpointing (whose first forward runs without grad) the recompute: each GEMM o
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -53,8 +54,8 @@ from fp8track.execution.layers import (
 from fp8track.monitoring.naming import canonical_layer_names
 from fp8track.monitoring.sharding import ShardSpec, Share, observed_weight, share_of
 from fp8track.numerics.formats import TENSOR_KINDS, get_format_pair
-from fp8track.numerics.nvfp4 import NVFP4Recipe, new_generator
-from fp8track.numerics.scaling import BLOCK_SCALINGS, amax, block_layout, current_scale
+from fp8track.numerics.nvfp4 import NVFP4_BLOCK, NVFP4Recipe, blockwise_dynamic_ranges, new_generator
+from fp8track.numerics.scaling import BLOCK_LAYOUTS, BLOCK_SCALINGS, amax, block_layout, current_scale
 from fp8track.numerics.stats import (
     block_partial_stats,
     empty_partial,
@@ -73,6 +74,8 @@ COLUMNWISE_SCALINGS = (*BLOCK_SCALINGS, "nvfp4")
 differs from the row-wise one: each gets a ``<variant>_columnwise`` row, like TE's ``_columnwise``
 statistics (per-tensor scales are the same in both orientations)."""
 _STATS_GENERATORS: dict[torch.device, torch.Generator] = {}
+BLOCK_RANGE_STAT = "max_blockwise_dynamic_range"
+"""The statistic name of TE's ``LogTensorStats`` ``max_blockwise_dynamic_range`` in block rows."""
 
 ScaleFn = Callable[[], "torch.Tensor | None"]
 
@@ -147,6 +150,39 @@ def tensor_partial(
             x = x.reshape(-1, x.shape[-1]).t()
         p = block_partial_stats(x, block_layout(base, tensor), fmt, plan.power_2_scales is not False)
     return p if into is None else merge_partials([into, p])
+
+
+RangeSpec = tuple[int, int, str]
+"""``(block_size, dims, orientation)`` of one ``max_blockwise_dynamic_range``: orientation
+``"both"`` (TE's ``max_over_orientations``), ``"row"`` or ``"column"``
+(:func:`~fp8track.numerics.nvfp4.blockwise_dynamic_ranges`)."""
+
+
+def block_range_spec(plan: LayerPlan, tensor: str, variant: str, scaling: str | None) -> RangeSpec | None:
+    """How the ``(tensor, variant)`` row of ``plan`` measures ``max_blockwise_dynamic_range``, or
+    ``None`` for per-tensor rows (the statistic is TE's blockwise one: block recipes only).
+
+    The block is the one the variant quantises with (``scaling``: the what-if scaling, ``None``
+    for the plan's own): MXFP8 1x32; 128-block recipes 1x128, weights 128x128; NVFP4 1x16,
+    weights 16x16 when the recipe's 2-D weight tiles are on. The orientation follows TE's
+    ``LogTensorStats._parse_max_blockwise_dynamic_range_stats`` (``max_over_orientations`` for
+    activations and weights, gradients row-wise) on the row-wise row; a ``_columnwise`` row
+    measures the column-wise blocks alone (the operand it describes, before NVFP4's RHT: TE's
+    statistic reads the high-precision tensor)."""
+    s = scaling or plan.scaling
+    base = s.removesuffix("_columnwise")
+    if base not in COLUMNWISE_SCALINGS:
+        return None
+    if base == "nvfp4":
+        tiles = tensor == "weight" and (plan.nvfp4 or NVFP4Recipe()).tile_2d
+        size = NVFP4_BLOCK
+    else:
+        size, tiles, _ = BLOCK_LAYOUTS[block_layout(base, tensor)]
+    if variant.endswith("_columnwise"):
+        orientation = "column"
+    else:
+        orientation = "both" if tensor in ("activation", "weight") else "row"
+    return size, 2 if tiles else 1, orientation
 
 
 def _fp8_format(plan: LayerPlan, tensor: str) -> str:
@@ -326,6 +362,8 @@ class LayerCapture:
         self._recomputes = 0  # forwards run inside backward this step and taken as their recompute
         self._resting_weight: torch.Tensor | None = None
         self.partials: dict[tuple[str, str], torch.Tensor] = {}
+        # Block rows' max_blockwise_dynamic_range this step, merged by max (0-d float64 on device).
+        self.ranges: dict[tuple[str, str], torch.Tensor] = {}
         self.flops = 0  # GEMM FLOPs (forward + both backward GEMMs) seen since the last take_flops
         # Called with (tensor, x, scale used or None) for every observation while set: the
         # monitor's tensor dumps (fp8track.monitoring.dumps).
@@ -369,6 +407,19 @@ class LayerCapture:
         """Every (tensor, variant) this layer reports, in a fixed order (same on every rank)."""
         variants = [v for v, _ in self._observation_list()]
         return [(t, v) for t in self.tensors for v in variants]
+
+    def range_keys(self) -> list[tuple[str, str]]:
+        """The :meth:`keys` whose rows carry ``max_blockwise_dynamic_range`` (block rows), in order."""
+        return [(t, v) for t in self.tensors for v, sc in self._observation_list()
+                if block_range_spec(self.plan, t, v, sc) is not None]
+
+    def take_ranges(self, device: torch.device) -> list[torch.Tensor]:
+        """The step's ``max_blockwise_dynamic_range`` per :meth:`range_keys` (``-inf`` where nothing
+        was seen); resets."""
+        none = torch.full((), -math.inf, dtype=torch.float64, device=device)
+        out = [none if (r := self.ranges.get(k)) is None else r.to(device) for k in self.range_keys()]
+        self.ranges.clear()
+        return out
 
     def attach(self) -> None:
         self._attached = True
@@ -445,6 +496,24 @@ class LayerCapture:
             partials[key] = tensor_partial(
                 share.local, self.plan, tensor, scaling, share, into=partials.get(key)
             )
+        self._add_ranges(tensor, share.local)
+
+    def _add_ranges(self, tensor: str, x: torch.Tensor) -> None:
+        """Merge ``x``'s ``max_blockwise_dynamic_range`` into every block row of ``tensor`` (``|x|``
+        prepared once, each block shape reduced once:
+        :func:`~fp8track.numerics.nvfp4.blockwise_dynamic_ranges`). Under sharding each rank
+        measures its local tensor and the flush's MAX collective takes the largest."""
+        if x.dim() < 1 or x.shape[-1] == 0:
+            return
+        rows = [(v, spec) for v, sc in self._observation_list()
+                if (spec := block_range_spec(self.plan, tensor, v, sc)) is not None]
+        if not rows:
+            return
+        values = blockwise_dynamic_ranges(x, [spec for _, spec in rows])
+        for (variant, _), value in zip(rows, values, strict=True):
+            value = value.to(torch.float64)
+            prev = self.ranges.get((tensor, variant))
+            self.ranges[(tensor, variant)] = value if prev is None else torch.maximum(prev, value)
 
     def _forward_hook(self, module: nn.Module, args: tuple, output: object) -> None:
         # Under torch.compile dynamo traces this test and nothing else: it guards on ``self.active``

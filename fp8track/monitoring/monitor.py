@@ -33,6 +33,7 @@ from fp8track.execution.apply import ApplyReport, applied_report
 from fp8track.execution.backends import backend_of
 from fp8track.monitoring import te_capture
 from fp8track.monitoring.capture import (
+    BLOCK_RANGE_STAT,
     LayerCapture,
     LayerFilter,
     LayerPlan,
@@ -515,10 +516,11 @@ class Monitor:
         """
         device = self._device()
         keys, parts = self._take_partials(device) if with_stats else ([], [])
+        range_keys, ranges = self._take_ranges(device) if with_stats else ([], [])
         pending, self._pending = self._pending, []
-        host = self._reduce_to_host(parts, pending, device, reduce)
+        host = self._reduce_to_host(parts, pending, device, reduce, ranges)
         if host is not None:
-            self._write_flush(keys, pending, host, with_stats)
+            self._write_flush(keys, pending, host, with_stats, range_keys)
         if with_stats and reduce and self.config.burst_steps and _dist_world() > 1:
             self._share_burst(device)
 
@@ -538,9 +540,10 @@ class Monitor:
         pending: Sequence[_PendingStep],
         host: Sequence[float],
         with_stats: bool,
+        range_keys: Sequence[tuple[str, str, str]] = (),
     ) -> None:
         """The writer's part of a flush: finalise, analyse, react, emit."""
-        step, rows, series, step_metrics = self._finalise(keys, pending, host)
+        step, rows, series, step_metrics = self._finalise(keys, pending, host, range_keys)
         # Every earlier step's loss goes to the records and the trackers under its own step number
         # (trackers then hold the loss of every optimizer step, not only of the sampled ones), in
         # the logging step's one tracker batch (one MLflow log_batch per flush, not per step).
@@ -594,8 +597,7 @@ class Monitor:
         """Why training must stop after this flush (``on_nonfinite`` / ``on_divergence``), or None."""
         cfg = self.config
         if cfg.on_nonfinite == "stop":
-            n = len(keys) * PARTIAL_SIZE
-            losses, gnorms = host[n : n + len(pending)], host[n + len(pending) :]
+            losses, gnorms = _loss_slices(host, len(keys), len(pending))
             for p, loss, g in zip(pending, losses, gnorms, strict=True):
                 if p.loss is not None and not math.isfinite(loss):
                     return f"non-finite loss ({loss}) at step {p.step}"
@@ -722,15 +724,30 @@ class Monitor:
             parts.extend(cap.take(device))
         return keys, parts
 
+    def _take_ranges(self, device: torch.device) -> tuple[list[tuple[str, str, str]], list[torch.Tensor]]:
+        """``(fqn, tensor, variant)`` of the block rows and their ``max_blockwise_dynamic_range``
+        this step (merged by max across ranks with the partials' max fields)."""
+        keys: list[tuple[str, str, str]] = []
+        ranges: list[torch.Tensor] = []
+        for fqn, cap in self.captures.items():
+            keys.extend((fqn, t, v) for t, v in cap.range_keys())
+            ranges.extend(cap.take_ranges(device))
+        return keys, ranges
+
     def _finalise(
-        self, keys: Sequence[tuple[str, str, str]], pending: Sequence[_PendingStep], host: Sequence[float]
+        self,
+        keys: Sequence[tuple[str, str, str]],
+        pending: Sequence[_PendingStep],
+        host: Sequence[float],
+        range_keys: Sequence[tuple[str, str, str]] = (),
     ) -> tuple[int, list[TensorStatsRow], list[tuple[int, float, float | None]], dict[str, float]]:
         """From the host copy: the logging step, its statistics rows, ``(step, loss, grad norm)`` of
         the pending steps that had a loss, and the logging step's own loss / grad-norm metrics."""
         n = len(keys) * PARTIAL_SIZE
         step = pending[-1].step if pending else self.global_step
-        rows = self._rows(step, keys, host[:n])
-        losses, gnorms = host[n : n + len(pending)], host[n + len(pending) :]
+        ranges = dict(zip(range_keys, host[n + 2 * len(pending) :], strict=True))
+        rows = self._rows(step, keys, host[:n], ranges)
+        losses, gnorms = _loss_slices(host, len(keys), len(pending))
         series = _loss_series(pending, losses, gnorms)
         metrics: dict[str, float] = {}
         if pending:  # the logging step's grad norm is recorded even when it was given no loss
@@ -761,12 +778,14 @@ class Monitor:
         pending: Sequence[_PendingStep],
         device: torch.device,
         reduce: bool,
+        ranges: Sequence[torch.Tensor] = (),
     ) -> list[float] | None:
         """The logging step's numbers on the host, reduced over ranks: the partials' fields, then
         the pending losses (mean over ranks), then their grad norms (root mean square over ranks,
         the global norm for sharded gradients, see :func:`total_grad_norm`). One SUM collective
         carries the partials' summed fields, the losses and the squared grad norms; one MAX
-        collective the partials' max fields; then one host copy. ``None`` on other ranks than the
+        collective the partials' max fields and the block rows' ``max_blockwise_dynamic_range``
+        (``ranges``, last in the host copy); then one host copy. ``None`` on other ranks than the
         writer (they take part in the collectives only)."""
         losses = _stack_or_nan([p.loss for p in pending], device).to(torch.float64)
         gnorms = _stack_or_nan([p.grad_norm for p in pending], device).to(torch.float64)
@@ -775,6 +794,9 @@ class Monitor:
             if parts
             else torch.zeros((0, PARTIAL_SIZE), dtype=torch.float64, device=device)
         )
+        block_ranges = (
+            torch.stack(list(ranges)) if ranges else torch.zeros((0,), dtype=torch.float64, device=device)
+        )
         world = _dist_world() if reduce else 1
         if world > 1:
             import torch.distributed as dist
@@ -782,20 +804,24 @@ class Monitor:
             from fp8track.numerics.stats import wait_collectives
 
             sums = torch.cat([stacked[:, :NUM_SUM].reshape(-1), losses, gnorms.square()])
-            maxes = stacked[:, NUM_SUM:].contiguous()
+            maxes = torch.cat([stacked[:, NUM_SUM:].reshape(-1), block_ranges])
             works = [dist.all_reduce(sums, op=dist.ReduceOp.SUM, async_op=True)]
             if maxes.numel():  # every rank has the same layers, so every rank skips it alike
                 works.append(dist.all_reduce(maxes, op=dist.ReduceOp.MAX, async_op=True))
             # Bounded waits: a rank that died or hangs stops this one with a RankFailure.
             wait_collectives(works, self.config.collective_timeout_s, "the logging step's all-reduce")
             n_sum = stacked.shape[0] * NUM_SUM
-            stacked = torch.cat([sums[:n_sum].reshape(-1, NUM_SUM), maxes], dim=1)
+            n_max = stacked.shape[0] * (PARTIAL_SIZE - NUM_SUM)
+            stacked = torch.cat(
+                [sums[:n_sum].reshape(-1, NUM_SUM), maxes[:n_max].reshape(-1, PARTIAL_SIZE - NUM_SUM)], dim=1
+            )
+            block_ranges = maxes[n_max:]
             scalars = sums[n_sum:] / world
             losses, gnorms = scalars[: len(pending)], scalars[len(pending) :].sqrt()
         if not self.is_writer:
             return None
         # The one host copy of this logging step.
-        return torch.cat([stacked.reshape(-1), losses, gnorms]).cpu().tolist()
+        return torch.cat([stacked.reshape(-1), losses, gnorms, block_ranges]).cpu().tolist()
 
     def _analysis_failed(self, analyzer: Any, exc: Exception, step: int, events: list[EventRecord]) -> None:
         name = type(analyzer).__name__
@@ -805,7 +831,11 @@ class Monitor:
         events.append(EventRecord("analysis_error", step, {"analyzer": name, "error": repr(exc)}))
 
     def _rows(
-        self, step: int, keys: Sequence[tuple[str, str, str]], flat: Sequence[float]
+        self,
+        step: int,
+        keys: Sequence[tuple[str, str, str]],
+        flat: Sequence[float],
+        ranges: Mapping[tuple[str, str, str], float] | None = None,
     ) -> list[TensorStatsRow]:
         live = []
         for i, key in enumerate(keys):
@@ -817,6 +847,10 @@ class Monitor:
         plans = [self.captures[fqn].plan for (fqn, _, _), _ in live]
         fmts = [variant_format(plan, t, v) for plan, ((_, t, v), _) in zip(plans, live, strict=True)]
         stats = finalize_many([part for _, part in live], fmts, [plan.margin for plan in plans])
+        for (key, _), st in zip(live, stats, strict=True):
+            r = (ranges or {}).get(key, -math.inf)
+            if r != -math.inf:  # a block row observed this step (TE's LogTensorStats statistic)
+                st[BLOCK_RANGE_STAT] = r
         return [
             TensorStatsRow(step, fqn, tensor, s, variant)
             for ((fqn, tensor, variant), _), s in zip(live, stats, strict=True)
@@ -986,6 +1020,14 @@ def _to_float(v: torch.Tensor | None) -> float | None:
 
 def _tensor_or_none(v: float | None) -> torch.Tensor | None:
     return None if v is None else torch.tensor(v, dtype=torch.float32)
+
+
+def _loss_slices(
+    host: Sequence[float], n_keys: int, n_pending: int
+) -> tuple[Sequence[float], Sequence[float]]:
+    """The pending steps' losses and grad norms in a flush's host copy (after the partials)."""
+    n = n_keys * PARTIAL_SIZE
+    return host[n : n + n_pending], host[n + n_pending : n + 2 * n_pending]
 
 
 def _stack_or_nan(values: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:

@@ -250,4 +250,7 @@ def finite_or(value: Any, default: str = "n/a") -> str:
 
 def stats_line(stats: Mapping[str, float]) -> str:
     keys = ("sqnr_db", "cos", "underflow_pct", "overflow_pct", "abs_drift_log2")
-    return ", ".join(f"{k} {finite_or(stats.get(k))}" for k in keys)
+    line = ", ".join(f"{k} {finite_or(stats.get(k))}" for k in keys)
+    if "max_blockwise_dynamic_range" in stats:  # block rows only
+        line += f", max_blockwise_dynamic_range {finite_or(stats['max_blockwise_dynamic_range'])}"
+    return line

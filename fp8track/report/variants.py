@@ -11,13 +11,16 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 MAIN_ROW_VARIANTS = ("actual", "shadow")
-COLUMNS = ("underflow_pct", "overflow_pct", "sqnr_db", "mse", "cos")
-"""Statistics shown: medians over the run's steps, except ``overflow_pct`` (the maximum)."""
+COLUMNS = ("underflow_pct", "overflow_pct", "sqnr_db", "mse", "cos", "max_blockwise_dynamic_range")
+"""Statistics shown: medians over the run's steps, except the maxima ``overflow_pct`` and
+``max_blockwise_dynamic_range`` (block rows only; TE's LogTensorStats reduces it by max)."""
+MAX_COLUMNS = ("overflow_pct", "max_blockwise_dynamic_range")
 
 
 def variant_summary(rows: Iterable[Any]) -> list[tuple[str, str, str, dict[str, float]]]:
     """``(layer, tensor, variant, {stat: value})`` for every row variant other than ``actual`` /
-    ``shadow``, in first-seen order: each statistic's median over steps (overflow: its maximum)."""
+    ``shadow``, in first-seen order: each statistic's median over steps (:data:`MAX_COLUMNS`: the
+    maximum)."""
     series: dict[tuple[str, str, str], dict[str, list[float]]] = {}
     for r in rows:
         if r.variant in MAIN_ROW_VARIANTS:
@@ -30,7 +33,7 @@ def variant_summary(rows: Iterable[Any]) -> list[tuple[str, str, str, dict[str, 
     out = []
     for (layer, tensor, variant), acc in series.items():
         summary = {
-            c: (max(vals) if c == "overflow_pct" else statistics.median(vals))
+            c: (max(vals) if c in MAX_COLUMNS else statistics.median(vals))
             for c, vals in acc.items()
             if vals
         }
@@ -54,7 +57,8 @@ def variants_table(runs: Sequence[tuple[str, Iterable[Any]]]) -> str:
     head = "".join(f"<th>{c}</th>" for c in COLUMNS)
     return (
         "<p>What another recipe would do to the same tensors (<code>whatif</code>) and the column-wise "
-        "copies block recipes quantise for the backward GEMMs; medians over steps (overflow: max).</p>"
+        "copies block recipes quantise for the backward GEMMs; medians over steps (overflow and the "
+        "blockwise dynamic range, in binades: max).</p>"
         f'<table id="variants"><tr><th>run</th><th>layer</th><th>tensor</th><th>variant</th>{head}</tr>'
         + "".join(body)
         + "</table>"

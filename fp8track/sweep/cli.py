@@ -31,6 +31,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         tolerance_factor=args.tolerance_factor, tolerance_floor=args.tolerance_floor,
         control_seeds=args.control_seeds, finalists=args.finalists, seed_param=args.seed_param,
         heartbeat_s=args.heartbeat, grace_s=args.grace, threads=args.threads, kill_grace_s=args.kill_grace,
+        auto_from=args.auto_from,
     )
     if args.summary:
         from mlflow.tracking import MlflowClient
@@ -127,6 +128,12 @@ def add_subparser(sub: Any) -> argparse.ArgumentParser:
         "--grace", type=int, default=20, help="seconds without heartbeat before a trial counts as dead"
     )
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each trial's program")
+    p.add_argument(
+        "--auto-from",
+        default="probe",
+        help="auto:K rankings from an all-FP8 'probe' run of the trial's recipe (default) or from its "
+        "'whatif' rows in the BF16 control (no FP8 run: NVFP4 without Blackwell; mxfp8, block, nvfp4)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no live display")
     p.set_defaults(func=_cmd_sweep)
     return p

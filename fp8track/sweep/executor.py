@@ -17,7 +17,11 @@ logging into MLflow parent/child runs.
   in ``<out>/cache``), so a second sweep of the same program trains no control.
 * **auto:K**: the ranking comes from the monitor's statistics of the same recipe with every layer
   in FP8 (that run is itself the ``bf16_layers=none`` trial, cached like any run),
-  :func:`fp8track.analysis.ranking.rank_layers`.
+  :func:`fp8track.analysis.ranking.rank_layers`. With ``auto_from="whatif"`` no such run is
+  trained: the BF16 control of each seed is recorded with the what-if rows of the sweep's recipes
+  (``FP8TRACK_SWEEP_WHATIF``, the program's monitor ``whatif``) and the ranking is
+  ``rank_layers`` of the trial recipe's what-if rows alone (``variant=``), for hardware that cannot
+  run the recipe (NVFP4 before Blackwell).
 * **Reuse**: every finished or pruned run is cached by (program, parameters, store); a trial whose
   parameters were already run gets a child run copying that result (tag ``fp8track.reused_from``)
   and trains nothing (an earlier pruned run is replayed to the pruner: pruned again, or run).
@@ -53,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp8track.errors import ConfigError, check_int
+from fp8track.errors import ConfigError, check_int, invalid_choice
 from fp8track.optional import require
 from fp8track.sweep.command import expand, program_hash
 from fp8track.sweep.progress import SweepProgress
@@ -74,6 +78,7 @@ from fp8track.sweep.summary import (
 )
 from fp8track.trackers.mlflow import RetryingClient
 from fp8track.trial import (
+    AUTO_FROM,
     CONTROL_ENV,
     FLOP_SHARE_METRIC,
     LAYERS_ARTIFACT,
@@ -81,10 +86,12 @@ from fp8track.trial import (
     RANKING_ENV,
     RUN_ID_ENV,
     TRACKING_URI_ENV,
+    WHATIF_ENV,
     JsonCache,
     cache_key,
     file_lock,
     ranking_table,
+    whatif_variant,
 )
 
 PARENT_ATTR = "mlflow_parent_run_id"
@@ -121,6 +128,9 @@ class SweepOptions:
         kill_grace_s: seconds between SIGTERM and SIGKILL when a trial is pruned.
         poll_s: how often the running program's metric is read, seconds.
         cwd: the programs' working directory (relative ``program`` paths start here).
+        auto_from: where ``auto:K`` rankings come from (:data:`AUTO_FROM`): ``"probe"``, an
+            all-FP8 run of the trial's recipe; ``"whatif"``, that recipe's what-if rows in the
+            BF16 control (no FP8 run; recipes mxfp8, block, nvfp4).
     """
 
     trials: int
@@ -142,8 +152,11 @@ class SweepOptions:
     kill_grace_s: float = 10.0
     poll_s: float = 0.5
     cwd: Path = field(default_factory=Path.cwd)
+    auto_from: str = "probe"
 
     def __post_init__(self) -> None:
+        if self.auto_from not in AUTO_FROM:
+            raise invalid_choice("auto_from (where auto:K rankings come from)", self.auto_from, AUTO_FROM)
         check_int("trials", self.trials, 1)
         check_int("control_seeds", self.control_seeds, 1)
         check_int("finalists", self.finalists, 0)
@@ -218,6 +231,36 @@ def _base_sampler(spec: SweepSpec, seed: int) -> Any:
     if spec.method == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     return optuna.samplers.TPESampler(seed=seed)
+
+
+def control_whatif(spec: SweepSpec, auto_from: str) -> tuple[str, ...]:
+    """The what-if variants the BF16 controls record: under ``auto_from="whatif"``, when some
+    ``bf16_layers`` value is ``auto:K``, the variant of every quantising recipe the sweep may try
+    (one control per seed serves them all); else none.
+
+    Raises:
+        ConfigError: a recipe of the sweep has no what-if rows (before anything is trained).
+    """
+    from fp8track.execution.fallback import FallbackSpec
+    from fp8track.execution.recipes import Recipe
+
+    if auto_from != "whatif":
+        return ()
+    layers, recipes = spec.param("bf16_layers"), spec.param("recipe")
+    if layers is None or recipes is None:
+        return ()
+    if not any(FallbackSpec.parse(str(v)).needs_ranking for v in _param_values(layers)):
+        return ()
+    out: list[str] = []
+    for v in _param_values(recipes):
+        r = Recipe.parse(str(v))
+        if r.quantizes and (w := whatif_variant(r)) not in out:
+            out.append(w)
+    return tuple(out)
+
+
+def _param_values(p: Param) -> tuple[Any, ...]:
+    return (p.value,) if p.kind == "constant" else p.values
 
 
 def trial_seed(seed: int, number: int) -> int:
@@ -302,6 +345,7 @@ class _Sweep:
         from mlflow.tracking import MlflowClient
 
         self.spec, self.options, self.optuna = spec, options, optuna
+        self.control_whatif = control_whatif(spec, options.auto_from)  # refused before any store exists
         self.program_hash = program_hash(spec.program, spec.command, options.cwd)
         options.out.mkdir(parents=True, exist_ok=True)
         self.cache = JsonCache(options.out / "cache")
@@ -378,6 +422,7 @@ class _Sweep:
             "finalists": self.options.finalists,
             "tolerance_factor": self.options.tolerance_factor,
             "tolerance_floor": self.options.tolerance_floor,
+            "auto_from": self.options.auto_from,
         }
         params.update(
             {f"sweep.{p.name}": p.value if p.kind == "constant" else p.values for p in self.spec.params}
@@ -420,7 +465,8 @@ class _Sweep:
         if key not in self.controls:
             seed = self._seed_of(cparams)
             self._status(f"BF16 control{'' if seed is None else f' seed {seed}'}")
-            out = self.execute(cparams, "control", f"control bf16{'' if seed is None else f' seed={seed}'}")
+            out = self.execute(cparams, "control", f"control bf16{'' if seed is None else f' seed={seed}'}",
+                               whatif=self.control_whatif)
             if out.state != "COMPLETE":
                 raise RuntimeError(f"the BF16 control failed ({out.error or out.state}); see {self.logs}")
             self.controls[key] = out
@@ -435,18 +481,32 @@ class _Sweep:
         from fp8track.analysis.baseline import load_run
         from fp8track.analysis.ranking import rank_layers
 
-        pparams = {**params, "bf16_layers": "none"}
-        path = (
-            self.options.out / "rankings" / f"{cache_key({'p': self.program_hash, 'params': pparams})}.json"
-        )
+        if self.options.auto_from == "whatif":
+            variant = whatif_variant(str(params["recipe"]))
+            control = self.control(params)
+            key = {"p": self.program_hash, "control": control.run_id, "whatif": variant}
+        else:
+            variant, pparams = None, {**params, "bf16_layers": "none"}
+            key = {"p": self.program_hash, "params": pparams}
+        path = self.options.out / "rankings" / f"{cache_key(key)}.json"
         if path.is_file():
             return path
-        self._status(f"auto:K: all-FP8 run under {params['recipe']}")
-        out = self.execute(pparams, "probe", f"probe {params['recipe']} none")
-        if out.state != "COMPLETE":
-            raise RuntimeError(f"the all-FP8 run for auto:K failed ({out.error or out.state})")
-        rows = load_run(f"mlflow:{out.run_id}", self.options.mlflow_uri).tensor_rows
-        table = ranking_table(rank_layers(rows))
+        if variant is not None:
+            self._status(f"auto:K: {variant} what-if rows of the BF16 control")
+            source = control.run_id
+        else:
+            self._status(f"auto:K: all-FP8 run under {params['recipe']}")
+            out = self.execute(pparams, "probe", f"probe {params['recipe']} none")
+            if out.state != "COMPLETE":
+                raise RuntimeError(f"the all-FP8 run for auto:K failed ({out.error or out.state})")
+            source = out.run_id
+        rows = load_run(f"mlflow:{source}", self.options.mlflow_uri).tensor_rows
+        table = ranking_table(rank_layers(rows, variant=variant))
+        if not table and variant is not None:
+            raise ConfigError(
+                f"auto:K from what-if rows needs the BF16 control's {variant!r} rows in its MLflow run: "
+                f"pass whatif=list(trial_settings().whatif) ({WHATIF_ENV}) to the program's FP8Monitor"
+            )
         if not table:
             raise ConfigError(
                 "auto:K needs the monitor's per-layer statistics in the program's MLflow run: add "
@@ -460,11 +520,18 @@ class _Sweep:
         self.client.log_table(self.parent_run_id, {k: [r.get(k) for r in table] for k in table[0]}, name)
         return path
 
-    def execute(self, params: Mapping[str, Any], role: str, name: str, trial: Any = None) -> RunOutcome:
+    def execute(
+        self, params: Mapping[str, Any], role: str, name: str, trial: Any = None, whatif: tuple[str, ...] = ()
+    ) -> RunOutcome:
         """Run the program with ``params`` as a child run, or reuse the cached result of the same
-        parameters (a trial then gets a child run copying it)."""
-        key = {"program": self.program_hash, "params": {k: _param_text(v) for k, v in params.items()},
-               "store": self.options.mlflow_uri}
+        parameters (a trial then gets a child run copying it). ``whatif``: what-if variants its
+        monitor records (``FP8TRACK_SWEEP_WHATIF``); part of the cache key, so a run recorded
+        without them is not taken for one with them."""
+        key: dict[str, Any] = {"program": self.program_hash,
+                               "params": {k: _param_text(v) for k, v in params.items()},
+                               "store": self.options.mlflow_uri}
+        if whatif:
+            key["whatif"] = list(whatif)
         lock = self.cache.path("run", key).with_suffix(".lock")
         self.cache.root.mkdir(parents=True, exist_ok=True)
         with file_lock(lock):
@@ -485,7 +552,7 @@ class _Sweep:
                     pruned = self._replay(cached.values, trial)
                     if pruned or cached.state == "COMPLETE":
                         return self._copy(cached, params, role, name, trial, pruned)
-            out = self._launch(params, role, name, trial)
+            out = self._launch(params, role, name, trial, whatif)
             if out.state in FINISHED_STATES:
                 self.cache.put(
                     "run",
@@ -540,7 +607,7 @@ class _Sweep:
         self.client.log_batch(rid, tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)
         return rid
 
-    def _env(self, params: Mapping[str, Any], role: str) -> dict[str, str]:
+    def _env(self, params: Mapping[str, Any], role: str, whatif: tuple[str, ...] = ()) -> dict[str, str]:
         """The program's environment (module docstring), all but ``MLFLOW_RUN_ID``; may train the
         control and the ``auto:K`` run first."""
         import yaml
@@ -548,8 +615,10 @@ class _Sweep:
         env = dict(os.environ)
         env.update({TRACKING_URI_ENV: self.options.mlflow_uri,
                     "OMP_NUM_THREADS": str(self.options.threads), "PYTHONUNBUFFERED": "1"})
-        for k in (CONTROL_ENV, RANKING_ENV, "MLFLOW_EXPERIMENT_ID", "MLFLOW_EXPERIMENT_NAME"):
+        for k in (CONTROL_ENV, RANKING_ENV, WHATIF_ENV, "MLFLOW_EXPERIMENT_ID", "MLFLOW_EXPERIMENT_NAME"):
             env.pop(k, None)
+        if whatif:
+            env[WHATIF_ENV] = ",".join(whatif)
         env["MLFLOW_EXPERIMENT_ID"] = self.experiment_id
         pfile = self.logs / f"params-{cache_key({k: _param_text(v) for k, v in params.items()})}.yaml"
         pfile.parent.mkdir(parents=True, exist_ok=True)
@@ -567,9 +636,11 @@ class _Sweep:
             (self.options.out / "wandb").mkdir(parents=True, exist_ok=True)
         return env
 
-    def _launch(self, params: Mapping[str, Any], role: str, name: str, trial: Any) -> RunOutcome:
+    def _launch(
+        self, params: Mapping[str, Any], role: str, name: str, trial: Any, whatif: tuple[str, ...] = ()
+    ) -> RunOutcome:
         # The environment first (it may train the control and the auto:K run), then this run's child.
-        env = self._env(params, role)
+        env = self._env(params, role, whatif)
         rid = self._child(params, role, name, trial)
         env[RUN_ID_ENV] = rid
         argv = expand(self.spec.command, self.spec.program, params, json_file=self.logs / f"{rid}.args.json")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fp8track.monitoring.records import RunReader
+from fp8track.numerics.nvfp4 import max_blockwise_dynamic_range
 from fp8track.numerics.stats import finalize, merge_partials, partial_stats
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_monitor.py"
@@ -26,7 +27,8 @@ def test_ddp_two_ranks_reduce_to_single_process_statistics(tmp_path):
     run_dirs = [p.parent for p in tmp_path.rglob("meta.json")]
     assert len(run_dirs) == 1, f"expected one run directory (rank 0 only), got {run_dirs}"
     reader = RunReader(run_dirs[0])
-    rows = {(r.step, r.layer, r.tensor): r.stats for r in reader.tensor_stats()}
+    all_rows = list(reader.tensor_stats())
+    rows = {(r.step, r.layer, r.tensor): r.stats for r in all_rows if r.variant == "shadow"}
     assert {s for s, _, _ in rows} == {0, 3}
 
     # Step 0: the first layer's input is the raw batch each rank saw (saved by the script). The
@@ -47,5 +49,11 @@ def test_ddp_two_ranks_reduce_to_single_process_statistics(tmp_path):
     whole = torch.cat(rank_batches)
     assert got["amax"] == pytest.approx(whole.abs().max().item())
     assert got["amin"] == pytest.approx(whole.abs()[whole != 0].min().item())
+    # A block row's max_blockwise_dynamic_range (TE's LogTensorStats) is the larger of the ranks'
+    # (the MAX collective): MXFP8 1x32 blocks, both orientations for activations, per rank.
+    mx = {(r.step, r.layer, r.tensor): r.stats for r in all_rows if r.variant == "mxfp8"}
+    want = max(max_blockwise_dynamic_range(b, 32, 1, max_over_orientations=True) for b in rank_batches)
+    assert mx[(0, "net.0", "activation")]["max_blockwise_dynamic_range"] == pytest.approx(want, rel=1e-6)
+    assert "max_blockwise_dynamic_range" not in got
     # The loss series is the mean over ranks and covers every step.
     assert sorted(reader.series("fp8/loss")) == list(range(6))

@@ -5,6 +5,7 @@ an offline W&B run, read back from each (the trackers' tensor tables), and shown
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,86 @@ def test_whatif_nvfp4_and_columnwise_rows_in_wandb_mlflow_and_report(tmp_path) -
     assert 'id="variants"' in page
     for v in ("nvfp4", "nvfp4_columnwise", "actual_columnwise"):
         assert f"<td>{v}</td>" in page
+
+
+def _ref_block_range(t: torch.Tensor, size: int, tile: bool) -> float:
+    """max_blockwise_dynamic_range by loops over the blocks of a 2-D tensor whose sides are whole
+    blocks (TE's definition: log2(amax / nonzero amin) per block, 0 for an all-zero block)."""
+    rows = size if tile else 1
+    best = 0.0
+    for i in range(0, t.shape[0], rows):
+        for j in range(0, t.shape[1], size):
+            nz = [abs(v) for v in t[i : i + rows, j : j + size].flatten().tolist() if v != 0]
+            if nz:
+                best = max(best, math.log2(max(nz)) - math.log2(min(nz)))
+    return best
+
+
+def _range_layout(variant: str, tensor: str) -> tuple[int, bool]:
+    base = variant.removesuffix("_columnwise").replace("actual", "mxfp8")
+    return {"mxfp8": (32, False), "block": (128, tensor == "weight"), "nvfp4": (16, tensor == "weight")}[base]
+
+
+def test_max_blockwise_dynamic_range_end_to_end_in_records_mlflow_and_wandb(tmp_path) -> None:
+    """An MXFP8 layer with what-if nvfp4 / block / current, fed tensors with planted block ranges
+    (two micro-batches: the step's value is the larger), dY set by the loss: every block row
+    carries TE's max_blockwise_dynamic_range, equal to a loop over the blocks here, in the run
+    directory, the MLflow table and the W&B table; per-tensor rows carry none."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32, bias=False))
+    with torch.no_grad():
+        model[0].weight.fill_(0.5)
+        model[0].weight[3, 6] = 2.0**-9  # row 3 and column 6: 0.5 / 2^-9 -> 8 binades
+    report = apply_fp8(model, "mxfp8", backend="emulated")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    (tmp_path / "wandb").mkdir()
+    ml = MLflowTracker(tracking_uri=uri, run_name="range")
+    wb = WandbTracker.create(project="fp8track-range", name="range", dir=str(tmp_path / "wandb"),
+                             mode="offline")
+    mon = Monitor(model, {"every_n_steps": 1, "whatif": ("nvfp4", "block", "current")},
+                  log_dir=tmp_path / "runs", trackers=[ml, wb], apply_report=report)
+    x1 = torch.ones(32, 32)
+    x1[0, 0], x1[0, 1] = 8.0, 0.125  # row 0: 6 binades; columns 0 and 1: 3
+    x2 = torch.ones(32, 32)
+    x2[5, 9] = 0.5  # 1 binade either way: the first micro-batch's values stand
+    g = torch.ones(32, 32)
+    g[0, 0], g[1, 0] = 4.0, 0.25  # dY rows: 2 binades; column 0: 4
+    mon.attach()
+    mon.begin_step(0)
+    for x in (x1, x2):
+        (model(x) * g).sum().backward()  # dY = g exactly
+    mon.step(loss=torch.tensor(1.0))
+    mon.close()
+
+    local = _variant_rows(load_run(mon.run_dir))
+    acts = {"activation": (x1, x2), "weight": (model[0].weight.detach(),), "gradient": (g, g)}
+    checked = 0
+    for (_, _, tensor, variant), stats in local.items():
+        if variant == "current":
+            assert "max_blockwise_dynamic_range" not in stats
+            continue
+        size, tile = _range_layout(variant, tensor)
+        orients = [False, True] if tensor in ("activation", "weight") else [False]  # TE's rule
+        if variant.endswith("_columnwise"):
+            orients = [True]
+        want = max(_ref_block_range(t.t() if col else t, size, tile) for t in acts[tensor] for col in orients)
+        assert stats["max_blockwise_dynamic_range"] == pytest.approx(want, abs=1e-6), (tensor, variant)
+        checked += 1
+    assert checked == 3 * 6  # 3 tensors x (actual, nvfp4, block) x (row-wise, column-wise)
+    # Hand-worked: MXFP8 1x32 blocks; NVFP4's 16x16 weight tiles.
+    hand = {("activation", "actual"): 6.0, ("activation", "actual_columnwise"): 3.0,
+            ("gradient", "actual"): 2.0, ("gradient", "actual_columnwise"): 4.0, ("weight", "nvfp4"): 8.0}
+    for (tensor, variant), want in hand.items():
+        assert local[(0, "0", tensor, variant)]["max_blockwise_dynamic_range"] == pytest.approx(want)
+
+    stored = {
+        "mlflow": _variant_rows(load_run(f"mlflow:{ml.run_id}", tracking_uri=uri)),
+        "wandb": _wandb_table_rows(str(find_wandb_run(tmp_path / "wandb"))),
+    }
+    for src, got in stored.items():
+        assert set(got) == set(local), src
+        for k, stats in local.items():
+            want = stats.get("max_blockwise_dynamic_range")
+            have = got[k].get("max_blockwise_dynamic_range")
+            assert (have is None or (isinstance(have, float) and math.isnan(have))) if want is None else (
+                have == pytest.approx(want, rel=1e-6)), (src, k)

@@ -7,7 +7,15 @@ from torch import nn
 from fp8track import Monitor, MonitorConfig
 from fp8track.execution.apply import apply_fp8
 from fp8track.monitoring.records import RunReader
+from fp8track.numerics.nvfp4 import max_blockwise_dynamic_range
 from fp8track.numerics.stats import block_quant_stats, quant_stats
+
+
+def _block_row(x: torch.Tensor, layout: str, block: int) -> dict[str, float]:
+    """A block row of activation ``x``: the layout's statistics plus TE's LogTensorStats
+    max_blockwise_dynamic_range over 1 x ``block`` blocks, both orientations (activations)."""
+    dr = max_blockwise_dynamic_range(x, block, 1, max_over_orientations=True)
+    return {**block_quant_stats(x, layout), "max_blockwise_dynamic_range": dr}
 
 
 def _train(recipe, tmp_path, steps=4, whatif=()):
@@ -62,17 +70,17 @@ def test_current_scaling_matches_and_whatif_variants(tmp_path):
         stats = rows[(step, "0", "activation", "actual")]
         assert stats["scale"] == pytest.approx(used[step]["activation"].item(), rel=1e-7)
         assert stats["scale_drift_log2"] == pytest.approx(0.0, abs=1e-6)
-        assert rows[(step, "0", "activation", "mxfp8")] == pytest.approx(
-            block_quant_stats(inputs[step], "mxfp8")
-        )
+        want = _block_row(inputs[step], "mxfp8", 32)
+        assert rows[(step, "0", "activation", "mxfp8")] == pytest.approx(want)
         assert rows[(step, "0", "activation", "block")] == pytest.approx(
-            block_quant_stats(inputs[step], "block128")
+            _block_row(inputs[step], "block128", 128)
         )
+        assert "max_blockwise_dynamic_range" not in rows[(step, "0", "activation", "actual")]
 
 
 def test_block_recipe_uses_block_scales(tmp_path):
     rows, _, inputs, _ = _train("mxfp8", tmp_path, steps=1)
-    assert rows[(0, "0", "activation", "actual")] == pytest.approx(block_quant_stats(inputs[0], "mxfp8"))
+    assert rows[(0, "0", "activation", "actual")] == pytest.approx(_block_row(inputs[0], "mxfp8", 32))
 
 
 def test_bf16_recipe_is_shadow(tmp_path):

@@ -142,3 +142,42 @@ def test_whatif_nvfp4_on_bf16_and_columnwise_rows_in_the_records(tmp_path) -> No
     assert all(r["stats"]["current_scale"] * r["stats"]["amax"] == pytest.approx(6.0, rel=1e-5) for r in nv)
     rows = run("mxfp8", ())
     assert {r["variant"] for r in rows} == {"actual", "actual_columnwise"}
+
+
+def test_stochastic_rounding_state_is_checkpointed_and_a_resumed_run_rounds_alike(tmp_path) -> None:
+    """The NVFP4 gradients' stochastic-rounding generator travels in the layer's ``_extra_state``:
+    a model rebuilt (its generator seeded differently) and loaded from a checkpoint taken after two
+    steps computes the same gradients over the next two steps as the uninterrupted model; without
+    the generator state it does not."""
+    torch.manual_seed(1)
+    xs = [torch.randn(32, 48) for _ in range(4)]
+    gs = [torch.randn(32, 32) for _ in range(4)]
+
+    def steps(m: nn.Module, idx) -> list[torch.Tensor]:
+        out = []
+        for i in idx:
+            m.zero_grad()
+            m(xs[i]).backward(gs[i])
+            out.append(m[0].weight.grad.clone())
+        return out
+
+    run = _layer("nvfp4")
+    steps(run, [0, 1])
+    torch.save(run.state_dict(), tmp_path / "ckpt.pt")
+    want = steps(run, [2, 3])
+
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert set(state["0._extra_state"]["nvfp4_sr_generators"]) == {"cpu"}
+    resumed = _layer("nvfp4", seed=7)  # other weights and a generator seeded later: both restored
+    resumed.load_state_dict(state)
+    got = steps(resumed, [2, 3])
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+    state["0._extra_state"].pop("nvfp4_sr_generators")
+    fresh = _layer("nvfp4")
+    fresh.load_state_dict(state)
+    assert not torch.equal(steps(fresh, [2])[0], want[0])  # the rounding draws differ
+    no_sr = _layer("nvfp4:no_sr")
+    steps(no_sr, [0])
+    assert "nvfp4_sr_generators" not in no_sr.state_dict()["0._extra_state"]  # nothing drawn

@@ -226,3 +226,46 @@ def test_max_blockwise_dynamic_range_hand_worked() -> None:
     assert max_blockwise_dynamic_range(t, 16, 2) == pytest.approx(3.0)
     assert max_blockwise_dynamic_range(t, 16, 1) == 0.0  # each 1x16 block holds one value
     assert math.isfinite(max_blockwise_dynamic_range(torch.randn(3, 50), 32, 1))
+    # TE's max_over_orientations: the transposed tensor's blocks too (columns here).
+    c = torch.ones(32, 32)
+    c[0, 0], c[1, 0] = 4.0, 0.25  # rows: 2 binades; column 0: 4
+    assert max_blockwise_dynamic_range(c, 32, 1) == pytest.approx(2.0)
+    assert max_blockwise_dynamic_range(c, 32, 1, max_over_orientations=True) == pytest.approx(4.0)
+    assert max_blockwise_dynamic_range(c.t(), 32, 1) == pytest.approx(4.0)
+    # 2-D tiles of the transpose are the transposed tiles: the same value either way.
+    assert max_blockwise_dynamic_range(t, 16, 2, max_over_orientations=True) == pytest.approx(3.0)
+    # Non-finite elements count as 0; a partial block is padded with zeros (no change).
+    n = torch.tensor([[float("inf"), 2.0, 0.5, float("nan")]])
+    assert max_blockwise_dynamic_range(n, 32, 1) == pytest.approx(2.0)
+
+
+def _loop_block_range(t: torch.Tensor, bs: int, dims: int) -> float:
+    """max_blockwise_dynamic_range by loops over zero-padded blocks (TE's definition)."""
+    rows = bs if dims == 2 else 1
+    t = torch.nn.functional.pad(t, (0, (-t.shape[1]) % bs, 0, (-t.shape[0]) % rows))
+    best = 0.0
+    for i in range(0, t.shape[0], rows):
+        for j in range(0, t.shape[1], bs):
+            block = t[i : i + rows, j : j + bs].flatten().tolist()
+            nz = [abs(v) for v in block if v != 0 and math.isfinite(v)]
+            if nz:
+                best = max(best, math.log2(max(nz)) - math.log2(min(nz)))
+    return best
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blockwise_dynamic_range_matches_a_loop_in_every_orientation(dtype) -> None:
+    from fp8track.numerics.nvfp4 import blockwise_dynamic_range
+
+    torch.manual_seed(0)
+    for shape in [(40, 70), (33, 16), (5, 3)]:
+        x = (torch.randn(*shape) * torch.exp2(torch.randint(-20, 20, shape).float())).to(dtype)
+        x[0, 0], x[1, 1] = 0.0, float("inf")
+        xf = x.float()
+        for bs, dims in [(32, 1), (16, 1), (16, 2), (4, 2)]:
+            row, col = _loop_block_range(xf, bs, dims), _loop_block_range(xf.t().contiguous(), bs, dims)
+            assert float(blockwise_dynamic_range(x, bs, dims)) == pytest.approx(row, abs=1e-4)
+            column = float(blockwise_dynamic_range(x, bs, dims, columnwise=True))
+            assert column == pytest.approx(col, abs=1e-4)
+            both = float(blockwise_dynamic_range(x, bs, dims, max_over_orientations=True))
+            assert both == pytest.approx(max(row, col), abs=1e-4)

@@ -366,3 +366,57 @@ def test_healthy_runs_flag_no_layer_with_high_severity(seed):
     d = diagnose(_rundata("fp8", fp8, seed), _rundata("control", ctl, seed))
     assert not [f for f in d.findings if f.severity == "high"]
     assert d.kinds()[0] in ("healthy", "layer_outlier")
+
+
+def test_rank_layers_ranks_one_whatif_variant_never_mixed_with_the_main_rows():
+    """A BF16 control with what-if nvfp4 rows: by default only its shadow rows count (layer a is
+    worst); with ``variant="nvfp4"`` only the nvfp4 rows and their column-wise rows (layer c is
+    worst), exactly as if they were a run's own rows."""
+    rows = []
+    for step in range(6):
+        for layer in "abcd":
+            rows.append(_row(layer, "activation", step, sqnr=10.0 if layer == "a" else 30.0,
+                             variant="shadow"))
+            rows.append(_row(layer, "activation", step, sqnr=5.0 if layer == "c" else 20.0, variant="nvfp4"))
+            rows.append(_row(layer, "activation", step, under=40.0 if layer == "b" else 1.0,
+                             variant="nvfp4_columnwise"))
+            rows.append(_row(layer, "activation", step, sqnr=0.0 if layer == "d" else 30.0, variant="mxfp8"))
+    assert rank_layers(rows)[0].layer == "a"
+    got = rank_layers(rows, variant="nvfp4")
+    relabelled = [TensorStatsRow(r.step, r.layer, r.tensor, r.stats, r.variant.replace("nvfp4", "actual"))
+                  for r in rows if r.variant in ("nvfp4", "nvfp4_columnwise")]
+    want = rank_layers(relabelled)
+    assert [(r.layer, r.score, r.tensor) for r in got] == [(r.layer, r.score, r.tensor) for r in want]
+    assert {got[0].layer, got[1].layer} == {"b", "c"}  # the two planted, d's mxfp8 rows ignored
+    assert {r.tensor for r in got[:2]} == {"activation", "activation_columnwise"}
+    assert rank_layers(rows, variant="block") == []
+
+
+def test_nvfp4_rows_rank_without_the_largest_elements_own_error():
+    """E2M1 rows: the row's scale is not the largest element's block scale, so that element's own
+    error is unknown (NaN) and the ordinary elements' SQNR is charged all of it."""
+    from fp8track.numerics.stats import nvfp4_quant_stats
+
+    torch.manual_seed(0)
+    stats = nvfp4_quant_stats(torch.randn(32, 64))
+    assert element_format(stats) == "e2m1"
+    assert math.isnan(largest_element_error(stats))
+    assert bulk_sqnr_db(stats) <= stats["sqnr_db"] + 1e-9
+    rows = [TensorStatsRow(s, layer, "activation", nvfp4_quant_stats(torch.randn(16, 64) * (50 if layer == "x"
+            and s > 2 else 1) + (torch.arange(64) == 3) * (500.0 if layer == "x" else 0)), "actual")
+            for s in range(6) for layer in ("w", "x", "y")]
+    assert rank_layers(rows)[0].layer == "x"
+
+
+def test_block_rows_carry_their_largest_blockwise_dynamic_range_into_the_ranking():
+    from fp8track.report.figures import stats_line
+
+    rows = [_row(layer, "activation", s, max_blockwise_dynamic_range=float(s + (layer == "b")))
+            for s in range(4) for layer in "ab"]
+    rows += [_row("a", "gradient", s) for s in range(4)]  # a per-tensor row has none
+    risks = {r.layer: r for r in rank_layers(rows)}
+    assert risks["a"].stats["activation"]["max_blockwise_dynamic_range"] == 3.0  # max, not the median
+    assert risks["b"].stats["activation"]["max_blockwise_dynamic_range"] == 4.0
+    assert "max_blockwise_dynamic_range" not in risks["a"].stats["gradient"]
+    assert stats_line(risks["b"].stats["activation"]).endswith("max_blockwise_dynamic_range 4")
+    assert "blockwise" not in stats_line(risks["a"].stats["gradient"])

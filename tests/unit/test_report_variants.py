@@ -22,6 +22,16 @@ def test_summary_medians_and_overflow_max() -> None:
     s = out[0][3]
     assert s["underflow_pct"] == 2.0 and s["overflow_pct"] == 5.0 and s["sqnr_db"] == 11.0
     assert out[1][3]["underflow_pct"] == 7.0
+    assert "max_blockwise_dynamic_range" not in s  # no row carried it
+
+
+def test_summary_takes_the_largest_blockwise_dynamic_range() -> None:
+    rows = [_row(s, "mxfp8", 1.0, 0.0) for s in range(3)]
+    for r, dr in zip(rows, (3.0, 9.0, 4.0), strict=True):
+        r.stats["max_blockwise_dynamic_range"] = dr
+    (_, _, _, s), = variant_summary(rows)
+    assert s["max_blockwise_dynamic_range"] == 9.0  # TE reduces it by max, not the median (4)
+    assert "<td>9</td>" in variants_table([("run", rows)])
 
 
 def test_table_lists_each_run_and_says_when_empty() -> None:

@@ -317,13 +317,17 @@ def _nvfp4_backward(
     column-wise copy (16x16 tiles are the same in both orientations); for wgrad, dY and x
     column-wise (blocks along tokens), both Hadamard-transformed along the tokens, whose product
     the orthonormal transform leaves unchanged: ``(dY^T H)(x^T H)^T = dY^T x``."""
-    gen = layer._sr_generator(g.device)
+    gen = layer._sr_generator(g.device) if nv.stochastic_rounding else None
     gq = nvfp4_quantize(g, nv.options("gradient"), gen)
     w_col = nvfp4_quantize(weight.t(), nv.options("weight", columnwise=True)).dequantized
     grad_x = (gq.dequantized @ w_col.t()).to(x_dtype)
     g_col = nvfp4_quantize(g.t(), nv.options("gradient", columnwise=True), gen).dequantized
     x_col = nvfp4_quantize(x2d.t(), nv.options("activation", columnwise=True)).dequantized
     return grad_x, g_col @ x_col.t(), gq.decode_scales
+
+
+SR_STATE_KEY = "nvfp4_sr_generators"
+"""``_extra_state`` key of the stochastic-rounding generator states (beside the tensor kinds)."""
 
 
 class EmulatedFP8Layer:
@@ -370,13 +374,21 @@ class EmulatedFP8Layer:
         return dict(self._last_scales)
 
     def get_extra_state(self) -> dict[str, Any]:
-        """Delayed-scaling amax histories and scales (empty for other recipes)."""
-        return {k: s.state_dict() for k, s in self._quantizers.delayed.items()}
+        """Delayed-scaling amax histories and scales (per tensor kind), and the NVFP4 stochastic-
+        rounding generators' states (``SR_STATE_KEY``: device -> ``ByteTensor``), so a resumed run
+        draws the same roundings as an uninterrupted one; empty for other recipes."""
+        state: dict[str, Any] = {k: s.state_dict() for k, s in self._quantizers.delayed.items()}
+        if self._generators:
+            state[SR_STATE_KEY] = {str(d): g.get_state() for d, g in self._generators.items()}
+        return state
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         for k, s in (state or {}).items():
             if k in self._quantizers.delayed:
                 self._quantizers.delayed[k].load_state_dict(s)
+            elif k == SR_STATE_KEY:
+                for device, g_state in s.items():
+                    self._sr_generator(torch.device(device)).set_state(g_state.cpu())
 
     @property
     def delayed_scalers(self) -> dict[str, DelayedScaler]:

@@ -55,7 +55,7 @@ if __name__ == "__main__":
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[FP8Monitor(every_n_steps=3, log_dir=out, trackers="none")],
+        callbacks=[FP8Monitor(every_n_steps=3, log_dir=out, trackers="none", config={"whatif": ["mxfp8"]})],
         default_root_dir=out,
     )
     trainer.fit(Regressor())
