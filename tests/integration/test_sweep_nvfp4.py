@@ -19,26 +19,21 @@ ROOT = Path(__file__).resolve().parents[2]
 YAML = ROOT / "integrations" / "wandb" / "nvfp4_sweep.yaml"
 
 
+def _tiny_parameters(bf16_layers: str, **extra: dict) -> dict:
+    """The sweep's parameters for one nvfp4 trial of a tiny budget (4 steps of a 32-wide model)."""
+    fixed = {"steps": 4, "eval_every": 2, "eval_batches": 1, "batch_size": 4, "block_size": 16, "n_embd": 32,
+             "max_bytes": 20000, "control_seeds": 1, "precision": "32-true", "seed": 0}
+    return {"recipe": {"values": ["nvfp4"]}, "bf16_layers": {"values": [bf16_layers]},
+            **{k: {"value": v} for k, v in fixed.items()}, **extra}
+
+
 def test_nvfp4_sweep_yaml_runs_locally(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("FP8TRACK_STATS_KERNEL", "eager")
     spec = yaml.safe_load(YAML.read_text())
     assert "nvfp4" in spec["parameters"]["recipe"]["values"]
     assert "last:15%,head" in spec["parameters"]["bf16_layers"]["values"]
     # The same YAML, sized for a test: one trial of a tiny budget (and its BF16 control).
-    spec["parameters"] = {
-        "recipe": {"values": ["nvfp4"]},
-        "bf16_layers": {"values": ["last:15%,head"]},
-        "steps": {"value": 4},
-        "eval_every": {"value": 2},
-        "eval_batches": {"value": 1},
-        "batch_size": {"value": 4},
-        "block_size": {"value": 16},
-        "n_embd": {"value": 32},
-        "max_bytes": {"value": 20000},
-        "control_seeds": {"value": 1},
-        "precision": {"value": "32-true"},
-        "seed": {"value": 0},
-    }
+    spec["parameters"] = _tiny_parameters("last:15%,head")
     path = tmp_path / "nvfp4.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     from fp8track.cli import main
@@ -78,21 +73,7 @@ def test_auto_k_for_nvfp4_is_ranked_from_the_controls_whatif_rows(tmp_path: Path
     monkeypatch.setenv("FP8TRACK_STATS_KERNEL", "eager")
     spec = yaml.safe_load(YAML.read_text())
     spec["name"] = "nvfp4-auto-whatif"
-    spec["parameters"] = {
-        "recipe": {"values": ["nvfp4"]},
-        "bf16_layers": {"values": ["auto:1"]},
-        "steps": {"value": 4},
-        "every_n_steps": {"value": 2},
-        "eval_every": {"value": 2},
-        "eval_batches": {"value": 1},
-        "batch_size": {"value": 4},
-        "block_size": {"value": 16},
-        "n_embd": {"value": 32},
-        "max_bytes": {"value": 20000},
-        "control_seeds": {"value": 1},
-        "precision": {"value": "32-true"},
-        "seed": {"value": 0},
-    }
+    spec["parameters"] = _tiny_parameters("auto:1", every_n_steps={"value": 2})
     path = tmp_path / "nvfp4_auto.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     out = tmp_path / "out"

@@ -172,16 +172,20 @@ def test_downstream_drop_with_normal_loss(tmp_path):
     assert "check-inference" in d.top.next_experiments[0]
 
 
+SPIKE_STEPS = (120, 190, 260)
+
+
+def _spiky(control, rng):
+    """The control's loss with a little own noise and 1.5x spikes at :data:`SPIKE_STEPS`."""
+    out = control * (1 + rng.normal(0, 0.002, N))
+    for s in SPIKE_STEPS:
+        out = plant_spike(out, s, 1.5, decay=4.0)
+    return out
+
+
 def test_fp8_only_spikes_name_the_layer_that_jumps(tmp_path):
-    spike_steps = (120, 190, 260)
-
-    def spiky(control, rng):
-        out = control * (1 + rng.normal(0, 0.002, N))
-        for s in spike_steps:
-            out = plant_spike(out, s, 1.5, decay=4.0)
-        return out
-
-    run, ctl = _pair(tmp_path, fp8_loss=spiky, fp8_rows=lambda rng: _rows(rng, planted_steps=spike_steps))
+    spike_steps = SPIKE_STEPS
+    run, ctl = _pair(tmp_path, fp8_loss=_spiky, fp8_rows=lambda rng: _rows(rng, planted_steps=spike_steps))
     d = diagnose(run, ctl)
     assert d.top.kind == "fp8_only_spikes"
     assert d.top.steps == spike_steps
@@ -191,22 +195,14 @@ def test_fp8_only_spikes_name_the_layer_that_jumps(tmp_path):
 def test_fp8_only_spikes_name_a_layer_broken_all_along_that_stands_out(tmp_path):
     """The planted layer is broken from step 40 on (SQNR 12 dB against ~30 dB): at the spikes it does
     not jump against its own history, but it stands out against the other layers: it is named."""
-    spike_steps = (120, 190, 260)
-
-    def spiky(control, rng):
-        out = control * (1 + rng.normal(0, 0.002, N))
-        for s in spike_steps:
-            out = plant_spike(out, s, 1.5, decay=4.0)
-        return out
-
-    run, ctl = _pair(tmp_path, fp8_loss=spiky, fp8_rows=lambda rng: _rows(rng, planted_from=40))
+    run, ctl = _pair(tmp_path, fp8_loss=_spiky, fp8_rows=lambda rng: _rows(rng, planted_from=40))
     d = diagnose(run, ctl)
     assert d.top.kind == "fp8_only_spikes"
     assert d.top.layers[0] == PLANTED and d.top.evidence["layers_standing_out"][0] == PLANTED
     assert d.top.evidence["layer_jumps"] == [] and "standing out over the run" in d.top.text
     # a layer that jumps at the spikes is named as such, and nothing is "standing out" then
-    run, ctl = _pair(tmp_path / "b", fp8_loss=spiky,
-                     fp8_rows=lambda rng: _rows(rng, planted_steps=spike_steps))
+    run, ctl = _pair(tmp_path / "b", fp8_loss=_spiky,
+                     fp8_rows=lambda rng: _rows(rng, planted_steps=SPIKE_STEPS))
     assert diagnose(run, ctl).top.evidence["layers_standing_out"] == []
 
 
