@@ -32,6 +32,7 @@ from fp8track.analysis.ranking import SIGNALS, LayerRisk
 from fp8track.errors import ConfigError, invalid_choice
 from fp8track.execution.fallback import FallbackSpec
 from fp8track.execution.recipes import Recipe
+from fp8track.numerics.scaling import BLOCK_SCALINGS
 
 PARAM_PATH_ENV = "WANDB_SWEEP_PARAM_PATH"
 """Environment variable the W&B agent sets to the YAML file holding the trial's parameters."""
@@ -49,7 +50,7 @@ for the BF16 control under ``--auto-from whatif`` (:attr:`TrialSettings.whatif`)
 AUTO_FROM = ("probe", "whatif")
 """Where the sweep's ``auto:K`` ranking comes from: an all-FP8 ``probe`` run of the trial's recipe,
 or the ``whatif`` rows of that recipe in the BF16 control (no probe trained)."""
-WHATIF_RECIPES = ("mxfp8", "block", "nvfp4")
+WHATIF_RECIPES = (*BLOCK_SCALINGS, "nvfp4")
 """Recipe families whose what-if rows a BF16 control records apart from its ``shadow`` rows."""
 LAYERS_ARTIFACT = "fp8track_layers.json"
 """What :meth:`TrialSettings.apply` writes into the trial's run: every GEMM layer, its shape, FP8 or BF16."""

@@ -56,6 +56,7 @@ import torch
 from fp8track.analysis.windows import MAD_TO_SIGMA
 from fp8track.errors import ConfigError
 from fp8track.numerics.formats import get_format
+from fp8track.numerics.nvfp4 import BLOCK_RANGE_STAT
 
 SIGNALS: tuple[str, ...] = (
     "rel_error_db",
@@ -87,8 +88,6 @@ MAIN_VARIANTS = ("actual", "shadow")
 # Issue 23: the column-wise copies of block recipes (the dgrad/wgrad operands, TE's ``_columnwise``
 # statistics) are ranked as tensors of their own, ``<tensor>_columnwise``, beside the row-wise ones.
 COLUMNWISE_VARIANTS = tuple(f"{v}_columnwise" for v in MAIN_VARIANTS)
-BLOCK_RANGE_STAT = "max_blockwise_dynamic_range"
-"""Block rows' TE ``LogTensorStats`` statistic (binades), carried into :attr:`LayerRisk.stats`."""
 HISTORY_Z = 4.0
 """An own-history shift above this z sets the layer's window (step 2 of the docstring)."""
 

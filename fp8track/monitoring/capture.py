@@ -74,8 +74,6 @@ COLUMNWISE_SCALINGS = (*BLOCK_SCALINGS, "nvfp4")
 differs from the row-wise one: each gets a ``<variant>_columnwise`` row, like TE's ``_columnwise``
 statistics (per-tensor scales are the same in both orientations)."""
 _STATS_GENERATORS: dict[torch.device, torch.Generator] = {}
-BLOCK_RANGE_STAT = "max_blockwise_dynamic_range"
-"""The statistic name of TE's ``LogTensorStats`` ``max_blockwise_dynamic_range`` in block rows."""
 
 ScaleFn = Callable[[], "torch.Tensor | None"]
 

@@ -238,6 +238,11 @@ def columnwise_operand(x: torch.Tensor, rht: bool) -> torch.Tensor:
     return random_hadamard_transform(x2) if rht else x2
 
 
+BLOCK_RANGE_STAT = "max_blockwise_dynamic_range"
+"""The name of :func:`blockwise_dynamic_range`'s statistic in block rows (TE's ``LogTensorStats``
+name), used by the capture, the ranking and the report alike."""
+
+
 def blockwise_dynamic_range(
     x: torch.Tensor,
     block_size: int = 32,

@@ -10,11 +10,13 @@ import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from fp8track.numerics.nvfp4 import BLOCK_RANGE_STAT
+
 MAIN_ROW_VARIANTS = ("actual", "shadow")
-COLUMNS = ("underflow_pct", "overflow_pct", "sqnr_db", "mse", "cos", "max_blockwise_dynamic_range")
+COLUMNS = ("underflow_pct", "overflow_pct", "sqnr_db", "mse", "cos", BLOCK_RANGE_STAT)
 """Statistics shown: medians over the run's steps, except the maxima ``overflow_pct`` and
 ``max_blockwise_dynamic_range`` (block rows only; TE's LogTensorStats reduces it by max)."""
-MAX_COLUMNS = ("overflow_pct", "max_blockwise_dynamic_range")
+MAX_COLUMNS = ("overflow_pct", BLOCK_RANGE_STAT)
 
 
 def variant_summary(rows: Iterable[Any]) -> list[tuple[str, str, str, dict[str, float]]]:
