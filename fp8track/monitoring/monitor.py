@@ -33,7 +33,6 @@ from fp8track.execution.apply import ApplyReport, applied_report
 from fp8track.execution.backends import backend_of
 from fp8track.monitoring import te_capture
 from fp8track.monitoring.capture import (
-    BLOCK_RANGE_STAT,
     LayerCapture,
     LayerFilter,
     LayerPlan,
@@ -69,6 +68,7 @@ from fp8track.monitoring.schedule import (
 )
 from fp8track.monitoring.sharding import ShardSpec, grad_sq_share, is_dtensor
 from fp8track.numerics.formats import TENSOR_KINDS, get_format_pair
+from fp8track.numerics.nvfp4 import BLOCK_RANGE_STAT
 from fp8track.numerics.stats import NUM_SUM, PARTIAL_SIZE, STAT_NAMES, finalize_many
 
 DEFAULT_SCALAR_STATS = (
@@ -597,7 +597,7 @@ class Monitor:
         """Why training must stop after this flush (``on_nonfinite`` / ``on_divergence``), or None."""
         cfg = self.config
         if cfg.on_nonfinite == "stop":
-            losses, gnorms = _loss_slices(host, len(keys), len(pending))
+            _, losses, gnorms, _ = _host_slices(host, len(keys), len(pending))
             for p, loss, g in zip(pending, losses, gnorms, strict=True):
                 if p.loss is not None and not math.isfinite(loss):
                     return f"non-finite loss ({loss}) at step {p.step}"
@@ -743,11 +743,9 @@ class Monitor:
     ) -> tuple[int, list[TensorStatsRow], list[tuple[int, float, float | None]], dict[str, float]]:
         """From the host copy: the logging step, its statistics rows, ``(step, loss, grad norm)`` of
         the pending steps that had a loss, and the logging step's own loss / grad-norm metrics."""
-        n = len(keys) * PARTIAL_SIZE
         step = pending[-1].step if pending else self.global_step
-        ranges = dict(zip(range_keys, host[n + 2 * len(pending) :], strict=True))
-        rows = self._rows(step, keys, host[:n], ranges)
-        losses, gnorms = _loss_slices(host, len(keys), len(pending))
+        partials, losses, gnorms, block_ranges = _host_slices(host, len(keys), len(pending))
+        rows = self._rows(step, keys, partials, dict(zip(range_keys, block_ranges, strict=True)))
         series = _loss_series(pending, losses, gnorms)
         metrics: dict[str, float] = {}
         if pending:  # the logging step's grad norm is recorded even when it was given no loss
@@ -1022,12 +1020,13 @@ def _tensor_or_none(v: float | None) -> torch.Tensor | None:
     return None if v is None else torch.tensor(v, dtype=torch.float32)
 
 
-def _loss_slices(
+def _host_slices(
     host: Sequence[float], n_keys: int, n_pending: int
-) -> tuple[Sequence[float], Sequence[float]]:
-    """The pending steps' losses and grad norms in a flush's host copy (after the partials)."""
-    n = n_keys * PARTIAL_SIZE
-    return host[n : n + n_pending], host[n + n_pending : n + 2 * n_pending]
+) -> tuple[Sequence[float], Sequence[float], Sequence[float], Sequence[float]]:
+    """A flush's host copy cut as :meth:`Monitor._reduce_to_host` lays it out: the partials'
+    fields, the pending steps' losses, their grad norms, the block rows' dynamic ranges."""
+    n, m = n_keys * PARTIAL_SIZE, n_pending
+    return host[:n], host[n : n + m], host[n + m : n + 2 * m], host[n + 2 * m :]
 
 
 def _stack_or_nan(values: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:

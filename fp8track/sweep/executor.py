@@ -502,14 +502,12 @@ class _Sweep:
             source = out.run_id
         rows = load_run(f"mlflow:{source}", self.options.mlflow_uri).tensor_rows
         table = ranking_table(rank_layers(rows, variant=variant))
-        if not table and variant is not None:
+        if not table:
             raise ConfigError(
                 f"auto:K from what-if rows needs the BF16 control's {variant!r} rows in its MLflow run: "
                 f"pass whatif=list(trial_settings().whatif) ({WHATIF_ENV}) to the program's FP8Monitor"
-            )
-        if not table:
-            raise ConfigError(
-                "auto:K needs the monitor's per-layer statistics in the program's MLflow run: add "
+                if variant is not None
+                else "auto:K needs the monitor's per-layer statistics in the program's MLflow run: add "
                 "FP8Monitor to the program's Trainer with the logger of trial_settings().mlflow_logger()"
             )
         path.parent.mkdir(parents=True, exist_ok=True)
