@@ -277,38 +277,64 @@ def align_ranking(ranking: Sequence[str], names: Sequence[str]) -> list[str]:
 
 @dataclass(frozen=True)
 class LayerCost:
-    """One GEMM layer: qualified name, ``in_features``, ``out_features`` (the ``[out, in]`` weight).
+    """One GEMM of a step: qualified name, ``in_features``, ``out_features`` (the ``[out, in]``
+    weight), and how many times each token passes through it.
 
-    ``macs_per_token = in * out``: a dense layer sees every token of the step, so its forward GEMM
-    costs ``2 * tokens * in * out`` FLOPs and forward + both backward GEMMs ``6 * tokens * in * out``.
+    ``macs_per_token = slots * in * out``: a dense layer sees every token once (``slots`` 1), so its
+    forward GEMM costs ``2 * tokens * in * out`` FLOPs and forward + both backward GEMMs
+    ``6 * tokens * in * out``. A fused expert projection (``<experts>.<param>``, ``group`` its experts
+    module) runs on the routed (token, expert) slots: ``slots = top_k`` per token whichever experts
+    get them (Llama 4's dense experts: every expert sees every token, ``slots = E``).
     """
 
     name: str
     in_features: int
     out_features: int
+    slots: int = 1
+    group: str | None = None
 
     @property
     def macs_per_token(self) -> int:
-        return self.in_features * self.out_features
+        return self.slots * self.in_features * self.out_features
 
 
 def layer_costs(model: Any) -> list[LayerCost]:
-    """Every GEMM layer of ``model`` (:func:`fp8track.execution.layers.gemm_layers`) with its shape."""
+    """Every GEMM of ``model`` with its shape: its GEMM layers
+    (:func:`fp8track.execution.layers.gemm_layers`), each fused expert projection with its routed
+    slots per token, and the routers that are no linear layer (Mixtral's ``gate``)."""
+    from fp8track.execution.experts import find_moe
     from fp8track.execution.layers import gemm_layers, gemm_weight
 
+    moe = find_moe(model)
+    groups = {b.experts.fqn: b.experts for b in moe.blocks}
     out = []
+    names = set()
     for name, module in gemm_layers(model):
+        names.add(name)
+        group = groups.get(name)
+        if group is not None and group.params:
+            slots = group.num_experts if group.kind == "dense" else (group.top_k or 1)
+            for p in group.params:
+                w = p.weight_oi(module)
+                out.append(LayerCost(f"{name}.{p.name}", int(w.shape[2]), int(w.shape[1]), slots, name))
+            continue
         w = gemm_weight(module)
         if w is not None and w.dim() == 2:
             out.append(LayerCost(name, int(w.shape[1]), int(w.shape[0])))
+    for block in moe.blocks:
+        if block.router_gemm is not None and block.router_gemm not in names:
+            w = model.get_submodule(block.router_gemm).weight
+            out.append(LayerCost(block.router_gemm, int(w.shape[1]), int(w.shape[0])))
     return out
 
 
 def fp8_flop_share(costs: Sequence[LayerCost], fp8_layers: Sequence[str]) -> float:
-    """Share of the step's GEMM FLOPs that runs in FP8: ``sum(in*out over FP8 layers) / sum(in*out)``.
+    """Share of the step's GEMM FLOPs that runs in FP8: ``sum(macs_per_token over FP8 GEMMs) /
+    sum(macs_per_token)``.
 
-    Every layer of a dense model sees the step's ``tokens``, so the ``6 * tokens`` factor of each
-    layer's FLOPs cancels; NaN when the model has no GEMM layer.
+    The ``6 * tokens`` factor of each GEMM's FLOPs cancels (an expert projection's routed slots are
+    in its ``macs_per_token``); an expert projection runs FP8 when it or its experts module is among
+    ``fp8_layers``. NaN when the model has no GEMM layer.
 
     Example:
         >>> costs = [LayerCost("a", 64, 64), LayerCost("head", 64, 256)]
@@ -317,7 +343,8 @@ def fp8_flop_share(costs: Sequence[LayerCost], fp8_layers: Sequence[str]) -> flo
     """
     total = sum(c.macs_per_token for c in costs)
     fp8 = set(fp8_layers)
-    return sum(c.macs_per_token for c in costs if c.name in fp8) / total if total else math.nan
+    on = sum(c.macs_per_token for c in costs if c.name in fp8 or (c.group is not None and c.group in fp8))
+    return on / total if total else math.nan
 
 
 def _record_layers(

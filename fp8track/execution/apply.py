@@ -13,7 +13,8 @@ from torch import nn
 
 from fp8track.errors import ConfigError
 from fp8track.execution.attention import linearize_attention
-from fp8track.execution.backends import backend_of, get_backend
+from fp8track.execution.backends import Backend, backend_of, get_backend
+from fp8track.execution.experts import ROUTER_REASON, find_moe
 from fp8track.execution.fallback import FallbackSpec, linear_names
 from fp8track.execution.layers import is_convertible, preview_names
 from fp8track.execution.recipes import Recipe
@@ -83,15 +84,23 @@ def apply_fp8(
     backend: str = "auto",
     ranking: Sequence[str] | Mapping[str, float] | None = None,
     example_inputs: Any = None,
+    fp8_routers: bool = False,
 ) -> ApplyReport:
-    """Convert ``model``'s ``nn.Linear`` layers (and Hugging Face ``Conv1D``) in place to run under
-    ``recipe``.
+    """Convert ``model``'s ``nn.Linear`` layers (and Hugging Face ``Conv1D``, and fused
+    mixture-of-experts modules) in place to run under ``recipe``.
 
     ``nn.MultiheadAttention`` modules are first rebuilt as
     :class:`~fp8track.execution.attention.LinearMultiheadAttention` (the same function with its
     four projections as ``nn.Linear`` modules), so every backend converts those projections and
     the monitor sees them; they are named ``<attention>.q_proj`` / ``k_proj`` / ``v_proj`` /
     ``out_proj`` in the report and in fallback specs.
+
+    Mixture-of-experts models (:mod:`fp8track.execution.experts`): fused expert modules run FP8
+    grouped GEMMs with one quantizer per expert on the emulated backend
+    (:mod:`fp8track.execution.fp8_experts`); a backend or recipe that cannot run them lists them in
+    ``ApplyReport.unconverted`` with the reason and warns. Routers (and Qwen2-MoE's
+    ``shared_expert_gate``) stay in high precision, as in every reference implementation, unless
+    ``fp8_routers`` is True. ``<experts>.<param>`` in ``bf16_layers`` keeps one projection.
 
     Args:
         model: the model (its linears still plain ``nn.Linear`` / ``Conv1D``).
@@ -102,6 +111,7 @@ def apply_fp8(
             ``"torchao"``, ``"te"``).
         ranking: layer ranking for ``auto:K`` terms (riskiest first, or name -> score).
         example_inputs: optional inputs to order single linears by execution (no repeated blocks).
+        fp8_routers: convert router linears too (default: kept in high precision).
 
     Returns:
         An :class:`ApplyReport` (hand it to the monitor: ``fp8track.Monitor(..., apply_report=)``).
@@ -130,6 +140,8 @@ def apply_fp8(
         keep, notes = spec.resolve_with_notes(model, ranking=ranking, example_inputs=example_inputs)
         gemms = linear_names(model)
         names = [n for n in gemms if is_convertible(model.get_submodule(n))]
+        unconverted, routers = _moe_exclusions(model, chosen, names, keep, fp8_routers)
+        names = [n for n in names if n not in unconverted]
         converted = chosen.convert(model, recipe, names, keep)
     except BaseException:
         for name, original in rebuilt:
@@ -137,26 +149,29 @@ def apply_fp8(
         raise
     keep = {**keep, **converted.refused}  # layers the backend would refuse at run time stay BF16
     fp8 = list(converted.fp8)
-    unconverted = dict(refused_attention)
+    unconverted = {**dict(refused_attention), **unconverted, **converted.unconverted}
     for n in gemms:
-        if n not in names and not any(n.startswith(a + ".") for a in refused_attention):
+        if n in routers and n not in names:
+            keep.setdefault(
+                n, ROUTER_REASON
+            )  # a router subclass (PhiMoE, Llama 4): high precision as intended
+        elif (
+            n not in names
+            and n not in unconverted
+            and not any(n.startswith(a + ".") for a in refused_attention)
+        ):
             unconverted[n] = (
                 f"{type(model.get_submodule(n)).__name__} is not exactly nn.Linear or transformers "
                 "Conv1D (its own forward may differ), so no backend converts it"
             )
     if unconverted and recipe.quantizes:
-        warnings.warn(
-            f"fp8track.apply_fp8: {len(unconverted)} modules run their GEMMs outside FP8 "
-            "and are not converted: "
-            + "; ".join(f"{n}: {why}" for n, why in list(unconverted.items())[:4])
-            + (" ..." if len(unconverted) > 4 else "")
-            + " (listed in ApplyReport.unconverted)",
-            stacklevel=2,
-        )
+        _warn_unconverted(unconverted)
     if rebuilt:
         notes = (*notes, "nn.MultiheadAttention rebuilt on q_proj/k_proj/v_proj/out_proj linears: "
                  + ", ".join(n for n, _ in rebuilt))
-    bf16 = [(n, keep.get(n, "recipe bf16")) for n in names if n not in fp8]
+    bf16 = [(n, keep.get(n, "recipe bf16")) for n in gemms
+            if (n in names or n in routers) and n not in fp8 and n not in unconverted]
+    bf16 += [(n, why) for n, why in keep.items() if n not in gemms and n not in dict(bf16)]
     report = ApplyReport(
         backend=chosen.name,
         recipe=recipe,
@@ -167,3 +182,34 @@ def apply_fp8(
     )
     _REPORTS[model] = report
     return report
+
+
+def _moe_exclusions(
+    model: nn.Module, backend: Backend, names: list[str], keep: dict[str, str], fp8_routers: bool
+) -> tuple[dict[str, str], set[str]]:
+    """Routers into ``keep`` (unless ``fp8_routers``); ``({name: reason} of the expert groups this
+    backend cannot convert, the router GEMM modules)``."""
+    moe = find_moe(model)
+    routers = set(moe.router_gemms())
+    if not fp8_routers:
+        for r in routers:
+            if r in names:
+                keep.setdefault(r, ROUTER_REASON)
+    if backend.converts_experts:
+        return {}, routers
+    return {
+        g.fqn: f"the {backend.name} backend does not convert fused experts ({g.kind}); they run in "
+        "high precision (use backend='emulated', or TE GroupedLinear / torchao MoE training)"
+        for g in moe.groups if g.fqn in names
+    }, routers
+
+
+def _warn_unconverted(unconverted: Mapping[str, str]) -> None:
+    warnings.warn(
+        f"fp8track.apply_fp8: {len(unconverted)} modules run their GEMMs outside FP8 "
+        "and are not converted: "
+        + "; ".join(f"{n}: {why}" for n, why in list(unconverted.items())[:4])
+        + (" ..." if len(unconverted) > 4 else "")
+        + " (listed in ApplyReport.unconverted)",
+        stacklevel=3,
+    )

@@ -61,6 +61,7 @@ import torch
 from torch import nn
 
 from fp8track.errors import ConfigError
+from fp8track.execution.experts import MOE_KEYWORDS, find_moe
 from fp8track.execution.layers import (
     compile_selector,
     gemm_layers,
@@ -82,6 +83,7 @@ _KEYWORDS = (
     "head",
     "re:PATTERN",
     "auto:K",
+    *MOE_KEYWORDS,
 )
 
 HEAD_REASON = "head (output layer; Megatron-LM never runs its output layer in FP8)"
@@ -380,9 +382,10 @@ class FallbackSpec:
                 k = int(term.split(":")[1])
                 for n, why in _from_ranking(ranking, k, linears, term).items():
                     chosen.setdefault(n, why)
+            elif term in MOE_KEYWORDS:
+                take(moe_keyword_layers(model, term, linears), f"{term} (mixture-of-experts keyword)")
             else:
-                hits = match_layers(model, term, linears, "bf16_layers term")
-                take(hits, term if term.startswith("re:") else f"named {term}")
+                take(_match_term(model, term, linears), term if term.startswith("re:") else f"named {term}")
         if block_terms:
             label = ", ".join(block_terms)
             kept = {
@@ -397,7 +400,34 @@ class FallbackSpec:
             else:
                 notes.insert(0, f"{label}: no repeated blocks, so single linears were counted "
                                 f"({'execution' if example_inputs is not None else 'registration'} order)")
-        return {n: chosen[n] for n in linears if n in chosen}, tuple(notes)
+        ordered = {n: chosen[n] for n in linears if n in chosen}
+        ordered.update({n: why for n, why in chosen.items() if n not in ordered})  # <experts>.<param>
+        return ordered, tuple(notes)
+
+
+def moe_keyword_layers(model: nn.Module, keyword: str, names: Sequence[str]) -> list[str]:
+    """The GEMM layers among ``names`` that a mixture-of-experts keyword (``experts``, ``router``,
+    ``shared_experts``) picks: fused expert modules and module-list experts' linears, router
+    linears and shared-expert gates, or the shared experts' linears.
+
+    Raises:
+        ConfigError: the model has no such part (the message says what it has).
+    """
+    modules = find_moe(model).keyword_modules(keyword)
+    hits = [n for n in names if any(n == m or n.startswith(m + ".") for m in modules)]
+    if not hits:
+        raise ConfigError(
+            f"keyword {keyword!r} names no layer: the model has no mixture-of-experts "
+            f"{keyword.replace('_', ' ')} (linear layers: {preview_names(list(names))})"
+        )
+    return hits
+
+
+def _match_term(model: nn.Module, term: str, linears: Sequence[str]) -> list[str]:
+    try:
+        return match_layers(model, term, linears, "bf16_layers term")
+    except ConfigError as err:
+        raise ConfigError(f"{err}; or one of the spec keywords: {', '.join(_KEYWORDS)}") from None
 
 
 def _from_ranking(

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from fp8track.errors import ConfigError
+from fp8track.execution.experts import is_fused_experts
 
 TE_GEMM_CLASSES = ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear")
 """Transformer Engine modules that run GEMMs (``transformer_engine.pytorch``), subclasses included."""
@@ -28,6 +29,7 @@ GEMM_LAYER_KINDS = (
     "nn.Linear and subclasses (fp8track EmulatedFP8Linear, torchao Float8Linear)",
     "Transformer Engine " + "/".join(TE_GEMM_CLASSES),
     "transformers Conv1D (and fp8track EmulatedFP8Conv1D)",
+    "fused mixture-of-experts modules (3-D gate_up_proj/up_proj and down_proj, transformers >= 5)",
 )
 
 
@@ -62,14 +64,17 @@ def is_gemm_layer(module: nn.Module) -> bool:
     backend (:func:`add_gemm_kind`), FP8 or not."""
     if isinstance(module, (nn.Linear, InOutWeightGemm)) or is_hf_conv1d(module) or is_te_gemm(module):
         return True
+    if is_fused_experts(module):
+        return True
     return any(owns(module) for owns in _BACKEND_GEMMS.values())
 
 
 def is_convertible(module: nn.Module) -> bool:
-    """A GEMM layer :func:`fp8track.apply_fp8` may convert: exactly ``nn.Linear`` or exactly Hugging
-    Face ``Conv1D`` (a subclass is someone's own layer, or one already converted)."""
+    """A GEMM layer :func:`fp8track.apply_fp8` may convert: exactly ``nn.Linear``, exactly Hugging
+    Face ``Conv1D`` (a subclass is someone's own layer, or one already converted), or a fused
+    experts module (:mod:`fp8track.execution.experts`; the backend decides whether it can)."""
     cls = type(module)
-    return cls is nn.Linear or (cls.__module__, cls.__name__) == HF_CONV1D
+    return cls is nn.Linear or (cls.__module__, cls.__name__) == HF_CONV1D or is_fused_experts(module)
 
 
 def gemm_weight(module: nn.Module, weight: object = None) -> torch.Tensor | None:
@@ -109,6 +114,17 @@ def hidden_gemms(model: nn.Module) -> dict[str, str]:
         for n, m in model.named_modules()
         if isinstance(m, nn.MultiheadAttention)
     }
+
+
+def expert_param_name(model: nn.Module, term: str, names: Sequence[str]) -> bool:
+    """Whether ``term`` is ``<experts>.<param>``: one projection of a fused experts module among
+    ``names`` (``model.layers.1.mlp.experts.down_proj``)."""
+    owner, _, param = term.rpartition(".")
+    if owner not in names:
+        return False
+    module = model.get_submodule(owner)
+    p = module._parameters.get(param)
+    return is_fused_experts(module) and isinstance(p, torch.Tensor) and p.dim() == 3
 
 
 def preview_names(names: Sequence[str], limit: int = 24) -> str:
@@ -153,6 +169,8 @@ def match_layers(
     hits = [n for n in names if n == term or n.startswith(term + ".")]
     if hits:
         return hits
+    if expert_param_name(model, term, names):
+        return [term]
     try:
         model.get_submodule(term)
     except AttributeError:

@@ -43,6 +43,7 @@ from fp8track.monitoring.capture import (
     variant_format,
 )
 from fp8track.monitoring.dumps import DumpBudget, DumpPolicy, LayerDump, observation, plan_dict, write_dump
+from fp8track.monitoring.expert_capture import ExpertRowCapture, moe_captures
 from fp8track.monitoring.naming import LOSS_METRIC, metric_name, run_metric, worst_metric
 from fp8track.monitoring.records import (
     EventRecord,
@@ -52,6 +53,7 @@ from fp8track.monitoring.records import (
     StepBatch,
     TensorStatsRow,
 )
+from fp8track.monitoring.router_capture import RouterCapture, finalize_router, router_metrics
 from fp8track.monitoring.run_meta import (  # re-exported: the run metadata lived here before
     data_fingerprint,
     precision_setup,
@@ -299,7 +301,11 @@ class Monitor:
         self.config = cfg = config or CaptureConfig()
         plans = dict(plans or {})
         chosen = select_layers(model, layers)
-        self.captures: dict[str, LayerCapture] = {}
+        # Layer captures, and for MoE blocks the expert rows and routers (the same interface).
+        self.captures: dict[str, LayerCapture | ExpertRowCapture | RouterCapture] = {}
+        # Mixture-of-experts blocks: per-expert rows and router statistics (monitoring.expert_capture).
+        moe = moe_captures(model, chosen, cfg.tensors, cfg.shadow_format)
+        chosen = [(fqn, m) for fqn, m in chosen if fqn not in moe.skip]
         te_bound, te_unseen = [], []
         backends = {fqn: backend_of(m) for fqn, m in chosen}
         te_live = any(b is not None and b.debug_api for b in backends.values()) and te_capture.capture_live()
@@ -318,6 +324,7 @@ class Monitor:
             self.captures[fqn] = LayerCapture(
                 module, plan, cfg.tensors, cfg.whatif, sharding, collective_timeout_s=cfg.collective_timeout_s
             )
+        self.captures.update(moe.captures)
         if te_unseen:
             warnings.warn(
                 f"fp8track: {len(te_unseen)} TE layers ({', '.join(te_unseen[:4])}...) quantise tensors "
@@ -352,6 +359,7 @@ class Monitor:
         self.halt_reason: str | None = None
         self._halt_events: list[EventRecord] = []
         self.fp8_flop_share: float | None = None
+        self._router_host: tuple[list[Any], list[float]] = ([], [])
         self._share_checked = False
         if data_fingerprint is not None:
             self.record_data(data_fingerprint)
@@ -517,10 +525,15 @@ class Monitor:
         device = self._device()
         keys, parts = self._take_partials(device) if with_stats else ([], [])
         range_keys, ranges = self._take_ranges(device) if with_stats else ([], [])
+        routers = self._take_routers(device) if with_stats else []
+        router_sums = [torch.cat([r[1] for r in routers])] if routers else []
+        router_max = [torch.cat([r[2] for r in routers])] if routers else []
         pending, self._pending = self._pending, []
-        host = self._reduce_to_host(parts, pending, device, reduce, ranges)
+        host = self._reduce_to_host(parts, pending, device, reduce, ranges, (router_sums, router_max))
         if host is not None:
-            self._write_flush(keys, pending, host, with_stats, range_keys)
+            n_router = sum(r[1].numel() + r[2].numel() for r in routers)
+            self._router_host = (routers, host[len(host) - n_router :])
+            self._write_flush(keys, pending, host[: len(host) - n_router], with_stats, range_keys)
         if with_stats and reduce and self.config.burst_steps and _dist_world() > 1:
             self._share_burst(device)
 
@@ -554,6 +567,7 @@ class Monitor:
         metrics, events = self._analyse(step, series, rows)
         events.extend(self._react(step, pending, host, keys, events, with_stats))
         metrics.update(self._flop_share(step, events) if with_stats else {})
+        metrics.update(self._router_metrics())
         self.last_events = events
         self._emit(step, {**step_metrics, **self._scalars(rows), **metrics}, rows, events, earlier=earlier)
 
@@ -676,7 +690,8 @@ class Monitor:
         budget = DumpBudget(self.config.max_dump_bytes)
         layers: dict[str, LayerDump] = {}
         for fqn, cap in self.captures.items():
-            if cap.active and (wanted is None or fqn in wanted):  # type: ignore[operator]
+            # (expert rows and routers keep no dumps: their tensors are grouped over experts)
+            if isinstance(cap, LayerCapture) and cap.active and (wanted is None or fqn in wanted):  # type: ignore[operator]
                 cap.recorder = self._recorder(fqn, cap, budget, layers, step)
         self._dump = (budget, layers)
 
@@ -713,6 +728,27 @@ class Monitor:
         return EventRecord(
             "dump", step, {"files": files, "bytes": total, "left_out": sorted(budget.refused)}
         )
+
+    def _take_routers(self, device: torch.device) -> list[tuple[Any, torch.Tensor, torch.Tensor]]:
+        """``(router capture, sums, max)`` of every MoE block's router this step (reset)."""
+        routers = [cap for cap in self.captures.values() if isinstance(cap, RouterCapture)]
+        return [(cap, cap.take_sums(device), cap.take_max(device)) for cap in routers]
+
+    def _router_metrics(self) -> dict[str, float]:
+        """The routers' metrics from this flush's host copy (:mod:`fp8track.monitoring.router_capture`)."""
+        routers, host = self._router_host
+        self._router_host = ([], [])
+        if not routers:
+            return {}
+        n_sums = sum(r[1].numel() for r in routers)
+        sums, maxes = host[:n_sums], host[n_sums:]
+        per_block, i = {}, 0
+        for j, (cap, s, _) in enumerate(routers):
+            per_block[cap.name] = finalize_router(
+                sums[i : i + s.numel()], maxes[j], cap.num_experts, cap.top_k
+            )
+            i += s.numel()
+        return router_metrics(per_block)
 
     def _take_partials(self, device: torch.device) -> tuple[list[tuple[str, str, str]], list[torch.Tensor]]:
         """``(fqn, tensor, variant)`` keys and the device partials the layers accumulated since the
@@ -777,14 +813,18 @@ class Monitor:
         device: torch.device,
         reduce: bool,
         ranges: Sequence[torch.Tensor] = (),
+        extra: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] = ((), ()),
     ) -> list[float] | None:
         """The logging step's numbers on the host, reduced over ranks: the partials' fields, then
         the pending losses (mean over ranks), then their grad norms (root mean square over ranks,
         the global norm for sharded gradients, see :func:`total_grad_norm`). One SUM collective
         carries the partials' summed fields, the losses and the squared grad norms; one MAX
         collective the partials' max fields and the block rows' ``max_blockwise_dynamic_range``
-        (``ranges``, last in the host copy); then one host copy. ``None`` on other ranks than the
-        writer (they take part in the collectives only)."""
+        (``ranges``); ``extra`` (sums, maxima: the MoE routers' statistics) ride in the same two
+        collectives and come last in the host copy, sums then maxima; then one host copy. ``None``
+        on other ranks than the writer (they take part in the collectives only)."""
+        extra_sums = torch.cat(list(extra[0])).to(torch.float64) if extra[0] else None
+        extra_max = torch.cat(list(extra[1])).to(torch.float64) if extra[1] else None
         losses = _stack_or_nan([p.loss for p in pending], device).to(torch.float64)
         gnorms = _stack_or_nan([p.grad_norm for p in pending], device).to(torch.float64)
         stacked = (
@@ -801,8 +841,12 @@ class Monitor:
 
             from fp8track.numerics.stats import wait_collectives
 
-            sums = torch.cat([stacked[:, :NUM_SUM].reshape(-1), losses, gnorms.square()])
-            maxes = torch.cat([stacked[:, NUM_SUM:].reshape(-1), block_ranges])
+            n_extra = 0 if extra_sums is None else extra_sums.numel()
+            n_extra_max = 0 if extra_max is None else extra_max.numel()
+            sums = torch.cat([stacked[:, :NUM_SUM].reshape(-1),
+                              *([extra_sums] if extra_sums is not None else []), losses, gnorms.square()])
+            maxes = torch.cat([stacked[:, NUM_SUM:].reshape(-1), block_ranges,
+                               *([extra_max] if extra_max is not None else [])])
             works = [dist.all_reduce(sums, op=dist.ReduceOp.SUM, async_op=True)]
             if maxes.numel():  # every rank has the same layers, so every rank skips it alike
                 works.append(dist.all_reduce(maxes, op=dist.ReduceOp.MAX, async_op=True))
@@ -813,13 +857,18 @@ class Monitor:
             stacked = torch.cat(
                 [sums[:n_sum].reshape(-1, NUM_SUM), maxes[:n_max].reshape(-1, PARTIAL_SIZE - NUM_SUM)], dim=1
             )
-            block_ranges = maxes[n_max:]
-            scalars = sums[n_sum:] / world
+            block_ranges = maxes[n_max : maxes.numel() - n_extra_max]
+            if n_extra:
+                extra_sums = sums[n_sum : n_sum + n_extra]
+            if n_extra_max:
+                extra_max = maxes[maxes.numel() - n_extra_max :]
+            scalars = sums[n_sum + n_extra :] / world
             losses, gnorms = scalars[: len(pending)], scalars[len(pending) :].sqrt()
         if not self.is_writer:
             return None
         # The one host copy of this logging step.
-        return torch.cat([stacked.reshape(-1), losses, gnorms, block_ranges]).cpu().tolist()
+        tail = [t for t in (extra_sums, extra_max) if t is not None]
+        return torch.cat([stacked.reshape(-1), losses, gnorms, block_ranges, *tail]).cpu().tolist()
 
     def _analysis_failed(self, analyzer: Any, exc: Exception, step: int, events: list[EventRecord]) -> None:
         name = type(analyzer).__name__
@@ -846,6 +895,9 @@ class Monitor:
         fmts = [variant_format(plan, t, v) for plan, ((_, t, v), _) in zip(plans, live, strict=True)]
         stats = finalize_many([part for _, part in live], fmts, [plan.margin for plan in plans])
         for (key, _), st in zip(live, stats, strict=True):
+            extra = getattr(self.captures[key[0]], "extra_stats", None)
+            if extra is not None:  # expert rows: routed tokens
+                extra(key[1], st)
             r = (ranges or {}).get(key, -math.inf)
             if r != -math.inf:  # a block row observed this step (TE's LogTensorStats statistic)
                 st[BLOCK_RANGE_STAT] = r
@@ -858,7 +910,8 @@ class Monitor:
         out: dict[str, float] = {}
         main = [r for r in rows if r.variant in ("actual", "shadow")]
         if self.config.per_layer_scalars:
-            for r in main:
+            # One expert's rows go to the tables only (E experts x layers would flood the scalars).
+            for r in (r for r in main if getattr(self.captures.get(r.layer), "expert", None) is None):
                 for s in self.config.scalar_stats:
                     out[metric_name(r.layer, r.tensor, s)] = r.stats[s]
         if main:

@@ -153,6 +153,8 @@ class DelayedScaler:
        and slot 0 is zeroed, exactly as TE's ``_update_amax_history``.
 
     Tensors live on the device of the first tensor observed; nothing synchronises with the host.
+    ``shape`` scales many tensors side by side (one history and scale per element: the experts of
+    a grouped GEMM, each with its own quantizer as in TE's ``GroupedLinear``).
     """
 
     def __init__(
@@ -161,6 +163,7 @@ class DelayedScaler:
         history_len: int = 1024,
         algo: str = "max",
         margin: int = 0,
+        shape: tuple[int, ...] = (),
     ) -> None:
         self.fmt = get_format(fmt)
         check_int("amax_history_len", history_len, 1)
@@ -170,8 +173,9 @@ class DelayedScaler:
         self.history_len = history_len
         self.algo = algo
         self.margin = margin
-        self.amax_history = torch.zeros(history_len, dtype=torch.float32)
-        self.scale = torch.ones((), dtype=torch.float32)
+        self.shape = tuple(shape)
+        self.amax_history = torch.zeros((history_len, *self.shape), dtype=torch.float32)
+        self.scale = torch.ones(self.shape, dtype=torch.float32)
 
     def _to(self, device: torch.device) -> None:
         if self.scale.device != device:
@@ -219,10 +223,12 @@ class DelayedScaler:
 
     def _load_history(self, value: Any) -> None:
         hist = torch.as_tensor(value, dtype=torch.float32)
-        if hist.numel() != self.history_len:
+        if hist.numel() != self.amax_history.numel():
             raise ConfigError(
-                f"checkpointed amax history has length {hist.numel()}, this scaler expects {self.history_len}"
+                f"checkpointed amax history has shape {tuple(hist.shape)}, this scaler expects "
+                f"{tuple(self.amax_history.shape)} (history length {self.history_len})"
             )
+        hist = hist.reshape(self.amax_history.shape)
         self.amax_history = hist.to(self.amax_history.device).clone()
 
     def _load_scale(self, value: Any) -> None:

@@ -61,10 +61,13 @@ class Converted:
     Attributes:
         fp8: qualified names of the layers that now run FP8.
         refused: ``{name: reason}`` of layers the backend kept out of FP8 (TE's shape rules).
+        unconverted: ``{name: reason}`` of modules the backend cannot run in FP8 at all (expert
+            groups under a recipe it does not emulate for them); ``apply_fp8`` lists and warns.
     """
 
     fp8: tuple[str, ...]
     refused: dict[str, str] = field(default_factory=dict)
+    unconverted: dict[str, str] = field(default_factory=dict)
 
 
 class Backend:
@@ -76,6 +79,9 @@ class Backend:
     """``backend="auto"`` picks the available backend with the highest priority (``None``: never)."""
     debug_api: ClassVar[bool] = False
     """True when a debug API (TE's nvdlfw_inspect) can hand the monitor what its modules quantise."""
+    converts_experts: ClassVar[bool] = False
+    """True when :meth:`convert` takes fused mixture-of-experts modules
+    (:mod:`fp8track.execution.experts`); other backends get none and ``apply_fp8`` lists them."""
 
     def available(self) -> bool:
         """Whether the backend can run here."""

@@ -60,6 +60,8 @@ from torch import nn
 
 from fp8track.execution.backends.base import Backend, Converted, ScaleFn, ScaleRule, register
 from fp8track.execution.checkpointing import in_backward
+from fp8track.execution.experts import expert_group
+from fp8track.execution.fp8_experts import EmulatedFP8Experts, convert_experts, unconverted_reason
 from fp8track.execution.layers import InOutWeightGemm, is_hf_conv1d
 from fp8track.execution.recipes import Recipe
 from fp8track.numerics.formats import FP8Format
@@ -229,8 +231,7 @@ class _EmulatedFP8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: EmulatedFP8Layer, out_dtype: torch.dtype, update: bool) -> torch.Tensor:  # noqa: E501
         recipe = layer.fp8_recipe
-        lead = x.shape[:-1]
-        x2d = x.reshape(-1, x.shape[-1])
+        x2d = x  # 2-D: the caller reshapes outside the Function (its output must not be a view)
         with torch.autocast(x.device.type, enabled=False):
             if recipe.nvfp4 is not None:
                 nv = recipe.nvfp4
@@ -262,14 +263,13 @@ class _EmulatedFP8LinearFn(torch.autograd.Function):
         layer._last_scales["weight"] = sw
         ctx.layer, ctx.update, ctx.has_bias = layer, update, bias is not None
         ctx.x_dtype, ctx.w_dtype, ctx.out_dtype = x.dtype, weight.dtype, out_dtype
-        return out.reshape(*lead, out.shape[-1])
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         layer: EmulatedFP8Layer = ctx.layer
         recipe = layer.fp8_recipe
-        lead = grad_out.shape[:-1]
-        g = grad_out.reshape(-1, grad_out.shape[-1])
+        g = grad_out
         with torch.autocast(g.device.type, enabled=False):
             if recipe.nvfp4 is not None:
                 grad_x, grad_w, sg = _nvfp4_backward(layer, recipe.nvfp4, g, *ctx.saved_tensors, ctx.x_dtype)
@@ -298,7 +298,6 @@ class _EmulatedFP8LinearFn(torch.autograd.Function):
                     grad_w = _bf16_mm(gd.t(), dequantize(qx, sx).t(), torch.float32)
             grad_b = g.to(torch.float32).sum(0) if ctx.has_bias else None
         layer._last_scales["gradient"] = sg
-        grad_x = grad_x.reshape(*lead, grad_x.shape[-1])
         return (
             grad_x,
             grad_w.to(ctx.w_dtype),
@@ -362,7 +361,10 @@ class EmulatedFP8Layer:
         if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             out_dtype = torch.float32
         update = self.training and torch.is_grad_enabled()
-        return _EmulatedFP8LinearFn.apply(x, weight, bias, self, out_dtype, update)
+        # The Function sees 2-D operands and returns a fresh tensor; the reshape happens out here,
+        # so the output is an ordinary view that in-place ops (``y.add_(...)``) may modify.
+        out = _EmulatedFP8LinearFn.apply(x.reshape(-1, x.shape[-1]), weight, bias, self, out_dtype, update)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def fp8_scales(self) -> dict[str, torch.Tensor]:
         """Scale actually used per tensor kind on the most recent forward / backward (on device).
@@ -491,17 +493,22 @@ class EmulatedBackend(Backend):
 
     name = "emulated"
     auto_priority = 0
+    converts_experts = True
 
     def owns(self, module: nn.Module) -> bool:
-        return isinstance(module, EmulatedFP8Layer)
+        return isinstance(module, (EmulatedFP8Layer, EmulatedFP8Experts))
 
     def is_fp8(self, module: nn.Module) -> bool:
+        if isinstance(module, EmulatedFP8Experts):
+            return bool(module.fp8_params)
         return isinstance(module, EmulatedFP8Layer) and module.fp8_recipe.quantizes
 
     def recipe_of(self, module: nn.Module) -> Recipe | None:
-        return module.fp8_recipe if isinstance(module, EmulatedFP8Layer) else None
+        return module.fp8_recipe if isinstance(module, (EmulatedFP8Layer, EmulatedFP8Experts)) else None
 
     def used_scales(self, module: nn.Module) -> dict[str, torch.Tensor] | None:
+        if isinstance(module, EmulatedFP8Experts):
+            return None  # per expert and projection: fp8_scales() / fp8_quantizers(param)
         return module.fp8_scales() if self.is_fp8(module) else None  # type: ignore[union-attr]
 
     def scale_fns(self, module: nn.Module) -> dict[str, ScaleFn]:
@@ -520,16 +527,27 @@ class EmulatedBackend(Backend):
     def convert(
         self, model: nn.Module, recipe: Recipe, names: Sequence[str], keep_bf16: Collection[str]
     ) -> Converted:
-        fp8 = []
+        fp8, unconverted = [], {}
         for n in names:
             if n in keep_bf16:
                 continue
             layer = model.get_submodule(n)
+            group = expert_group(n, layer)
+            if group is not None:
+                params = [p.name for p in group.params if f"{n}.{p.name}" not in keep_bf16]
+                why = unconverted_reason(group, layer, recipe) if recipe.quantizes else None
+                if why is not None:
+                    unconverted[n] = why
+                elif recipe.quantizes and params:
+                    convert_experts(layer, recipe, group, params)
+                    whole = len(params) == len(group.params)
+                    fp8.extend([n] if whole else [f"{n}.{p}" for p in params])
+                continue
             wrap = EmulatedFP8Conv1D.from_conv1d if is_hf_conv1d(layer) else EmulatedFP8Linear.from_linear
             model.set_submodule(n, wrap(layer, recipe))
             if recipe.quantizes:
                 fp8.append(n)
-        return Converted(tuple(fp8))
+        return Converted(tuple(fp8), unconverted=unconverted)
 
 
 register(EmulatedBackend())

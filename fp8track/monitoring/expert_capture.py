@@ -1,0 +1,408 @@
+"""Per-expert statistics of mixture-of-experts layers.
+
+For every fused expert group (:mod:`fp8track.execution.experts`) and projection ``<param>``, on
+sampled steps, rows named
+
+* ``<experts>.<param>.expert_<e>``: expert ``e``'s activation (its routed tokens, the rows of the
+  grouped GEMM's input in its group), weight (its slice ``[out, in]``) and gradient (its dY rows),
+  each judged with that expert's own scale (one quantizer per expert, as Transformer Engine's
+  ``GroupedLinear``); an expert that got no token has no activation or gradient row;
+* ``<experts>.<param>``: the group's aggregate, the expert partials merged as shards of one tensor
+  merge (counts summed, maxima maxed).
+
+Activation and gradient rows carry ``tokens``: the routed (token, expert) slots of the step
+(all tokens for Llama 4's dense experts).
+
+The statistics of all experts of a projection come from one pass over the grouped tensor
+(:func:`fp8track.numerics.segment_stats.segment_partial_stats`, group boundaries from the GEMM's
+own offsets on the device): no Python loop over experts, no host synchronisation.
+
+Where the GEMMs are seen:
+
+* a converted module (:class:`fp8track.execution.fp8_experts.EmulatedFP8Experts`) calls the
+  capture's tap once per projection with the rows, offsets and output;
+* an unconverted Hugging Face module (a BF16 control, shadow statistics) is watched during its
+  forward on sampled steps by a ``TorchFunctionMode`` that sees its ``torch._grouped_mm`` calls
+  (``F.grouped_mm``, the default ``grouped_mm`` implementation) or ``torch.bmm`` calls (Llama 4),
+  matched to the parameter by storage. The ``eager`` and ``batched_mm`` implementations loop or
+  gather weights per slot; those groups get no rows, with a warning saying why.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from fp8track.execution.checkpointing import in_backward
+from fp8track.execution.experts import ExpertGroup, ExpertParam, expert_row
+from fp8track.execution.fp8_experts import EmulatedFP8Experts
+from fp8track.execution.grouped import equal_offsets, segment_ids
+from fp8track.monitoring.capture import LayerPlan, guard_module_hooks, shadow_plan
+from fp8track.numerics.formats import TENSOR_KINDS
+from fp8track.numerics.segment_stats import merge_group_partials, segment_partial_stats
+from fp8track.numerics.stats import identity_partial, merge_partials
+
+if TYPE_CHECKING:
+    from fp8track.monitoring.router_capture import RouterCapture
+
+TOKENS_STAT = "tokens"
+"""Extra statistic of expert activation and gradient rows: routed (token, expert) slots."""
+_GROUPED_OPS = (torch._grouped_mm, *((F.grouped_mm,) if hasattr(F, "grouped_mm") else ()))
+
+
+class ExpertRowCapture:
+    """One record row source of an expert group (``<experts>.<param>[.expert_<e>]``) with the
+    interface the monitor asks of a layer capture (keys, take, FLOPs); the group fills it."""
+
+    def __init__(
+        self,
+        group: ExpertGroupCapture,
+        plan: LayerPlan,
+        param: str,
+        expert: int | None,
+        width: dict[str, int],
+    ) -> None:
+        self.group = group
+        self.plan = plan
+        self.param = param
+        self.expert = expert  # None: the group's aggregate row
+        self.tensors = group.tensors
+        self.module = group.module
+        self.width = width  # the row width (K) of each tensor kind, to count tokens
+        self.flops = 0
+        self.active = False
+        self.recorder: Callable[[str, torch.Tensor, torch.Tensor | None], None] | None = None  # no dumps
+
+    def keys(self) -> list[tuple[str, str]]:
+        return [(t, self.plan.variant) for t in self.tensors]
+
+    def range_keys(self) -> list[tuple[str, str]]:
+        return []
+
+    def take_ranges(self, device: torch.device) -> list[torch.Tensor]:
+        return []
+
+    def take(self, device: torch.device) -> list[torch.Tensor]:
+        """This row's partials of the step (the group's ``[E + 1, 13]`` accumulators hold every row)."""
+        empty = identity_partial(device)
+        out = []
+        for t in self.tensors:
+            acc = self.group.partials.get((self.param, t))
+            row = self.group.group.num_experts if self.expert is None else self.expert
+            out.append(empty if acc is None else acc[row].to(device))
+        return out
+
+    def take_flops(self) -> int:
+        flops, self.flops = self.flops, 0
+        return flops
+
+    def extra_stats(self, tensor: str, stats: dict[str, float]) -> None:
+        """Add ``tokens`` to an activation / gradient row's finalised statistics."""
+        if tensor in ("activation", "gradient") and self.width.get(tensor):
+            stats[TOKENS_STAT] = stats["numel"] / self.width[tensor]
+
+    def begin_step(self, sampled: bool) -> None:
+        self.active = sampled
+        self.group.begin_step(sampled)
+
+    def attach(self) -> None:
+        self.group.attach()
+
+    def detach(self) -> None:
+        self.group.detach()
+
+
+class _Spy(TorchFunctionMode):
+    """Sees an unconverted experts module's grouped GEMMs (see the module docstring)."""
+
+    def __init__(self, capture: ExpertGroupCapture) -> None:
+        super().__init__()
+        self.capture = capture
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in _GROUPED_OPS and len(args) >= 2:
+            offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+            param = self.capture.param_of(args[1])
+            if param is not None and offs is not None and args[0].dim() == 2:
+                self.capture.tap(param.name, args[0], offs, out)
+        elif func is torch.bmm and len(args) == 2 and args[0].dim() == 3:
+            param = self.capture.param_of(args[1])
+            if param is not None:
+                e, t, k = args[0].shape
+                self.capture.tap(param.name, args[0].reshape(e * t, k), equal_offsets(e, t, args[0].device),
+                                 out.reshape(e * t, -1))
+        return out
+
+
+class ExpertGroupCapture:
+    """Hooks on one experts module and its rows (see the module docstring).
+
+    Args:
+        name: the group's canonical name (records use it).
+        module: the experts module.
+        group: its structure.
+        tensors: the tensor kinds to record.
+        shadow_format: format pair of shadow statistics (unconverted groups).
+    """
+
+    def __init__(
+        self, name: str, module: nn.Module, group: ExpertGroup, tensors: Sequence[str], shadow_format: str
+    ) -> None:
+        self.name = name
+        self.module = module
+        self.group = group
+        self.tensors = tuple(tensors)
+        self.shadow_format = shadow_format
+        self.active = False
+        self._attached = False
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._spy: _Spy | None = None
+        self._weights_done: set[str] = set()
+        self._forwards = self._recomputes = 0
+        self._warned = False
+        self.rows: dict[str, ExpertRowCapture] = {}
+        self.counts: torch.Tensor | None = None  # routed slots per expert this step (first projection)
+        # (param, tensor) -> [E + 1, PARTIAL_SIZE]: the experts' partials, then the aggregate.
+        self.partials: dict[tuple[str, str], torch.Tensor] = {}
+        self.plans: dict[str, LayerPlan] = {}
+        for p in group.params:
+            fp8 = isinstance(module, EmulatedFP8Experts) and p.name in module.fp8_params
+            plan = self.plans[p.name] = self._plan(p, fp8)
+            w = p.weight_oi(module)
+            width = {"activation": int(w.shape[2]), "gradient": int(w.shape[1])}
+            for e in [None, *range(group.num_experts)]:
+                row = expert_row(name, p.name, e)
+                self.rows[row] = ExpertRowCapture(
+                    self, LayerPlan(row, plan.fp8, plan.formats), p.name, e, width
+                )
+
+    def _plan(self, param: ExpertParam, fp8: bool) -> LayerPlan:
+        if not fp8:
+            return shadow_plan(self.name, self.shadow_format)
+        assert isinstance(self.module, EmulatedFP8Experts)
+        recipe = self.module.fp8_recipe
+        formats = {t: recipe.formats.for_tensor(t).name for t in TENSOR_KINDS}
+        return LayerPlan(self.name, True, formats)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def attach(self) -> None:
+        if self._attached:
+            return
+        self._attached = True
+        guard_module_hooks()
+        self._handles = [
+            self.module.register_forward_pre_hook(self._pre_hook),
+            self.module.register_forward_hook(self._post_hook),
+        ]
+
+    def detach(self) -> None:
+        self._attached = False
+        self.active = False
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def begin_step(self, sampled: bool) -> None:
+        """Called by each of the group's rows; the first call of a step resets the step's state."""
+        if sampled != self.active or not sampled:
+            self._weights_done.clear()
+            self._forwards = self._recomputes = 0
+            self.counts = None
+            self.partials.clear()
+        self.active = sampled
+
+    def take_counts(self) -> torch.Tensor | None:
+        counts, self.counts = self.counts, None
+        return counts
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def _pre_hook(self, module: nn.Module, args: tuple) -> None:
+        if not (self.active and torch.is_grad_enabled()) or self._is_recompute():
+            return
+        if isinstance(module, EmulatedFP8Experts):
+            module.fp8track_tap = self.tap
+            return
+        impl = getattr(getattr(module, "config", None), "_experts_implementation", "grouped_mm")
+        if self.group.kind == "fused" and impl not in (None, "grouped_mm") and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"fp8track: {self.name} runs experts implementation {impl!r}; per-expert statistics "
+                "need 'grouped_mm' (transformers' default) or an apply_fp8-converted module",
+                stacklevel=2,
+            )
+        self._spy = _Spy(self)
+        self._spy.__enter__()
+
+    def _post_hook(self, module: nn.Module, args: tuple, output: object) -> None:
+        if isinstance(module, EmulatedFP8Experts):
+            module.fp8track_tap = None
+        if self._spy is not None:
+            spy, self._spy = self._spy, None
+            spy.__exit__(None, None, None)
+
+    def _is_recompute(self) -> bool:
+        if not in_backward():
+            self._forwards += 1
+            return False
+        if self._recomputes < self._forwards:
+            self._recomputes += 1
+            return True
+        return False
+
+    def param_of(self, weight: torch.Tensor) -> ExpertParam | None:
+        """The projection whose parameter ``weight`` is (or views)."""
+        if not isinstance(weight, torch.Tensor):
+            return None
+        for p in self.group.params:
+            w = getattr(self.module, p.name)
+            if weight.data_ptr() == w.data_ptr() and weight.shape[0] == w.shape[0]:
+                return p
+        return None
+
+    # -- observations ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def tap(self, param: str, rows: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> None:
+        """One grouped GEMM of projection ``param``: ``rows [S, K]`` (sorted by expert), ``offs``
+        the cumulative row counts, ``out [S, N]`` its output (dY is read from its gradient)."""
+        p = next(x for x in self.group.params if x.name == param)
+        e = self.group.num_experts
+        seg = segment_ids(offs, rows.shape[0])
+        w = p.weight_oi(self.module)
+        self.rows[expert_row(self.name, param)].flops += 6 * rows.shape[0] * int(w.shape[1]) * int(w.shape[2])
+        if param == self.group.params[0].name:
+            counts = torch.diff(offs.to(torch.float64), prepend=offs.new_zeros(1, dtype=torch.float64))
+            self.counts = counts if self.counts is None else self.counts + counts
+        if "activation" in self.tensors:
+            self._add(param, "activation", rows, seg, self._scale(param, "activation"))
+        if "weight" in self.tensors and param not in self._weights_done:
+            self._weights_done.add(param)
+            n = int(w.shape[1])
+            wseg = torch.arange(e, device=w.device).repeat_interleave(n)
+            self._add(param, "weight", w.detach().reshape(e * n, -1), wseg, self._scale(param, "weight"))
+        if "gradient" in self.tensors and out.requires_grad:
+            scale_fn = self._gradient_scale_fn(param)
+            out.register_hook(lambda g: self._gradient(param, g, seg, scale_fn))
+
+    def _scale(self, param: str, tensor: str) -> torch.Tensor | None:
+        """The per-expert scales the converted module used for ``tensor`` (delayed scaling), else
+        ``None`` (current scaling per expert: the same rule on the same rows)."""
+        quant = self.module.fp8_quantizers(param) if isinstance(self.module, EmulatedFP8Experts) else None
+        if quant is None or not quant.delayed:
+            return None
+        return quant.last_scales.get(tensor)
+
+    def _gradient_scale_fn(self, param: str) -> Callable[[], torch.Tensor | None]:
+        quant = self.module.fp8_quantizers(param) if isinstance(self.module, EmulatedFP8Experts) else None
+        scaler = quant.delayed.get("gradient") if quant is not None else None
+        if scaler is None:
+            return lambda: None
+        return lambda: scaler.scale.clone()  # dY is seen before the backward that uses this scale
+
+    @torch.no_grad()
+    def _gradient(self, param: str, g: torch.Tensor, seg: torch.Tensor, scale_fn: Callable[[], Any]) -> None:
+        self._add(param, "gradient", g.reshape(-1, g.shape[-1]), seg, scale_fn())
+
+    def _add(
+        self, param: str, tensor: str, x2d: torch.Tensor, seg: torch.Tensor, scale: torch.Tensor | None
+    ) -> None:
+        plan = self.plans[param]
+        parts = segment_partial_stats(
+            x2d, seg, self.group.num_experts, plan.formats[tensor], scale, plan.margin
+        )
+        parts = torch.cat([parts, merge_group_partials(parts).unsqueeze(0)])
+        prev = self.partials.get((param, tensor))
+        self.partials[(param, tensor)] = parts if prev is None else merge_partials([prev, parts])
+
+
+def expert_captures(
+    model: nn.Module, groups: Sequence[tuple[str, ExpertGroup]], tensors: Sequence[str], shadow_format: str
+) -> list[ExpertGroupCapture]:
+    """A capture per fused / dense expert group ``(canonical name, group)`` of ``model``."""
+    out = []
+    for name, group in groups:
+        if group.kind in ("fused", "dense"):
+            out.append(
+                ExpertGroupCapture(name, model.get_submodule(group.fqn), group, tensors, shadow_format)
+            )
+    return out
+
+
+
+class MoECaptures:
+    """What the monitor adds for a model's MoE blocks (:func:`moe_captures`).
+
+    Attributes:
+        captures: ``{record name: capture}``: every expert row, and one router capture per block.
+        skip: canonical names of selected layers the layer captures must leave out (expert modules,
+            whose rows come from here; router subclasses returning tuples, measured by the router
+            capture).
+    """
+
+    def __init__(self) -> None:
+        self.captures: dict[str, ExpertRowCapture | RouterCapture] = {}
+        self.skip: set[str] = set()
+
+
+def moe_captures(
+    model: nn.Module, chosen: Sequence[tuple[str, nn.Module]], tensors: Sequence[str], shadow_format: str
+) -> MoECaptures:
+    """Expert-row and router captures for the MoE blocks of ``model`` whose experts are among the
+    selected layers ``chosen`` (``(canonical name, module)``)."""
+    from fp8track.execution.experts import find_moe
+    from fp8track.monitoring.router_capture import RouterCapture
+
+    out = MoECaptures()
+    by_module = {id(m): name for name, m in chosen}
+    moe = find_moe(model)
+    prefix_of = {fqn: _canonical_prefix(by_module, model, fqn) for fqn in (b.fqn for b in moe.blocks)}
+    for block in moe.blocks:
+        experts = model.get_submodule(block.experts.fqn)
+        group_capture = None
+        name = by_module.get(id(experts))
+        if name is not None and block.experts.kind in ("fused", "dense"):
+            group_capture = ExpertGroupCapture(name, experts, block.experts, tensors, shadow_format)
+            out.captures.update(group_capture.rows)
+            out.skip.add(name)
+        if block.router is None or block.router_gemm is None:
+            continue
+        router, gemm = model.get_submodule(block.router), model.get_submodule(block.router_gemm)
+        gemm_name = by_module.get(id(gemm))
+        if gemm_name is not None and type(gemm) is not nn.Linear:
+            out.skip.add(gemm_name)  # an nn.Linear subclass returning a tuple (PhiMoE, Llama 4)
+            gemm_name = None
+        block_name = prefix_of[block.fqn]
+        # Real routing from the fused group's GEMM sizes (a dense group runs every expert on every
+        # token: its routing is the router's own top-k then).
+        counts = (
+            group_capture.take_counts if group_capture is not None and block.experts.kind == "fused" else None
+        )
+        cap = RouterCapture(block_name, block, router, gemm, counts)
+        cap.count_flops = gemm_name is None
+        key = _free_key(
+            out.captures, by_module.get(id(router)) or f"{block_name}.{block.router.rsplit('.', 1)[-1]}"
+        )
+        out.captures[key] = cap
+    return out
+
+
+def _canonical_prefix(by_module: dict[int, str], model: nn.Module, fqn: str) -> str:
+    """The canonical name of the block at ``fqn``: derived from a selected layer inside it (the
+    canonical names drop wrappers and a LightningModule's holder), else ``fqn`` itself."""
+    block = model.get_submodule(fqn)
+    for sub_name, m in block.named_modules():
+        name = by_module.get(id(m))
+        if name is not None and sub_name and name.endswith("." + sub_name):
+            return name[: -len(sub_name) - 1]
+    return fqn
+
+
+def _free_key(taken: dict[str, Any], key: str) -> str:
+    return key if key not in taken else f"{key}.router_stats"
