@@ -420,6 +420,29 @@ def read_wandb_run(wandb_file: Path, step_metric: str = DEFAULT_STEP_METRIC) -> 
             value = _history_value(v)
             if not k.startswith("_") and value is not None and k != step_metric:
                 metrics.setdefault(k, {})[int(step)] = value
-    return StoredRun(
-        str(wandb_file.parent), metrics, rows_from_scalars(metrics), _run_config(wandb_file, records)
-    )
+    rows = _table_rows(wandb_file) or rows_from_scalars(metrics)
+    return StoredRun(str(wandb_file.parent), metrics, rows, _run_config(wandb_file, records))
+
+
+def _table_rows(wandb_file: Path) -> list[TensorStatsRow]:
+    """The tensor table as :class:`WandbTracker` logged it (the union of its incremental files under
+    ``files/media/table``): every row with its variant, including rows that have no scalars (what-if
+    variants, one expert's rows). Empty when the run holds no such table."""
+    out: dict[tuple[int, str, str, str], TensorStatsRow] = {}
+    folder = wandb_file.parent / "files" / "media" / "table"
+    for f in sorted(folder.glob(f"{naming.TABLE_TENSOR_STATS}_*.table.json")):
+        try:
+            table = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        columns = table.get("columns", [])
+        for row in table.get("data", []):
+            d = dict(zip(columns, row, strict=False))
+            stats = {
+                k: float(v)
+                for k, v in d.items()
+                if k not in TENSOR_KEY_COLUMNS and isinstance(v, (int, float)) and not isinstance(v, bool)
+            }
+            key = (int(d["step"]), str(d["layer"]), str(d["tensor"]), str(d.get("variant", "actual")))
+            out[key] = TensorStatsRow(key[0], key[1], key[2], stats, key[3])
+    return list(out.values())
