@@ -1,0 +1,329 @@
+"""The evidence every rule reads, computed once per diagnosis (:class:`Evidence`,
+:func:`gather_evidence`): the loss and evaluation comparisons, spikes, rows, the layer ranking."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from fp8track.analysis.baseline import Baseline, RunData
+from fp8track.analysis.causes import known_causes
+from fp8track.analysis.diagnose.model import (
+    LOWER_IS_BETTER,
+    DiagnosisConfig,
+)
+from fp8track.analysis.loss_gap import GapConfig, GapJudgement, judge_gap, same_batches, step_noise
+from fp8track.analysis.ranking import (
+    HistoryShift,
+    LayerRisk,
+    history_shifts,
+    outliers,
+    rank_layers,
+)
+from fp8track.analysis.spikes import SpikeConfig, SpikeEvent, detect_spikes
+
+
+def relative_noise(values: Sequence[float]) -> float:
+    """A series' relative step-to-step noise, ``1.4826 x MAD(d) / sqrt(2)`` with ``d`` the relative
+    changes of consecutive finite values (:func:`fp8track.analysis.loss_gap.step_noise`): trend-free
+    and spike-proof; NaN with fewer than 3 finite values."""
+    return step_noise(np.array(values, dtype=np.float64), relative=True)
+
+
+def compare_loss(
+    fp8: Mapping[int, float], control: Mapping[int, float], config: DiagnosisConfig | None = None,
+    paired: bool = False, seed_band: float | None = None,
+) -> GapJudgement:
+    """Step-aligned loss comparison and the onset of a lasting gap, judged by
+    :func:`fp8track.analysis.loss_gap.judge_gap`: in the paired FP8/control gap's own noise when both
+    runs saw the same batches (``paired``), else in the control's step-to-step noise; the onset is
+    the gap's change point, its phase ``"start"`` or ``"mid"``, its severity in that noise unit;
+    ``seed_band`` overrides :attr:`fp8track.analysis.loss_gap.GapConfig.seed_band`."""
+    cfg = config or DiagnosisConfig()
+    band = {} if seed_band is None else {"seed_band": seed_band}
+    return judge_gap(
+        fp8,
+        control,
+        paired,
+        GapConfig(
+            noise_k=cfg.noise_k,
+            smooth=cfg.smooth,
+            sustain=min(cfg.sustain, 1.0),
+            start_fraction=cfg.start_fraction,
+            **band,
+        ),
+    )
+
+
+def spike_config_for(n_steps: int) -> SpikeConfig:
+    """The spike detector's defaults, with the window shortened for short runs (a quarter of the
+    logged steps, at least 8, at most the default 128)."""
+    window = int(min(128, max(8, n_steps // 4)))
+    return SpikeConfig(window=window, warmup=min(64, max(8, window // 2)))
+
+
+def newly_enabled(fp8_meta: Mapping[str, Any], control_meta: Mapping[str, Any]) -> dict[str, Any]:
+    """Precision options the FP8 run has that the control does not (from ``config.precision`` of
+    the run metadata, :func:`fp8track.monitoring.monitor.precision_setup`), plus the FP8 recipe."""
+    def setup(meta: Mapping[str, Any]) -> Mapping[str, Any]:
+        cfg = meta.get("config") or {}
+        return cfg.get("precision") or {} if isinstance(cfg, Mapping) else {}
+
+    mine, theirs = setup(fp8_meta), setup(control_meta)
+    out: dict[str, Any] = {}
+    for key, value in mine.items():
+        if value in (None, False, "", "bf16", "none") or value == theirs.get(key):
+            continue
+        out[key] = value
+    recipe = fp8_meta.get("recipe")
+    if "recipe" not in out and isinstance(recipe, Mapping) and recipe.get("name") not in (None, "bf16"):
+        out["recipe"] = recipe.get("name")
+    return out
+
+
+OPTION_LABELS = {
+    "recipe": "the FP8 recipe itself (run the control's precision with only the recipe changed)",
+    "fp8_weights": "FP8 weights/parameters (keep master weights in BF16/FP32)",
+    "cpu_offloading": "CPU offloading",
+    "activation_checkpointing": "activation checkpointing",
+    "torch_compile": "torch.compile",
+    "fused_optimizer": "the fused/foreach optimizer",
+    "precision_plugin": "the precision plugin",
+    "precision": "the precision setting",
+    "strategy": "the distributed strategy",
+}
+
+
+def _eval_direction(name: str) -> int:
+    """+1 when larger is better, -1 when smaller is better (:data:`LOWER_IS_BETTER`)."""
+    low = name.lower()
+    return -1 if any(tok in low for tok in LOWER_IS_BETTER) else 1
+
+
+def compare_evals(
+    fp8: Mapping[str, Mapping[int, float]], control: Mapping[str, Mapping[int, float]], loss_noise: float,
+    noise_k: float,
+) -> dict[str, dict[str, Any]]:
+    """Per evaluation metric both runs have: the values at the last common evaluation step, the
+    relative change in the "worse" direction, the noise unit and its z."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in sorted(set(fp8) & set(control)):
+        common = sorted(set(fp8[name]) & set(control[name]))
+        if not common:
+            continue
+        step = common[-1]
+        a, b = float(fp8[name][step]), float(control[name][step])
+        direction = _eval_direction(name)
+        worse = -direction * (a - b) / abs(b) if b != 0 else (math.inf if -direction * (a - b) > 0 else 0.0)
+        if not math.isfinite(a):
+            worse = math.inf
+        series = [control[name][s] for s in sorted(control[name])]
+        noise = loss_noise
+        source = "control loss noise"
+        if len(series) >= 5:
+            own = relative_noise(series)
+            if math.isfinite(own) and own > 0:
+                noise, source = max(own, 1e-6), "control evaluation noise"
+        z = worse / noise if noise > 0 else math.inf
+        out[name] = {
+            "step": step,
+            "fp8": a,
+            "control": b,
+            "worse_rel": worse,
+            "noise_rel": noise,
+            "noise_source": source,
+            "z": z,
+            "dropped": z > noise_k,
+            "higher_is_better": direction > 0,
+        }
+    return out
+
+
+# --- the evidence every rule reads ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What the rules judge, computed once per diagnosis.
+
+    Attributes:
+        fp8, control: the two runs.
+        cfg: the configuration.
+        loss: the step-aligned loss comparison.
+        fp8_spikes: spikes and non-finite events of the FP8 loss; ``control_base`` the control's.
+        fp8_rows, control_rows: tensor-statistics rows of both runs.
+        shifts: own-history shifts of the FP8 run's (layer, tensor) pairs, strongest first.
+        ranking: the layer ranking (:func:`fp8track.analysis.ranking.rank_layers`, against the control).
+        outs: its outliers.
+        named: the layers a numerics finding names: the outliers, else the top-ranked (with ties).
+        model_order: the FP8 run's layers in model order (FP8 layers, then BF16 ones).
+        evals: per evaluation metric, :func:`compare_evals`.
+        row_spacing: steps between two sampled steps of the tensor statistics.
+        causes: the known causes the run points to (:func:`fp8track.analysis.causes.known_causes`).
+        paired_spikes: spikes of the FP8/control loss ratio when both runs saw the same batches
+            (:func:`paired_spikes`); empty otherwise.
+    """
+
+    fp8: RunData
+    control: RunData
+    cfg: DiagnosisConfig
+    loss: GapJudgement
+    fp8_spikes: tuple[SpikeEvent, ...]
+    control_base: Baseline
+    fp8_rows: tuple[Any, ...]
+    control_rows: tuple[Any, ...]
+    shifts: tuple[HistoryShift, ...]
+    ranking: tuple[LayerRisk, ...]
+    outs: tuple[LayerRisk, ...]
+    named: tuple[str, ...]
+    model_order: tuple[str, ...]
+    evals: Mapping[str, Mapping[str, Any]]
+    row_spacing: int
+    causes: Mapping[str, str]
+    paired_spikes: tuple[SpikeEvent, ...] = ()
+
+    @property
+    def nonfinite(self) -> list[SpikeEvent]:
+        return [e for e in self.fp8_spikes if e.kind == "nonfinite"]
+
+    @property
+    def gap_z(self) -> float:
+        """The lasting gap's level in its noise unit (:func:`fp8track.analysis.loss_gap.judge_gap`)."""
+        return self.loss.z
+
+    def loss_evidence(self) -> dict[str, Any]:
+        lc = self.loss
+        i = lc.steps.index(lc.onset_step) if lc.onset_step is not None else 0
+        return {
+            "onset_step": lc.onset_step,
+            "gap_rel_at_end": lc.final_gap,
+            "max_gap_rel": lc.max_gap,
+            "control_noise_rel": lc.noise,
+            "tolerance_rel": lc.tolerance,
+            "gap_in_noise_units": self.gap_z,
+            "fp8_loss_at_onset": lc.fp8[i],
+            "control_loss_at_onset": lc.control[i],
+            "fp8_final_loss": lc.fp8[-1],
+            "control_final_loss": lc.control[-1],
+            "gap_level_rel": lc.level,
+            "gap_z_cut": lc.z_cut,
+            "noise_unit": lc.unit,
+            "nonfinite_steps": [e.start_step for e in self.nonfinite],
+        }
+
+
+def corroborating_break(
+    outs: Sequence[LayerRisk], loss: GapJudgement, loss_spacing: int, row_spacing: int
+) -> str | None:
+    """The outlier layer whose own-history break explains a gap that ends inside the seed band
+    (``loss.band_onset_step``): it broke no later than the gap's onset plus the onsets' resolution
+    (:func:`breaks_after_gap`) and no earlier than twice that resolution before it; ``None`` when
+    no outlier did (the gap stays no finding)."""
+    if loss.band_onset_step is None:
+        return None
+    res = loss.smooth * loss_spacing + row_spacing
+    for r in outs:
+        if r.onset is not None and loss.band_onset_step - 2 * res <= r.onset <= loss.band_onset_step + res:
+            return r.layer
+    return None
+
+
+def breaks_after_gap(r: LayerRisk, loss: GapJudgement, loss_spacing: int, row_spacing: int) -> bool:
+    """Whether layer ``r`` broke on its own (its own-history onset) clearly after a lasting loss gap
+    opened: later than the gap's onset by more than the gap's smoothing width (``loss.smooth``
+    logged steps ``loss_spacing`` apart) plus one statistics sampling interval (``row_spacing``):
+    the two onsets' resolution. Such a layer cannot explain the gap: it is a separate,
+    later problem, judged on its own severity (:func:`finding_order`)."""
+    if loss.onset_step is None or r.onset is None:
+        return False
+    return r.onset > loss.onset_step + loss.smooth * loss_spacing + row_spacing
+
+
+def gather_evidence(
+    fp8: RunData, control: RunData, cfg: DiagnosisConfig, loss_key: str | None = None
+) -> Evidence:
+    """Everything :data:`RULES` read: the loss comparison, spikes, rows, shifts, ranking, evaluations."""
+    fkey, ckey = fp8.loss_key(loss_key), control.loss_key(loss_key)
+    fl, cl = fp8.metrics[fkey], control.metrics[ckey]
+    loss = compare_loss(fl, cl, cfg, paired=same_batches(fp8.meta, control.meta))
+    steps = loss.steps
+    spacing = _loss_spacing(loss)
+    scfg = spike_config_for(len(steps))
+    fp8_spikes = detect_spikes({s: fl[s] for s in steps}, scfg)
+    ctl_base = Baseline.from_series(control.source, {s: cl[s] for s in steps}, scfg, key=ckey)
+    fp8_rows, ctl_rows = tuple(fp8.tensor_rows), tuple(control.tensor_rows)
+    ranking = tuple(
+        rank_layers(fp8_rows, control=ctl_rows or None, events=fp8.events, history_z=cfg.history_z)
+    )
+    outs = tuple(outliers(ranking, cfg.outlier_z, cfg.outlier_min_score))
+    row_spacing = _row_spacing(fp8_rows) or spacing
+    if (cause := corroborating_break(outs, loss, spacing, row_spacing)) is not None:
+        # The seed band is there because one pair cannot tell drift from damage; a layer that broke
+        # on its own just before the gap opened tells them apart: the gap is judged without it.
+        loss = replace(compare_loss(fl, cl, cfg, paired=loss.unit == "paired", seed_band=0.0),
+                       corroborated_by=cause)
+    # The layers a lasting gap names: those that can explain it, not one that broke on its own later.
+    later = {r.layer for r in ranking if breaks_after_gap(r, loss, spacing, row_spacing)}
+    top = [r.layer for r in ranking if ranking and r.rank == ranking[0].rank and r.layer not in later]
+    named = tuple(
+        [r.layer for r in outs if r.layer not in later][: cfg.top_k]
+        or [r.layer for r in ranking if r.layer not in later][: max(cfg.top_k, len(top))]
+    )
+    fp8_layers = list(fp8.meta.get("fp8_layers") or [])
+    model_order = tuple(fp8_layers + [n for n in (fp8.meta.get("bf16_layers") or []) if n not in fp8_layers])
+    evals = compare_evals(fp8.eval_metrics(), control.eval_metrics(), loss.noise, cfg.noise_k)
+    return Evidence(
+        fp8,
+        control,
+        cfg,
+        loss,
+        tuple(fp8_spikes),
+        ctl_base,
+        fp8_rows,
+        ctl_rows,
+        tuple(history_shifts(fp8_rows)),
+        ranking,
+        outs,
+        named,
+        model_order,
+        evals,
+        row_spacing,
+        known_causes(fp8.meta, fp8_rows),
+        paired_spikes(fl, cl, steps, scfg) if loss.unit == "paired" else (),
+    )
+
+
+def paired_spikes(
+    fp8: Mapping[int, float], control: Mapping[int, float], steps: Sequence[int], config: SpikeConfig
+) -> tuple[SpikeEvent, ...]:
+    """Spikes of the ratio ``fp8 / control`` over ``steps``, for two runs that saw the same batches.
+
+    The batches' own difficulty moves both losses alike and cancels in the ratio, so an FP8-only
+    excursion too small to stand out of the raw loss's batch-to-batch noise (a slow 10 % bump over
+    twenty steps while a delayed scale recovers) stands out of the ratio's much smaller noise. The
+    same detector, thresholds and recovery rule as for the raw loss; a data spike both runs take
+    alike leaves the ratio flat, so every event here is FP8-only by construction."""
+    ratio = {
+        s: fp8[s] / control[s]
+        for s in steps
+        if math.isfinite(fp8[s]) and math.isfinite(control[s]) and control[s] > 0
+    }
+    return tuple(e for e in detect_spikes(ratio, config) if e.kind == "spike")
+
+
+# --- the rules: one function per finding kind ----------------------------------------------------
+
+
+def _loss_spacing(loss: GapJudgement) -> int:
+    return max(1, int(np.median(np.diff(loss.steps)))) if len(loss.steps) > 1 else 1
+
+
+def _row_spacing(rows: Sequence[Any]) -> int | None:
+    steps = sorted({int(r.step) for r in rows})
+    if len(steps) < 2:
+        return None
+    return max(1, int(np.median(np.diff(steps))))

@@ -1,0 +1,196 @@
+"""Rules about layers: a layer outlier while the loss shows trouble, and the healthy verdict."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from fp8track.analysis.diagnose.evidence import (
+    Evidence,
+    _loss_spacing,
+    breaks_after_gap,
+)
+from fp8track.analysis.diagnose.model import (
+    Finding,
+    confidence,
+)
+from fp8track.analysis.diagnose.rules_loss import (
+    _severity,
+)
+from fp8track.analysis.ranking import (
+    LayerRisk,
+    separation,
+)
+
+TROUBLE_KINDS = (
+    "fp8_only_spikes",
+    "divergence_from_start",
+    "mid_training_gap",
+    "downstream_drop_with_normal_loss",
+)
+ERROR_SIGNALS = ("rel_error_db", "cos_loss")
+CORROBORATE_Z = 2.0
+"""Robust z (against comparable tensors of the other layers) of a layer's relative error (incl. the
+error of its non-outlier elements) or cosine loss from which its quantisation error is said to stand
+out (reported with the layers to watch)."""
+
+CLEAR_SEPARATION = 2.0
+"""An outlier scoring less than this many times the best other layer is a near tie: at most
+``medium`` severity, whatever its score."""
+
+
+def _error_stands_out(r: LayerRisk) -> bool:
+    return any(math.isfinite(r.z.get(s, math.nan)) and r.z[s] >= CORROBORATE_Z for s in ERROR_SIGNALS)
+
+
+def _trouble(ev: Evidence, found: Sequence[Finding]) -> bool:
+    """The loss or the evaluation shows trouble: a finding of :data:`TROUBLE_KINDS`, or an
+    evaluation metric worse than the control's beyond its noise (also when the training loss's own
+    level gap explains it, which the per-step noise may hide)."""
+    return any(f.kind in TROUBLE_KINDS for f in found) or any(v["dropped"] for v in ev.evals.values())
+
+
+def _watch(ev: Evidence, found: Sequence[Finding]) -> list[LayerRisk]:
+    """Outliers without loss or evaluation trouble: statistics nominate, the loss decides, so they
+    are layers to watch under ``healthy``, whatever their error (which the finding reports)."""
+    return [] if _trouble(ev, found) else list(ev.outs)
+
+
+def _own_shift(ev: Evidence, layer: str, tensor: str) -> dict[str, Any] | None:
+    h = next((h for h in ev.shifts if h.layer == layer and h.tensor == tensor), None)
+    return h.to_dict() if h is not None and h.z > ev.cfg.history_z else None
+
+
+def rule_layer_outlier(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
+    """A layer that stands out against comparable tensors of the other layers (beyond the control)
+    while the loss or the evaluation shows trouble; its onset from its own history."""
+    cfg, watch = ev.cfg, _watch(ev, found)
+    out = []
+    for r in (r for r in ev.outs if r not in watch):
+        own = _own_shift(ev, r.layer, r.tensor)
+        st = r.stats.get(r.tensor, {})
+        sep = separation(r, ev.ranking, ev.outs)
+        sev = _severity(r.score, cfg.outlier_min_score)
+        if sev == "high" and sep < CLEAR_SEPARATION:  # a near tie is not a clear culprit
+            sev = "medium"
+        worst_sig = max(r.z, key=lambda k: r.z[k] if math.isfinite(r.z[k]) else -math.inf)
+        base = "the control's same layer" if r.excess else "the model's other layers"
+        later = breaks_after_gap(r, ev.loss, _loss_spacing(ev.loss), ev.row_spacing)
+        out.append(
+            Finding(
+                "layer_outlier",
+                sev,
+                confidence(r.score, cfg.outlier_min_score) * (1.0 if sep >= CLEAR_SEPARATION else 0.5),
+                f"Layer {r.layer} ({r.tensor}) stands out" + (f" from step {own['step']}" if own else ""),
+                f"Risk score {r.score:.1f}, {sep:.1f}x the next layer's, against comparable {r.tensor} "
+                f"tensors "
+                f"({r.fmt}) of the other layers, as excess over {base}; worst signal {worst_sig} "
+                f"(z {r.z[worst_sig]:.1f}): SQNR {st.get('sqnr_db', math.nan):.1f} dB (without its largest "
+                f"element "
+                f"{st.get('bulk_sqnr_db', math.nan):.1f} dB), underflow "
+                f"{st.get('underflow_pct', math.nan):.2f}%, "
+                f"cos {st.get('cos', math.nan):.5f}, |drift| {st.get('abs_drift_log2', math.nan):.2f} "
+                f"binades."
+                + (
+                    f" Against its own history, {own['signal']} worsened from step {own['step']} (z "
+                    f"{own['z']:.1f})."
+                    if own
+                    else ""
+                )
+                + (
+                    f" It broke at step {r.onset}, after the loss gap opened (step {ev.loss.onset_step}): "
+                    "it does not explain that gap but is a separate, later problem."
+                    if later
+                    else ""
+                ),
+                steps=(own["step"],) if own else (),
+                layers=(r.layer,),
+                tensors=(r.tensor,),
+                evidence={
+                    "score": r.score,
+                    "separation": sep,
+                    "rank": r.rank,
+                    "tied": list(r.tied),
+                    "z": dict(r.z),
+                    "stats": st,
+                    "own_history": own,
+                    "excess_over_control": r.excess,
+                    "breaks_after_gap": later,
+                },
+                next_experiments=(
+                    f"look for outlier features entering {r.layer}'s {r.tensor} (amax over steps)",
+                    f"rerun with {r.layer} in BF16 (--bf16-layers {r.layer}) and compare the loss gap",
+                    "try current or block scaling for this layer's tensors (what-if rows show the expected "
+                    "error)",
+                    *ev.causes.values(),
+                ),
+            )
+        )
+    return out
+
+
+def rule_healthy(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
+    """None of the other rules fired; the layers to watch are noted."""
+    if found:
+        return []
+    lc, watch = ev.loss, _watch(ev, found)
+    best = ev.ranking[0] if ev.ranking else None
+    ties = f", tied with {', '.join(best.tied)}" if best and best.tied else ""
+    return [
+        Finding(
+            "healthy",
+            "info",
+            confidence(lc.z_cut / max(abs(lc.max_gap) / lc.noise, 1e-9), 1.0),
+            "FP8 matches the BF16 control",
+            (
+                f"Loss gap {100 * lc.final_gap:+.2f}% at the end: a gap from step {lc.band_onset_step} "
+                f"that ends inside the {100 * lc.seed_band:.0f}% band healthy FP8/BF16 pairs drift apart "
+                "by on the same batches (rerun another seed to tell drift from damage)"
+                if lc.band_onset_step is not None
+                else f"Loss gap {100 * lc.final_gap:+.2f}% at the end, within the cut of "
+                f"{100 * lc.tolerance:.2f}% ({lc.z_cut:.1f}x {lc.unit_label}, {100 * lc.noise:.2f}%)"
+            )
+            + "; no FP8-only spikes; no evaluation "
+            "drop; no layer stands out "
+            "against the others more than in the control with an error to show for it"
+            + (f" (highest risk score {best.score:.1f}, {best.layer}{ties})." if best else ".")
+            + (
+                " To watch: "
+                + ", ".join(
+                    f"{r.layer} ({r.tensor}, worst signal {max(r.z, key=lambda k: r.z[k])})" for r in watch
+                )
+                + " stand out against comparable tensors of the other layers"
+                + (" with a larger quantisation error" if any(_error_stands_out(r) for r in watch) else "")
+                + ", without any loss or evaluation impact: rerun the diagnosis after longer training."
+                if watch
+                else ""
+            ),
+            layers=tuple(r.layer for r in watch),
+            evidence={
+                "final_gap_rel": lc.final_gap,
+                "max_gap_rel": lc.max_gap,
+                "control_noise_rel": lc.noise,
+                "tolerance_rel": lc.tolerance,
+                "noise_unit": lc.unit,
+                "band_onset_step": lc.band_onset_step,
+                "eval": ev.evals,
+                "top_layer": best.layer if best else None,
+                "top_score": best.score if best else None,
+                "top_tied_with": list(best.tied) if best else [],
+                "watch": [
+                    {
+                        "layer": r.layer,
+                        "tensor": r.tensor,
+                        "score": r.score,
+                        "z": dict(r.z),
+                        "error_stands_out": _error_stands_out(r),
+                    }
+                    for r in watch
+                ],
+            },
+            next_experiments=(
+                "keep monitoring at a lower sampling rate; rerun the diagnosis after longer training",
+            ),
+        )
+    ]

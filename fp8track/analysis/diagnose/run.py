@@ -1,0 +1,116 @@
+"""The diagnosis run: :data:`RULES` (one function per finding kind, in the path's order), the
+findings' order, :func:`diagnose`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+from fp8track.analysis.baseline import RunData
+from fp8track.analysis.diagnose.evidence import (
+    Evidence,
+    gather_evidence,
+)
+from fp8track.analysis.diagnose.model import (
+    KINDS,
+    SEVERITIES,
+    Diagnosis,
+    DiagnosisConfig,
+    Finding,
+)
+from fp8track.analysis.diagnose.rules_layers import (
+    rule_healthy,
+    rule_layer_outlier,
+)
+from fp8track.analysis.diagnose.rules_loss import (
+    rule_divergence_from_start,
+    rule_downstream_drop,
+    rule_fp8_only_spikes,
+    rule_mid_training_gap,
+    rule_shared_spikes,
+)
+from fp8track.analysis.diagnose.rules_moe import rule_expert_outlier, rule_router_divergence
+from fp8track.analysis.loss_gap import GapJudgement
+from fp8track.analysis.pairing import Mismatch, align_runs, check_pairing
+
+Rule = Callable[[Evidence, Sequence[Finding]], list[Finding]]
+
+RULES: Mapping[str, Rule] = {
+    "shared_spikes": rule_shared_spikes,
+    "fp8_only_spikes": rule_fp8_only_spikes,
+    "divergence_from_start": rule_divergence_from_start,
+    "mid_training_gap": rule_mid_training_gap,
+    "downstream_drop_with_normal_loss": rule_downstream_drop,
+    "router_divergence": rule_router_divergence,
+    "expert_outlier": rule_expert_outlier,
+    "layer_outlier": rule_layer_outlier,
+    "healthy": rule_healthy,
+}
+"""One rule per finding kind, run in :data:`KINDS` order; each sees the findings of the rules
+before it (``layer_outlier`` asks whether the loss showed trouble, ``healthy`` whether anything fired)."""
+
+
+SYMPTOM_KINDS = tuple(
+    k for k in KINDS if k not in ("mismatched_runs", "expert_outlier", "layer_outlier", "healthy")
+)
+"""The path's failure kinds, read from the loss and evaluation curves: what is wrong with the run."""
+
+
+def finding_order(f: Finding) -> tuple[int, int, int]:
+    """Sort key of the findings: a symptom of medium or high severity first (what is wrong: spikes, a
+    gap, an evaluation drop), then by severity and the path's order. A layer outlier says *where* to
+    look; it is raised only with loss or evaluation trouble, so it follows the symptom it explains
+    rather than hiding it (two high layer outliers above a medium FP8-only spike read as "no spike").
+    A layer outlier that broke on its own after the lasting gap opened (``breaks_after_gap``) is a
+    separate problem, not an explanation: it competes with the symptoms on severity."""
+    symptom_first = 0 if f.kind in SYMPTOM_KINDS and f.severity in ("high", "medium") else 1
+    if f.kind == "layer_outlier" and f.evidence.get("breaks_after_gap"):
+        # It broke after the gap opened, so the gap does not explain it: its own severity decides.
+        symptom_first = 0
+    return symptom_first, SEVERITIES.index(f.severity), KINDS.index(f.kind)
+
+
+def diagnose(fp8: RunData, control: RunData, config: DiagnosisConfig | None = None,
+             loss_key: str | None = None) -> Diagnosis:
+    """Diagnose ``fp8`` against its BF16 ``control`` (module docstring): gather the evidence once,
+    run :data:`RULES` in the path's order, sort the findings (:func:`finding_order`).
+
+    Raises:
+        ConfigError: when the runs have no loss metric or fewer than 3 common loss steps.
+    """
+    # Pairing before judging (fp8track.analysis.pairing): runs that do not belong together get one
+    # mismatched_runs finding, never a verdict; runs that do are compared under common layer names.
+    if (mismatch := check_pairing(fp8, control)) is not None:
+        return mismatched_diagnosis(fp8, control, mismatch)
+    fp8, control = align_runs(fp8, control)
+    cfg = config or DiagnosisConfig()
+    ev = gather_evidence(fp8, control, cfg, loss_key)
+    findings: list[Finding] = []
+    for kind in RULES:  # the path's order (KINDS; mismatched_runs is decided before the rules)
+        findings.extend(RULES[kind](ev, tuple(findings)))
+    findings.sort(key=finding_order)
+    steps = sorted({int(r.step) for r in ev.fp8_rows})
+    window = (steps[0], steps[-1]) if steps else None
+    return Diagnosis(
+        fp8.source, control.source, tuple(findings), ev.ranking, window, ev.loss,
+        ev.fp8_spikes, tuple(ev.control_base.spikes), ev.evals,
+    )
+
+
+def mismatched_diagnosis(fp8: RunData, control: RunData, mismatch: Mismatch) -> Diagnosis:
+    """The diagnosis of two runs that cannot be compared: one ``mismatched_runs`` finding carrying
+    the mismatch's one line, no ranking, no loss comparison."""
+    empty = GapJudgement("control_noise", (), (), (), (), (), math.nan, math.nan, False, None, None,
+                         math.nan, math.nan, math.nan, "none", 0)
+    finding = Finding(
+        "mismatched_runs",
+        "high",
+        0.99,
+        "The FP8 run and the control cannot be compared",
+        mismatch.message,
+        evidence={"mismatch": mismatch.kind},
+        next_experiments=(
+            "pass the FP8 run and its BF16 control: the same model, data and steps, the control in BF16",
+        ),
+    )
+    return Diagnosis(fp8.source, control.source, (finding,), (), None, empty)
