@@ -54,7 +54,6 @@ ds.BATCH = 8  # 512 tokens a step: 8 experts x top-2 still see ~128 rows each
 import fp8track  # noqa: E402
 from fp8track.analysis.baseline import load_run  # noqa: E402
 from fp8track.analysis.diagnose import diagnose  # noqa: E402
-from fp8track.execution.grouped import segment_ids  # noqa: E402
 
 STEPS = 120
 EVERY = 4

@@ -5,7 +5,6 @@ healthy MoE pairs that raise neither."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from fp8track.analysis.baseline import RunData
 from fp8track.analysis.diagnose import diagnose
