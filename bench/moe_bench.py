@@ -32,21 +32,21 @@ from fp8track.execution.grouped import segment_ids
 from fp8track.numerics.segment_stats import segment_partial_stats
 from fp8track.numerics.stats import partial_stats
 
-H, I, E, K, TOKENS = 512, 1024, 8, 2, 2048
+H, WIDTH, E, K, TOKENS = 512, 1024, 8, 2, 2048
 
 
 def block() -> torch.nn.Module:
     import transformers as tf
 
     torch.manual_seed(0)
-    cfg = tf.MixtralConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K,
+    cfg = tf.MixtralConfig(hidden_size=H, intermediate_size=WIDTH, num_local_experts=E, num_experts_per_tok=K,
                            num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=8)
-    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    initialised = tf.MixtralForCausalLM(cfg).model.layers[0].mlp  # (the model's _init_weights)
 
     class Wrapper(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.mlp = MixtralSparseMoeBlock(cfg)
+            self.mlp = initialised
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.mlp(x)
@@ -116,8 +116,16 @@ def main() -> None:
                 med[v].append(statistics.median(times))
     base = statistics.median(med["plain"])
     result = {
-        "block": {"hidden": H, "expert_width": I, "experts": E, "top_k": K, "tokens": TOKENS, "recipe": "current"},
-        "rounds": args.rounds, "steps_per_round": args.steps,
+        "block": {
+            "hidden": H,
+            "expert_width": WIDTH,
+            "experts": E,
+            "top_k": K,
+            "tokens": TOKENS,
+            "recipe": "current",
+        },
+        "rounds": args.rounds,
+        "steps_per_round": args.steps,
         "step_ms": {v: round(1e3 * statistics.median(med[v]), 2) for v in variants},
         "ratio_vs_plain": {v: round(statistics.median(med[v]) / base, 3) for v in variants},
         "ratio_spread": {v: [round(min(med[v]) / base, 3), round(max(med[v]) / base, 3)] for v in variants},
