@@ -1,0 +1,75 @@
+"""A training script nobody here wrote the loop of (tests/third_party/train_gpt.py: nanoGPT's shape,
+``--key=value`` flags, gradient accumulation, ``torchrun`` DDP), with fp8track added by the lines the
+README shows: statistics for every linear, one record per optimizer step (not per micro-step), the
+loss in the monitor and in the MLflow run the script opened itself, rank 0 alone writing under
+torchrun, and ``fp8track diagnose`` against its BF16 control."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fp8track.monitoring.naming import LOSS_METRIC
+from fp8track.monitoring.records import RunReader
+
+pytestmark = pytest.mark.slow
+SCRIPT = Path(__file__).resolve().parents[1] / "third_party" / "train_gpt.py"
+LINEARS = {f"h.{i}.{m}" for i in range(2) for m in ("attn.c_attn", "attn.c_proj", "mlp.0", "mlp.2")} | {"lm_head"}
+ITERS = 12
+
+
+def _run(tmp_path: Path, *flags: str, torchrun: int = 0) -> Path:
+    cmd = [sys.executable, str(SCRIPT), f"--max_iters={ITERS}", f"--out_dir={tmp_path / 'out'}", *flags]
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}",
+               *cmd[1:]]
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = sorted((tmp_path / "out" / "fp8track").iterdir())
+    assert len(runs) == 1, runs  # one run directory: under torchrun rank 0 alone writes
+    return runs[0]
+
+
+def test_plain_script_records_every_linear_per_optimizer_step_and_logs_into_its_mlflow_run(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run = _run(tmp_path, "--recipe=current", f"--mlflow_uri={uri}", "--every_n_steps=4")
+    reader = RunReader(run)
+    rows = list(reader.tensor_stats())
+    assert {r.layer for r in rows} == LINEARS
+    assert sorted({r.step for r in rows}) == [0, 4, 8]
+    assert all({(r.layer, t) for t in ("activation", "weight", "gradient")} <= {(x.layer, x.tensor) for x in rows}
+               for r in rows)
+    losses = {m.step: m.metrics[LOSS_METRIC] for m in reader.metrics() if LOSS_METRIC in m.metrics}
+    assert sorted(losses) == list(range(ITERS))  # optimizer steps, not the 2 micro-steps of each
+    import mlflow
+
+    client = mlflow.MlflowClient(uri)
+    (mlrun,) = client.search_runs(client.get_experiment_by_name("Default").experiment_id)
+    history = {m.step: m.value for m in client.get_metric_history(mlrun.info.run_id, LOSS_METRIC)}
+    assert history.keys() == losses.keys()
+    assert all(abs(history[s] - losses[s]) < 1e-6 for s in losses)
+    assert "train/loss" in mlrun.data.metrics  # the script's own metrics beside fp8track's
+
+
+def test_torchrun_two_ranks_one_run_directory(tmp_path):
+    run = _run(tmp_path, "--recipe=delayed", "--every_n_steps=4", torchrun=2)
+    losses = [m.step for m in RunReader(run).metrics() if LOSS_METRIC in m.metrics]
+    assert losses == list(range(ITERS))
+    assert {r.layer for r in RunReader(run).tensor_stats()} == LINEARS
+
+
+def test_diagnose_against_the_scripts_own_control(tmp_path):
+    control = _run(tmp_path / "c", "--recipe=bf16")
+    fp8 = _run(tmp_path / "f", "--recipe=current", f"--control={control}")
+    done = subprocess.run([sys.executable, "-m", "fp8track.cli", "diagnose", str(fp8), "--baseline", str(control),
+                           "--out", str(tmp_path / "diag")], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    diagnosis = json.loads((tmp_path / "diag" / "diagnosis.json").read_text())
+    assert [f["kind"] for f in diagnosis["findings"]] == ["healthy"]
