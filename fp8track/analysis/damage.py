@@ -1,0 +1,148 @@
+"""Layers whose FP8 tensors were destroyed on sampled steps: evidence that stands on its own.
+
+A layer's statistics nominate it against the other layers (:mod:`fp8track.analysis.ranking`), and
+the loss usually decides whether that matters. Some statistics need no comparison: a tensor the
+recipe really quantised (``actual`` rows, never the control's hypothetical ``shadow`` rows) whose
+*ordinary* elements were lost is destroyed, whatever the loss did afterwards:
+
+* **flushed**: at least :data:`FLUSH_PCT` % of its nonzero elements underflowed to zero;
+* **drowned**: its SQNR without its largest element (``bulk_sqnr_db``, the ordinary elements: one
+  huge outlier can keep the plain SQNR high while everything else is lost) at most
+  :data:`DESTROYED_SQNR_DB` dB, signal power at most twice the error power;
+* **clipped**: at least :data:`CLIP_PCT` % of its elements saturated at the format's maximum.
+
+Healthy FP8 tensors sit far from each cut (E4M3 about 31 dB, E5M2 about 25 dB; underflow of a few
+percent at most; overflow only a handful of elements under delayed scaling), so the cuts mean "the
+output of this GEMM was replaced by something else" and need no tuning per model.
+
+:func:`destroyed_layers` lists such layers with the steps, the first of them (the onset) and the
+worst numbers; :func:`loss_excursion` measures how far the FP8/control loss ratio rose in the steps
+after an onset, against its level before: a transient excursion after a layer's onset is evidence
+of that damage, even when the loss recovers (latent damage).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fp8track.analysis.ranking import bulk_sqnr_db
+
+FLUSH_PCT = 50.0
+DESTROYED_SQNR_DB = 3.0
+CLIP_PCT = 5.0
+
+
+@dataclass(frozen=True)
+class Destroyed:
+    """One layer tensor destroyed on some sampled steps.
+
+    Attributes:
+        layer, tensor: which.
+        steps: the sampled steps it was destroyed on.
+        sampled: how many sampled steps it has in all.
+        onset: the first of ``steps``.
+        how: per step, the criteria it failed (``flushed``, ``drowned``, ``clipped``).
+        worst: the worst values seen (``underflow_pct``, ``bulk_sqnr_db``, ``overflow_pct``).
+    """
+
+    layer: str
+    tensor: str
+    steps: tuple[int, ...]
+    sampled: int
+    onset: int
+    how: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
+    worst: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def share(self) -> float:
+        """Share of its sampled steps on which the tensor was destroyed."""
+        return len(self.steps) / self.sampled if self.sampled else 0.0
+
+
+def destroyed_on(stats: Mapping[str, float]) -> tuple[str, ...]:
+    """The criteria (see the module docstring) one row's statistics fail; empty for a healthy row."""
+    out = []
+    if float(stats.get("underflow_pct", 0.0)) >= FLUSH_PCT:
+        out.append("flushed")
+    bulk = bulk_sqnr_db(stats)
+    if math.isfinite(bulk) and bulk <= DESTROYED_SQNR_DB:
+        out.append("drowned")
+    if float(stats.get("overflow_pct", 0.0)) >= CLIP_PCT:
+        out.append("clipped")
+    return tuple(out)
+
+
+def destroyed_layers(rows: Iterable[object]) -> list[Destroyed]:
+    """Layer tensors destroyed on at least one sampled step (``actual`` rows only), the earliest
+    onset first."""
+    sampled: dict[tuple[str, str], set[int]] = defaultdict(set)
+    hits: dict[tuple[str, str], dict[int, tuple[str, ...]]] = defaultdict(dict)
+    worst: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
+    for r in rows:
+        if getattr(r, "variant", "actual") != "actual":
+            continue
+        key = (r.layer, r.tensor)  # type: ignore[attr-defined]
+        step = int(r.step)  # type: ignore[attr-defined]
+        sampled[key].add(step)
+        how = destroyed_on(r.stats)  # type: ignore[attr-defined]
+        if not how:
+            continue
+        hits[key][step] = how
+        w = worst[key]
+        w["underflow_pct"] = max(w.get("underflow_pct", 0.0), float(r.stats.get("underflow_pct", 0.0)))  # type: ignore[attr-defined]
+        w["overflow_pct"] = max(w.get("overflow_pct", 0.0), float(r.stats.get("overflow_pct", 0.0)))  # type: ignore[attr-defined]
+        bulk = bulk_sqnr_db(r.stats)  # type: ignore[attr-defined]
+        if math.isfinite(bulk):
+            w["bulk_sqnr_db"] = min(w.get("bulk_sqnr_db", math.inf), bulk)
+    out = [
+        Destroyed(layer, tensor, tuple(sorted(h)), len(sampled[(layer, tensor)]), min(h), dict(h),
+                  worst[(layer, tensor)])
+        for (layer, tensor), h in hits.items()
+    ]
+    return sorted(out, key=lambda d: (d.onset, -len(d.steps)))
+
+
+def loss_excursion(
+    fp8: Mapping[int, float], control: Mapping[int, float], onset: int, window: int
+) -> dict[str, float]:
+    """How far the FP8/control loss ratio rose in the ``window`` steps from ``onset`` against its
+    median level before ``onset``: ``{"before": median ratio before, "peak": max ratio in the window
+    (a 3-step running median, so one noisy step is no excursion), "after": median ratio after the
+    window, "rise": peak / before - 1}``; NaNs when either side has no common step."""
+    steps = sorted(set(fp8) & set(control))
+    ratio = {s: fp8[s] / control[s] for s in steps if control[s] and math.isfinite(fp8[s])}
+    before = [ratio[s] for s in steps if s < onset and s in ratio]
+    inside = [s for s in steps if onset <= s < onset + window and s in ratio]
+    after = [ratio[s] for s in steps if s >= onset + window and s in ratio]
+    if not before or not inside:
+        return {"before": math.nan, "peak": math.nan, "after": math.nan, "rise": math.nan}
+    series = [ratio[s] for s in steps if s in ratio]
+    index = {s: i for i, s in enumerate(s for s in steps if s in ratio)}
+    smooth = [float(np.median(series[max(0, index[s] - 1): index[s] + 2])) for s in inside]
+    level = float(np.median(before))
+    peak = max(smooth)
+    return {"before": level, "peak": peak, "after": float(np.median(after)) if after else math.nan,
+            "rise": peak / level - 1.0}
+
+
+def damage_summary(d: Destroyed) -> str:
+    """One sentence of what happened to the tensor, with the numbers."""
+    kinds = sorted({k for how in d.how.values() for k in how})
+    words = {
+        "flushed": f"up to {d.worst.get('underflow_pct', math.nan):.0f}% of its nonzero elements flushed to zero",
+        "drowned": f"SQNR of its ordinary elements down to {d.worst.get('bulk_sqnr_db', math.nan):.1f} dB",
+        "clipped": f"up to {d.worst.get('overflow_pct', math.nan):.1f}% of its elements clipped",
+    }
+    return (f"{d.layer} ({d.tensor}) was destroyed on {len(d.steps)} of {d.sampled} sampled steps from step "
+            f"{d.onset}: " + "; ".join(words[k] for k in kinds))
+
+
+__all__: Sequence[str] = [
+    "CLIP_PCT", "DESTROYED_SQNR_DB", "FLUSH_PCT", "Destroyed", "damage_summary", "destroyed_layers",
+    "destroyed_on", "loss_excursion",
+]

@@ -1,0 +1,61 @@
+"""Cause before consequence, and destroyed tensors, on hand-made rankings and rows."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from fp8track.analysis.causality import CAUSE, CONSEQUENCE, causal_order
+from fp8track.analysis.damage import destroyed_layers, destroyed_on, loss_excursion
+from fp8track.analysis.ranking import LayerRisk
+from fp8track.monitoring.records import TensorStatsRow
+
+
+def _risk(layer, score, onset, rank):
+    return LayerRisk(layer, score, "gradient", rank=rank, onset=onset)
+
+
+def test_a_later_larger_anomaly_is_a_consequence_not_the_headline():
+    """The issue's case: the head's gradient underflow starts at step 75 (score 215.7), the planted
+    attention projection at step 40 (score 2.95, below the anomaly cut but destroyed), the loss gap
+    at step 52."""
+    ranking = [_risk("lm_head", 215.7, 75, 1), _risk("blocks.0.attn.qkv", 2.95, 40, 2),
+               _risk("blocks.1.mlp.fc", 0.4, None, 3)]
+    ordered, roles = causal_order(ranking, reference=52, resolution=8, first_step=0,
+                                  destroyed_onsets={"blocks.0.attn.qkv": 40})
+    assert [r.layer for r in ordered] == ["blocks.0.attn.qkv", "blocks.1.mlp.fc", "lm_head"]
+    assert roles["blocks.0.attn.qkv"].role == CAUSE
+    assert roles["lm_head"].role == CONSEQUENCE and roles["lm_head"].downstream_of == "blocks.0.attn.qkv"
+    assert "step 75" in roles["lm_head"].reason and "step 52" in roles["lm_head"].reason
+    assert [r.rank for r in ordered] == [1, 2, 3]
+
+
+def test_onsets_within_the_resolution_are_not_ordered_and_a_run_without_onsets_keeps_its_ranking():
+    ranking = [_risk("a", 9.0, 48, 1), _risk("b", 5.0, 44, 2)]
+    ordered, roles = causal_order(ranking, reference=50, resolution=8)
+    assert [r.layer for r in ordered] == ["a", "b"] and {x.role for x in roles.values()} == {CAUSE}
+    healthy = [_risk("a", 1.2, None, 1), _risk("b", 1.1, None, 2)]
+    assert causal_order(healthy, reference=None, resolution=8) == (healthy, {})
+
+
+def test_destroyed_criteria_and_layers():
+    healthy = {"underflow_pct": 0.2, "overflow_pct": 0.0, "sqnr_db": 31.0, "mse": 1e-6, "amax": 1.0,
+               "numel": 4096.0}
+    assert destroyed_on(healthy) == ()
+    assert destroyed_on({**healthy, "underflow_pct": 97.0}) == ("flushed", "drowned")  # 0.13 dB bulk
+    assert destroyed_on({**healthy, "overflow_pct": 12.0}) == ("clipped",)
+    rows = [TensorStatsRow(s, "fc", "activation", {**healthy, "underflow_pct": 99.0 if s >= 20 else 0.1})
+            for s in range(0, 50, 5)]
+    rows += [TensorStatsRow(s, "fc", "activation", {**healthy, "underflow_pct": 99.0}, "shadow") for s in range(5)]
+    (d,) = destroyed_layers(rows)
+    assert (d.layer, d.onset, d.steps, d.sampled) == ("fc", 20, (20, 25, 30, 35, 40, 45), 10)
+    assert d.share == pytest.approx(0.6)
+
+
+def test_loss_excursion_after_an_onset():
+    control = {s: 3.0 for s in range(100)}
+    fp8 = {s: 3.0 * (1.25 if 80 <= s < 90 else (1.08 if s >= 90 else 1.005)) for s in range(100)}
+    ex = loss_excursion(fp8, control, onset=80, window=15)
+    assert ex["before"] == pytest.approx(1.005) and ex["peak"] == pytest.approx(1.25)
+    assert ex["rise"] == pytest.approx(1.25 / 1.005 - 1) and math.isnan(ex["after"]) is False
