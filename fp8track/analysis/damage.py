@@ -134,7 +134,8 @@ def damage_summary(d: Destroyed) -> str:
     """One sentence of what happened to the tensor, with the numbers."""
     kinds = sorted({k for how in d.how.values() for k in how})
     words = {
-        "flushed": f"up to {d.worst.get('underflow_pct', math.nan):.0f}% of its nonzero elements flushed to zero",
+        "flushed": f"up to {d.worst.get('underflow_pct', math.nan):.0f}% of its nonzero elements "
+        "flushed to zero",
         "drowned": f"SQNR of its ordinary elements down to {d.worst.get('bulk_sqnr_db', math.nan):.1f} dB",
         "clipped": f"up to {d.worst.get('overflow_pct', math.nan):.1f}% of its elements clipped",
     }

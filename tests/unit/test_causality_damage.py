@@ -47,7 +47,8 @@ def test_destroyed_criteria_and_layers():
     assert destroyed_on({**healthy, "overflow_pct": 12.0}) == ("clipped",)
     rows = [TensorStatsRow(s, "fc", "activation", {**healthy, "underflow_pct": 99.0 if s >= 20 else 0.1})
             for s in range(0, 50, 5)]
-    rows += [TensorStatsRow(s, "fc", "activation", {**healthy, "underflow_pct": 99.0}, "shadow") for s in range(5)]
+    shadow = {**healthy, "underflow_pct": 99.0}
+    rows += [TensorStatsRow(s, "fc", "activation", shadow, "shadow") for s in range(5)]
     (d,) = destroyed_layers(rows)
     assert (d.layer, d.onset, d.steps, d.sampled) == ("fc", 20, (20, 25, 30, 35, 40, 45), 10)
     assert d.share == pytest.approx(0.6)
