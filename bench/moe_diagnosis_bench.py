@@ -252,7 +252,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for sc in chosen:
             if sc.seed not in controls:
-                controls[sc.seed] = train(Scenario("control", "bf16", sc.seed), False, Path(tmp) / f"c{sc.seed}")
+                controls[sc.seed] = train(
+                    Scenario("control", "bf16", sc.seed), False, Path(tmp) / f"c{sc.seed}"
+                )
             control = controls[sc.seed]
             fp8 = train(sc, True, Path(tmp) / sc.name)
             truth = verify(sc, fp8, control)

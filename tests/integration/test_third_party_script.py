@@ -19,7 +19,9 @@ from fp8track.monitoring.records import RunReader
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve().parents[1] / "third_party" / "train_gpt.py"
-LINEARS = {f"h.{i}.{m}" for i in range(2) for m in ("attn.c_attn", "attn.c_proj", "mlp.0", "mlp.2")} | {"lm_head"}
+LINEARS = {f"h.{i}.{m}" for i in range(2) for m in ("attn.c_attn", "attn.c_proj", "mlp.0", "mlp.2")} | {
+    "lm_head"
+}
 ITERS = 12
 
 
@@ -44,8 +46,10 @@ def test_plain_script_records_every_linear_per_optimizer_step_and_logs_into_its_
     rows = list(reader.tensor_stats())
     assert {r.layer for r in rows} == LINEARS
     assert sorted({r.step for r in rows}) == [0, 4, 8]
-    assert all({(r.layer, t) for t in ("activation", "weight", "gradient")} <= {(x.layer, x.tensor) for x in rows}
-               for r in rows)
+    assert all(
+        {(r.layer, t) for t in ("activation", "weight", "gradient")} <= {(x.layer, x.tensor) for x in rows}
+        for r in rows
+    )
     losses = {m.step: m.metrics[LOSS_METRIC] for m in reader.metrics() if LOSS_METRIC in m.metrics}
     assert sorted(losses) == list(range(ITERS))  # optimizer steps, not the 2 micro-steps of each
     import mlflow
@@ -68,8 +72,22 @@ def test_torchrun_two_ranks_one_run_directory(tmp_path):
 def test_diagnose_against_the_scripts_own_control(tmp_path):
     control = _run(tmp_path / "c", "--recipe=bf16")
     fp8 = _run(tmp_path / "f", "--recipe=current", f"--control={control}")
-    done = subprocess.run([sys.executable, "-m", "fp8track.cli", "diagnose", str(fp8), "--baseline", str(control),
-                           "--out", str(tmp_path / "diag")], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fp8track.cli",
+            "diagnose",
+            str(fp8),
+            "--baseline",
+            str(control),
+            "--out",
+            str(tmp_path / "diag"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     diagnosis = json.loads((tmp_path / "diag" / "diagnosis.json").read_text())
     assert [f["kind"] for f in diagnosis["findings"]] == ["healthy"]

@@ -153,8 +153,13 @@ if master_process and mlflow_uri:
     mlflow.set_tracking_uri(mlflow_uri)
     mlflow.start_run(run_name=run_name)
     mlflow.log_params({"recipe": recipe, "bf16_layers": bf16_layers, "max_iters": max_iters})
-monitor = fp8track.Monitor(model, {"every_n_steps": every_n_steps}, apply_report=report,  # fp8track
-                           baseline=control or None, log_dir=os.path.join(out_dir, "fp8track")).attach()  # fp8track
+monitor = fp8track.Monitor(
+    model,
+    {"every_n_steps": every_n_steps},
+    apply_report=report,  # fp8track
+    baseline=control or None,
+    log_dir=os.path.join(out_dir, "fp8track"),
+).attach()  # fp8track
 for it in range(max_iters):
     for g in optimizer.param_groups:
         g["lr"] = get_lr(it)
