@@ -47,8 +47,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-FAMILIES = ("gpt", "llama", "gpt2")
+FAMILIES = ("gpt", "llama", "gpt2", "qwen2")
 POSITIONS = ("first", "middle", "last")
+ROLES: Mapping[str, tuple[str, ...]] = {
+    "attn_in": ("attn.qkv", "self_attn.q_proj", "attn.c_attn"),
+    "mlp_down": ("mlp.proj", "mlp.down_proj", "mlp.c_proj"),
+}
+"""Plant positions by a layer's role: the first FP8 layer (forward order) whose name ends in one of
+these (the attention input projection, the MLP down-projection) in every family."""
 TENSORS = ("activation", "weight", "gradient")
 VOCAB = 256
 BLOCK = 64
@@ -57,9 +63,9 @@ LR = 3e-3
 EVAL_BATCHES = 4
 OUTLIER = 1e6
 MECHANISMS = ("amax", "scale_state", "outlier", "scale")
-RESULT_FORMAT = 3
+RESULT_FORMAT = 4
 """Version of what :func:`train_run` returns (2: with ``gemm_error``; 3: scale plants count their
-touches); part of the cache key."""
+touches; 4: the GEMM-error probe measures every planted step); part of the cache key."""
 
 
 # --- configuration -------------------------------------------------------------------------------
@@ -72,7 +78,8 @@ class Plant:
     Attributes:
         mechanism: one of :data:`MECHANISMS` (module docstring).
         tensor: tensor kind it damages.
-        position: ``"first"``, ``"middle"``, ``"last"`` FP8 layer in forward order, or ``"all"``.
+        position: ``"first"``, ``"middle"``, ``"last"`` FP8 layer in forward order, ``"all"``, or a
+            role of :data:`ROLES` (``"attn_in"``, ``"mlp_down"``).
         windows: ``(start, stop)`` step ranges (stop exclusive) where the plant acts.
         log2: strength, binades.
     """
@@ -86,7 +93,7 @@ class Plant:
     def __post_init__(self) -> None:
         if self.mechanism not in MECHANISMS:
             raise ValueError(f"unknown plant mechanism {self.mechanism!r}")
-        if self.tensor not in TENSORS or self.position not in (*POSITIONS, "all"):
+        if self.tensor not in TENSORS or self.position not in (*POSITIONS, *ROLES, "all"):
             raise ValueError(f"bad plant {self.tensor!r} at {self.position!r}")
         if self.mechanism == "outlier" and self.tensor != "activation":
             raise ValueError("the outlier plant damages activations only")
@@ -111,6 +118,9 @@ class RunSpec:
     data_spikes: tuple[int, ...] = ()
     plant: Plant | None = None
     eval_fault_log2: float = 0.0
+    bursts: bool = True
+    """The monitor's bursts (every step for 8 steps after a spike, a non-finite or a divergence
+    event: its default); ``False`` samples the fixed schedule only."""
 
     def key(self) -> str:
         blob = json.dumps({**asdict(self), "result_format": RESULT_FORMAT}, sort_keys=True, default=str)
@@ -165,6 +175,11 @@ def build_model(family: str, seed: int) -> nn.Module:
         cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=BLOCK,
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         return transformers.GPT2LMHeadModel(cfg)
+    if family == "qwen2":  # grouped-query attention, biased q/k/v projections, tied embeddings
+        cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                       max_position_embeddings=BLOCK, tie_word_embeddings=True)
+        return transformers.Qwen2ForCausalLM(cfg)
     raise ValueError(f"unknown family {family!r}; valid: {', '.join(FAMILIES)}")
 
 
@@ -229,6 +244,11 @@ def target_layers(fp8_layers: Sequence[str], position: str) -> list[str]:
     """The layers a plant acts on, by position in forward (module) order."""
     if position == "all":
         return list(fp8_layers)
+    if position in ROLES:
+        hits = [n for n in fp8_layers if n.endswith(ROLES[position])]
+        if not hits:
+            raise ValueError(f"no FP8 layer plays the role {position!r} in {list(fp8_layers)}")
+        return hits[:1]
     i = {"first": 0, "middle": len(fp8_layers) // 2, "last": len(fp8_layers) - 1}[position]
     return [fp8_layers[i]]
 
@@ -431,8 +451,12 @@ PROBE_EVERY = 4
 
 def probe_step(plant: Plant | None, step: int) -> bool:
     """Whether the GEMM-error probe measures ``step``: every :data:`PROBE_EVERY`-th step, and every
-    step of a plant window shorter than twice that (an intermittent plant's few steps)."""
-    short = plant is not None and any(a <= step < b and b - a < 2 * PROBE_EVERY for a, b in plant.windows)
+    step of a plant window shorter than ``2 * PROBE_EVERY`` or of a plant of at most 16 steps in
+    all (an intermittent or transient plant's few steps)."""
+    if plant is None:
+        return step % PROBE_EVERY == 0
+    few = sum(b - a for a, b in plant.windows) <= 16
+    short = any(a <= step < b and (few or b - a < 2 * PROBE_EVERY) for a, b in plant.windows)
     return short or step % PROBE_EVERY == 0
 
 
@@ -472,8 +496,8 @@ def train_run(spec: RunSpec, log_dir: Path) -> dict[str, Any]:
     fingerprint = data_fingerprint(
         seed=spec.seed, order=range(spec.steps), data_spikes=repr(spec.data_spikes)
     )
-    mon = fp8track.Monitor(model, fp8track.MonitorConfig(every_n_steps=spec.every_n), log_dir=log_dir,
-                           meta=meta, data_fingerprint=fingerprint).attach()
+    cfg = fp8track.MonitorConfig(every_n_steps=spec.every_n, **({} if spec.bursts else {"burst_steps": 0}))
+    mon = fp8track.Monitor(model, cfg, log_dir=log_dir, meta=meta, data_fingerprint=fingerprint).attach()
     planted = target_layers(fp8_layers, spec.plant.position) if spec.plant else []
     plant = PlantHandle(model, spec.plant, planted).attach() if spec.plant else None
     # After the plant's hooks, so the probe sees what the next layer sees (the padded row dropped).
@@ -644,6 +668,77 @@ def scenarios() -> list[Scenario]:
     for fam, recipe, ci in (("gpt", DELAYED, False), ("gpt2", CURRENT, False)):
         out.append(Scenario(f"downstream-{fam}-{recipe.split(':')[0]}", "downstream_drop_with_normal_loss",
                             _spec(fam, recipe, eval_fault_log2=24.0), ci))
+    out.extend(_qwen2_scenarios())
+    out.extend(_cause_scenarios())
+    return out
+
+
+def every(start: int, stop: int, k: int) -> tuple[tuple[int, int], ...]:
+    """Plant windows of one step each, every ``k``-th step from ``start`` (an intermittent fault)."""
+    return tuple((s, s + 1) for s in range(start, stop, k))
+
+
+def _qwen2_scenarios() -> list[Scenario]:
+    """The fourth family (Hugging Face Qwen2: grouped-query attention, biased q/k/v, tied embeddings)
+    through the path's kinds: healthy pairs, shared spikes, divergence, one damaged layer."""
+    out = [
+        Scenario("healthy-qwen2-current-s5", "healthy", _spec("qwen2", CURRENT, 5)),
+        Scenario("healthy-qwen2-delayed-s6", "healthy", _spec("qwen2", DELAYED, 6)),
+        Scenario("shared_spikes-qwen2-current", "shared_spikes",
+                 _spec("qwen2", CURRENT, data_spikes=(56, 57, 112, 113))),
+        Scenario("divergence-qwen2-delayed-weight", "divergence_from_start",
+                 _spec("qwen2", DELAYED, plant=Plant("scale", "weight", "all", ((0, STEPS),), 24.0))),
+    ]
+    for recipe, tensor, pos, lasting in ((DELAYED, "gradient", "middle", True),
+                                         (CURRENT, "activation", "last", False)):
+        name = f"{'gap' if lasting else 'spikes'}-qwen2-{recipe.split(':')[0]}-{tensor}-{pos}"
+        out.append(Scenario(name, "mid_training_gap" if lasting else "fp8_only_spikes",
+                            _spec("qwen2", recipe, plant=_layer_plant(recipe, tensor, pos, lasting)),
+                            tags=("lasting" if lasting else "intermittent", "underflow")))
+    return out
+
+
+def _cause_scenarios() -> list[Scenario]:
+    """Cause and consequence, transient damage, intermittent faults between samples, and healthy
+    pairs that share spikes (what a diagnosis must not call a problem).
+
+    * ``cause``: a 1e6 outlier joins the first attention input projection's input from step 40
+      (every 3rd step, or every step): the layer's output is destroyed on those steps, the damage
+      reaches the later layers, the loss and the head's gradient; the cause is the planted layer,
+      the later anomalies are its consequences;
+    * ``transient``: a 1e6 outlier into the first MLP down-projection for 15 steps from step 80,
+      then never again: the loss rises and recovers (latent damage);
+    * ``between``: every 3rd step from step 41 (the monitor samples every 5th: one planted step in
+      three sampled ones), with the monitor's bursts and without;
+    * ``healthy_shared``: data spikes both runs take, on two more families.
+    """
+    out: list[Scenario] = []
+    every3 = every(40, STEPS, 3)
+    for fam, windows, ci in (("gpt", every3, True), ("qwen2", every3, False), ("llama", every3, False),
+                             ("gpt2", every3, False), ("gpt", ((40, STEPS),), False)):
+        plant = Plant("outlier", "activation", "attn_in", windows)
+        how = "every3" if len(windows) > 1 else "lasting"
+        out.append(Scenario(f"cause-{fam}-current-attn_in-{how}", "mid_training_gap",
+                            _spec(fam, CURRENT, plant=plant), ci, tags=("cause", how)))
+    transient = ((80, 95),)
+    for fam, recipe, ci in (("gpt", CURRENT, True), ("llama", CURRENT, False), ("qwen2", CURRENT, False),
+                            ("gpt2", CURRENT, False), ("gpt", DELAYED, False)):
+        mech = "amax" if recipe.startswith("delayed") else "outlier"
+        plant = Plant(mech, "activation", "mlp_down", transient, 20.0)
+        out.append(Scenario(f"transient-{fam}-{recipe.split(':')[0]}-mlp_down", "latent_damage",
+                            _spec(fam, recipe, plant=plant), ci, tags=("transient",)))
+    between = every(41, STEPS, 3)
+    for fam, recipe, role, bursts in (("gpt", CURRENT, "mlp_down", True), ("gpt", CURRENT, "mlp_down", False),
+                                      ("llama", CURRENT, "attn_in", True), ("llama", CURRENT, "attn_in", False),
+                                      ("qwen2", CURRENT, "mlp_down", False)):
+        plant = Plant("outlier", "activation", role, between)
+        tag = "bursts" if bursts else "no_bursts"
+        out.append(Scenario(f"between-{fam}-{recipe.split(':')[0]}-{role}-{tag}", "latent_damage",
+                            _spec(fam, recipe, plant=plant, bursts=bursts), tags=("between", tag)))
+    for fam, recipe in (("gpt2", DELAYED), ("llama", DELAYED)):
+        out.append(Scenario(f"healthy_shared-{fam}-{recipe.split(':')[0]}", "shared_spikes",
+                            _spec(fam, recipe, seed=7, data_spikes=(40, 41, 100, 101)),
+                            tags=("healthy_shared",)))
     return out
 
 

@@ -21,7 +21,8 @@ directories), ``diagnosis-fp8/`` and ``diagnosis-planted/`` (``diagnosis.json``,
 ``fp8.ckpt`` (the FP8 run's weights and scaling state, for ``fp8track check-inference``),
 ``demo.json`` (the runs, their ids and final losses, the finding kinds) and, with ``--wandb``,
 ``wandb/`` (one offline run per training run). The console says which run is training, then
-where everything is, then each diagnosis, and ends with one answer line per FP8 run.
+where everything is, then each diagnosis, and ends with one answer line per FP8 run: its verdict, the
+causal finding and layer.
 """
 
 from __future__ import annotations
@@ -401,7 +402,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             else ""
         )
         top = f"; top-ranked layer {d.layer_ranking[0].layer}" if d.layer_ranking else ""
-        print(f"{name}: {d.top.kind} ({d.top.severity}): {d.top.title} ({loss}{top})")
+        v = d.verdict
+        what = f"{v.cause} ({d.top.severity})" if v.cause else d.top.kind
+        print(f"{name}: {v.verdict}: {what}: {v.reason} ({loss}{top})")
     return 0
 
 

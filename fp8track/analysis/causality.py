@@ -5,24 +5,28 @@ it, the loss rises, and the gradients of the head change with it. Those later an
 and often larger than the first one (a head whose gradient underflows once the loss blew up), so a
 ranking by size alone can headline the consequence. The order here uses time:
 
-* an anomalous layer (one the ranking scores at least ``min_score``, or one whose tensors were
-  destroyed, :mod:`fp8track.analysis.damage`) has an **onset**: the start of its own-history window
+* an anomalous layer (one the caller names, by default one the ranking scores at least
+  ``min_score``, or one whose tensors were destroyed, :mod:`fp8track.analysis.damage`) has an
+  **onset**: the start of its own-history window
   (``LayerRisk.onset``; ``None``, anomalous from its first sampled step, counts as the run's start)
   or its first destroyed step, whichever is earlier;
 * the **reference** is the loss's departure from the control (the gap's onset, or the first
   FP8-only spike) when there is one, else the earliest anomalous onset;
 * a layer whose onset is later than the reference by more than the onsets' ``resolution`` (the
   gap's smoothing width plus one sampling interval) is a **consequence**, "downstream of" the
-  earliest anomalous layer; the others are **candidate causes**.
+  earliest anomalous layer; the others are **candidate causes**. The reference is never earlier
+  than the earliest anomalous onset: a layer that broke after a departure no layer explains is
+  not downstream of anything (it is a cause of its own, later problem).
 
-:func:`causal_order` returns the ranking with the candidate causes first (by score), then the
-layers without anomaly, then the consequences, and the role of each anomalous layer; every finding,
-the report's headline and the console line read this one order.
+:func:`causal_order` returns the ranking with the candidate causes first (destroyed layers before
+the others: their evidence needs no comparison; then by score), then the layers without anomaly,
+then the consequences, and the role of each anomalous layer; every finding, the report's headline
+and the console line read this one order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from fp8track.analysis.ranking import LayerRisk
@@ -56,6 +60,7 @@ def causal_order(
     first_step: int = 0,
     min_score: float = 3.0,
     destroyed_onsets: Mapping[str, int] | None = None,
+    anomalous: Collection[str] | None = None,
 ) -> tuple[list[LayerRisk], dict[str, Role]]:
     """``(reordered ranking, {layer: Role})`` (see the module docstring).
 
@@ -67,11 +72,14 @@ def causal_order(
         min_score: the score from which a layer is anomalous.
         destroyed_onsets: ``{layer: first destroyed step}`` (those layers are anomalous whatever
             their score).
+        anomalous: the layers that count as anomalous besides the destroyed ones (default: those
+            scoring at least ``min_score``).
     """
     destroyed = dict(destroyed_onsets or {})
     onsets: dict[str, int] = {}
     for r in ranking:
-        if r.score >= min_score or r.layer in destroyed:
+        flagged = r.score >= min_score if anomalous is None else r.layer in anomalous
+        if flagged or r.layer in destroyed:
             own = r.onset if r.onset is not None else first_step
             onsets[r.layer] = min(own, destroyed.get(r.layer, own))
     for layer, step in destroyed.items():
@@ -97,9 +105,10 @@ def causal_order(
     rank_of = {r.layer: i for i, r in enumerate(ranking)}
     tier = {CAUSE: 0, CONSEQUENCE: 2}
 
-    def key(r: LayerRisk) -> tuple[int, int]:
+    def key(r: LayerRisk) -> tuple[int, int, int]:
         role = roles.get(r.layer)
-        return (tier[role.role] if role else 1, rank_of[r.layer])
+        lost = int(not (role and role.role == CAUSE and r.layer in destroyed))
+        return (tier[role.role] if role else 1, lost, rank_of[r.layer])
 
     ordered = sorted(ranking, key=key)
     return _reranked(ordered), roles

@@ -40,14 +40,19 @@ in another), so each layer is judged against its peers, like with like:
    within :func:`tied` of each other share a rank and are reported as tied.
 
 :func:`outliers` marks layers whose score stands out from the others' by the same robust rule, so a
-model whose layers are all alike has none, and says how far each is from the best other layer.
+model whose layers are all alike has none, and says how far each is from the best other layer. A
+z-score over a tiny spread is not an outlier: the layer must also be worse than the median of its
+group by an amount that matters in absolute terms on a quantisation-error signal
+(:data:`MATERIAL_MARGINS`: 6 dB of SQNR, 0.6 decades of ``1 - cos``, one point of underflow or
+overflow; :func:`material`). Scale drift and history shifts without an error to show for them
+nominate, never decide.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -83,6 +88,16 @@ SIGNAL_FLOORS: Mapping[str, float] = {
     "drift_events": 1.0,  # severity is |peak drift| / threshold (>= 1 when an event fired)
 }
 """Lower bound of the robust scale per signal, in the signal's units (step 4 of the docstring)."""
+
+MATERIAL_MARGINS: Mapping[str, float] = {
+    "rel_error_db": 6.0,  # dB: four times the error power of comparable tensors
+    "cos_loss": 0.6,  # decades of (1 - cos): the same 6 dB seen through the cosine
+    "underflow_pct": 1.0,  # percentage points: E5M2 gradients' natural floor is a few tenths
+    "overflow_pct": 1.0,  # percentage points
+}
+"""How much worse than its group's median a layer's error must be, in the signal's units, to be
+an outlier (:func:`material`): the error signals only (drift and history shifts matter through the
+error they cause)."""
 
 MAIN_VARIANTS = ("actual", "shadow")
 # Issue 23: the column-wise copies of block recipes (the dgrad/wgrad operands, TE's ``_columnwise``
@@ -120,6 +135,8 @@ class LayerRisk:
             when the window is the whole run.
         fmt: element format of the scoring tensor (``"e4m3"``, ``"e5m2"`` or ``"?"``).
         excess: True when the signals were taken as the excess over the control's shadow rows.
+        margin: per signal of the scoring tensor, its peak minus the median peak of its group, in
+            the signal's units (the absolute counterpart of ``z``; :func:`material`).
     """
 
     layer: str
@@ -132,6 +149,7 @@ class LayerRisk:
     onset: int | None = None
     fmt: str = "?"
     excess: bool = False
+    margin: Mapping[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -145,6 +163,7 @@ class LayerRisk:
             "onset": self.onset,
             "fmt": self.fmt,
             "excess_over_control": self.excess,
+            "margin": dict(self.margin),
         }
 
 
@@ -472,37 +491,48 @@ def rank_layers(
     groups: dict[tuple[str, str, str], list[Key]] = {}
     for k, s in summ.items():
         groups.setdefault((k[1], s.fmt, s.variant), []).append(k)
-    scored: dict[Key, tuple[float, dict[str, float], bool]] = {}
+    scored: dict[Key, tuple[float, dict[str, float], bool, dict[str, float]]] = {}
     for keys in groups.values():
         excess = bool(ctl_summ) and all(k in ctl_summ and ctl_summ[k].fmt == summ[k].fmt for k in keys)
-        z_by_signal = {}
+        z_by_signal, margin_by_signal = {}, {}
         for sig in SIGNALS:
             vals = [
                 _minus(summ[k].peaks[sig], ctl_summ[k].peaks[sig]) if excess else summ[k].peaks[sig]
                 for k in keys
             ]
             z_by_signal[sig] = robust_z(vals, SIGNAL_FLOORS[sig])
+            margin_by_signal[sig] = _margins(vals)
         for i, k in enumerate(keys):
             z = {sig: z_by_signal[sig][i] for sig in SIGNALS}
-            scored[k] = (sum(max(v, 0.0) for v in z.values() if math.isfinite(v)), z, excess)
+            margin = {sig: margin_by_signal[sig][i] for sig in MATERIAL_MARGINS}
+            scored[k] = (sum(max(v, 0.0) for v in z.values() if math.isfinite(v)), z, excess, margin)
 
     order: dict[str, int] = {}
     for k in series:
         order.setdefault(k[0], len(order))
     best: dict[str, Key] = {}
-    for k, (score, _, _) in scored.items():
+    for k, (score, *_) in scored.items():
         if k[0] not in best or score > scored[best[k[0]]][0]:
             best[k[0]] = k
     risks = []
     for layer, k in best.items():
-        score, z, excess = scored[k]
+        score, z, excess, margin = scored[k]
         stats = {kk[1]: {**summ[kk].stats, "onset": summ[kk].onset, "fmt": summ[kk].fmt}
                  for kk in series if kk[0] == layer}
-        risks.append(
-            LayerRisk(layer, score, k[1], z, stats, onset=summ[k].onset, fmt=summ[k].fmt, excess=excess)
-        )
+        risks.append(LayerRisk(layer, score, k[1], z, stats, onset=summ[k].onset, fmt=summ[k].fmt,
+                               excess=excess, margin=margin))
     risks.sort(key=lambda r: (-r.score, order[r.layer]))
     return _with_ranks(risks)
+
+
+def _margins(values: Sequence[float]) -> list[float]:
+    """Each value minus the median of the finite ones (+-inf clipped to the finite range, as
+    :func:`robust_z` does); NaN stays NaN."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return [math.nan] * len(values)
+    lo, hi, med = min(finite), max(finite), float(np.median(finite))
+    return [math.nan if math.isnan(v) else min(max(v, lo), hi) - med for v in values]
 
 
 def _minus(a: float, b: float) -> float:
@@ -518,9 +548,7 @@ def _with_ranks(risks: Sequence[LayerRisk]) -> list[LayerRisk]:
     out = []
     for i, r in enumerate(risks):
         mates = tuple(o.layer for j, o in enumerate(risks) if j != i and ranks[j] == ranks[i])
-        out.append(
-            LayerRisk(r.layer, r.score, r.tensor, r.z, r.stats, ranks[i], mates, r.onset, r.fmt, r.excess)
-        )
+        out.append(replace(r, rank=ranks[i], tied=mates))
     return out
 
 
@@ -531,11 +559,25 @@ def outliers(
     above ``z_threshold`` (3.5, the usual modified-z cut-off) *and* a score of at least
     ``min_score`` (one signal three robust deviations worse than the typical comparable tensor),
     so a model whose layers are all alike has none. With a control, the scores are already the
-    excess over the control (:func:`rank_layers`)."""
+    excess over the control (:func:`rank_layers`). The layer's error must also be worse than its
+    group's by an amount that matters (:func:`material`)."""
     if len(ranking) < 3:
         return []
     z = robust_z([r.score for r in ranking], floor=1.0)
-    return [r for r, zi in zip(ranking, z, strict=True) if zi > z_threshold and r.score >= min_score]
+    return [r for r, zi in zip(ranking, z, strict=True)
+            if zi > z_threshold and r.score >= min_score and material(r)]
+
+
+def material(risk: LayerRisk) -> bool:
+    """Whether the layer's scoring tensor is worse than the median of its group by at least
+    :data:`MATERIAL_MARGINS` on some quantisation-error signal (its ``margin``). A risk built
+    without margins (by hand) counts as material."""
+    if not risk.margin:
+        return True
+    return any(
+        math.isfinite(m := risk.margin.get(sig, math.nan)) and m >= floor
+        for sig, floor in MATERIAL_MARGINS.items()
+    )
 
 
 def separation(risk: LayerRisk, ranking: Sequence[LayerRisk], others: Sequence[LayerRisk] = ()) -> float:
@@ -550,6 +592,7 @@ __all__ = [
     "SIGNALS",
     "ROW_SIGNALS",
     "SIGNAL_FLOORS",
+    "MATERIAL_MARGINS",
     "LayerRisk",
     "HistoryShift",
     "element_format",
@@ -561,6 +604,7 @@ __all__ = [
     "tied",
     "rank_layers",
     "outliers",
+    "material",
     "separation",
     "history_shifts",
 ]

@@ -49,10 +49,12 @@ class Verdict:
                 "layers": list(self.layers), "notes": list(self.notes)}
 
 
-def judge(findings: Sequence[Any], loss_steps: int, sampled_steps: int, has_control_rows: bool) -> Verdict:
-    """The verdict of ``findings`` (sorted, causal first), given how much the pair holds."""
+def judge(findings: Sequence[Any], loss_steps: int, sampled_steps: int, has_control_rows: bool,
+          extra_notes: Sequence[str] = ()) -> Verdict:
+    """The verdict of ``findings`` (sorted, causal first), given how much the pair holds;
+    ``extra_notes`` are observations that are no finding (a control that spiked alone)."""
     notes = tuple(f.title for f in findings if f.kind in NOTE_KINDS or (
-        f.kind in FP8_KINDS and f.severity in ("low", "info")))
+        f.kind in FP8_KINDS and f.severity in ("low", "info"))) + tuple(extra_notes)
     fp8 = [f for f in findings if f.kind in FP8_KINDS and f.severity in ("high", "medium")]
     if any(f.kind == "mismatched_runs" for f in findings):
         return Verdict("inconclusive", "the two runs do not belong together (see the finding)")

@@ -15,9 +15,10 @@ COLORS = {"high": "red", "medium": "yellow", "low": "cyan", "info": "green"}
 def print_diagnosis(
     d: Any, html_path: Any = None, console: Any = None, runs: Sequence[str] | None = None
 ) -> None:
-    """A short summary of a diagnosis on the terminal: which runs, the findings (a table at most
-    :data:`TABLE_WIDTH` wide), the first next experiment, the top-ranked layer, the report's path.
-    ``runs``: how to name the FP8 run and the control (:func:`fp8track.analysis.pairing.run_label`)."""
+    """A short summary of a diagnosis on the terminal: which runs, the verdict (first: one answer
+    per pair) and its notes, the findings (a table at most :data:`TABLE_WIDTH` wide), the first next
+    experiment, the top-ranked layer of the causal order, the report's path. ``runs``: how to name
+    the FP8 run and the control (:func:`fp8track.analysis.pairing.run_label`)."""
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -28,6 +29,9 @@ def print_diagnosis(
     if d.kinds() == ["mismatched_runs"]:
         console.print(f"[red]not compared:[/red] {d.top.text}", highlight=False)
         return
+    console.print(verdict_line(d, markup=True), highlight=False)
+    for note in d.verdict.notes:
+        console.print(f"  note: {note}", highlight=False)
     table = Table(width=min(console.width, TABLE_WIDTH), box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     table.add_column("severity", no_wrap=True)
     table.add_column("finding", ratio=5)
@@ -46,12 +50,26 @@ def print_diagnosis(
         console.print(f"[bold]Next for {d.top.kind}:[/bold] " + d.top.next_experiments[0], highlight=False)
     if d.layer_ranking:
         top = d.layer_ranking[0]
+        role = d.roles.get(top.layer)
         console.print(
-            f"[bold]Top-ranked layer:[/bold] {top.layer} ({top.tensor}, risk score {top.score:.1f})",
+            f"[bold]Top-ranked layer:[/bold] {top.layer} ({top.tensor}, risk score {top.score:.1f}"
+            + (f", anomalous from step {role.onset}" if role else "") + ")",
             highlight=False,
         )
     if html_path is not None:
         console.print(f"[bold]Report:[/bold] {html_path}", highlight=False, soft_wrap=True)
 
 
-__all__ = ["print_diagnosis", "TABLE_WIDTH"]
+VERDICT_COLORS = {"healthy": "green", "fp8_problem": "red", "inconclusive": "yellow"}
+
+
+def verdict_line(d: Any, markup: bool = False) -> str:
+    """The pair's answer in one line: ``Verdict: fp8_problem: <reason> (cause: <layer>)``; the
+    console, the demo's answers and the report's headline say the same."""
+    v = d.verdict
+    word = f"[bold {VERDICT_COLORS[v.verdict]}]{v.verdict}[/]" if markup else v.verdict
+    cause = f" (cause: {v.layers[0]})" if v.verdict == "fp8_problem" and v.layers else ""
+    return f"Verdict: {word}: {v.reason}{cause}"
+
+
+__all__ = ["print_diagnosis", "verdict_line", "TABLE_WIDTH"]

@@ -211,12 +211,12 @@ def ranking_figure(d: Diagnosis, top: int = 15) -> Figure | None:
     ax = fig.subplots()
     names = [f"{r.layer} ({r.tensor})" for r in ranking][::-1]
     scores = [r.score for r in ranking][::-1]
-    flagged = {f.layers[0] for f in d.findings if f.kind == "layer_outlier" and f.layers}
+    flagged = {f.layers[0] for f in d.findings if f.kind in ("layer_outlier", "latent_damage") and f.layers}
     colors = [FP8_COLOR if r.layer in flagged else CONTROL_COLOR for r in ranking][::-1]
     ax.barh(names, scores, color=colors)
     ax.tick_params(axis="y", labelsize=LABEL_PT)
     ax.set_xlabel("risk score (sum of positive robust z against the other layers; 0 = typical)")
-    ax.set_title("Layer ranking (red: layer outliers)")
+    ax.set_title("Layer ranking, causal order (red: layer outliers and destroyed layers)")
     return fig
 
 

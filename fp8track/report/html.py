@@ -1,7 +1,8 @@
 """``report.html``: the diagnosis in one self-contained page (inline CSS and PNG figures, no script,
 no network), readable offline and attachable to a tracker run.
 
-Sections: summary (runs, verdict), findings with their evidence and next experiments, the loss
+Sections: the verdict (healthy, fp8_problem or inconclusive, with its notes), summary (runs),
+findings with their evidence and next experiments, the loss
 and evaluation figures, the layer ranking (table and chart), and per-layer heatmaps of underflow,
 relative error (-SQNR), cosine and scale drift over steps. A "Method" note says how every
 judgement is made relative to the run's own layers and its control, not by fixed thresholds.
@@ -32,6 +33,9 @@ td,th{border:1px solid #ddd;padding:.2rem .5rem;text-align:left}
 figure{margin:1rem 0}figure img{max-width:100%}figcaption{font-size:.85rem;color:#555}
 .source{font-size:.75rem;color:#777;font-family:monospace}
 pre{background:#f4f4f4;padding:.5rem;overflow-x:auto;font-size:.8rem}.method{font-size:.9rem;color:#444}
+.verdict{font-size:1.1rem;padding:.6rem 1rem;margin:1rem 0;border-left:8px solid #999}
+.verdict.healthy{border-color:#2ca02c}.verdict.fp8_problem{border-color:#d62728}
+.verdict.inconclusive{border-color:#ff7f0e}
 """
 
 METHOD = (
@@ -81,20 +85,26 @@ def _finding_html(f: Finding) -> str:
 
 def _ranking_table(d: Diagnosis, top: int = 30) -> str:
     e = html.escape
-    flagged = {f.layers[0] for f in d.findings if f.kind == "layer_outlier" and f.layers}
+    flagged = {f.layers[0] for f in d.findings if f.kind in ("layer_outlier", "latent_damage") and f.layers}
     rows = []
     for i, r in enumerate(d.layer_ranking[:top], 1):
         mark = " &#9888;" if r.layer in flagged else ""
+        role = d.roles.get(r.layer)
+        where = ("" if role is None else f"cause (from step {role.onset})" if role.role == "cause"
+                 else f"consequence (from step {role.onset}): downstream of {role.downstream_of}")
         rows.append(
             f"<tr><td>{i}</td><td>{e(r.layer)}{mark}</td><td>{r.score:.2f}</td><td>{e(r.tensor)}</td>"
-            f"<td>{e(stats_line(r.stats.get(r.tensor, {})))}</td></tr>"
+            f"<td>{e(where)}</td><td>{e(stats_line(r.stats.get(r.tensor, {})))}</td></tr>"
         )
     window = f" over steps {d.ranking_window[0]}-{d.ranking_window[1]}" if d.ranking_window else ""
     return (
-        f'<p>Every monitored layer{window}, riskiest first (first {min(top, len(d.layer_ranking))} of '
-        f"{len(d.layer_ranking)}).</p>"
+        f"<p>Every monitored layer{window}, in causal order: candidate causes first (anomalous no later "
+        "than the loss departed from the control), then the layers without anomaly by risk, then the "
+        "consequences (anomalous only after the damage reached them) "
+        f"(first {min(top, len(d.layer_ranking))} of {len(d.layer_ranking)}).</p>"
         '<table id="layer-ranking"><tr><th>#</th><th>layer</th><th>risk score</th><th>worst tensor</th>'
-        "<th>its statistics (median over steps; overflow: max)</th></tr>" + "".join(rows) + "</table>"
+        "<th>role</th><th>its statistics (median over steps; overflow: max)</th></tr>"
+        + "".join(rows) + "</table>"
     )
 
 
@@ -123,6 +133,15 @@ def render_report(d: Diagnosis, fp8: RunData, control: RunData) -> str:
         f"<td>{e(d.layer_ranking[0].layer) if d.layer_ranking else 'n/a'}</td></tr>"
         "</table>"
     )
+    v = d.verdict
+    notes = "".join(f"<li>{e(n)}</li>" for n in v.notes)
+    verdict = (
+        f'<div id="verdict" class="verdict {e(v.verdict)}" data-verdict="{e(v.verdict)}">'
+        f"<b>Verdict: {e(v.verdict)}</b>: {e(v.reason)}"
+        + (f" (cause: <b>{e(v.layers[0])}</b>)" if v.verdict == "fp8_problem" and v.layers else "")
+        + (f"<ul>{notes}</ul>" if notes else "")
+        + "</div>"
+    )
     heatmaps = "".join(fig(fid) for fid in figs if fid.startswith("fig-heatmap-"))
     evals = ""
     if d.eval_metrics:
@@ -134,7 +153,7 @@ def render_report(d: Diagnosis, fp8: RunData, control: RunData) -> str:
         evals = ("<table><tr><th>metric</th><th>FP8</th><th>control</th><th>worse by</th>"
                  f"<th>in noise units</th></tr>{rows}</table>")
     body = (
-        f"<h1>fp8track diagnosis: {e(run_name(fp8))} vs {e(run_name(control))}</h1>{summary}"
+        f"<h1>fp8track diagnosis: {e(run_name(fp8))} vs {e(run_name(control))}</h1>{verdict}{summary}"
         f'<h2>Findings</h2><div id="findings">{"".join(_finding_html(f) for f in d.findings)}</div>'
         f"<h2>Loss and gap</h2>{fig('fig-loss')}"
         "<h2>Validation and downstream metrics</h2>"
@@ -148,7 +167,8 @@ def render_report(d: Diagnosis, fp8: RunData, control: RunData) -> str:
     )
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
-        f"<title>fp8track diagnosis: {e(run_name(fp8))}: {e(d.top.kind)}</title><style>{CSS}</style></head>"
+        f"<title>fp8track diagnosis: {e(run_name(fp8))}: {e(d.verdict.verdict)}</title>"
+        f"<style>{CSS}</style></head>"
         f"<body>{body}</body></html>"
     )
 

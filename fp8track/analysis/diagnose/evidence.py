@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from fp8track.analysis.baseline import Baseline, RunData
+from fp8track.analysis.baseline import Baseline, RunData, classify_spike
 from fp8track.analysis.causes import known_causes
+from fp8track.analysis.diagnose.causal import LayerOrder, order_layers
 from fp8track.analysis.diagnose.model import (
     LOWER_IS_BETTER,
     DiagnosisConfig,
@@ -157,15 +158,22 @@ class Evidence:
         fp8_spikes: spikes and non-finite events of the FP8 loss; ``control_base`` the control's.
         fp8_rows, control_rows: tensor-statistics rows of both runs.
         shifts: own-history shifts of the FP8 run's (layer, tensor) pairs, strongest first.
-        ranking: the layer ranking (:func:`fp8track.analysis.ranking.rank_layers`, against the control).
-        outs: its outliers.
-        named: the layers a numerics finding names: the outliers, else the top-ranked (with ties).
+        ranking: the layer ranking (:func:`fp8track.analysis.ranking.rank_layers`, against the
+            control) in causal order (:mod:`fp8track.analysis.diagnose.causal`): candidate causes
+            first, consequences last. Every rule and view reads this one order.
+        outs: its outliers, in that order.
+        named: the layers a numerics finding names: the candidate causes among the outliers and
+            destroyed layers, else the top-ranked causes (with ties); never a consequence.
         model_order: the FP8 run's layers in model order (FP8 layers, then BF16 ones).
         evals: per evaluation metric, :func:`compare_evals`.
         row_spacing: steps between two sampled steps of the tensor statistics.
         causes: the known causes the run points to (:func:`fp8track.analysis.causes.known_causes`).
         paired_spikes: spikes of the FP8/control loss ratio when both runs saw the same batches
             (:func:`paired_spikes`); empty otherwise.
+        order: the causal order behind ``ranking``, ``outs`` and ``named``: roles (cause or
+            consequence, onsets), destroyed layer tensors, the loss's departure step.
+        shared_spikes, only_spikes: the FP8 spikes shared with the control and the FP8-only ones,
+            each ``(event, classification or None)`` (:func:`classify_spikes`).
     """
 
     fp8: RunData
@@ -185,6 +193,15 @@ class Evidence:
     row_spacing: int
     causes: Mapping[str, str]
     paired_spikes: tuple[SpikeEvent, ...] = ()
+    order: LayerOrder = field(default_factory=lambda: LayerOrder((), ()))
+    shared_spikes: tuple[tuple[SpikeEvent, Any], ...] = ()
+    only_spikes: tuple[tuple[SpikeEvent, Any], ...] = ()
+
+    @property
+    def resolution(self) -> int:
+        """Steps within which two onsets cannot be ordered: the gap's smoothing width plus one
+        statistics sampling interval."""
+        return self.loss.smooth * _loss_spacing(self.loss) + self.row_spacing
 
     @property
     def nonfinite(self) -> list[SpikeEvent]:
@@ -221,8 +238,8 @@ def corroborating_break(
 ) -> str | None:
     """The outlier layer whose own-history break explains a gap that ends inside the seed band
     (``loss.band_onset_step``): it broke no later than the gap's onset plus the onsets' resolution
-    (:func:`breaks_after_gap`) and no earlier than twice that resolution before it; ``None`` when
-    no outlier did (the gap stays no finding)."""
+    (the gap's smoothing width plus one sampling interval) and no earlier than twice that
+    resolution before it; ``None`` when no outlier did (the gap stays no finding)."""
     if loss.band_onset_step is None:
         return None
     res = loss.smooth * loss_spacing + row_spacing
@@ -230,17 +247,6 @@ def corroborating_break(
         if r.onset is not None and loss.band_onset_step - 2 * res <= r.onset <= loss.band_onset_step + res:
             return r.layer
     return None
-
-
-def breaks_after_gap(r: LayerRisk, loss: GapJudgement, loss_spacing: int, row_spacing: int) -> bool:
-    """Whether layer ``r`` broke on its own (its own-history onset) clearly after a lasting loss gap
-    opened: later than the gap's onset by more than the gap's smoothing width (``loss.smooth``
-    logged steps ``loss_spacing`` apart) plus one statistics sampling interval (``row_spacing``):
-    the two onsets' resolution. Such a layer cannot explain the gap: it is a separate,
-    later problem, judged on its own severity (:func:`finding_order`)."""
-    if loss.onset_step is None or r.onset is None:
-        return False
-    return r.onset > loss.onset_step + loss.smooth * loss_spacing + row_spacing
 
 
 def gather_evidence(
@@ -266,13 +272,11 @@ def gather_evidence(
         # on its own just before the gap opened tells them apart: the gap is judged without it.
         loss = replace(compare_loss(fl, cl, cfg, paired=loss.unit == "paired", seed_band=0.0),
                        corroborated_by=cause)
-    # The layers a lasting gap names: those that can explain it, not one that broke on its own later.
-    later = {r.layer for r in ranking if breaks_after_gap(r, loss, spacing, row_spacing)}
-    top = [r.layer for r in ranking if ranking and r.rank == ranking[0].rank and r.layer not in later]
-    named = tuple(
-        [r.layer for r in outs if r.layer not in later][: cfg.top_k]
-        or [r.layer for r in ranking if r.layer not in later][: max(cfg.top_k, len(top))]
-    )
+    paired = paired_spikes(fl, cl, steps, scfg) if loss.unit == "paired" else ()
+    shared, only = classify_spikes(loss, tuple(fp8_spikes), ctl_base, paired, cfg.classify_window)
+    # One order for every rule and view: cause before consequence (diagnose.causal).
+    order = order_layers(ranking, outs, fp8_rows, loss, [e for e, _ in only],
+                         loss.smooth * spacing + row_spacing, cfg.outlier_min_score, cfg.top_k)
     fp8_layers = list(fp8.meta.get("fp8_layers") or [])
     model_order = tuple(fp8_layers + [n for n in (fp8.meta.get("bf16_layers") or []) if n not in fp8_layers])
     evals = compare_evals(fp8.eval_metrics(), control.eval_metrics(), loss.noise, cfg.noise_k)
@@ -286,15 +290,47 @@ def gather_evidence(
         fp8_rows,
         ctl_rows,
         tuple(history_shifts(fp8_rows)),
-        ranking,
-        outs,
-        named,
+        order.ranking,
+        order.outs,
+        order.named,
         model_order,
         evals,
         row_spacing,
         known_causes(fp8.meta, fp8_rows),
-        paired_spikes(fl, cl, steps, scfg) if loss.unit == "paired" else (),
+        paired,
+        order,
+        tuple(shared),
+        tuple(only),
     )
+
+
+def classify_spikes(
+    loss: GapJudgement, fp8_spikes: Sequence[SpikeEvent], control: Baseline,
+    paired: Sequence[SpikeEvent], classify_window: int,
+) -> tuple[list[tuple[SpikeEvent, Any]], list[tuple[SpikeEvent, Any]]]:
+    """FP8 spikes split into (shared with the control, FP8 only), each as ``(event, classification)``
+    (:func:`fp8track.analysis.baseline.classify_spike`; ``None`` for an excursion of the paired ratio).
+    An FP8 spike that never recovers and starts within one smoothing window of a lasting gap's onset
+    is that gap's own step up, judged by the gap rules; excursions of the paired ratio that the raw
+    loss's noise hid are FP8-only (the data cancels in the ratio)."""
+    shared: list[tuple[SpikeEvent, Any]] = []
+    only: list[tuple[SpikeEvent, Any]] = []
+    spacing = _loss_spacing(loss)
+
+    def gap_step_up(e: SpikeEvent) -> bool:
+        return (loss.onset_step is not None and e.status == "not_recovered"
+                and e.start_step >= loss.onset_step - loss.smooth * spacing)
+
+    for e in fp8_spikes:
+        if e.kind == "spike" and not gap_step_up(e):
+            cls = classify_spike(e, control, classify_window)
+            (shared if cls.label == "shared" else only).append((e, cls))
+    seen = [e.start_step for e, _ in shared + only]
+    for e in paired:
+        if not gap_step_up(e) and all(abs(e.start_step - s) > classify_window for s in seen):
+            only.append((e, None))
+    only.sort(key=lambda ec: ec[0].start_step)
+    return shared, only
 
 
 def paired_spikes(

@@ -9,11 +9,13 @@ from typing import Any
 
 import numpy as np
 
+from fp8track.analysis.causality import Role
 from fp8track.analysis.loss_gap import GapJudgement
 from fp8track.analysis.ranking import (
     LayerRisk,
 )
 from fp8track.analysis.spikes import SpikeEvent
+from fp8track.analysis.verdict import Verdict
 from fp8track.errors import ConfigError, check_float, check_int
 
 KINDS = (
@@ -26,6 +28,7 @@ KINDS = (
     "router_divergence",
     "expert_outlier",
     "layer_outlier",
+    "latent_damage",
     "healthy",
 )
 """Finding kinds, in the troubleshooting path's order."""
@@ -120,7 +123,15 @@ class Finding:
 
 @dataclass(frozen=True)
 class Diagnosis:
-    """Findings (most severe first, path order within a severity) and the layer ranking."""
+    """The pair's verdict, its findings (the causal one first) and the layer ranking in causal
+    order (candidate causes first, consequences last: :mod:`fp8track.analysis.diagnose.causal`).
+
+    Attributes:
+        verdict: ``healthy``, ``fp8_problem`` or ``inconclusive`` with its reason, the causal
+            finding's kind and layers, and the notes (:mod:`fp8track.analysis.verdict`).
+        roles: per anomalous layer, whether it is a candidate cause or a consequence (downstream
+            of which layer), with its onset.
+    """
 
     fp8_source: str
     control_source: str
@@ -131,10 +142,18 @@ class Diagnosis:
     fp8_spikes: tuple[SpikeEvent, ...] = ()
     control_spikes: tuple[SpikeEvent, ...] = ()
     eval_metrics: Mapping[str, Any] = field(default_factory=dict)
+    verdict: Verdict = field(default_factory=lambda: Verdict("inconclusive", "not judged"))
+    roles: Mapping[str, Role] = field(default_factory=dict)
 
     @property
     def top(self) -> Finding:
         return self.findings[0]
+
+    @property
+    def causal_layer(self) -> str | None:
+        """The layer the verdict names as the cause (``fp8_problem`` with a layer), else ``None``."""
+        v = self.verdict
+        return v.layers[0] if v.verdict == "fp8_problem" and v.layers else None
 
     def kinds(self) -> list[str]:
         return [f.kind for f in self.findings]
@@ -142,10 +161,12 @@ class Diagnosis:
     def to_dict(self) -> dict[str, Any]:
         lc = self.loss
         return {
+            "verdict": self.verdict.to_dict(),
             "fp8_run": self.fp8_source,
             "control_run": self.control_source,
             "findings": [f.to_dict() for f in self.findings],
-            "layer_ranking": [_plain(r.to_dict()) for r in self.layer_ranking],
+            "layer_ranking": [_plain({**r.to_dict(), **_role_dict(self.roles.get(r.layer))})
+                              for r in self.layer_ranking],
             "ranking_window": list(self.ranking_window) if self.ranking_window else None,
             "loss": _plain(
                 {
@@ -177,6 +198,14 @@ class Diagnosis:
             "layers against the run's other layers, the control, and their own history; "
             "no fixed universal threshold",
         }
+
+
+def _role_dict(role: Role | None) -> dict[str, Any]:
+    """A ranking row's causal role for ``diagnosis.json`` (``role: null`` for a layer without anomaly)."""
+    if role is None:
+        return {"role": None}
+    return {"role": role.role, "anomaly_onset": role.onset, "downstream_of": role.downstream_of,
+            "role_reason": role.reason}
 
 
 def _plain(obj: Any) -> Any:

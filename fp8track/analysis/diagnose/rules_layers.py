@@ -6,11 +6,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from fp8track.analysis.diagnose.evidence import (
-    Evidence,
-    _loss_spacing,
-    breaks_after_gap,
-)
+from fp8track.analysis.causality import CONSEQUENCE
+from fp8track.analysis.damage import Destroyed, damage_summary
+from fp8track.analysis.diagnose.evidence import Evidence
 from fp8track.analysis.diagnose.model import (
     Finding,
     confidence,
@@ -22,6 +20,7 @@ from fp8track.analysis.ranking import (
     LayerRisk,
     separation,
 )
+from fp8track.analysis.verdict import FP8_KINDS
 
 TROUBLE_KINDS = (
     "fp8_only_spikes",
@@ -34,6 +33,10 @@ CORROBORATE_Z = 2.0
 """Robust z (against comparable tensors of the other layers) of a layer's relative error (incl. the
 error of its non-outlier elements) or cosine loss from which its quantisation error is said to stand
 out (reported with the layers to watch)."""
+
+CONSEQUENCE_CONFIDENCE = 0.5
+"""A consequence's outlier finding keeps this share of its confidence: the layer stands out, but
+it says where the damage arrived, not where it came from."""
 
 CLEAR_SEPARATION = 2.0
 """An outlier scoring less than this many times the best other layer is a near tie: at most
@@ -53,8 +56,16 @@ def _trouble(ev: Evidence, found: Sequence[Finding]) -> bool:
 
 def _watch(ev: Evidence, found: Sequence[Finding]) -> list[LayerRisk]:
     """Outliers without loss or evaluation trouble: statistics nominate, the loss decides, so they
-    are layers to watch under ``healthy``, whatever their error (which the finding reports)."""
-    return [] if _trouble(ev, found) else list(ev.outs)
+    are layers to watch under ``healthy``, whatever their error (which the finding reports). A
+    consequence of another layer's anomaly is not watched for itself."""
+    return [] if _trouble(ev, found) else [r for r in ev.outs if not ev.order.is_consequence(r.layer)]
+
+
+def downstream_of(ev: Evidence, layer: str) -> list[str]:
+    """The anomalous layers the causal order puts downstream of ``layer`` (its consequences), as
+    ``"<layer> (from step N)"``."""
+    return [f"{n} (from step {role.onset})" for n, role in ev.order.roles.items()
+            if role.role == CONSEQUENCE and role.downstream_of == layer]
 
 
 def _own_shift(ev: Evidence, layer: str, tensor: str) -> dict[str, Any] | None:
@@ -76,13 +87,21 @@ def rule_layer_outlier(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
             sev = "medium"
         worst_sig = max(r.z, key=lambda k: r.z[k] if math.isfinite(r.z[k]) else -math.inf)
         base = "the control's same layer" if r.excess else "the model's other layers"
-        later = breaks_after_gap(r, ev.loss, _loss_spacing(ev.loss), ev.row_spacing)
+        later = r.layer in ev.order.later
+        role = ev.order.role(r.layer)
+        consequence = role is not None and role.role == CONSEQUENCE
+        conf = confidence(r.score, cfg.outlier_min_score) * (1.0 if sep >= CLEAR_SEPARATION else 0.5)
+        if consequence:  # an effect of the damage, never the headline: a note under its cause
+            sev, conf = "low", conf * CONSEQUENCE_CONFIDENCE
+        wrecked = [damage_summary(d) for d in ev.order.destroyed_of(r.layer)]
+        after = downstream_of(ev, r.layer)
         out.append(
             Finding(
                 "layer_outlier",
                 sev,
-                confidence(r.score, cfg.outlier_min_score) * (1.0 if sep >= CLEAR_SEPARATION else 0.5),
-                f"Layer {r.layer} ({r.tensor}) stands out" + (f" from step {own['step']}" if own else ""),
+                conf,
+                f"Layer {r.layer} ({r.tensor}) stands out" + (f" from step {own['step']}" if own else "")
+                + (f", downstream of {role.downstream_of}" if consequence and role else ""),
                 f"Risk score {r.score:.1f}, {sep:.1f}x the next layer's, against comparable {r.tensor} "
                 f"tensors "
                 f"({r.fmt}) of the other layers, as excess over {base}; worst signal {worst_sig} "
@@ -99,11 +118,14 @@ def rule_layer_outlier(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
                     else ""
                 )
                 + (
-                    f" It broke at step {r.onset}, after the loss gap opened (step {ev.loss.onset_step}): "
-                    "it does not explain that gap but is a separate, later problem."
+                    f" It broke at step {role.onset if role else r.onset}, after the loss gap opened (step "
+                    f"{ev.loss.onset_step}): it does not explain that gap but is a separate, later problem."
                     if later
                     else ""
-                ),
+                )
+                + (f" A consequence, not a cause: {role.reason}." if consequence and role else "")
+                + (" Destroyed: " + "; ".join(wrecked) + "." if wrecked else "")
+                + (f" Downstream of it: {', '.join(after)}." if after else ""),
                 steps=(own["step"],) if own else (),
                 layers=(r.layer,),
                 tensors=(r.tensor,),
@@ -116,7 +138,12 @@ def rule_layer_outlier(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
                     "stats": st,
                     "own_history": own,
                     "excess_over_control": r.excess,
+                    "margin": dict(r.margin),
                     "breaks_after_gap": later,
+                    "role": role.role if role else None,
+                    "downstream_of": role.downstream_of if role else None,
+                    "destroyed": [_destroyed_dict(d) for d in ev.order.destroyed_of(r.layer)],
+                    "consequences": after,
                 },
                 next_experiments=(
                     f"look for outlier features entering {r.layer}'s {r.tensor} (amax over steps)",
@@ -130,11 +157,19 @@ def rule_layer_outlier(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
     return out
 
 
+def _destroyed_dict(d: Destroyed) -> dict[str, Any]:
+    return {"tensor": d.tensor, "onset": d.onset, "steps": list(d.steps), "sampled": d.sampled,
+            "how": sorted({k for how in d.how.values() for k in how}), "worst": dict(d.worst)}
+
+
 def rule_healthy(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
-    """None of the other rules fired; the layers to watch are noted."""
-    if found:
+    """No rule found anything FP8 caused (at medium severity or above); the layers to watch and the
+    observations that are not FP8's doing (spikes both runs share, low-severity notes) are noted."""
+    if any(f.kind in FP8_KINDS and f.severity in ("high", "medium") or f.kind == "mismatched_runs"
+           for f in found):
         return []
     lc, watch = ev.loss, _watch(ev, found)
+    notes = [f.title for f in found]
     best = ev.ranking[0] if ev.ranking else None
     ties = f", tied with {', '.join(best.tied)}" if best and best.tied else ""
     return [
@@ -152,9 +187,10 @@ def rule_healthy(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
                 f"{100 * lc.tolerance:.2f}% ({lc.z_cut:.1f}x {lc.unit_label}, {100 * lc.noise:.2f}%)"
             )
             + "; no FP8-only spikes; no evaluation "
-            "drop; no layer stands out "
+            "drop; no layer destroyed; no layer stands out "
             "against the others more than in the control with an error to show for it"
             + (f" (highest risk score {best.score:.1f}, {best.layer}{ties})." if best else ".")
+            + (" Not FP8's doing: " + "; ".join(notes) + "." if notes else "")
             + (
                 " To watch: "
                 + ", ".join(
@@ -178,6 +214,7 @@ def rule_healthy(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
                 "top_layer": best.layer if best else None,
                 "top_score": best.score if best else None,
                 "top_tied_with": list(best.tied) if best else [],
+                "notes": notes,
                 "watch": [
                     {
                         "layer": r.layer,

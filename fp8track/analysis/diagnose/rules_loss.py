@@ -9,7 +9,6 @@ from typing import Any
 
 import numpy as np
 
-from fp8track.analysis.baseline import classify_spike
 from fp8track.analysis.diagnose.evidence import (
     OPTION_LABELS,
     Evidence,
@@ -27,7 +26,6 @@ from fp8track.analysis.ranking import (
     robust_z,
     row_signals,
 )
-from fp8track.analysis.spikes import SpikeEvent
 
 
 def _severity(z: float, cut: float) -> str:
@@ -63,35 +61,9 @@ def _layers_near(
     return sorted(best.values(), key=lambda h: -h[3])
 
 
-def _classified_spikes(ev: Evidence) -> tuple[list[Any], list[Any]]:
-    """FP8 spikes split into (shared with the control, FP8 only), each as ``(event, classification)``.
-    An FP8 spike that never recovers and starts within one smoothing window of a lasting gap's onset
-    is that gap's own step up, judged by the gap rules."""
-    shared: list[Any] = []
-    only: list[Any] = []
-    lc = ev.loss
-    spacing = max(1, int(np.median(np.diff(lc.steps)))) if len(lc.steps) > 1 else 1
-
-    def gap_step_up(e: SpikeEvent) -> bool:
-        return (lc.onset_step is not None and e.status == "not_recovered"
-                and e.start_step >= lc.onset_step - lc.smooth * spacing)
-
-    for e in ev.fp8_spikes:
-        if e.kind == "spike" and not gap_step_up(e):
-            cls = classify_spike(e, ev.control_base, ev.cfg.classify_window)
-            (shared if cls.label == "shared" else only).append((e, cls))
-    # Excursions of the paired ratio that the raw loss's noise hid: FP8-only (the data cancels).
-    seen = [e.start_step for e, _ in shared + only]
-    for e in ev.paired_spikes:
-        if not gap_step_up(e) and all(abs(e.start_step - s) > ev.cfg.classify_window for s in seen):
-            only.append((e, None))
-    only.sort(key=lambda ec: ec[0].start_step)
-    return shared, only
-
-
 def rule_shared_spikes(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
     """Path step 2: FP8 spikes with a control spike within ``classify_window`` steps."""
-    shared, _ = _classified_spikes(ev)
+    shared = ev.shared_spikes
     if not shared:
         return []
     zs = [e.z_score for e, _ in shared if math.isfinite(e.z_score)]
@@ -131,7 +103,7 @@ def rule_shared_spikes(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
 
 def rule_fp8_only_spikes(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
     """Path step 2: FP8 spikes without a control spike nearby; the layers that jump at them."""
-    _, only = _classified_spikes(ev)
+    only = ev.only_spikes
     if not only:
         return []
     cfg = ev.cfg
@@ -144,11 +116,20 @@ def rule_fp8_only_spikes(ev: Evidence, found: Sequence[Finding]) -> list[Finding
         for layer, tensor, _sig, z in _layers_near(ev.fp8_rows, e.start_step, ev.row_spacing, cfg.history_z):
             layer_hits[(layer, tensor)] = layer_hits.get((layer, tensor), 0.0) + z
     hits = sorted(layer_hits.items(), key=lambda kv: -kv[1])
-    layers = tuple(dict.fromkeys(k[0] for k, _ in hits))[: cfg.top_k]
+    # Cause before consequence: a layer that jumps at the spike because the damage reached it (its
+    # anomaly started later than the causes') is named after them, never first.
+    layers = tuple(sorted(dict.fromkeys(k[0] for k, _ in hits), key=lambda n: _causal_key(ev, n)))
+    layers = tuple(n for n in layers if not ev.order.is_consequence(n))[: cfg.top_k]
     tensors = tuple(dict.fromkeys(k[1] for k, _ in hits if k[0] in layers))
     # A layer broken for most of the run does not jump at a spike against its own history; the
-    # layers that stand out against the others (and the control) are then the suspects.
-    standing = () if layers else tuple(r.layer for r in ev.outs)[: cfg.top_k]
+    # layers that stand out against the others (and the control) are then the suspects, and so are
+    # the layers destroyed on sampled steps.
+    if not layers and ev.order.destroyed:
+        layers = tuple(dict.fromkeys(r.layer for r in ev.ranking if ev.order.destroyed_of(r.layer)
+                                     and not ev.order.is_consequence(r.layer)))[: cfg.top_k]
+        tensors = tuple(dict.fromkeys(d.tensor for d in ev.order.destroyed if d.layer in layers))
+    standing = () if layers else tuple(r.layer for r in ev.outs
+                                       if not ev.order.is_consequence(r.layer))[: cfg.top_k]
     if standing:
         layers, tensors = standing, tuple(dict.fromkeys(r.tensor for r in ev.outs if r.layer in standing))
     sev = "high" if slow or len(only) >= 3 else "medium"
@@ -258,6 +239,11 @@ def rule_downstream_drop(ev: Evidence, found: Sequence[Finding]) -> list[Finding
             ),
         )
     ]
+
+
+def _causal_key(ev: Evidence, layer: str) -> int:
+    """A layer's position in the diagnosis's causal order (unranked layers last)."""
+    return next((i for i, r in enumerate(ev.ranking) if r.layer == layer), len(ev.ranking))
 
 
 def _median_or_none(xs: Sequence[int]) -> float | None:

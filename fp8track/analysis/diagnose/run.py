@@ -18,6 +18,7 @@ from fp8track.analysis.diagnose.model import (
     DiagnosisConfig,
     Finding,
 )
+from fp8track.analysis.diagnose.rules_damage import rule_latent_damage
 from fp8track.analysis.diagnose.rules_layers import (
     rule_healthy,
     rule_layer_outlier,
@@ -32,6 +33,7 @@ from fp8track.analysis.diagnose.rules_loss import (
 from fp8track.analysis.diagnose.rules_moe import rule_expert_outlier, rule_router_divergence
 from fp8track.analysis.loss_gap import GapJudgement
 from fp8track.analysis.pairing import Mismatch, align_runs, check_pairing
+from fp8track.analysis.verdict import Verdict, judge
 
 Rule = Callable[[Evidence, Sequence[Finding]], list[Finding]]
 
@@ -44,28 +46,36 @@ RULES: Mapping[str, Rule] = {
     "router_divergence": rule_router_divergence,
     "expert_outlier": rule_expert_outlier,
     "layer_outlier": rule_layer_outlier,
+    "latent_damage": rule_latent_damage,
     "healthy": rule_healthy,
 }
 """One rule per finding kind, run in :data:`KINDS` order; each sees the findings of the rules
-before it (``layer_outlier`` asks whether the loss showed trouble, ``healthy`` whether anything fired)."""
+before it (``layer_outlier`` asks whether the loss showed trouble, ``latent_damage`` which layers
+an outlier finding already reports, ``healthy`` whether anything FP8 caused was found)."""
 
 
 SYMPTOM_KINDS = tuple(
-    k for k in KINDS if k not in ("mismatched_runs", "expert_outlier", "layer_outlier", "healthy")
+    k for k in KINDS
+    if k not in ("mismatched_runs", "shared_spikes", "expert_outlier", "layer_outlier", "latent_damage",
+                 "healthy")
 )
-"""The path's failure kinds, read from the loss and evaluation curves: what is wrong with the run."""
+"""The path's FP8 failure kinds, read from the loss and evaluation curves: what is wrong with the run."""
 
 
 def finding_order(f: Finding) -> tuple[int, int, int]:
-    """Sort key of the findings: a symptom of medium or high severity first (what is wrong: spikes, a
-    gap, an evaluation drop), then by severity and the path's order. A layer outlier says *where* to
-    look; it is raised only with loss or evaluation trouble, so it follows the symptom it explains
-    rather than hiding it (two high layer outliers above a medium FP8-only spike read as "no spike").
-    A layer outlier that broke on its own after the lasting gap opened (``breaks_after_gap``) is a
-    separate problem, not an explanation: it competes with the symptoms on severity."""
+    """Sort key of the findings: the ``healthy`` finding first (it exists only when nothing FP8
+    caused was found: the others are notes under it); then a symptom of medium or high severity
+    (what is wrong: spikes, a gap, an evaluation drop), then by severity and the path's order. A
+    layer outlier says *where* to look; it is raised only with loss or evaluation trouble, so it
+    follows the symptom it explains rather than hiding it (two high layer outliers above a medium
+    FP8-only spike read as "no spike"). A layer outlier that broke on its own after the lasting gap
+    opened (``breaks_after_gap``) is a separate problem, not an explanation, and so is a destroyed
+    layer's latent damage: they compete with the symptoms on severity."""
+    if f.kind == "healthy":
+        return -1, 0, 0
     symptom_first = 0 if f.kind in SYMPTOM_KINDS and f.severity in ("high", "medium") else 1
-    if f.kind == "layer_outlier" and f.evidence.get("breaks_after_gap"):
-        # It broke after the gap opened, so the gap does not explain it: its own severity decides.
+    if f.kind == "layer_outlier" and f.evidence.get("breaks_after_gap") or f.kind == "latent_damage":
+        # Not explained by the symptoms (or not seen by them): its own severity decides.
         symptom_first = 0
     return symptom_first, SEVERITIES.index(f.severity), KINDS.index(f.kind)
 
@@ -91,10 +101,24 @@ def diagnose(fp8: RunData, control: RunData, config: DiagnosisConfig | None = No
     findings.sort(key=finding_order)
     steps = sorted({int(r.step) for r in ev.fp8_rows})
     window = (steps[0], steps[-1]) if steps else None
+    verdict = judge(findings, len(ev.loss.steps), len(steps), bool(ev.control_rows),
+                    extra_notes=control_only_spikes(ev))
     return Diagnosis(
         fp8.source, control.source, tuple(findings), ev.ranking, window, ev.loss,
-        ev.fp8_spikes, tuple(ev.control_base.spikes), ev.evals,
+        ev.fp8_spikes, tuple(ev.control_base.spikes), ev.evals, verdict, ev.order.roles,
     )
+
+
+def control_only_spikes(ev: Evidence) -> tuple[str, ...]:
+    """A note for spikes of the control that the FP8 run does not share (a noisy control, not an
+    FP8 problem)."""
+    fp8_starts = [e.start_step for e, _ in ev.shared_spikes]
+    alone = [e.start_step for e in ev.control_base.spikes if e.kind == "spike"
+             and all(abs(e.start_step - s) > ev.cfg.classify_window for s in fp8_starts)]
+    if not alone:
+        return ()
+    return (f"the BF16 control spiked at step(s) {', '.join(map(str, alone))} where the FP8 run did not "
+            "(a noisy control, not an FP8 problem)",)
 
 
 def mismatched_diagnosis(fp8: RunData, control: RunData, mismatch: Mismatch) -> Diagnosis:
@@ -113,4 +137,5 @@ def mismatched_diagnosis(fp8: RunData, control: RunData, mismatch: Mismatch) -> 
             "pass the FP8 run and its BF16 control: the same model, data and steps, the control in BF16",
         ),
     )
-    return Diagnosis(fp8.source, control.source, (finding,), (), None, empty)
+    verdict = Verdict("inconclusive", f"the two runs do not belong together: {mismatch.message}")
+    return Diagnosis(fp8.source, control.source, (finding,), (), None, empty, verdict=verdict)

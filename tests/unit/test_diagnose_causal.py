@@ -1,0 +1,137 @@
+"""The diagnosis's one answer: cause before consequence in every finding and view, a destroyed FP8
+layer never healthy, one verdict per pair (run directories written with RunWriter)."""
+
+import numpy as np
+import pytest
+
+from fp8track.analysis.baseline import load_run
+from fp8track.analysis.diagnose import diagnose
+from fp8track.analysis.synthetic_loss import Curve, healthy, plant_spike
+from fp8track.monitoring.records import MetricsRecord, RunMeta, RunWriter, TensorStatsRow
+
+N, EVERY = 300, 10
+LAYERS = [f"blocks.{i}.{m}" for i in range(3) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")] + [
+    "lm_head"
+]
+CAUSE, HEAD = "blocks.0.attn.qkv", "lm_head"
+DATA = {"seed": 1, "order": "same"}  # both runs record it: the gap is judged paired
+
+
+def _stats(rng, sqnr=30.0, under=0.3):
+    sqnr = sqnr + rng.normal(0, 0.3)
+    return {"sqnr_db": sqnr, "cos": 1 - 0.5 * 10 ** (-sqnr / 10),
+            "underflow_pct": max(under + rng.normal(0, 0.05), 0), "overflow_pct": 0.0,
+            "scale_drift_log2": rng.normal(0, 0.1), "mse": 1e-4, "amax": 1.0}
+
+
+def _rows(rng, variant="actual", bad=None):
+    """Every layer and tensor every EVERY steps; ``bad(layer, tensor, step)`` -> stats or None."""
+    rows = []
+    for step in range(0, N, EVERY):
+        for i, layer in enumerate(LAYERS):
+            for t in ("activation", "weight", "gradient"):
+                s = bad(layer, t, step) if bad else None
+                rows.append(TensorStatsRow(step, layer, t, s or _stats(rng, 30.0 + 0.1 * i), variant))
+    return rows
+
+
+def _write(tmp_path, name, loss, rows, recipe):
+    meta = RunMeta(name=name, recipe={"name": recipe}, fp8_layers=tuple(LAYERS) if recipe != "bf16" else (),
+                   config={"precision": {"recipe": None if recipe == "bf16" else recipe}, "data": DATA})
+    w = RunWriter(tmp_path / name, meta)
+    for s, v in enumerate(loss):
+        w.write_metrics(MetricsRecord(s, {"loss": float(v)}))
+    w.write_tensor_stats(rows)
+    w.close()
+    return load_run(tmp_path / name)
+
+
+def _pair(tmp_path, ratio=None, bad=None, spikes=()):
+    rng = np.random.default_rng(0)
+    control = healthy(Curve(start=6.0, floor=2.0, tau=60.0, sigma=0.02), N, rng)
+    for s in spikes:
+        control = plant_spike(control, s, 0.6)
+    fp8 = control * (1 + rng.normal(0, 0.002, N)) * (ratio if ratio is not None else 1.0)
+    ctl = _write(tmp_path, "control", control, _rows(rng, "shadow"), "bf16")
+    return _write(tmp_path, "fp8", fp8, _rows(rng, bad=bad), "current"), ctl
+
+
+def _flushed(rng, under):
+    s = _stats(rng, 30.0, under)
+    return {**s, "sqnr_db": 0.2, "cos": 0.5}
+
+
+def test_a_later_larger_anomaly_downstream_of_the_cause_is_never_the_answer(tmp_path):
+    """The cause's activation is flushed from step 100, the loss departs at ~110, the head's
+    gradient underflows 63 % from step 170 (a larger score: the consequence). One answer: the
+    cause first in the ranking, in the verdict, in every finding that names layers at medium
+    severity or above; the head is a consequence downstream of it."""
+    rng = np.random.default_rng(1)
+
+    def bad(layer, tensor, step):
+        if layer == CAUSE and tensor == "activation" and step >= 100:
+            return _flushed(rng, 98.0)
+        if layer == HEAD and tensor == "gradient" and step >= 170:
+            return {**_flushed(rng, 62.9), "sqnr_db": 4.0}
+        return None
+
+    ratio = np.ones(N)
+    ratio[110:] = np.linspace(1.08, 1.15, N - 110)
+    d = diagnose(*_pair(tmp_path, ratio, bad))
+    assert d.layer_ranking[0].layer == CAUSE
+    assert d.roles[CAUSE].role == "cause" and d.roles[CAUSE].onset == 100
+    assert d.roles[HEAD].role == "consequence" and d.roles[HEAD].downstream_of == CAUSE
+    assert d.layer_ranking[-1].layer == HEAD  # consequences last
+    assert (d.verdict.verdict, d.verdict.layers[0]) == ("fp8_problem", CAUSE)
+    assert d.top.layers[0] == CAUSE and d.top.kind == "mid_training_gap"
+    for f in d.findings:
+        if f.layers and f.severity in ("high", "medium"):
+            assert f.layers[0] == CAUSE, (f.kind, f.layers)
+    head = next(f for f in d.findings if f.kind == "layer_outlier" and f.layers[0] == HEAD)
+    assert head.severity == "low" and "downstream of " + CAUSE in head.title
+    as_json = d.to_dict()
+    assert list(as_json)[0] == "verdict" and as_json["verdict"]["layers"][0] == CAUSE
+    rows = {r["layer"]: r for r in as_json["layer_ranking"]}
+    assert rows[HEAD]["role"] == "consequence" and rows[HEAD]["downstream_of"] == CAUSE
+
+
+@pytest.mark.parametrize("felt", [True, False])
+def test_a_destroyed_layer_is_latent_damage_even_when_the_loss_recovers(tmp_path, felt):
+    """blocks.1.mlp.proj's activation is flushed (99 %) on the sampled steps 150-170 and fine after;
+    the loss ratio rises to 1.25 and recovers to 1.02 (``felt``), or never moves. Either way the
+    verdict is fp8_problem naming the layer; severity follows the loss."""
+    rng = np.random.default_rng(2)
+    layer = "blocks.1.mlp.proj"
+
+    def bad(name, tensor, step):
+        hit = name == layer and tensor == "activation" and 150 <= step <= 170
+        return _flushed(rng, 99.0) if hit else None
+
+    ratio = np.ones(N)
+    if felt:
+        ratio[150:165] = 1.25
+        ratio[165:] = 1.02
+    d = diagnose(*_pair(tmp_path, ratio, bad))
+    assert d.verdict.verdict == "fp8_problem" and d.verdict.layers[0] == layer
+    assert d.layer_ranking[0].layer == layer
+    (f,) = [f for f in d.findings if f.kind in ("latent_damage", "layer_outlier") and f.layers[0] == layer]
+    assert f.severity == ("high" if felt else "medium")
+    if f.kind == "latent_damage":
+        assert f.steps == (150, 160, 170) and f.evidence["loss_felt_it"] is felt
+        if felt:
+            assert f.evidence["loss_excursion"]["peak"] == pytest.approx(1.25, abs=0.01)
+    assert "healthy" not in d.kinds()
+
+
+def test_shared_spikes_are_a_note_under_a_healthy_verdict(tmp_path):
+    d = diagnose(*_pair(tmp_path, spikes=(100, 200)))
+    assert d.verdict.verdict == "healthy"
+    assert d.kinds()[0] == "healthy" and "shared_spikes" in d.kinds()
+    assert any("also in the BF16 control" in n for n in d.verdict.notes)
+    assert not d.roles  # nothing anomalous
+
+
+def test_a_healthy_pair_is_healthy_with_no_role_and_no_damage(tmp_path):
+    d = diagnose(*_pair(tmp_path))
+    assert (d.verdict.verdict, d.kinds()) == ("healthy", ["healthy"])
+    assert d.causal_layer is None and not d.roles
