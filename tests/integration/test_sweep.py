@@ -66,7 +66,7 @@ def cli(*args: str) -> int:
 def runs(out: Path, name: str, role: str = "trial"):
     from mlflow.tracking import MlflowClient
 
-    from fp8track.sweep.executor import find_parent
+    from fp8track.sweep.mlflow_runs import find_parent
 
     client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
     exp_id, parent = find_parent(client, name)

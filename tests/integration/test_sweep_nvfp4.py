@@ -43,7 +43,7 @@ def test_nvfp4_sweep_yaml_runs_locally(tmp_path: Path, monkeypatch) -> None:
                  "--finalists", "0", "--control-seeds", "1"]) == 0
     from mlflow.tracking import MlflowClient
 
-    from fp8track.sweep.executor import find_parent
+    from fp8track.sweep.mlflow_runs import find_parent
 
     client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
     exp_id, parent = find_parent(client, spec["name"])
@@ -68,7 +68,7 @@ def test_auto_k_for_nvfp4_is_ranked_from_the_controls_whatif_rows(tmp_path: Path
     from fp8track.analysis.ranking import rank_layers
     from fp8track.cli import main
     from fp8track.monitoring.records import TensorStatsRow
-    from fp8track.sweep.executor import find_parent
+    from fp8track.sweep.mlflow_runs import find_parent
 
     monkeypatch.setenv("FP8TRACK_STATS_KERNEL", "eager")
     spec = yaml.safe_load(YAML.read_text())
