@@ -9,6 +9,8 @@ Public surface:
 - ``fp8track.trackers.wandb.WandbTracker``, ``fp8track.trackers.mlflow.MLflowTracker`` and
   ``fp8track.trackers.nvdlfw.TEStatsBridge`` are imported from their modules (they pull in their
   optional dependency on first use only).
+- ``fp8track.trackers.heatmap`` (the per-layer heatmap, shared with the HTML report) and
+  ``fp8track.trackers.retry`` (``Backoff``: how a failing delivery or MLflow call is retried).
 """
 
 from __future__ import annotations

@@ -23,11 +23,10 @@ import os
 import queue
 import time
 from collections.abc import Iterable
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from fp8track.errors import ConfigError
+from fp8track.errors import ConfigError, dataclass_from_dict
 from fp8track.monitoring.records import RunMeta, RunReader, redact
 from fp8track.trackers.base import QueuedTracker, StepBatch, Tracker, missed_path, read_missed
 
@@ -61,8 +60,7 @@ def step_batches(run_dir: str | os.PathLike[str]) -> dict[int, StepBatch]:
 def run_meta(run_dir: str | os.PathLike[str]) -> RunMeta:
     """The :class:`RunMeta` stored in ``meta.json`` (unknown keys ignored)."""
     d = RunReader(run_dir).meta()
-    known = {f.name for f in fields(RunMeta)}
-    return RunMeta(**{k: v for k, v in d.items() if k in known})
+    return dataclass_from_dict(RunMeta, d, strict=False)
 
 
 def replay(run_dir: str | os.PathLike[str], tracker: Tracker, only_missed: bool = True) -> int:

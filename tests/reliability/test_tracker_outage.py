@@ -50,6 +50,7 @@ def _tracker_warnings(caught: list[warnings.WarningMessage], name: str) -> list[
 def test_mlflow_server_killed_and_restarted_heals_without_sync(tmp_path, monkeypatch):
     mlflow = pytest.importorskip("mlflow")
     from fp8track.trackers.mlflow import MLflowTracker
+    from fp8track.trackers.retry import Backoff
 
     # MLflow's own HTTP retries would hide the outage from the adapter for minutes: off, so the
     # adapter's back-off is what is tested.
@@ -60,9 +61,7 @@ def test_mlflow_server_killed_and_restarted_heals_without_sync(tmp_path, monkeyp
         tracker = MLflowTracker(
             tracking_uri=server.uri,
             experiment_name="outage",
-            retry_for_s=300,
-            retry_initial_s=0.2,
-            retry_max_s=2,
+            retry=Backoff(for_s=300, initial_s=0.2, max_s=2),
             heatmap=False,
         )
         model = _model()

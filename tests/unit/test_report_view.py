@@ -18,7 +18,8 @@ from fp8track.analysis.pairing import Mismatch
 from fp8track.cli import COMMANDS, build_parser
 from fp8track.monitoring.records import TensorStatsRow
 from fp8track.report.console import TABLE_WIDTH, print_diagnosis
-from fp8track.report.figures import DPI, LABEL_PT, colour_limits, heatmap_figure, loss_figure
+from fp8track.report.figures import DPI, LABEL_PT, heatmap_figure, loss_figure
+from fp8track.trackers.heatmap import colour_limits
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_diagnose import _pair, _rows  # noqa: E402
