@@ -63,15 +63,26 @@ def check_float(
         raise ConfigError(f"{name} must be a number {rel} {low}, got {value!r}")
 
 
-def dataclass_from_dict(cls: type[T], data: Mapping[str, Any]) -> T:
-    """Build the dataclass ``cls`` from a mapping (YAML/CLI).
+def dataclass_from_dict(cls: type[T], data: Mapping[str, Any], strict: bool = True) -> T:
+    """Build the dataclass ``cls`` from a mapping (YAML/CLI, or a stored record).
 
-    An unknown key is an error naming the valid ones."""
+    With ``strict`` an unknown key is an error naming the valid ones; without it unknown keys are
+    dropped (a record written by another version)."""
     known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(data) - known)
-    if unknown:
+    if unknown and strict:
         raise invalid_choice(f"{cls.__name__} key", unknown[0], sorted(known))
-    return cls(**dict(data))
+    return cls(**{k: v for k, v in data.items() if k in known})
+
+
+class FromDict:
+    """Mixin of the frozen config dataclasses read from YAML/CLI mappings:
+    ``Config.from_dict(mapping)`` is :func:`dataclass_from_dict` (an unknown key is a
+    :class:`ConfigError` naming the valid ones)."""
+
+    @classmethod
+    def from_dict(cls: type[T], data: Mapping[str, Any]) -> T:
+        return dataclass_from_dict(cls, data)
 
 
 def read_yaml_mapping(path: object, what: str) -> dict[str, Any]:
