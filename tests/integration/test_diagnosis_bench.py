@@ -7,13 +7,9 @@ planted layer first) and recorded (printed, and as pytest properties)."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
+import diagnosis_bench as bench  # bench/, on pytest's pythonpath
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import diagnosis_bench as bench  # noqa: E402
 
 
 @pytest.mark.slow

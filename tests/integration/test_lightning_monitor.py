@@ -2,8 +2,6 @@
 on_spike. The Trainer set-ups (resume, second fit, manual optimisation, ...) are in
 test_lightning_setups.py."""
 
-import sys
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -13,8 +11,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from fp8track.errors import ConfigError
 from fp8track.lightning import FP8Monitor
 from fp8track.monitoring.records import RunReader
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 class Net(pl.LightningModule):
@@ -107,7 +103,8 @@ def test_trackers_found_in_trainer_loggers_wandb_offline_and_mlflow(tmp_path):
     MLFlowLogger; read back with W&B's reader and MLflow's client."""
     from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
     from mlflow import MlflowClient
-    from test_wandb_offline import history, inspect, table_rows
+
+    from helpers.wandb_records import history, inspect, table_rows
 
     mlf = MLFlowLogger(experiment_name="t", tracking_uri=f"sqlite:///{tmp_path / 'm.db'}",
                        artifact_location=(tmp_path / "art").as_uri())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from helpers.moe import E, K, batch, tiny_moe
 
 pytest.importorskip("mlflow")

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import signal
-import sys
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -24,8 +23,7 @@ from fp8track.monitoring.records import RunMeta, RunReader
 from fp8track.trackers.base import read_missed
 from fp8track.trackers.replay import replay
 
-sys.path.insert(0, str(Path(__file__).parent))
-from servers import MlflowServer, free_port  # noqa: E402
+from helpers.servers import MlflowServer, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -114,8 +112,7 @@ def test_wandb_init_failure_leaves_training_running_and_steps_replayable(tmp_pat
     wandb = pytest.importorskip("wandb")
     from fp8track.trackers.wandb import WandbTracker
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
-    from test_wandb_offline import history, inspect
+    from helpers.wandb_records import history, inspect
 
     real_init = wandb.init
 
@@ -156,8 +153,7 @@ def test_wandb_log_failure_never_duplicates_table_rows(tmp_path, monkeypatch):
     from fp8track.monitoring import naming
     from fp8track.trackers.wandb import WandbTracker
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
-    from test_wandb_offline import history, inspect, table_rows
+    from helpers.wandb_records import history, inspect, table_rows
 
     tracker = WandbTracker.create(project="p", dir=str(tmp_path), mode="offline", background=False)
     real_log = tracker.run.log
