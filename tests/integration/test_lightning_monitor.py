@@ -12,6 +12,8 @@ from fp8track.errors import ConfigError
 from fp8track.lightning import FP8Monitor
 from fp8track.monitoring.records import RunReader
 
+from helpers.lightning import quiet_trainer
+
 
 class Net(pl.LightningModule):
     def __init__(self) -> None:
@@ -36,15 +38,9 @@ class Net(pl.LightningModule):
 
 
 def _trainer(tmp_path, callbacks, **kw):
-    kw.setdefault("logger", False)
-    return pl.Trainer(
-        accelerator="cpu",
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=callbacks,
-        **kw,
-    )
+    # Lightning's defaults for checkpointing, as before the shared quiet Trainer
+    kw.setdefault("enable_checkpointing", True)
+    return quiet_trainer(tmp_path, callbacks, **kw)
 
 
 def _run_dir(tmp_path):

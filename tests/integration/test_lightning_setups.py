@@ -19,6 +19,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from fp8track.lightning import FP8Monitor
 from fp8track.monitoring.records import RunReader
 
+from helpers.lightning import quiet_trainer
+
 USER_OFFSET = 100.0  # the user's own "loss" metric is our loss + 100: a collision would show
 
 
@@ -74,8 +76,7 @@ def _trainer(tmp_path: Path, callbacks, **kw) -> pl.Trainer:
     kw.setdefault("enable_checkpointing", False)
     kw.setdefault("log_every_n_steps", 1)
     kw.setdefault("limit_val_batches", 2)
-    return pl.Trainer(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False,
-                      default_root_dir=tmp_path, callbacks=callbacks, **kw)
+    return quiet_trainer(tmp_path, callbacks, **kw)
 
 
 def _monitor(tmp_path: Path, **kw) -> FP8Monitor:

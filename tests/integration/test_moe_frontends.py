@@ -18,6 +18,8 @@ import fp8track  # noqa: E402
 from fp8track.analysis.baseline import load_run  # noqa: E402
 from fp8track.monitoring.naming import run_metric  # noqa: E402
 
+from helpers.lightning import quiet_trainer
+
 pytestmark = pytest.mark.slow
 BLOCK = "model.layers.1.mlp"
 
@@ -47,9 +49,7 @@ def _fit(tmp_path, name: str, recipe: str | None) -> dict:
     wb_dir.mkdir()
     wb = WandbLogger(project="moe", name=name, save_dir=str(wb_dir), offline=True)
     monitor = fp8track.FP8Monitor(every_n_steps=2, apply_report=module.report)
-    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=[ml, wb], callbacks=[monitor],
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         default_root_dir=tmp_path)
+    trainer = quiet_trainer(tmp_path, [monitor], max_epochs=1, logger=[ml, wb])
     trainer.fit(module)
     wb.experiment.finish()
     return {"dir": monitor.run_dir, "mlflow": f"mlflow:{ml.run_id}", "wandb": wb_dir / "wandb"}

@@ -19,19 +19,16 @@ from fp8track.monitoring.monitor import data_fingerprint  # noqa: E402
 from fp8track.trackers.mlflow import MLflowTracker  # noqa: E402
 from fp8track.trackers.wandb import WandbTracker, find_wandb_run  # noqa: E402
 
+from helpers.models import mlp
+
 pytestmark = pytest.mark.slow
 
 STEPS = 60
 EVERY = 7  # sampled steps 0, 7, 14...: most steps are unsampled
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
-
-
 def _train(tmp_path, name: str, fp8: bool, uri: str) -> dict:
-    model = _model()
+    model = mlp(32, 64, 64, 8)
     if fp8:
         apply_fp8(model, "current", backend="emulated")
     wandb_dir = tmp_path / f"wandb_{name}"

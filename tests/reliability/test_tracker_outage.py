@@ -23,14 +23,10 @@ from fp8track.monitoring.records import RunMeta, RunReader
 from fp8track.trackers.base import read_missed
 from fp8track.trackers.replay import replay
 
+from helpers.models import mlp
 from helpers.servers import MlflowServer, free_port
 
 pytestmark = pytest.mark.slow
-
-
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
 
 
 def _train_step(model: torch.nn.Module, monitor: Monitor, step: int) -> None:
@@ -63,7 +59,7 @@ def test_mlflow_server_killed_and_restarted_heals_without_sync(tmp_path, monkeyp
             retry_max_s=2,
             heatmap=False,
         )
-        model = _model()
+        model = mlp(8, 16, 4, act=torch.nn.GELU)
         monitor = Monitor(
             model, MonitorConfig(every_n_steps=1), log_dir=tmp_path / "runs", trackers=[tracker]
         )
@@ -121,7 +117,7 @@ def test_wandb_init_failure_leaves_training_running_and_steps_replayable(tmp_pat
 
     monkeypatch.setattr(wandb, "init", broken_init)
     tracker = WandbTracker.create(project="p", dir=str(tmp_path / "first"), mode="offline", lazy=True)
-    model = _model()
+    model = mlp(8, 16, 4, act=torch.nn.GELU)
     monitor = Monitor(model, MonitorConfig(every_n_steps=2), log_dir=tmp_path / "runs", trackers=[tracker])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -165,7 +161,7 @@ def test_wandb_log_failure_never_duplicates_table_rows(tmp_path, monkeypatch):
         return real_log(data, *a, **k)
 
     monkeypatch.setattr(tracker.run, "log", flaky_log)
-    model = _model()
+    model = mlp(8, 16, 4, act=torch.nn.GELU)
     monitor = Monitor(
         model,
         MonitorConfig(every_n_steps=2),
