@@ -94,7 +94,7 @@ def test_constructor_validation():
 
 
 @pytest.mark.slow
-def test_trackers_found_in_trainer_loggers_wandb_offline_and_mlflow(tmp_path):
+def test_trackers_found_in_trainer_loggers_wandb_offline_and_mlflow(tmp_path, mlflow_store):
     """FP8Monitor(trackers="auto") logs into the runs of the trainer's own WandbLogger and
     MLFlowLogger; read back with W&B's reader and MLflow's client."""
     from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
@@ -102,7 +102,7 @@ def test_trackers_found_in_trainer_loggers_wandb_offline_and_mlflow(tmp_path):
 
     from helpers.wandb_records import history, inspect, table_rows
 
-    mlf = MLFlowLogger(experiment_name="t", tracking_uri=f"sqlite:///{tmp_path / 'm.db'}",
+    mlf = MLFlowLogger(experiment_name=mlflow_store.experiment("t"), tracking_uri=mlflow_store.uri,
                        artifact_location=(tmp_path / "art").as_uri())
     wb = WandbLogger(project="t", save_dir=str(tmp_path), mode="offline")
     mon = FP8Monitor(every_n_steps=2, log_dir=tmp_path / "fp8")
@@ -113,7 +113,7 @@ def test_trackers_found_in_trainer_loggers_wandb_offline_and_mlflow(tmp_path):
     local = {r.step: r.metrics for r in reader.metrics() if "fp8/worst/mse" in r.metrics}
     assert sorted(local) == [0, 2, 4]
 
-    client = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    client = MlflowClient(mlflow_store.uri)
     hist = client.get_metric_history(mlf.run_id, "fp8/body.0/activation/underflow_pct")
     assert {m.step: m.value for m in hist} == {
         s: local[s]["fp8/body.0/activation/underflow_pct"] for s in local

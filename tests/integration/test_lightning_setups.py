@@ -254,14 +254,18 @@ def test_exception_closes_locally_without_a_collective(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_mlflow_run_keeps_the_users_loss_history(tmp_path):
+def test_mlflow_run_keeps_the_users_loss_history(tmp_path, mlflow_store):
     """In the user's MLflow run, ``loss`` holds exactly what the user logged; fp8track's loss is
     ``fp8/loss``."""
     from lightning.pytorch.loggers import MLFlowLogger
     from mlflow import MlflowClient
 
-    uri = f"sqlite:///{tmp_path / 'm.db'}"
-    mlf = MLFlowLogger(experiment_name="t", tracking_uri=uri, artifact_location=(tmp_path / "art").as_uri())
+    uri = mlflow_store.uri
+    mlf = MLFlowLogger(
+        experiment_name=mlflow_store.experiment("t"),
+        tracking_uri=uri,
+        artifact_location=(tmp_path / "art").as_uri(),
+    )
     model, mon = Net(), _monitor(tmp_path)
     _trainer(tmp_path, [mon], max_steps=4, logger=mlf).fit(model)
     client = MlflowClient(uri)

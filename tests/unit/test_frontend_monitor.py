@@ -42,11 +42,13 @@ def test_baseline_as_a_run_directory_path_feeds_the_loss_gap(tmp_path):
         assert not [e for e in fp8.events if e.kind == "analysis_error"]
 
 
-def test_baseline_from_mlflow_with_the_tracking_uri(tmp_path):
+def test_baseline_from_mlflow_with_the_tracking_uri(tmp_path, mlflow_store):
     from fp8track.trackers.mlflow import MLflowTracker
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    tracker = MLflowTracker(tracking_uri=uri, background=False, heatmap=False)
+    uri = mlflow_store.uri
+    tracker = MLflowTracker(
+        tracking_uri=uri, experiment_name=mlflow_store.experiment(), background=False, heatmap=False
+    )
     control = fp8track.Monitor(mlp(4, 8, 1), {"every_n_steps": 1}, log_dir=tmp_path, trackers=[tracker])
     _run(control, [2.0, 1.0])
     fp8 = fp8track.Monitor(
