@@ -14,6 +14,8 @@ import pytest
 
 @pytest.mark.slow
 def test_ci_subset_plants_materialise_and_are_scored(tmp_path, record_property):
+    """Long (about 2 min on 2 cores): eight real trainings of the scenarios' own 160 steps (their plants
+    sit at steps 48-160), shared with the full benchmark, then a rerun read from the cache."""
     result = bench.run("ci", cache=tmp_path / "cache", jobs=2)
     rows = result["scenarios"]
     assert {r["expected_kind"] for r in rows} >= {

@@ -142,6 +142,7 @@ def monitor_runs(uri: str) -> tuple[str, list[str]]:
 def test_sweep_and_monitor_params_in_the_mlflow_ui(
     tmp_path: Path, chromium: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Long (about 50 s): a real mlflow server, a sweep's subprocesses and Chromium rendering the UI."""
     from mlflow.tracking import MlflowClient
 
     from fp8track.cli import main

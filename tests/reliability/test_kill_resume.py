@@ -40,6 +40,7 @@ def _run_dir(out: Path) -> Path:
 
 
 def test_sigkill_and_resume_logs_every_step_once_and_detectors_continue(tmp_path):
+    """Long (about 30 s): three Lightning training processes (uninterrupted, killed, resumed)."""
     mlflow = pytest.importorskip("mlflow")
     ref, out = tmp_path / "uninterrupted", tmp_path / "killed"
     ref.mkdir()

@@ -42,6 +42,7 @@ def _tracker_warnings(caught: list[warnings.WarningMessage], name: str) -> list[
 
 
 def test_mlflow_server_killed_and_restarted_heals_without_sync(tmp_path, monkeypatch):
+    """Long (about 30 s): a real mlflow server started, killed and restarted while training runs."""
     mlflow = pytest.importorskip("mlflow")
     from fp8track.trackers.mlflow import MLflowTracker
 
