@@ -14,6 +14,8 @@ from fp8track.analysis.diagnose import diagnose
 from fp8track.execution.apply import apply_fp8
 from fp8track.lightning import FP8Monitor
 
+from helpers.lightning import quiet_trainer
+
 STEPS, PLANT_FROM = 240, 140
 
 
@@ -72,9 +74,7 @@ class Net(pl.LightningModule):
 
 def _fit(tmp_path, name, recipe, plant=False):
     mon = FP8Monitor(every_n_steps=5, log_dir=tmp_path / name, trackers="none")
-    trainer = pl.Trainer(accelerator="cpu", max_steps=STEPS, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                         callbacks=[mon], val_check_interval=60, num_sanity_val_steps=0)
+    trainer = quiet_trainer(tmp_path, [mon], max_steps=STEPS, val_check_interval=60, num_sanity_val_steps=0)
     trainer.fit(Net(recipe, plant))
     return load_run(mon.monitor.run_dir)
 

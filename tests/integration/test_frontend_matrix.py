@@ -21,6 +21,8 @@ import fp8track
 from fp8track.monitoring.naming import LOSS_METRIC, canonical_layer_names, run_metric
 from fp8track.monitoring.records import RunReader
 
+from helpers.lightning import quiet_trainer
+
 pytestmark = pytest.mark.slow
 
 
@@ -343,22 +345,16 @@ def _lightning_net(manual: bool, returns_loss: bool = True):
 
 
 def test_lightning_bf16_mixed_with_accumulation(tmp_path):
-    import lightning.pytorch as pl
 
     net = _lightning_net(manual=False)
     fp8track.apply_fp8(net, "delayed", backend="emulated")
     monitor = fp8track.FP8Monitor(every_n_steps=2, trackers="none", log_dir=str(tmp_path / "runs"))
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
+        tmp_path,
+        [monitor],
         max_steps=4,
         accumulate_grad_batches=2,
         precision="bf16-mixed",
-        accelerator="cpu",
-        callbacks=[monitor],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
     )
     recorder = GemmRecorder(net, lambda: trainer.global_step)
     trainer.fit(net, _lightning_data())
@@ -374,22 +370,12 @@ def test_lightning_bf16_mixed_with_accumulation(tmp_path):
 
 
 def test_manual_optimisation_without_a_returned_loss_is_no_alarm(tmp_path):
-    import lightning.pytorch as pl
 
     net = _lightning_net(manual=True, returns_loss=False)
     monitor = fp8track.FP8Monitor(
         every_n_steps=2, trackers="none", on_spike="stop", log_dir=str(tmp_path / "runs")
     )
-    trainer = pl.Trainer(
-        max_steps=6,
-        accelerator="cpu",
-        callbacks=[monitor],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(tmp_path, [monitor], max_steps=6)
     recorder = GemmRecorder(net, lambda: trainer.global_step)
     trainer.fit(net, _lightning_data())
     recorder.close()

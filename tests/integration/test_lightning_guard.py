@@ -14,6 +14,8 @@ from fp8track.errors import TrainingHalted
 from fp8track.lightning import FP8Monitor
 from fp8track.monitoring.records import RunReader
 
+from helpers.lightning import quiet_trainer
+
 
 class Net(pl.LightningModule):
     """A small regression; the loss of optimizer step ``nan_at`` (0-based) is NaN when ``poison``
@@ -49,15 +51,8 @@ class Net(pl.LightningModule):
 def _fit(tmp_path, net, **monitor_kw):
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}")
     monitor = FP8Monitor(every_n_steps=10, trackers="none", log_dir=str(tmp_path / "fp8"), **monitor_kw)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=[ckpt, monitor],  # listed first: Lightning still runs checkpoint callbacks last
-    )
+    # checkpoint listed first: Lightning still runs checkpoint callbacks last
+    trainer = quiet_trainer(tmp_path, [ckpt, monitor], max_epochs=1, enable_checkpointing=True)
     return trainer, monitor
 
 

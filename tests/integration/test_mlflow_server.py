@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("mlflow")
@@ -20,9 +17,8 @@ from fp8track.trackers.mlflow import MLflowTracker  # noqa: E402
 from fp8track.trackers.replay import missed_steps  # noqa: E402
 from fp8track.trackers.retry import Backoff  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "reliability"))
-from servers import free_port as _free_port  # noqa: E402
-from servers import mlflow_server  # noqa: E402
+from helpers.servers import free_port as _free_port  # noqa: E402
+from helpers.servers import mlflow_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

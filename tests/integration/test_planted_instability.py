@@ -18,6 +18,8 @@ from fp8track.execution.apply import apply_fp8
 from fp8track.lightning import FP8Monitor
 from fp8track.monitoring.records import RunReader
 
+from helpers.lightning import quiet_trainer
+
 OUTLIER_FROM, OUTLIER_EVERY, STEPS, HISTORY = 400, 80, 640, 16
 
 
@@ -65,16 +67,7 @@ class Planted(pl.LightningModule):
 
 def _fit(tmp_path, name, recipe, baseline=None):
     mon = FP8Monitor(every_n_steps=1, log_dir=tmp_path / name, trackers="none", baseline=baseline)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=[mon],
-    )
+    trainer = quiet_trainer(tmp_path, [mon], max_steps=STEPS)
     trainer.fit(Planted(recipe))
     return mon.monitor.run_dir
 

@@ -28,6 +28,7 @@ def _tiny_parameters(bf16_layers: str, **extra: dict) -> dict:
 
 
 def test_nvfp4_sweep_yaml_runs_locally(tmp_path: Path, monkeypatch) -> None:
+    """Long (about 35 s): the YAML's program trains the trial and its control, a subprocess each."""
     monkeypatch.setenv("FP8TRACK_STATS_KERNEL", "eager")
     spec = yaml.safe_load(YAML.read_text())
     assert "nvfp4" in spec["parameters"]["recipe"]["values"]
@@ -59,7 +60,8 @@ def test_nvfp4_sweep_yaml_runs_locally(tmp_path: Path, monkeypatch) -> None:
 
 def test_auto_k_for_nvfp4_is_ranked_from_the_controls_whatif_rows(tmp_path: Path, monkeypatch) -> None:
     """``--auto-from whatif``: the BF16 control is recorded with ``whatif=["nvfp4"]`` and ``auto:1``
-    is ranked from its nvfp4 rows alone; no all-NVFP4 probe run is trained."""
+    is ranked from its nvfp4 rows alone; no all-NVFP4 probe run is trained.
+    Long (about 40 s): the control and the trial train as subprocesses."""
     import json
 
     from mlflow.tracking import MlflowClient

@@ -19,24 +19,21 @@ from fp8track.monitoring.monitor import data_fingerprint  # noqa: E402
 from fp8track.trackers.mlflow import MLflowTracker  # noqa: E402
 from fp8track.trackers.wandb import WandbTracker, find_wandb_run  # noqa: E402
 
+from helpers.models import mlp
+
 pytestmark = pytest.mark.slow
 
 STEPS = 60
 EVERY = 7  # sampled steps 0, 7, 14...: most steps are unsampled
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
-
-
-def _train(tmp_path, name: str, fp8: bool, uri: str) -> dict:
-    model = _model()
+def _train(tmp_path, name: str, fp8: bool, uri: str, experiment: str) -> dict:
+    model = mlp(32, 64, 64, 8)
     if fp8:
         apply_fp8(model, "current", backend="emulated")
     wandb_dir = tmp_path / f"wandb_{name}"
     wandb_dir.mkdir()
-    ml = MLflowTracker(tracking_uri=uri, run_name=name)
+    ml = MLflowTracker(tracking_uri=uri, experiment_name=experiment, run_name=name)
     wb = WandbTracker.create(project="fp8track-sources", name=name, dir=str(wandb_dir), mode="offline")
     mon = Monitor(model, {"every_n_steps": EVERY}, log_dir=tmp_path / "runs", trackers=[ml, wb])
     gen = torch.Generator().manual_seed(1)  # the same batches, in the same order, in both runs
@@ -61,9 +58,12 @@ def _train(tmp_path, name: str, fp8: bool, uri: str) -> dict:
     return {"dir": mon.run_dir, "mlflow": f"mlflow:{ml.run_id}", "wandb": find_wandb_run(wandb_dir)}
 
 
-def test_run_dir_mlflow_and_wandb_give_the_same_losses_and_findings(tmp_path):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    refs = {"fp8": _train(tmp_path, "fp8", True, uri), "control": _train(tmp_path, "control", False, uri)}
+def test_run_dir_mlflow_and_wandb_give_the_same_losses_and_findings(tmp_path, mlflow_store):
+    uri, exp = mlflow_store.uri, mlflow_store.experiment()
+    refs = {
+        "fp8": _train(tmp_path, "fp8", True, uri, exp),
+        "control": _train(tmp_path, "control", False, uri, exp),
+    }
     runs = {
         src: {k: load_run(r[src], tracking_uri=uri) for k, r in refs.items()}
         for src in ("dir", "mlflow", "wandb")

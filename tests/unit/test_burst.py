@@ -275,13 +275,13 @@ def test_no_share_warning_for_a_bf16_control(tmp_path):
 # -- one tracker call per flush ---------------------------------------------------------------------
 
 
-def test_a_flush_goes_to_mlflow_in_one_log_batch(tmp_path):
+def test_a_flush_goes_to_mlflow_in_one_log_batch(tmp_path, mlflow_store):
     mlflow = pytest.importorskip("mlflow")
     from fp8track.trackers.base import Tracker
     from fp8track.trackers.mlflow import MLflowTracker
 
-    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    run_id = client.create_run(client.create_experiment("coalesce")).info.run_id
+    client = mlflow.MlflowClient(tracking_uri=mlflow_store.uri)
+    run_id = client.create_run(client.create_experiment(mlflow_store.experiment("coalesce"))).info.run_id
     calls = []
     original = client.log_batch
 

@@ -4,17 +4,13 @@ inputs whose answers are worked out by hand."""
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
+import diagnosis_bench as bench  # bench/, on pytest's pythonpath
+import diagnosis_scenarios as ds
 import pytest
 
 from fp8track.analysis.diagnose import Finding
 from fp8track.monitoring.records import TensorStatsRow
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import diagnosis_bench as bench  # noqa: E402
-import diagnosis_scenarios as ds  # noqa: E402
 
 
 def _row(step, layer, tensor, variant="actual", **stats):

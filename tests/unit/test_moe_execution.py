@@ -10,7 +10,6 @@ import warnings
 
 import pytest
 import torch
-from helpers.moe import ALL_FAMILIES, FUSED_FAMILIES, E, H, K, batch, forward_loss, tiny_moe
 
 from fp8track import apply_fp8
 from fp8track.errors import ConfigError
@@ -20,6 +19,8 @@ from fp8track.execution.fp8_experts import EmulatedFP8Experts
 from fp8track.execution.grouped import GroupQuantizers, fp8_grouped_linear, grouped_mm
 from fp8track.execution.recipes import Recipe
 from fp8track.trial import fp8_flop_share, layer_costs
+
+from helpers.moe import ALL_FAMILIES, FUSED_FAMILIES, E, H, K, batch, forward_loss, tiny_moe
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
