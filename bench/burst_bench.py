@@ -160,7 +160,7 @@ def dump_bytes(model_name: str) -> dict:
     mon = Monitor(model, MonitorConfig(every_n_steps=10, burst_steps=2, max_dumps=1), log_dir=tmp)
     run(loss_fn, opt, batches, mon, 3, [], [])
     force_burst(mon)
-    mon._dumps.request(None)  # every layer, as a loss event asks
+    mon._post.dumps.request(None)  # every layer, as a loss event asks
     run(loss_fn, opt, batches, mon, 4, [], [])
     mon.close()
     ev = next(e for e in RunReader(mon.run_dir).events() if e.kind == "dump")

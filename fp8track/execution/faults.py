@@ -229,7 +229,7 @@ def _scaler(layer: nn.Module, tensor: str) -> Any:
 
 def _quantizes(layer: nn.Module) -> bool:
     recipe = getattr(layer, "fp8_recipe", None)
-    return getattr(layer, "_quantizers", None) is not None and bool(recipe) and recipe.quantizes
+    return getattr(layer, "_quantizers", None) is not None and recipe is not None and bool(recipe.quantizes)
 
 
 def _lacks(needs: str | None, layer: nn.Module, tensor: str) -> str | None:
@@ -286,7 +286,7 @@ def _amax_outlier(p: Planted, name: str, layer: nn.Module) -> None:
 
 
 def _quantizer_scale(p: Planted, name: str, layer: nn.Module) -> None:
-    q = layer._quantizers
+    q: Any = layer._quantizers  # the emulated backend's quantisers (their quantize is patched)
     orig, factor, tensor = q.quantize, 2.0**-p.fault.log2, p.fault.tensor
 
     def faulty(kind: str, x: torch.Tensor, update: bool, *rest: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -353,7 +353,8 @@ def _sink(p: Planted, name: str, layer: nn.Module) -> None:
         p.touched += 1
         return (x, *args[1:])
 
-    p.on_detach(layer.weight.register_hook(keep_zero))
+    weight: Any = layer.weight
+    p.on_detach(weight.register_hook(keep_zero))
     p.on_detach(layer.register_forward_pre_hook(overwrite))
 
 

@@ -136,31 +136,55 @@ def eval_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-def open_run(
-    log_dir: Path, meta: RunMeta, resume_step: int | None, sink: Callable[[Path], StepSink] | None
-) -> tuple[RunWriter, StepSink | None]:
-    """Create (or, resumed from ``resume_step``, reopen) the run directory, then the sink fed after
-    it (started with the steps a resumed run's trackers already hold)."""
-    writer = RunWriter.create(log_dir, meta, resume_step)
-    if sink is None:
-        return writer, None
-    out = sink(writer.run_dir)
-    out.start(meta, writer.recorded_before_resume)
-    return writer, out
+class RunOutput:
+    """The writer rank's outputs: the run directory (written first) and the sink fed after it.
 
+    Args:
+        log_dir: parent of the run directory; ``None`` writes nothing.
+        sink: factory called with the run directory once it exists (the tracker fan-out).
+    """
 
-def finish_run(
-    writer: RunWriter | None, sink: StepSink | None, analyzers: Sequence[StepAnalyzer], last: int
-) -> None:
-    """The end of a run on the writer: the analyzers' closing events and ``run_end`` at step
-    ``last`` (no metrics), then the sink and the run directory closed."""
-    events = [e for a in analyzers for e in a.close(last)]
-    events.append(EventRecord("run_end", last, {}))
-    emit(writer, sink, last, {}, [], events, write_metrics=False)
-    if sink is not None:
-        sink.finish()
-    if writer is not None:
-        writer.close()
+    def __init__(self, log_dir: Path | None, sink: Callable[[Path], StepSink] | None) -> None:
+        self.log_dir = log_dir
+        self.sink_factory = sink
+        self.writer: RunWriter | None = None
+        self.sink: StepSink | None = None
+
+    @property
+    def run_dir(self) -> Path | None:
+        return self.writer.run_dir if self.writer else None
+
+    def open(self, meta: RunMeta, resume_step: int | None) -> None:
+        """Create (or, resumed from ``resume_step``, reopen) the run directory, then start the sink
+        with the steps a resumed run's trackers already hold. Once."""
+        if self.log_dir is None or self.writer is not None:
+            return
+        self.writer = RunWriter.create(self.log_dir, meta, resume_step)
+        if self.sink_factory is not None:
+            self.sink = self.sink_factory(self.writer.run_dir)
+            self.sink.start(meta, self.writer.recorded_before_resume)
+
+    def emit(
+        self,
+        step: int,
+        metrics: dict[str, float],
+        rows: Sequence[TensorStatsRow],
+        events: Sequence[EventRecord],
+        earlier: Sequence[tuple[int, dict[str, float]]] = (),
+    ) -> None:
+        """One logging step (:func:`emit`)."""
+        emit(self.writer, self.sink, step, metrics, rows, events, earlier=earlier)
+
+    def finish(self, analyzers: Sequence[StepAnalyzer], last: int) -> None:
+        """The end of the run: the analyzers' closing events and ``run_end`` at step ``last`` (no
+        metrics), then the sink and the run directory closed."""
+        events = [e for a in analyzers for e in a.close(last)]
+        events.append(EventRecord("run_end", last, {}))
+        emit(self.writer, self.sink, last, {}, [], events, write_metrics=False)
+        if self.sink is not None:
+            self.sink.finish()
+        if self.writer is not None:
+            self.writer.close()
 
 
 def emit(

@@ -16,11 +16,12 @@ host copy, and on rank 0 alone writes the run directory and forwards the batch t
 Losses of unsampled steps stay on the device until the next sampled step.
 
 :class:`Monitor` orchestrates; each job has its module: what to capture
-(:mod:`~fp8track.monitoring.capture_config`, :mod:`~fp8track.monitoring.selection`), the cross-rank
-reduction (:mod:`~fp8track.monitoring.reduce`, :mod:`~fp8track.monitoring.router_flush`), the
-checkpoint guard (:mod:`~fp8track.monitoring.guard`), the FP8 FLOP share
-(:mod:`~fp8track.monitoring.flop_share`), tensor dumps (:mod:`~fp8track.monitoring.dumps`) and what is
-written (:mod:`~fp8track.monitoring.emit`).
+(:mod:`~fp8track.monitoring.capture_config`, :mod:`~fp8track.monitoring.selection`), when
+(:class:`~fp8track.monitoring.schedule.Sampler`), the cross-rank reduction every rank runs
+(:mod:`~fp8track.monitoring.reduce`, :mod:`~fp8track.monitoring.router_flush`), and the writer's part
+of a flush (:mod:`~fp8track.monitoring.flush_writer`): the checkpoint guard
+(:mod:`~fp8track.monitoring.guard`), the FP8 FLOP share (:mod:`~fp8track.monitoring.flop_share`),
+tensor dumps (:mod:`~fp8track.monitoring.dumps`) and what is written (:mod:`~fp8track.monitoring.emit`).
 """
 
 from __future__ import annotations
@@ -45,26 +46,13 @@ from fp8track.monitoring.capture_config import (  # re-exported: they lived here
     CaptureConfig,
     StepAnalyzer,
     StepSink,
-    run_analyzers,
 )
-from fp8track.monitoring.dumps import DumpControl
-from fp8track.monitoring.emit import (
-    earlier_metrics,
-    emit,
-    eval_metrics,
-    finish_run,
-    loss_series,
-    open_run,
-    scalar_metrics,
-    stats_rows,
-    step_metrics,
-)
-from fp8track.monitoring.flop_share import FP8_SHARE_METRIC, FlopShare
-from fp8track.monitoring.guard import CheckpointGuard
-from fp8track.monitoring.records import EventRecord, RunMeta, RunWriter, TensorStatsRow
+from fp8track.monitoring.emit import RunOutput, eval_metrics
+from fp8track.monitoring.flop_share import FP8_SHARE_METRIC
+from fp8track.monitoring.flush_writer import FlushWriter
+from fp8track.monitoring.records import EventRecord, RunMeta, TensorStatsRow
 from fp8track.monitoring.reduce import (
     DeviceTake,
-    HostCopy,
     PendingStep,
     detached,
     pending_from_state,
@@ -149,31 +137,27 @@ class Monitor:
         self.captures: dict[str, Capture]
         self.captures, self._te = build_captures(model, cfg, layers, dict(plans or {}), sharding)
         self.analyzers = list(analyzers)
-        self.last_events: list[EventRecord] = []
-        self._warned: set[str] = set()  # analyzer types that failed once (warned once)
         self.is_writer = (_dist_rank() == 0) if is_writer is None else is_writer
         self.apply_report = apply_report if apply_report is not None else applied_report(model)
         self.meta = meta or run_meta_for(model, report=self.apply_report)
         self.log_dir = Path(log_dir) if log_dir is not None else None
-        self._sink_factory = sink
-        self._writer: RunWriter | None = None
-        self._fanout: StepSink | None = None
+        self._out = RunOutput(self.log_dir, sink)
         self.global_step = 0
         self._pending: list[PendingStep] = []
         self._closed = False
         self._attached = False
         self._resume_step: int | None = None  # set by load_state_dict: records from here on are redone
         self._sampler = Sampler(cfg.samples, cfg.burst_policy())
-        self._dumps = DumpControl(cfg.dump_policy())
-        self._guard = CheckpointGuard(cfg.on_nonfinite, cfg.on_divergence)
-        self._share = FlopShare(cfg.fp8_share_warn_below, self.apply_report, self.is_writer)
+        self._post = FlushWriter(
+            cfg, self.captures, self._sampler, self._out, self.apply_report, self.is_writer
+        )
         if data_fingerprint is not None:
             self.record_data(data_fingerprint)
 
     # -- lifecycle -------------------------------------------------------------------------------
     @property
     def run_dir(self) -> Path | None:
-        return self._writer.run_dir if self._writer else None
+        return self._out.run_dir
 
     @property
     def closed(self) -> bool:
@@ -183,12 +167,17 @@ class Monitor:
     @property
     def halt_reason(self) -> str | None:
         """Why the checkpoint guard stops training (:meth:`guard`), or None."""
-        return self._guard.reason
+        return self._post.guard.reason
 
     @property
     def fp8_flop_share(self) -> float | None:
         """The FP8 share of the GEMM FLOPs at the last fully sampled step (``fp8/fp8_flop_share``)."""
-        return self._share.share
+        return self._post.share.share
+
+    @property
+    def last_events(self) -> list[EventRecord]:
+        """The events of the last flush with statistics rows (on the writer)."""
+        return self._post.last_events
 
     def attach(self) -> Monitor:
         """Register hooks and (on the writer) open the run directory and trackers. Idempotent."""
@@ -196,9 +185,8 @@ class Monitor:
             return self
         for cap in self.captures.values():
             cap.attach()
-        if self.is_writer and self.log_dir is not None and self._writer is None:
-            out = open_run(self.log_dir, self.meta, self._resume_step, self._sink_factory)
-            self._writer, self._fanout = out
+        if self.is_writer:
+            self._out.open(self.meta, self._resume_step)
         self._attached = True
         if self._te is not None:
             self._te.start(self.global_step)
@@ -220,7 +208,7 @@ class Monitor:
             ConfigError: after the run directory was opened, or for a fingerprint that is not a
                 non-empty mapping of JSON scalars.
         """
-        if self._writer is not None or self._attached:
+        if self._out.writer is not None or self._attached:
             raise ConfigError(
                 "record_data must be called before the monitor attaches (before the first step)"
             )
@@ -235,7 +223,7 @@ class Monitor:
         """Mark the start of optimizer step ``step`` (before its first forward)."""
         self.global_step = step
         if self._sampler.begin(step, self.captures):
-            self._dumps.arm(step, self.captures)
+            self._post.dumps.arm(step, self.captures)
 
     def step(
         self, loss: torch.Tensor | float | None = None, grad_norm: torch.Tensor | float | None = None
@@ -281,7 +269,7 @@ class Monitor:
         if self._te is not None:
             self._te.close()
         if self.is_writer:
-            finish_run(self._writer, self._fanout, self.analyzers, last=max(self.global_step - 1, 0))
+            self._out.finish(self.analyzers, last=max(self.global_step - 1, 0))
         self._closed = True
 
     # -- the flush: reduce, finalise, react, write ------------------------------------------------
@@ -292,7 +280,7 @@ class Monitor:
         One job per step: take the captures' device partials (:func:`take_partials`, the routers'
         :func:`take_routers`), reduce them with the buffered losses and grad norms to the host
         (:func:`reduce_to_host`: one SUM and one MAX collective, one host copy), then on the writer
-        :meth:`_write_flush` (rows, analyzers, reactions, FLOP share, emission).
+        :meth:`FlushWriter.write` (rows, analyzers, reactions, FLOP share, emission).
         """
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         take = take_partials(self.captures, device) if with_stats else DeviceTake()
@@ -302,57 +290,11 @@ class Monitor:
         timeout = self.config.collective_timeout_s
         host = reduce_to_host(take, pending, device, world=world, is_writer=self.is_writer, timeout_s=timeout)
         if host is not None:
-            self._write_flush(take, pending, host, with_stats, routers_from_host(routers, host.extra))
+            step = pending[-1].step if pending else self.global_step
+            metrics = routers_from_host(routers, host.extra)
+            self._post.write(step, take, pending, host, self.analyzers, with_stats, metrics)
         if with_stats and reduce and self.config.burst_steps and world > 1:
             share_burst(self._sampler.burst, device)
-
-    def _write_flush(
-        self,
-        take: DeviceTake,
-        pending: Sequence[PendingStep],
-        host: HostCopy,
-        with_stats: bool,
-        router_metrics: Mapping[str, float],
-    ) -> None:
-        """The writer's part of a flush: statistics rows, analyzers, reactions, FLOP share, then
-        one :meth:`_emit` holding every buffered step's loss under its own step number."""
-        step = pending[-1].step if pending else self.global_step
-        ranges = dict(zip(take.range_keys, host.ranges, strict=True))
-        rows = stats_rows(step, take.keys, host.partials, ranges, self.captures)
-        series = loss_series(pending, host.losses, host.gnorms)
-        metrics, events = run_analyzers(self.analyzers, step, series, rows, self._warned)
-        events.extend(self._react(step, pending, host, events, with_stats))
-        if with_stats:
-            metrics.update(self._share.measure(step, self.captures, self._sampler.full, events))
-        metrics.update(router_metrics)
-        self.last_events = events
-        own = step_metrics(pending, host.losses, host.gnorms)
-        scalars = {**own, **scalar_metrics(rows, self.config, self.captures), **metrics}
-        self._emit(step, scalars, rows, events, earlier=earlier_metrics(series, step))
-
-    def _react(
-        self,
-        step: int,
-        pending: Sequence[PendingStep],
-        host: HostCopy,
-        events: Sequence[EventRecord],
-        with_stats: bool,
-    ) -> list[EventRecord]:
-        """The events this flush adds on the writer: why the step was sampled (a burst step), its
-        tensor dump, the burst an event opens (and the dump it asks for), the guard's decision."""
-        out: list[EventRecord] = []
-        burst = self._sampler.burst
-        if self._sampler.why == "burst" and with_stats:
-            out.append(EventRecord("sampled", step, burst.reason(step)))
-        if self._dumps.armed:
-            out.append(self._dumps.write(step, self.run_dir))
-        opened = burst.open(step, events) if with_stats else None
-        if opened is not None:
-            out.append(opened)
-            if self._writer is not None:
-                self._dumps.request(burst.layers)
-        out.extend(self._guard.after_flush(step, pending, host.losses, host.gnorms, events))
-        return out
 
     def guard(self, parameters: bool = True) -> str | None:
         """Whether the run is safe to checkpoint now: ``None``, or why not (:attr:`halt_reason`, or
@@ -360,7 +302,7 @@ class Monitor:
         :meth:`fp8track.monitoring.guard.CheckpointGuard.check`). Call it before saving a checkpoint
         (the Lightning callback does, in ``on_save_checkpoint``). This rank's view only: under DDP
         reduce the decision over ranks before acting on it."""
-        return self._guard.check(self._pending, self.model, self.global_step, parameters)
+        return self._post.guard.check(self._pending, self.model, self.global_step, parameters)
 
     def _emit(
         self,
@@ -370,8 +312,8 @@ class Monitor:
         events: Sequence[EventRecord],
         earlier: Sequence[tuple[int, dict[str, float]]] = (),
     ) -> None:
-        """One logging step to the run directory, then to the trackers (:func:`emit`)."""
-        emit(self._writer, self._fanout, step, metrics, rows, events, earlier=earlier)
+        """One logging step to the run directory, then to the trackers."""
+        self._out.emit(step, metrics, rows, events, earlier=earlier)
 
     # -- evaluations -------------------------------------------------------------------------------
     def record_eval(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -404,7 +346,7 @@ class Monitor:
         self.global_step = int(state.get("global_step", self.global_step))
         if "pending" in state:
             self._pending = pending_from_state(state["pending"])
-        if "run_id" in state and self._writer is None:
+        if "run_id" in state and self._out.writer is None:
             # A resumed run appends to the run directory it started (readers keep the last value
             # of a step written twice: steps replayed after the checkpoint). What the run
             # directory holds from this step on came from a process that died after the
