@@ -90,7 +90,7 @@ class Fault:
     def __post_init__(self) -> None:
         spec = fault_kind(self.kind)
         if self.tensor not in spec.tensors:
-            raise invalid_choice(f"tensor of a {self.kind!r} fault", self.tensor, spec.tensors)
+            raise invalid_choice(f"tensor for the {self.kind} fault", self.tensor, spec.tensors)
         object.__setattr__(self, "windows", _windows(self.windows))
         check_float("log2", self.log2, -math.inf)
         check_float("value", self.value, -math.inf)
