@@ -19,7 +19,7 @@ from fp8track.errors import ConfigError
 from fp8track.execution.apply import ApplyReport
 from fp8track.monitoring import monitor as core
 from fp8track.monitoring.capture import LayerFilter, LayerPlan
-from fp8track.monitoring.monitor import FP8_SHARE_METRIC
+from fp8track.monitoring.flop_share import FP8_SHARE_METRIC
 from fp8track.monitoring.naming import LOSS_METRIC, run_metric
 from fp8track.monitoring.records import EventRecord, RunMeta, RunReader
 from fp8track.monitoring.sharding import ShardSpec

@@ -34,7 +34,8 @@ from fp8track.config import DEFAULT_LOG_DIR, MonitorConfig
 from fp8track.errors import ConfigError
 from fp8track.frontend import BaselineSpec, FrontendResults, Monitor, check_frontend_args, unwrap_model
 from fp8track.monitoring.capture import LayerFilter
-from fp8track.monitoring.monitor import StepAnalyzer, total_grad_norm
+from fp8track.monitoring.capture_config import StepAnalyzer
+from fp8track.monitoring.reduce import total_grad_norm
 from fp8track.monitoring.run_meta import run_meta_for, select_eval_metrics
 from fp8track.optional import require
 from fp8track.trackers import Tracker

@@ -25,7 +25,8 @@ partials reproduces the logged row (:func:`recompute_stats`). Dumps are bounded:
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,8 @@ from typing import Any
 import torch
 
 from fp8track.errors import ConfigError, check_int
-from fp8track.monitoring.capture import LayerPlan, tensor_partial
+from fp8track.monitoring.capture import LayerCapture, LayerPlan, tensor_partial
+from fp8track.monitoring.records import EventRecord
 from fp8track.numerics.scaling import quantize
 from fp8track.numerics.stats import finalize
 
@@ -133,6 +135,78 @@ def write_dump(run_dir: Path, dump: LayerDump) -> tuple[Path, int]:
     return path, path.stat().st_size
 
 
+class DumpControl:
+    """When the monitor dumps: an event asks (:meth:`request`), the next sampled step arms the
+    layers' recorders (:meth:`arm`), its flush writes the files and the ``dump`` event
+    (:meth:`write`). At most ``policy.max_dumps`` per run, ``policy.max_bytes`` each."""
+
+    def __init__(self, policy: DumpPolicy) -> None:
+        self.policy = policy
+        self.left = policy.max_dumps
+        self.wanted: set[str] | None | bool = False  # False: none; None: all layers
+        self._armed: tuple[DumpBudget, dict[str, LayerDump]] | None = None
+
+    @property
+    def armed(self) -> bool:
+        """Whether this step's observations are being recorded (a dump to write at its flush)."""
+        return self._armed is not None
+
+    def request(self, layers: Iterable[str] | None) -> None:
+        """Dump ``layers`` (None: every layer) on the next sampled step, if dumps are left."""
+        if self.left > 0:
+            self.wanted = None if layers is None else set(layers)
+
+    def arm(self, step: int, captures: Mapping[str, Any]) -> None:
+        """On a sampled step: if a dump was requested, record the requested layers' observations."""
+        if self.wanted is False:
+            return
+        wanted, self.wanted = self.wanted, False
+        self.left -= 1
+        budget = DumpBudget(self.policy.max_bytes)
+        layers: dict[str, LayerDump] = {}
+        for fqn, cap in captures.items():
+            # (expert rows and routers keep no dumps: their tensors are grouped over experts)
+            if isinstance(cap, LayerCapture) and cap.active and (wanted is None or fqn in wanted):  # type: ignore[operator]
+                cap.recorder = _recorder(fqn, cap, budget, layers, step)
+        self._armed = (budget, layers)
+
+    def write(self, step: int, run_dir: Path | None) -> EventRecord:
+        """Write the armed dump under ``run_dir`` (a full disk warns, training goes on)."""
+        assert self._armed is not None
+        budget, layers = self._armed
+        self._armed = None
+        files, total = [], 0
+        for dump in layers.values():
+            if run_dir is None:
+                break
+            try:
+                path, size = write_dump(run_dir, dump)
+            except OSError as exc:  # a full disk must not stop training
+                warnings.warn(f"fp8track: tensor dump of {dump.layer} failed ({exc!r})", stacklevel=2)
+                continue
+            files.append(str(path.relative_to(run_dir)))
+            total += size
+        return EventRecord("dump", step, {"files": files, "bytes": total, "left_out": sorted(budget.refused)})
+
+
+def _recorder(
+    fqn: str, cap: LayerCapture, budget: DumpBudget, layers: dict[str, LayerDump], step: int
+) -> Callable[[str, torch.Tensor, torch.Tensor | None], None]:
+    """The capture's hook into a dump: each observation is kept while the budget allows."""
+
+    def record(tensor: str, x: torch.Tensor, scale: torch.Tensor | None) -> None:
+        plan = cap.plan
+        per_tensor = plan.scaling == "per_tensor"
+        nbytes = x.numel() * (x.element_size() + (1 if per_tensor and scale is not None else 0))
+        if not budget.take(fqn, nbytes):
+            layers.pop(fqn, None)  # a layer is dumped whole or not at all
+            return
+        dump = layers.setdefault(fqn, LayerDump(step, fqn, plan_dict(plan)))
+        dump.observations.append(observation(tensor, x, scale, plan.formats[tensor], per_tensor))
+
+    return record
+
+
 def load_dump(path: str | Path) -> LayerDump:
     """Read a dump file (``torch.load(weights_only=True)``: no code runs while loading).
 
@@ -186,6 +260,7 @@ def recompute_stats(dump: LayerDump) -> dict[str, dict[str, float]]:
 __all__ = [
     "DumpPolicy",
     "DumpBudget",
+    "DumpControl",
     "LayerDump",
     "load_dump",
     "list_dumps",

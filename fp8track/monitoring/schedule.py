@@ -13,7 +13,7 @@ one runs extends it. Why each step was sampled is recorded (:meth:`Burst.reason`
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,7 +191,49 @@ class Burst:
         self.layers = None if layers is None else set(layers)
 
 
+class Sampler:
+    """Which steps and layers one monitor samples: the fixed schedule plus its :class:`Burst`,
+    applied to the captures at each step's start. Layers change state only around sampled steps:
+    an unsampled step after an unsampled one does no per-layer work.
+
+    Args:
+        fixed: whether the fixed schedule samples a step (``CaptureConfig.samples``).
+        policy: the burst policy.
+    """
+
+    def __init__(self, fixed: Callable[[int], bool], policy: BurstPolicy) -> None:
+        self.fixed = fixed
+        self.burst = Burst(policy)
+        self.sampled = False
+        self.why: str | None = None  # "schedule" or "burst" on a sampled step
+        self.full = False  # every layer sampled this step (the FP8 FLOP share needs all)
+        self._idle = False  # every layer known to be in the unsampled state
+
+    def begin(self, step: int, captures: Mapping[str, Any]) -> bool:
+        """Set every capture's state for ``step``; returns whether the step is sampled."""
+        fixed = self.fixed(step)
+        burst = self.burst.active(step)
+        sampled = fixed or burst
+        if sampled or self.sampled or not self._idle:
+            for fqn, cap in captures.items():
+                cap.begin_step(fixed or self.burst.wants(step, fqn))
+            self._idle = not sampled
+        self.sampled = sampled
+        self.why = None if not sampled else ("schedule" if fixed else "burst")
+        self.full = fixed or (burst and self.burst.layers is None)
+        return sampled
+
+    def end(self, captures: Mapping[str, Any]) -> None:
+        """After a sampled step's flush: nothing is captured between steps (e.g. validation)."""
+        self.sampled = False
+        for cap in captures.values():
+            cap.begin_step(False)
+            cap.recorder = None
+        self._idle = True
+
+
 __all__ = [
+    "Sampler",
     "BURST_TRIGGERS",
     "DEFAULT_BURST_TRIGGERS",
     "BURST_LAYERS",

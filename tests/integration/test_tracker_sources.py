@@ -15,6 +15,7 @@ from fp8track import Monitor, apply_fp8  # noqa: E402
 from fp8track.analysis.baseline import load_run  # noqa: E402
 from fp8track.analysis.diagnose import diagnose  # noqa: E402
 from fp8track.analysis.loss_gap import judge_gap, same_batches  # noqa: E402
+from fp8track.execution.faults import Fault, plant  # noqa: E402
 from fp8track.monitoring.monitor import data_fingerprint  # noqa: E402
 from fp8track.trackers.mlflow import MLflowTracker  # noqa: E402
 from fp8track.trackers.wandb import WandbTracker, find_wandb_run  # noqa: E402
@@ -42,16 +43,18 @@ def _train(tmp_path, name: str, fp8: bool, uri: str, experiment: str) -> dict:
     torch.manual_seed(5)
     target = nn.Linear(32, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    # a planted, lasting fault: from step 30 the FP8 run's middle layer loses 60 of its 64 inputs
+    flush = Fault("weight_flush", "weight", windows=((30, None),), channels=tuple(range(60)))
+    fault = plant(model, flush, ["2"]) if fp8 else None
     for step in range(STEPS):
+        if fault is not None:
+            fault.before_step(step)
         g = torch.Generator().manual_seed(int(order[step]))
         x = torch.randn(16, 32, generator=g)
         y = target(x).detach()
         loss = (model(x) - y).pow(2).mean()
         loss.backward()
         opt.step()
-        if fp8 and step >= 29:  # a planted, lasting fault: the FP8 run's middle layer loses 60 of 64 inputs
-            with torch.no_grad():
-                model[2].weight[:, :60] = 0
         mon.step(loss=loss)
         opt.zero_grad()
     mon.close()

@@ -95,7 +95,7 @@ def test_full_disk_mid_run_is_one_warning_and_training_goes_on(tmp_path):
         monitor.close()
     disk = [w for w in caught if "cannot write" in str(w.message)]
     assert len(disk) == 1 and "No space left on device" in str(disk[0].message)
-    assert monitor._writer.lines_lost == 5 * 3  # 5 steps x (activation, weight, gradient)
+    assert monitor._out.writer.lines_lost == 5 * 3  # 5 steps x (activation, weight, gradient)
     assert sorted(RunReader(run_dir).series("fp8/loss")) == [0, 1, 2, 3, 4]  # the other files kept everything
 
 

@@ -210,6 +210,7 @@ def test_gemm_error_probe_reads_zero_in_high_precision_and_one_for_a_flushed_wei
     from transformers.pytorch_utils import Conv1D
 
     import fp8track
+    from fp8track.execution.faults import Fault, plant
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 48), nn.GELU(), Conv1D(16, 48))
@@ -224,12 +225,12 @@ def test_gemm_error_probe_reads_zero_in_high_precision_and_one_for_a_flushed_wei
     assert all(0.001 < fwd[n][0] < 0.1 for n in names), fwd
     assert all(0.001 < dgrad[n][0] < 0.2 for n in names), dgrad
     # the second layer's weight flushed to zero: its output is its bias, a relative error near 1
-    undo = ds.scale_fault(model.get_submodule(names[1]), "weight", 40.0)
+    flush = plant(model, Fault("scale", "weight", log2=40.0, in_eval=True), [names[1]])
     probe.measure(1, True)
     with torch.no_grad():
         torch.nn.init.zeros_(model.get_submodule(names[1]).bias)
     model(x).sum().backward()
-    undo()
+    flush.detach()
     assert fwd[names[1]][1] == pytest.approx(1.0, abs=1e-6) and fwd[names[0]][1] < 0.1
     # not measured when off, nor in evaluation
     probe.measure(2, False)
