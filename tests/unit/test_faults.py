@@ -44,7 +44,10 @@ def test_the_registry_is_read_only_and_every_kind_is_a_frozen_spec() -> None:
     ("kwargs", "match"),
     [
         ({"kind": "typo"}, "unknown fault kind 'typo'; valid values are: 'amax'"),
-        ({"kind": "outlier", "tensor": "weight"}, "tensor for the outlier fault 'weight'; valid values are: 'activation'"),
+        (
+            {"kind": "outlier", "tensor": "weight"},
+            "tensor for the outlier fault 'weight'; valid values are: 'activation'",
+        ),
         ({"kind": "amax", "log2": -8.0}, "amax fault: log2 must be > 0"),
         ({"kind": "scale", "windows": ((5, 5),)}, "window stop must be an integer >= 6, got 5"),
         ({"kind": "scale", "windows": ()}, "at least one window"),
@@ -168,7 +171,9 @@ def test_nan_output_and_nan_gradient() -> None:
 
 def test_strict_refuses_a_layer_without_the_state_and_lenient_leaves_it_alone() -> None:
     model = _mlp()  # no FP8 state
-    with pytest.raises(ConfigError, match="the amax fault needs delayed scaling of its activation .* on layer '0'"):
+    with pytest.raises(
+        ConfigError, match="the amax fault needs delayed scaling of its activation .* on layer '0'"
+    ):
         plant(model, Fault("amax"), ["0"])
     p = plant(model, Fault("amax"), ["0"], strict=False)
     p.before_step(0)
