@@ -42,7 +42,7 @@ from fp8track.monitoring.capture import (
     validate_whatif,
     variant_format,
 )
-from fp8track.monitoring.dumps import DumpBudget, DumpPolicy, LayerDump, observation, plan_dict, write_dump
+from fp8track.monitoring.dumps import DumpBudget, DumpPolicy, LayerDump, observation, plan_dict, write_dumps
 from fp8track.monitoring.expert_capture import ExpertRowCapture, moe_captures
 from fp8track.monitoring.naming import LOSS_METRIC, metric_name, run_metric, worst_metric
 from fp8track.monitoring.records import (
@@ -62,7 +62,9 @@ from fp8track.monitoring.run_meta import (  # re-exported: the run metadata live
 )
 from fp8track.monitoring.schedule import (
     BURST_LAYERS,
+    DEFAULT_BURST_BUDGET,
     DEFAULT_BURST_TRIGGERS,
+    DEFAULT_BURST_WINDOW,
     Burst,
     BurstPolicy,
     normalise_windows,
@@ -125,6 +127,9 @@ class CaptureConfig:
             or ``"all"``.
         burst_on: event kinds that open a burst: ``spike``, ``nonfinite``, ``divergence`` (default)
             and ``drift`` (opt-in: frequent under delayed scaling).
+        burst_budget, burst_window: bursts sample at most this share (default 0.25) of any
+            ``burst_window`` (default 100) consecutive steps, so recurring events cannot turn the
+            schedule into every step (:mod:`fp8track.monitoring.schedule`).
         max_dumps: tensor dumps per run, each taken on the first burst step after an event, of the
             burst's layers (:mod:`fp8track.monitoring.dumps`); 0 switches dumps off.
         max_dump_bytes: bytes of tensors per dump (layers past it are left out and named).
@@ -150,6 +155,8 @@ class CaptureConfig:
     burst_steps: int = DEFAULT_BURST_STEPS
     burst_layers: str = "implicated"
     burst_on: tuple[str, ...] = DEFAULT_BURST_TRIGGERS
+    burst_budget: float = DEFAULT_BURST_BUDGET
+    burst_window: int = DEFAULT_BURST_WINDOW
     max_dumps: int = 2
     max_dump_bytes: int = 256 * 2**20
     on_nonfinite: str = "stop"
@@ -192,7 +199,9 @@ class CaptureConfig:
         )
 
     def burst_policy(self) -> BurstPolicy:
-        return BurstPolicy(self.burst_steps, self.burst_layers, tuple(self.burst_on))
+        return BurstPolicy(
+            self.burst_steps, self.burst_layers, tuple(self.burst_on), self.burst_budget, self.burst_window
+        )
 
     def dump_policy(self) -> DumpPolicy:
         return DumpPolicy(self.max_dumps, self.max_dump_bytes)
@@ -591,7 +600,8 @@ class Monitor:
         opened = self._burst.open(step, events) if with_stats else None
         if opened is not None:
             out.append(opened)
-            if self._dumps_left > 0 and self._writer is not None:
+            # one dump per new burst (never one spent on an extension), so dumps spread over events
+            if opened.data.get("new") and self._dumps_left > 0 and self._writer is not None:
                 self._dump_request = self._burst.layers
         reason = self._halt_for(pending, host, keys, events)
         if reason is not None and self.halt_reason is None:
@@ -714,20 +724,18 @@ class Monitor:
         assert self._dump is not None
         budget, layers = self._dump
         self._dump = None
-        files, total = [], 0
-        for dump in layers.values():
-            if self._writer is None:
-                break
-            try:
-                path, size = write_dump(self._writer.run_dir, dump)
-            except OSError as exc:  # a full disk must not stop training
-                warnings.warn(f"fp8track: tensor dump of {dump.layer} failed ({exc!r})", stacklevel=2)
-                continue
-            files.append(str(path.relative_to(self._writer.run_dir)))
-            total += size
-        return EventRecord(
-            "dump", step, {"files": files, "bytes": total, "left_out": sorted(budget.refused)}
-        )
+        if self._writer is None:
+            return EventRecord("dump", step, {"files": [], "bytes": 0, "left_out": sorted(budget.refused)})
+        run_dir = self._writer.run_dir
+        written, total, error = write_dumps(run_dir, layers.values())
+        data = {"files": [str(p.relative_to(run_dir)) for p in written], "bytes": total,
+                "left_out": sorted(budget.refused)}
+        if error is not None:  # a full disk or a file-size limit: one warning, no more dumps
+            self._dumps_left = 0
+            data["error"] = error
+            warnings.warn(f"fp8track: tensor dump of step {step} not written, no more dumps in this run "
+                          f"(training goes on): {error}", stacklevel=2)
+        return EventRecord("dump", step, data)
 
     def _take_routers(self, device: torch.device) -> list[tuple[Any, torch.Tensor, torch.Tensor]]:
         """``(router capture, sums, max)`` of every MoE block's router this step (reset)."""
