@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from fp8track.errors import ConfigError, check_float, check_int, invalid_choice
+from fp8track.errors import ConfigError, as_names, check_float, check_int, invalid_choice
 from fp8track.execution.apply import ApplyReport, applied_report
 from fp8track.execution.backends import backend_of
 from fp8track.monitoring import te_capture
@@ -104,7 +104,8 @@ room for an intermittent fault to recur."""
 @dataclass(frozen=True)
 class CaptureConfig:
     """What to capture and how often. Validated at construction. The frontends take
-    :class:`fp8track.MonitorConfig`, which adds the analysis thresholds to these fields.
+    :class:`fp8track.MonitorConfig`, which adds the analysis thresholds to these fields. A list
+    field given one bare string (``tensors: activation`` in YAML) holds that one name.
 
     Attributes:
         every_n_steps: sample every N-th optimizer step (step % N == 0), N >= 1.
@@ -185,7 +186,7 @@ class CaptureConfig:
         object.__setattr__(self, "steps", tuple(self.steps))
         object.__setattr__(self, "tensors", validate_tensors(self.tensors))
         object.__setattr__(self, "whatif", validate_whatif(self.whatif))
-        stats = tuple(self.scalar_stats)
+        stats = as_names(self.scalar_stats)  # a bare string is one statistic
         for stat in stats:
             if stat not in STAT_NAMES:
                 raise invalid_choice("statistic", stat, STAT_NAMES)
@@ -200,7 +201,7 @@ class CaptureConfig:
 
     def burst_policy(self) -> BurstPolicy:
         return BurstPolicy(
-            self.burst_steps, self.burst_layers, tuple(self.burst_on), self.burst_budget, self.burst_window
+            self.burst_steps, self.burst_layers, as_names(self.burst_on), self.burst_budget, self.burst_window
         )
 
     def dump_policy(self) -> DumpPolicy:

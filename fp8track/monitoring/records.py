@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import socket
 import time
 import uuid
@@ -30,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp8track.errors import ConfigError, check_int
+from fp8track.errors import ConfigError, check_int, redact
 from fp8track.monitoring.naming import LOSS_METRIC
 
 META_FILE = "meta.json"
@@ -108,39 +107,6 @@ def software_versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             continue
     return versions
-
-
-SECRET_ENV_VARS = (
-    "WANDB_API_KEY",
-    "MLFLOW_TRACKING_PASSWORD",
-    "MLFLOW_TRACKING_TOKEN",
-    "MLFLOW_TRACKING_CLIENT_CERT_PATH",
-    "DATABRICKS_TOKEN",
-    "HF_TOKEN",
-    "AWS_SECRET_ACCESS_KEY",
-)
-"""Environment variables whose values never appear in anything fp8track writes."""
-
-_URI_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/\s@'\"]+@")
-
-
-def redact(text: str) -> str:
-    """``text`` with credentials removed: ``scheme://user:password@host`` becomes
-    ``scheme://***@host``, and the value of each :data:`SECRET_ENV_VARS` set in the environment
-    (4 characters or more) becomes ``***``. Applied to every record line, ``meta.json``, tracker
-    params/tags/config and failure messages.
-
-    Example:
-        >>> redact("https://alice:pw@mlflow.example.com/api")
-        'https://***@mlflow.example.com/api'
-    """
-    if "@" in text:
-        text = _URI_CREDENTIALS.sub(r"\g<scheme>***@", text)
-    for name in SECRET_ENV_VARS:
-        value = os.environ.get(name)
-        if value and len(value) >= 4 and value in text:
-            text = text.replace(value, "***")
-    return text
 
 
 def _dumps(obj: Any) -> str:

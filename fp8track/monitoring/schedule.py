@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fp8track.errors import ConfigError, check_float, check_int, invalid_choice
+from fp8track.errors import ConfigError, as_names, check_float, check_int, invalid_choice
 from fp8track.monitoring.records import EventRecord
 
 BURST_TRIGGERS = ("spike", "nonfinite", "divergence", "drift")
@@ -116,7 +116,7 @@ class BurstPolicy:
             raise ConfigError(f"burst_budget is a share of steps in (0, 1], got {self.budget!r}")
         if self.layers not in BURST_LAYERS:
             raise invalid_choice("burst_layers", self.layers, BURST_LAYERS)
-        triggers = tuple(self.triggers)
+        triggers = as_names(self.triggers)  # "spike" is ("spike",)
         for t in triggers:
             if t not in BURST_TRIGGERS:
                 raise invalid_choice("burst trigger", t, BURST_TRIGGERS)
