@@ -28,7 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fp8track.errors import ConfigError, check_int
+from fp8track.errors import ConfigError, check_int, redacted_output
 from fp8track.execution.recipes import RECIPE_OPTIONS
 from fp8track.monitoring import naming
 from fp8track.monitoring.naming import sanitize_key
@@ -744,7 +744,8 @@ class MLflowTracker(QueuedTracker):
             if fig is not None:
                 self.client.log_figure(run_id, fig, HEATMAP_FILE)
         if self.own_run:
-            self.client.set_terminated(run_id, "FINISHED")
+            with redacted_output():  # MLflow prints "View run ... at <tracking URI>", password and all
+                self.client.set_terminated(run_id, "FINISHED")
 
 
 # --- reading a run back (the reader beside its writer) -------------------------------------------
@@ -833,7 +834,8 @@ def read_mlflow_run(run_id: str, tracking_uri: str) -> StoredRun:
     try:
         run = client.get_run(run_id)
     except MlflowException as err:
-        raise ConfigError(f"run 'mlflow:{run_id}': no such run at {tracking_uri} ({err})") from err
+        # from None: the cause's text names the URI with its password; the message is redacted
+        raise ConfigError(f"run 'mlflow:{run_id}': no such run at {tracking_uri} ({err})") from None
     metrics: dict[str, dict[int, float]] = {}
     for k in run.data.metrics:
         history = sorted(client.get_metric_history(run_id, k), key=lambda m: (m.step, m.timestamp))

@@ -191,7 +191,16 @@ def _cmd_sync(args: argparse.Namespace) -> int:
         from fp8track.trackers.mlflow import MLflowTracker
 
         client = require("mlflow", "fp8track sync --mlflow-uri").MlflowClient(args.mlflow_uri)
-        run_id = args.mlflow_run_id or find_mlflow_run(client, meta.run_id)
+        try:  # one call first: an unreachable or refusing store is one line, not a traceback
+            run_id = args.mlflow_run_id or find_mlflow_run(client, meta.run_id)
+            if run_id is not None:
+                client.get_run(run_id)
+        except Exception as exc:  # MLflow's, requests' and SQLAlchemy's errors have many types
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            raise ConfigError(
+                f"--mlflow-uri {args.mlflow_uri}: the MLflow store cannot be used "
+                f"({type(exc).__name__}: {first}); check that the server runs and the URI is right"
+            ) from None
         tracker = MLflowTracker(
             client=client, run_id=run_id, experiment_name=args.mlflow_experiment,
             run_name=meta.name, name=args.mlflow_name, background=False,
