@@ -138,11 +138,15 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 def _cmd_diagnose(args: argparse.Namespace) -> int:
     from fp8track.analysis.pairing import run_label
     from fp8track.report.console import print_diagnosis
+    from fp8track.report.html import describe_problems
     from fp8track.report.run import diagnose_runs
 
     # Unusable input raises ConfigError: main() prints it as one line and exits 2.
     res = diagnose_runs(args.fp8_run, args.baseline, args.out, tracking_uri=args.tracking_uri)
     print_diagnosis(res.diagnosis, res.html_path, runs=(run_label(res.fp8), run_label(res.control)))
+    for what, run in (("FP8 run", res.fp8), ("control", res.control)):
+        if run.problems:
+            print(f"damaged records in the {what} {run.source}: {describe_problems(run.problems)}")
     print(f"diagnosis.json: {res.json_path}")
     for where in res.logged:
         print(f"logged: {where}")
