@@ -40,7 +40,7 @@ from typing import Any
 from urllib.parse import quote
 
 from fp8track.config import DEFAULT_LOG_DIR
-from fp8track.errors import ConfigError
+from fp8track.errors import ConfigError, check_int
 
 PLANT_LAYER = "blocks.1.mlp.fc"
 PLANT_AMAX = 1e6
@@ -272,6 +272,7 @@ def run_demo(
         )
     if steps < 10:
         raise ConfigError(f"steps must be >= 10, got {steps!r}")
+    check_int("every_n_steps", every_n_steps, 1)  # before the output folder exists
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     common: dict[str, Any] = {

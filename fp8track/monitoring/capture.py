@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fp8track.errors import ConfigError, invalid_choice
+from fp8track.errors import ConfigError, as_names, invalid_choice
 from fp8track.execution.backends import backend_of
 from fp8track.execution.backends import te as te_backend
 from fp8track.execution.checkpointing import in_backward
@@ -297,7 +297,7 @@ def select_layers(
 
 
 def validate_tensors(tensors: Iterable[str]) -> tuple[str, ...]:
-    tensors = tuple(tensors)
+    tensors = as_names(tensors)  # "activation" is ("activation",), not its letters
     if not tensors:
         raise ConfigError(f"tensors must name at least one of {TENSOR_KINDS}")
     for t in tensors:
@@ -307,7 +307,7 @@ def validate_tensors(tensors: Iterable[str]) -> tuple[str, ...]:
 
 
 def validate_whatif(whatif: Iterable[str]) -> tuple[str, ...]:
-    whatif = tuple(whatif)
+    whatif = as_names(whatif)  # "mxfp8" is ("mxfp8",)
     for v in whatif:
         if v not in WHATIF_VARIANTS:
             raise invalid_choice("what-if variant", v, WHATIF_VARIANTS)

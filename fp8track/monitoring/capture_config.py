@@ -10,13 +10,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from fp8track.errors import ConfigError, check_float, check_int, invalid_choice
+from fp8track.errors import ConfigError, as_names, check_float, check_int, invalid_choice
 from fp8track.monitoring.capture import validate_tensors, validate_whatif
 from fp8track.monitoring.dumps import DumpPolicy
 from fp8track.monitoring.records import EventRecord, RunMeta, StepBatch, TensorStatsRow
 from fp8track.monitoring.schedule import (
     BURST_LAYERS,
+    DEFAULT_BURST_BUDGET,
     DEFAULT_BURST_TRIGGERS,
+    DEFAULT_BURST_WINDOW,
     BurstPolicy,
     normalise_windows,
     scheduled,
@@ -52,7 +54,8 @@ room for an intermittent fault to recur."""
 @dataclass(frozen=True)
 class CaptureConfig:
     """What to capture and how often. Validated at construction. The frontends take
-    :class:`fp8track.MonitorConfig`, which adds the analysis thresholds to these fields.
+    :class:`fp8track.MonitorConfig`, which adds the analysis thresholds to these fields. A list
+    field given one bare string (``tensors: activation`` in YAML) holds that one name.
 
     Attributes:
         every_n_steps: sample every N-th optimizer step (step % N == 0), N >= 1.
@@ -75,6 +78,9 @@ class CaptureConfig:
             or ``"all"``.
         burst_on: event kinds that open a burst: ``spike``, ``nonfinite``, ``divergence`` (default)
             and ``drift`` (opt-in: frequent under delayed scaling).
+        burst_budget, burst_window: bursts sample at most this share (default 0.25) of any
+            ``burst_window`` (default 100) consecutive steps, so recurring events cannot turn the
+            schedule into every step (:mod:`fp8track.monitoring.schedule`).
         max_dumps: tensor dumps per run, each taken on the first burst step after an event, of the
             burst's layers (:mod:`fp8track.monitoring.dumps`); 0 switches dumps off.
         max_dump_bytes: bytes of tensors per dump (layers past it are left out and named).
@@ -100,6 +106,8 @@ class CaptureConfig:
     burst_steps: int = DEFAULT_BURST_STEPS
     burst_layers: str = "implicated"
     burst_on: tuple[str, ...] = DEFAULT_BURST_TRIGGERS
+    burst_budget: float = DEFAULT_BURST_BUDGET
+    burst_window: int = DEFAULT_BURST_WINDOW
     max_dumps: int = 2
     max_dump_bytes: int = 256 * 2**20
     on_nonfinite: str = "stop"
@@ -128,7 +136,7 @@ class CaptureConfig:
         object.__setattr__(self, "steps", tuple(self.steps))
         object.__setattr__(self, "tensors", validate_tensors(self.tensors))
         object.__setattr__(self, "whatif", validate_whatif(self.whatif))
-        stats = tuple(self.scalar_stats)
+        stats = as_names(self.scalar_stats)  # a bare string is one statistic
         for stat in stats:
             if stat not in STAT_NAMES:
                 raise invalid_choice("statistic", stat, STAT_NAMES)
@@ -142,7 +150,9 @@ class CaptureConfig:
         )
 
     def burst_policy(self) -> BurstPolicy:
-        return BurstPolicy(self.burst_steps, self.burst_layers, tuple(self.burst_on))
+        return BurstPolicy(
+            self.burst_steps, self.burst_layers, as_names(self.burst_on), self.burst_budget, self.burst_window
+        )
 
     def dump_policy(self) -> DumpPolicy:
         return DumpPolicy(self.max_dumps, self.max_dump_bytes)

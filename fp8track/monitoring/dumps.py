@@ -24,6 +24,8 @@ partials reproduces the logged row (:func:`recompute_stats`). Dumps are bounded:
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -127,12 +129,47 @@ def _file_name(layer: str) -> str:
 
 
 def write_dump(run_dir: Path, dump: LayerDump) -> tuple[Path, int]:
-    """Save one layer's dump; returns its path and size in bytes."""
+    """Save one layer's dump; returns its path and size in bytes.
+
+    The file is written under a temporary name and renamed when complete, so a failed write
+    leaves no partial ``.pt`` behind.
+
+    Raises:
+        OSError: the file could not be written (a full disk, a file-size limit, ...). ``torch.save``
+            reports a short write as ``RuntimeError`` ("unexpected pos"), raised here as ``OSError``.
+    """
     folder = run_dir / DUMP_DIR / f"step{dump.step:08d}"
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / _file_name(dump.layer)
-    torch.save(dump.to_dict(), path)
+    partial = path.with_name(path.name + ".partial")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save(dump.to_dict(), partial)
+        os.replace(partial, path)
+    except (OSError, RuntimeError) as exc:
+        partial.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only when empty: the step's other layers may have been written
+        raise OSError(f"cannot write {path}: {type(exc).__name__}: {exc}") from exc
     return path, path.stat().st_size
+
+
+def write_dumps(run_dir: Path, dumps: Iterable[LayerDump]) -> tuple[list[Path], int, str | None]:
+    """Save the layers of one dump (:func:`write_dump`), stopping at the first that fails (on a
+    full disk or past a file-size limit the others would fail too).
+
+    Returns:
+        the files written, their total size in bytes, and the error (``None`` when all were written).
+    """
+    files: list[Path] = []
+    total = 0
+    for dump in dumps:
+        try:
+            path, size = write_dump(run_dir, dump)
+        except OSError as exc:
+            return files, total, str(exc)
+        files.append(path)
+        total += size
+    return files, total, None
 
 
 class DumpControl:
@@ -175,18 +212,17 @@ class DumpControl:
         assert self._armed is not None
         budget, layers = self._armed
         self._armed = None
-        files, total = [], 0
-        for dump in layers.values():
-            if run_dir is None:
-                break
-            try:
-                path, size = write_dump(run_dir, dump)
-            except OSError as exc:  # a full disk must not stop training
-                warnings.warn(f"fp8track: tensor dump of {dump.layer} failed ({exc!r})", stacklevel=2)
-                continue
-            files.append(str(path.relative_to(run_dir)))
-            total += size
-        return EventRecord("dump", step, {"files": files, "bytes": total, "left_out": sorted(budget.refused)})
+        if run_dir is None:
+            return EventRecord("dump", step, {"files": [], "bytes": 0, "left_out": sorted(budget.refused)})
+        written, total, error = write_dumps(run_dir, layers.values())
+        data: dict[str, Any] = {"files": [str(p.relative_to(run_dir)) for p in written], "bytes": total,
+                                "left_out": sorted(budget.refused)}
+        if error is not None:  # a full disk or a file-size limit: one warning, no more dumps
+            self.left = 0
+            data["error"] = error
+            warnings.warn(f"fp8track: tensor dump of step {step} not written, no more dumps in this run "
+                          f"(training goes on): {error}", stacklevel=2)
+        return EventRecord("dump", step, data)
 
 
 def _recorder(
@@ -266,5 +302,6 @@ __all__ = [
     "list_dumps",
     "recompute_stats",
     "write_dump",
+    "write_dumps",
     "DUMP_DIR",
 ]

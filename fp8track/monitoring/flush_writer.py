@@ -103,7 +103,8 @@ class FlushWriter:
         opened = burst.open(step, events) if with_stats else None
         if opened is not None:
             out.append(opened)
-            if self.out.writer is not None:
+            # one dump per new burst (never one spent on an extension), so dumps spread over events
+            if opened.data.get("new") and self.out.writer is not None:
                 self.dumps.request(burst.layers)
         out.extend(self.guard.after_flush(step, pending, host.losses, host.gnorms, events))
         return out

@@ -38,6 +38,14 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     if args.summary:
         from mlflow.tracking import MlflowClient
 
+        from fp8track.errors import ConfigError
+
+        store = options.mlflow_uri.removeprefix("sqlite:///")
+        if store != options.mlflow_uri and not Path(store).is_file():  # MLflow would create an empty one
+            raise ConfigError(
+                f"no sweep store at {options.mlflow_uri}: sweep {spec.name!r} has not run there "
+                "(run it first, or pass the --tracking-uri and --out it used)"
+            )
         client = MlflowClient(options.mlflow_uri)
         _exp_id, parent = find_parent(client, spec.name)
         print(f"sweep {spec.name!r}: parent run {parent} at {options.mlflow_uri}")

@@ -138,10 +138,12 @@ class WandbTracker(QueuedTracker):
         run_id: str | None = None,
         tracker_name: str = "wandb",
         lazy: bool = False,
+        resume: str = "must",
         **kwargs: Any,
     ) -> WandbTracker:
         """Open a run owned by the tracker: ``wandb.init(project, name, dir, mode,
-        reinit="create_new")``, resuming ``run_id`` when given (``resume="must"``). ``mode`` is
+        reinit="create_new")``, with the id ``run_id`` when given (``resume``: ``"must"``, an
+        existing run; ``"allow"``, that run if it exists, else a new one with this id). ``mode`` is
         passed to ``wandb.init`` only; the environment is not touched. ``lazy`` opens the run on
         first use instead, so a failing ``wandb.init`` cannot stop training (its steps are
         recorded as missed). ``kwargs`` go to the tracker's constructor."""
@@ -149,12 +151,21 @@ class WandbTracker(QueuedTracker):
         valid_modes = ("online", "offline", "disabled", "shared")
         if mode not in valid_modes:
             raise invalid_choice("W&B mode", mode, valid_modes)
-        resume = {"id": run_id, "resume": "must"} if run_id else {}
+        if resume not in ("must", "allow"):
+            raise invalid_choice("W&B resume", resume, ("must", "allow"))
+        resume_args = {"id": run_id, "resume": resume} if run_id else {}
 
         def open_run() -> wandb.Run:
-            return wandb.init(project=project, name=name, dir=dir, mode=mode, reinit="create_new", **resume)
+            return wandb.init(
+                project=project, name=name, dir=dir, mode=mode, reinit="create_new", **resume_args
+            )
 
         return cls(open_run if lazy else open_run(), own_run=True, name=tracker_name, **kwargs)
+
+    @property
+    def opened(self) -> bool:
+        """Whether the run is open (a lazily opened run is not until first use)."""
+        return self._wandb_run is not None
 
     @property
     def run(self) -> wandb.Run:

@@ -74,7 +74,8 @@ def read_mlflow_run(run_id: str, tracking_uri: str) -> StoredRun:
     try:
         run = client.get_run(run_id)
     except MlflowException as err:
-        raise ConfigError(f"run 'mlflow:{run_id}': no such run at {tracking_uri} ({err})") from err
+        # from None: the cause's text names the URI with its password; the message is redacted
+        raise ConfigError(f"run 'mlflow:{run_id}': no such run at {tracking_uri} ({err})") from None
     metrics: dict[str, dict[int, float]] = {}
     for k in run.data.metrics:
         history = sorted(client.get_metric_history(run_id, k), key=lambda m: (m.step, m.timestamp))

@@ -25,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fp8track.errors import ConfigError, check_int
+from fp8track.errors import ConfigError, check_int, redacted_output
 from fp8track.monitoring import naming
 from fp8track.monitoring.naming import sanitize_key
 from fp8track.monitoring.records import EventRecord, RunMeta, TensorStatsRow, redact
@@ -352,7 +352,8 @@ class MLflowTracker(QueuedTracker):
             if fig is not None:
                 self.client.log_figure(run_id, fig, HEATMAP_FILE)
         if self.own_run:
-            self.client.set_terminated(run_id, "FINISHED")
+            with redacted_output():  # MLflow prints "View run ... at <tracking URI>", password and all
+                self.client.set_terminated(run_id, "FINISHED")
 
     def heatmap_figure(self) -> Figure | None:
         """The figure ``fp8_heatmap.png`` holds, from the rows delivered so far: the report's heatmap
