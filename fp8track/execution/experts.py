@@ -276,6 +276,22 @@ def expert_row(group_fqn: str, param: str, expert: int | None = None) -> str:
     return base if expert is None else f"{base}.expert_{expert}"
 
 
+_EXPERT_SUFFIX = ".expert_"
+
+
+def projection_of_row(name: str) -> str:
+    """The selectable name a record row designates: ``<experts>.<param>`` for one expert's row
+    ``<experts>.<param>.expert_<e>`` (an expert cannot be kept in BF16 alone on any backend: its
+    projection can), else ``name`` itself.
+
+    Example:
+        >>> projection_of_row("model.layers.1.mlp.experts.down_proj.expert_3")
+        'model.layers.1.mlp.experts.down_proj'
+    """
+    head, sep, tail = name.rpartition(_EXPERT_SUFFIX)
+    return head if sep and tail.isdigit() else name
+
+
 def param_names(group: ExpertGroup) -> Sequence[str]:
     """Selector names of a fused group's projections (``<experts>.<param>``)."""
     return [f"{group.fqn}.{p.name}" for p in group.params]

@@ -31,7 +31,7 @@ Where the GEMMs are seen:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,7 +40,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from fp8track.execution.checkpointing import in_backward
-from fp8track.execution.experts import ExpertGroup, ExpertParam, expert_row
+from fp8track.execution.experts import ROUTER_REASON, ExpertGroup, ExpertParam, expert_row
 from fp8track.execution.fp8_experts import EmulatedFP8Experts
 from fp8track.execution.grouped import equal_offsets, segment_ids
 from fp8track.monitoring.capture import LayerPlan, guard_module_hooks, shadow_plan
@@ -320,6 +320,20 @@ class ExpertGroupCapture:
         parts = torch.cat([parts, merge_group_partials(parts).unsqueeze(0)])
         prev = self.partials.get((param, tensor))
         self.partials[(param, tensor)] = parts if prev is None else merge_partials([prev, parts])
+
+
+def not_fp8_reason(capture: object, why: Mapping[str, str]) -> str | None:
+    """Why an MoE capture's GEMMs are not in FP8, from ``why`` (layer -> reason, from the apply
+    report): an expert projection by its ``<experts>.<param>`` name or its experts module's; a
+    router by its name, else the default that keeps it in high precision."""
+    if isinstance(capture, ExpertRowCapture):
+        group = capture.group.name
+        return why.get(f"{group}.{capture.param}") or why.get(group)
+    from fp8track.monitoring.router_capture import RouterCapture
+
+    if isinstance(capture, RouterCapture):
+        return why.get(capture.name) or f"kept in BF16: {ROUTER_REASON}"
+    return None
 
 
 def expert_captures(

@@ -43,7 +43,7 @@ from fp8track.monitoring.capture import (
     variant_format,
 )
 from fp8track.monitoring.dumps import DumpBudget, DumpPolicy, LayerDump, observation, plan_dict, write_dump
-from fp8track.monitoring.expert_capture import ExpertRowCapture, moe_captures
+from fp8track.monitoring.expert_capture import ExpertRowCapture, moe_captures, not_fp8_reason
 from fp8track.monitoring.naming import LOSS_METRIC, metric_name, run_metric, worst_metric
 from fp8track.monitoring.records import (
     EventRecord,
@@ -666,7 +666,8 @@ class Monitor:
             return []
         why = _why_not_fp8(report)
         missing = [
-            (fqn, why.get(fqn, "its backend runs it in high precision (not an FP8 layer)"))
+            (fqn, why.get(fqn) or not_fp8_reason(self.captures[fqn], why)  # MoE: expert / router captures
+             or "its backend runs it in high precision (not an FP8 layer)")
             for fqn, f in sorted(flops.items(), key=lambda kv: -kv[1])
             if f and not self.captures[fqn].plan.fp8
         ]
