@@ -45,7 +45,13 @@ from fp8track.execution.fp8_experts import EmulatedFP8Experts
 from fp8track.execution.grouped import equal_offsets, segment_ids
 from fp8track.monitoring.capture import LayerPlan, guard_module_hooks, shadow_plan
 from fp8track.numerics.formats import TENSOR_KINDS
-from fp8track.numerics.segment_stats import merge_group_partials, segment_partial_stats
+from fp8track.numerics.scaling import BLOCK_SCALINGS, block_layout
+from fp8track.numerics.segment_stats import (
+    expert_tile_partial_stats,
+    merge_group_partials,
+    segment_block_partial_stats,
+    segment_partial_stats,
+)
 from fp8track.numerics.stats import identity_partial, merge_partials
 
 if TYPE_CHECKING:
@@ -190,7 +196,8 @@ class ExpertGroupCapture:
         assert isinstance(self.module, EmulatedFP8Experts)
         recipe = self.module.fp8_recipe
         formats = {t: recipe.formats.for_tensor(t).name for t in TENSOR_KINDS}
-        return LayerPlan(self.name, True, formats)
+        scaling = recipe.scaling if recipe.scaling in BLOCK_SCALINGS else "per_tensor"
+        return LayerPlan(self.name, True, formats, scaling=scaling)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def attach(self) -> None:
@@ -285,8 +292,14 @@ class ExpertGroupCapture:
         if "weight" in self.tensors and param not in self._weights_done:
             self._weights_done.add(param)
             n = int(w.shape[1])
-            wseg = torch.arange(e, device=w.device).repeat_interleave(n)
-            self._add(param, "weight", w.detach().reshape(e * n, -1), wseg, self._scale(param, "weight"))
+            if self.plans[param].scaling in BLOCK_SCALINGS:  # each expert's slice, its own blocks / tiles
+                plan = self.plans[param]
+                layout = block_layout(plan.scaling, "weight")
+                parts = expert_tile_partial_stats(w.detach(), layout, plan.formats["weight"])
+                self._merge(param, "weight", parts)
+            else:
+                wseg = torch.arange(e, device=w.device).repeat_interleave(n)
+                self._add(param, "weight", w.detach().reshape(e * n, -1), wseg, self._scale(param, "weight"))
         if "gradient" in self.tensors and out.requires_grad:
             scale_fn = self._gradient_scale_fn(param)
             out.register_hook(lambda g: self._gradient(param, g, seg, scale_fn))
@@ -314,9 +327,19 @@ class ExpertGroupCapture:
         self, param: str, tensor: str, x2d: torch.Tensor, seg: torch.Tensor, scale: torch.Tensor | None
     ) -> None:
         plan = self.plans[param]
-        parts = segment_partial_stats(
-            x2d, seg, self.group.num_experts, plan.formats[tensor], scale, plan.margin
-        )
+        if plan.scaling in BLOCK_SCALINGS:
+            layout = block_layout(plan.scaling, tensor)
+            parts = segment_block_partial_stats(
+                x2d, seg, self.group.num_experts, layout, plan.formats[tensor]
+            )
+        else:
+            parts = segment_partial_stats(
+                x2d, seg, self.group.num_experts, plan.formats[tensor], scale, plan.margin
+            )
+        self._merge(param, tensor, parts)
+
+    def _merge(self, param: str, tensor: str, parts: torch.Tensor) -> None:
+        """Add the experts' partials ``[E, 13]`` of one observation, and their aggregate."""
         parts = torch.cat([parts, merge_group_partials(parts).unsqueeze(0)])
         prev = self.partials.get((param, tensor))
         self.partials[(param, tensor)] = parts if prev is None else merge_partials([prev, parts])
