@@ -27,6 +27,7 @@ Megatron-LM ``--moe-router-dtype fp32``), so :func:`fp8track.apply_fp8` does as 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -290,6 +291,34 @@ def projection_of_row(name: str) -> str:
     """
     head, sep, tail = name.rpartition(_EXPERT_SUFFIX)
     return head if sep and tail.isdigit() else name
+
+
+_ROW_FORMS = (
+    re.compile(r"^(?P<group>.+)\.expert_(?P<e>\d+)$"),  # fused: <experts>.<param>.expert_<e>
+    re.compile(r"^(?P<group>.+)\.gemm_(?P<e>\d+)$"),  # TE GroupedLinear debug names: <name>.gemm_<e>
+    # module-list experts: <experts>.expert_<e>.<param> (SwitchTransformers), <experts>.<e>.<param>
+    re.compile(r"^(?P<experts>(?:.+\.)?experts)\.(?:expert_)?(?P<e>\d+)\.(?P<param>.+)$"),
+)
+
+
+def parse_expert_row(name: str) -> tuple[str, int] | None:
+    """``(group, expert)`` of a record row holding one expert's GEMM, else ``None``. ``group`` names
+    the projection across the experts (``<experts>.<param>``), so siblings share it whatever
+    form the row has: fused ``<experts>.<param>.expert_<e>``, Transformer Engine
+    ``<name>.gemm_<e>``, module-list ``<experts>.expert_<e>.<param>`` or ``<experts>.<e>.<param>``.
+
+    Example:
+        >>> parse_expert_row("encoder.block.1.layer.1.mlp.experts.expert_3.wi")
+        ('encoder.block.1.layer.1.mlp.experts.wi', 3)
+        >>> parse_expert_row("model.layers.0.self_attn.q_proj") is None
+        True
+    """
+    for form in _ROW_FORMS:
+        m = form.match(name)
+        if m is not None:
+            group = m["group"] if "group" in form.groupindex else f"{m['experts']}.{m['param']}"
+            return group, int(m["e"])
+    return None
 
 
 def param_names(group: ExpertGroup) -> Sequence[str]:

@@ -369,6 +369,7 @@ class LayerCapture:
         self._recomputes = 0  # forwards run inside backward this step and taken as their recompute
         self._resting_weight: torch.Tensor | None = None
         self.partials: dict[tuple[str, str], torch.Tensor] = {}
+        self.count_tokens = False  # one expert of a module-list MoE: its rows carry ``tokens``
         # Block rows' max_blockwise_dynamic_range this step, merged by max (0-d float64 on device).
         self.ranges: dict[tuple[str, str], torch.Tensor] = {}
         self.flops = 0  # GEMM FLOPs (forward + both backward GEMMs) seen since the last take_flops
@@ -409,6 +410,13 @@ class LayerCapture:
                     obs.append((f"{variant}_columnwise", f"{s}_columnwise"))
             self._observations = obs
         return self._observations
+
+    def extra_stats(self, tensor: str, stats: dict[str, float]) -> None:
+        """Add ``tokens`` (rows seen: ``numel`` over the row width) to an activation / gradient row
+        of one expert's linear (:attr:`count_tokens`), as the fused experts' rows carry it."""
+        w = gemm_weight(self.module) if self.count_tokens else None
+        if w is not None and tensor in ("activation", "gradient"):
+            stats["tokens"] = stats["numel"] / int(w.shape[1] if tensor == "activation" else w.shape[0])
 
     def keys(self) -> list[tuple[str, str]]:
         """Every (tensor, variant) this layer reports, in a fixed order (same on every rank)."""

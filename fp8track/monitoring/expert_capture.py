@@ -381,11 +381,14 @@ class MoECaptures:
         skip: canonical names of selected layers the layer captures must leave out (expert modules,
             whose rows come from here; router subclasses returning tuples, measured by the router
             capture).
+        token_layers: canonical names of selected linears of module-list experts (their layer
+            captures count the expert's tokens: ``LayerCapture.count_tokens``).
     """
 
     def __init__(self) -> None:
         self.captures: dict[str, ExpertRowCapture | RouterCapture] = {}
         self.skip: set[str] = set()
+        self.token_layers: set[str] = set()
 
 
 def moe_captures(
@@ -408,6 +411,8 @@ def moe_captures(
             group_capture = ExpertGroupCapture(name, experts, block.experts, tensors, shadow_format)
             out.captures.update(group_capture.rows)
             out.skip.add(name)
+        if block.experts.kind == "module_list":
+            out.token_layers.update(by_module[id(m)] for m in experts.modules() if id(m) in by_module)
         if block.router is None or block.router_gemm is None:
             continue
         router, gemm = model.get_submodule(block.router), model.get_submodule(block.router_gemm)
