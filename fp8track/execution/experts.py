@@ -59,9 +59,27 @@ class ExpertParam:
     bias: str | None = None
 
     def weight_oi(self, module: nn.Module) -> torch.Tensor:
-        """The ``[E, out, in]`` view of the parameter (GEMM orientation of every expert)."""
-        w = getattr(module, self.name)
+        """The ``[E, out, in]`` view of the parameter (GEMM orientation of every expert); a
+        torchao-wrapped weight is read through its plain tensor (:func:`plain_weight`)."""
+        w = plain_weight(getattr(module, self.name))
         return w.transpose(-2, -1) if self.transposed else w
+
+
+def plain_weight(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or the plain tensor inside torchao's MoE-training weight wrapper (its ``_data``: the
+    wrapper itself has no storage of its own); views of the wrapper hold views of it."""
+    data = getattr(t, "_data", None)
+    return data if isinstance(data, torch.Tensor) and type(t).__module__.startswith("torchao") else t
+
+
+def torchao_training_config(module: nn.Module) -> object | None:
+    """The torchao MoE training config (``Float8TrainingOpConfig`` / ``MXFP8TrainingOpConfig``)
+    of a fused experts module whose weights torchao wrapped, else ``None``."""
+    for p in module._parameters.values():
+        cfg = getattr(p, "config", None) if type(p).__module__.startswith("torchao") else None
+        if cfg is not None:
+            return cfg
+    return None
 
 
 @dataclass(frozen=True)
@@ -125,7 +143,9 @@ def _is_te_grouped(module: nn.Module) -> bool:
 
 
 def _is_torchao_wrapped(module: nn.Module) -> bool:
-    return any(type(p).__module__.startswith("torchao") for p in module._parameters.values() if p is not None)
+    return torchao_training_config(module) is not None or any(
+        type(p).__module__.startswith("torchao") for p in module._parameters.values() if p is not None
+    )
 
 
 def fused_params(module: nn.Module) -> tuple[ExpertParam, ...]:

@@ -40,7 +40,14 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from fp8track.execution.checkpointing import in_backward
-from fp8track.execution.experts import ROUTER_REASON, ExpertGroup, ExpertParam, expert_row
+from fp8track.execution.experts import (
+    ROUTER_REASON,
+    ExpertGroup,
+    ExpertParam,
+    expert_row,
+    plain_weight,
+    torchao_training_config,
+)
 from fp8track.execution.fp8_experts import EmulatedFP8Experts
 from fp8track.execution.grouped import equal_offsets, segment_ids
 from fp8track.monitoring.capture import LayerPlan, guard_module_hooks, shadow_plan
@@ -191,6 +198,9 @@ class ExpertGroupCapture:
                 )
 
     def _plan(self, param: ExpertParam, fp8: bool) -> LayerPlan:
+        torchao = torchao_training_config(self.module) if self.group.kind == "torchao" else None
+        if torchao is not None:
+            return torchao_plan(self.name, torchao)
         if not fp8:
             return shadow_plan(self.name, self.shadow_format)
         assert isinstance(self.module, EmulatedFP8Experts)
@@ -238,7 +248,7 @@ class ExpertGroupCapture:
             module.fp8track_tap = self.tap
             return
         impl = getattr(getattr(module, "config", None), "_experts_implementation", "grouped_mm")
-        if self.group.kind == "fused" and impl not in (None, "grouped_mm") and not self._warned:
+        if self.group.kind != "dense" and impl not in (None, "grouped_mm") and not self._warned:
             self._warned = True
             warnings.warn(
                 f"fp8track: {self.name} runs experts implementation {impl!r}; per-expert statistics "
@@ -268,9 +278,10 @@ class ExpertGroupCapture:
         """The projection whose parameter ``weight`` is (or views)."""
         if not isinstance(weight, torch.Tensor):
             return None
+        ptr = plain_weight(weight).data_ptr()
         for p in self.group.params:
-            w = getattr(self.module, p.name)
-            if weight.data_ptr() == w.data_ptr() and weight.shape[0] == w.shape[0]:
+            w = plain_weight(getattr(self.module, p.name))
+            if ptr == w.data_ptr() and weight.shape[0] == w.shape[0]:
                 return p
         return None
 
@@ -345,6 +356,17 @@ class ExpertGroupCapture:
         self.partials[(param, tensor)] = parts if prev is None else merge_partials([prev, parts])
 
 
+def torchao_plan(name: str, config: object) -> LayerPlan:
+    """How torchao's MoE training quantises expert GEMMs: MXFP8 (``MXFP8TrainingOpConfig``: 1x32
+    blocks, E4M3, E8M0 scales rounded up, the same rule as the ``mxfp8`` recipe; any other scale
+    mode is judged by it too), or FP8 rowwise (``Float8TrainingOpConfig``: E4M3 with per-token and
+    per-column scales, judged per expert tensor-wise, as the monitor judges torchao's rowwise
+    linears: a documented approximation)."""
+    formats = dict.fromkeys(TENSOR_KINDS, "e4m3")
+    scaling = "mxfp8" if type(config).__name__.startswith("MXFP8") else "per_tensor"
+    return LayerPlan(name, True, formats, scaling=scaling)
+
+
 def not_fp8_reason(capture: object, why: Mapping[str, str]) -> str | None:
     """Why an MoE capture's GEMMs are not in FP8, from ``why`` (layer -> reason, from the apply
     report): an expert projection by its ``<experts>.<param>`` name or its experts module's; a
@@ -365,7 +387,7 @@ def expert_captures(
     """A capture per fused / dense expert group ``(canonical name, group)`` of ``model``."""
     out = []
     for name, group in groups:
-        if group.kind in ("fused", "dense"):
+        if group.kind in ("fused", "dense", "torchao"):
             out.append(
                 ExpertGroupCapture(name, model.get_submodule(group.fqn), group, tensors, shadow_format)
             )
@@ -407,7 +429,7 @@ def moe_captures(
         experts = model.get_submodule(block.experts.fqn)
         group_capture = None
         name = by_module.get(id(experts))
-        if name is not None and block.experts.kind in ("fused", "dense"):
+        if name is not None and block.experts.kind in ("fused", "dense", "torchao"):
             group_capture = ExpertGroupCapture(name, experts, block.experts, tensors, shadow_format)
             out.captures.update(group_capture.rows)
             out.skip.add(name)
@@ -424,7 +446,9 @@ def moe_captures(
         # Real routing from the fused group's GEMM sizes (a dense group runs every expert on every
         # token: its routing is the router's own top-k then).
         counts = (
-            group_capture.take_counts if group_capture is not None and block.experts.kind == "fused" else None
+            group_capture.take_counts
+            if group_capture is not None and block.experts.kind in ("fused", "torchao")
+            else None
         )
         cap = RouterCapture(block_name, block, router, gemm, counts)
         cap.count_flops = gemm_name is None
