@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fp8track.execution.apply import ApplyReport
+from fp8track.monitoring.expert_capture import not_fp8_reason
 from fp8track.monitoring.naming import run_metric
 from fp8track.monitoring.records import EventRecord
 
@@ -62,7 +63,8 @@ class FlopShare:
             return []
         why = why_not_fp8(report)
         missing = [
-            (fqn, why.get(fqn, "its backend runs it in high precision (not an FP8 layer)"))
+            (fqn, why.get(fqn) or not_fp8_reason(captures[fqn], why)  # MoE: expert / router captures
+             or "its backend runs it in high precision (not an FP8 layer)")
             for fqn, f in sorted(flops.items(), key=lambda kv: -kv[1])
             if f and not captures[fqn].plan.fp8
         ]

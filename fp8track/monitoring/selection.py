@@ -56,6 +56,9 @@ def build_captures(
             module, plan, cfg.tensors, cfg.whatif, sharding, collective_timeout_s=cfg.collective_timeout_s
         )
     captures.update(moe.captures)
+    for fqn in moe.token_layers:  # MoE: module-list experts' rows carry their tokens
+        if isinstance(cap := captures.get(fqn), LayerCapture):
+            cap.count_tokens = True
     if te_unseen:
         warnings.warn(
             f"fp8track: {len(te_unseen)} TE layers ({', '.join(te_unseen[:4])}...) quantise tensors "

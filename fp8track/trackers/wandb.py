@@ -44,6 +44,12 @@ from fp8track.trackers.base import (
     scalar_metrics,
     tensor_stat_columns,
 )
+from fp8track.trackers.expert_views import (
+    EXPERT_HEATMAP_CAPTION,
+    EXPERT_HEATMAP_KEY,
+    ExpertHeatmap,
+    figure_image,
+)
 
 if TYPE_CHECKING:
     import wandb
@@ -125,6 +131,7 @@ class WandbTracker(QueuedTracker):
         self._steps_since_table = 0
         self._last_step = 0
         self._last_alert: dict[str, float] = {}  # title -> time.monotonic() of the last alert sent
+        self._experts = ExpertHeatmap()  # MoE: experts x steps, logged at the end (trackers.expert_views)
         self.alerts_sent = 0
 
     @classmethod
@@ -257,6 +264,7 @@ class WandbTracker(QueuedTracker):
             self._added_step = batch.step
             if batch.tensor_rows:
                 self._add_tensor_rows(batch.tensor_rows)
+                self._experts.add(batch.tensor_rows)
             if batch.events:
                 self._add_events(batch.events)
             if batch.tensor_rows or any(ev.kind in EVENT_TABLES for ev in batch.events):
@@ -297,6 +305,11 @@ class WandbTracker(QueuedTracker):
                     self._record_failure(step, TablesNotWritten(exc))
                 raise
             self._tables_logged()
+        fig = self._experts.figure()
+        if fig is not None:  # MoE: the experts x steps heatmap (trackers.expert_views)
+            wandb = require("wandb", "the W&B tracker")
+            image = wandb.Image(figure_image(fig), caption=EXPERT_HEATMAP_CAPTION)
+            self._ensure_run().log({EXPERT_HEATMAP_KEY: image, self.step_metric: self._last_step})
         if self.own_run:
             self.run.finish()
 

@@ -90,6 +90,13 @@ def test_moe_rows_and_router_metrics_reach_the_run_dir_mlflow_and_wandb(moe_pair
             )  # batch 2 x 8 tokens, top-2
             aux = run.metrics[run_metric("router", "aux_loss")]
             assert sorted(aux) == [0, 2, 4] and all(1.0 <= v <= E for v in aux.values()), (name, source)
+        # the experts x steps heatmap: an MLflow figure and a W&B image
+        from mlflow import MlflowClient
+
+        artifacts = {a.path for a in MlflowClient(uri).list_artifacts(ref["mlflow"].removeprefix("mlflow:"))}
+        assert "fp8_experts_heatmap.png" in artifacts, name
+        images = list((ref["wandb"]).rglob("*experts_heatmap*.png"))
+        assert images and images[0].read_bytes()[:4] == b"\x89PNG", name
 
 
 def test_moe_pair_is_diagnosed_from_run_directories(tmp_path, moe_pair):

@@ -42,6 +42,7 @@ from fp8track.trackers.base import (
     scalar_metrics,
     tensor_stat_columns,
 )
+from fp8track.trackers.expert_views import EXPERT_HEATMAP_FILE, ExpertHeatmap, layer_rows
 from fp8track.trackers.heatmap import heatmap_figure, summary_for
 from fp8track.trackers.mlflow.client import transient_mlflow_error
 from fp8track.trackers.mlflow.params import (
@@ -152,6 +153,7 @@ class MLflowTracker(QueuedTracker):
         self.max_buffered_rows = max_buffered_rows
         self._keys: dict[str, str] = {}  # raw name -> sanitised key (names repeat every step)
         self._heatmap = summary_for(self.heatmap_stats, heatmap_columns)
+        self._experts = ExpertHeatmap()  # MoE: experts x steps (trackers.expert_views)
         self._own_spool_dir = spool_dir is None
         self._spool_dir = Path(
             tempfile.mkdtemp(prefix="fp8track-mlflow-") if spool_dir is None else spool_dir
@@ -247,7 +249,8 @@ class MLflowTracker(QueuedTracker):
             return  # a retry of a step whose rows and events are already buffered
         self._buffered_step = step
         if batch.tensor_rows:
-            self._heatmap.add(batch.tensor_rows)
+            self._heatmap.add(layer_rows(batch.tensor_rows))  # MoE: one expert's rows in their own view
+            self._experts.add(batch.tensor_rows)
             self._spool_tensor_rows(batch.tensor_rows)
         new_worst = None
         for ev in batch.events:
@@ -351,6 +354,8 @@ class MLflowTracker(QueuedTracker):
             fig = self.heatmap_figure()
             if fig is not None:
                 self.client.log_figure(run_id, fig, HEATMAP_FILE)
+        if self.heatmap and (fig := self._experts.figure()) is not None:  # MoE: experts x steps
+            self.client.log_figure(run_id, fig, EXPERT_HEATMAP_FILE)
         if self.own_run:
             with redacted_output():  # MLflow prints "View run ... at <tracking URI>", password and all
                 self.client.set_terminated(run_id, "FINISHED")
