@@ -22,9 +22,7 @@ pytestmark = pytest.mark.slow
 
 mlflow = pytest.importorskip("mlflow")
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "reliability"))
-sys.path.insert(0, str(Path(__file__).parents[1] / "helpers"))
-from servers import free_port, mlflow_server  # noqa: E402
+from helpers.servers import free_port, mlflow_server  # noqa: E402
 
 PASSWORD = "pw-7f3a9c"
 

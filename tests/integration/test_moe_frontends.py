@@ -64,6 +64,8 @@ def moe_pair(tmp_path_factory, _mlflow_db):
     store = MlflowStore(_mlflow_db, f"{__name__}/moe_pair")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WANDB_SILENT", "true")
+        # WandbLogger(offline=True) exports WANDB_MODE; the context restores it for later tests
+        mp.setenv("WANDB_MODE", "offline")
         mp.chdir(root)  # FP8Monitor's default run directory, MLflow's and W&B's defaults
         refs = {
             name: _fit(root, name, recipe, store.uri, store.experiment("moe"))

@@ -5,7 +5,6 @@ each validated at construction (a bad one is a ConfigError before any run direct
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,9 +18,7 @@ pytestmark = pytest.mark.slow
 
 mlflow = pytest.importorskip("mlflow")
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "reliability"))
-sys.path.insert(0, str(Path(__file__).parents[1] / "helpers"))
-from wandb_records import history, inspect  # noqa: E402
+from helpers.wandb_records import history, inspect  # noqa: E402
 
 
 def train(monitor_kwargs: dict, log_dir: Path, steps: int = 6) -> tuple[Path, list[float]]:

@@ -5,7 +5,6 @@ directory (``fp8track-<run id>``); a second sync finds it and sends only what is
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -19,9 +18,7 @@ pytestmark = pytest.mark.slow
 
 pytest.importorskip("wandb")
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "reliability"))
-sys.path.insert(0, str(Path(__file__).parents[1] / "helpers"))
-from wandb_records import history, inspect  # noqa: E402
+from helpers.wandb_records import history, inspect  # noqa: E402
 
 
 def write_steps(run_dir: Path, steps, resume: int | None = None) -> None:
