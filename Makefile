@@ -35,8 +35,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/fp8track demo
 
+# --durations=25: the slowest tests in every run's output (CI's too), so a slow test shows at once.
 test: $(STAMP) system-deps check
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25
 
 HAS_CUDA = $(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
 

@@ -71,7 +71,8 @@ def build(model_name: str = "gpt", seed: int = 0):
 def force_burst(mon: Monitor) -> None:
     """Open a burst after the current step as a loss spike would (bench only: the analyzers open
     bursts in a real run)."""
-    mon._burst.open(mon.global_step - 1, [EventRecord("spike", mon.global_step - 1, {"status": "open"})])
+    step = mon.global_step - 1
+    mon._sampler.burst.open(step, [EventRecord("spike", step, {"status": "open"})])
 
 
 def run(loss_fn, opt, batches, mon, n, times, kinds, period=None):
@@ -80,7 +81,7 @@ def run(loss_fn, opt, batches, mon, n, times, kinds, period=None):
         kind = "none"
         if mon is not None:
             step = mon.global_step
-            kind = "burst" if (mon.sampling and mon._why == "burst") else (
+            kind = "burst" if (mon.sampling and mon._sampler.why == "burst") else (
                 "scheduled" if mon.config.samples(step) else "unsampled"
             )
         t0 = time.perf_counter()
@@ -159,7 +160,7 @@ def dump_bytes(model_name: str) -> dict:
     mon = Monitor(model, MonitorConfig(every_n_steps=10, burst_steps=2, max_dumps=1), log_dir=tmp)
     run(loss_fn, opt, batches, mon, 3, [], [])
     force_burst(mon)
-    mon._dump_request = None  # every layer, as a loss event asks
+    mon._post.dumps.request(None)  # every layer, as a loss event asks
     run(loss_fn, opt, batches, mon, 4, [], [])
     mon.close()
     ev = next(e for e in RunReader(mon.run_dir).events() if e.kind == "dump")

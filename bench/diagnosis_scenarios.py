@@ -5,7 +5,8 @@ order, both recorded by the real :class:`fp8track.Monitor` into run directories.
 in the FP8 run's quantisation only, so the BF16 model is untouched by construction, and that is
 checked too (:func:`bf16_unaffected`).
 
-Plants (:class:`Plant`), all acting on FP8 quantisation state or on what one layer's quantiser sees:
+Plants (:class:`Plant`), all acting on FP8 quantisation state or on what one layer's quantiser sees;
+each mechanism is a fault kind of fp8track's planted-fault kit (:mod:`fp8track.execution.faults`):
 
 * ``amax`` (delayed scaling): the layer's amax history of one tensor kind gets a value ``2**log2``
   times its largest entry at every step of the plant's windows, as a corrupted history (or one
@@ -46,6 +47,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from fp8track.execution import faults
+from fp8track.execution.faults import Fault, Planted, has_outlier_row
 
 FAMILIES = ("gpt", "llama", "gpt2", "qwen2")
 POSITIONS = ("first", "middle", "last")
@@ -95,14 +99,14 @@ class Plant:
             raise ValueError(f"unknown plant mechanism {self.mechanism!r}")
         if self.tensor not in TENSORS or self.position not in (*POSITIONS, *ROLES, "all"):
             raise ValueError(f"bad plant {self.tensor!r} at {self.position!r}")
-        if self.mechanism == "outlier" and self.tensor != "activation":
-            raise ValueError("the outlier plant damages activations only")
-        if self.mechanism == "amax" and self.log2 <= 0:
-            raise ValueError("an amax plant needs log2 > 0 (a lowered history is overwritten by the step's "
-                             "own amax); saturate with the scale plant")
+        self.fault()  # the kit's own rules (the tensors a kind damages, its strength)
 
-    def active(self, step: int) -> bool:
-        return any(a <= step < b for a, b in self.windows)
+    def fault(self) -> Fault:
+        """The kit's fault this plant puts into each target layer: the outlier carries
+        :data:`OUTLIER`; a quantiser fault (``scale``) acts on evaluation passes too, as a software
+        bug in the quantisation would."""
+        return Fault(self.mechanism, self.tensor, self.windows, log2=self.log2, value=OUTLIER,
+                     in_eval=self.mechanism == "scale")
 
 
 @dataclass(frozen=True)
@@ -253,112 +257,10 @@ def target_layers(fp8_layers: Sequence[str], position: str) -> list[str]:
     return [fp8_layers[i]]
 
 
-class PlantHandle:
-    """A plant attached to a model; :meth:`before_step` is called before each step's forward."""
-
-    def __init__(self, model: nn.Module, plant: Plant, layers: Sequence[str]) -> None:
-        self.model, self.plant, self.layers = model, plant, list(layers)
-        self.step = -1
-        self.touched = 0  # number of FP8 state changes made (0 on a model without FP8 state)
-        self._handles: list[Any] = []
-        self._restore: list[Callable[[], None]] = []
-        self._ref: dict[str, float] = {}
-
-    def attach(self) -> PlantHandle:
-        if self.plant.mechanism == "outlier":
-            for name in self.layers:
-                self._attach_outlier(self.model.get_submodule(name))
-        elif self.plant.mechanism == "scale":
-            for name in self.layers:
-                self._restore.append(
-                    scale_fault(self.model.get_submodule(name), self.plant.tensor, self.plant.log2,
-                                self._scale_active)
-                )
-        return self
-
-    def _scale_active(self) -> bool:
-        """Whether the scale plant acts now; counts the quantisations it changes."""
-        on = self.plant.active(self.step)
-        self.touched += int(on)
-        return on
-
-    def detach(self) -> None:
-        for h in self._handles:
-            h.remove()
-        for r in self._restore:
-            r()
-        self._handles, self._restore = [], []
-
-    def before_step(self, step: int) -> None:
-        self.step = step
-        if self.plant.mechanism not in ("amax", "scale_state") or not self.plant.active(step):
-            return
-        for name in self.layers:
-            scaler = (getattr(self.model.get_submodule(name), "delayed_scalers", None) or {}).get(
-                self.plant.tensor
-            )
-            if scaler is None:  # not an FP8 delayed-scaling layer (the BF16 control): nothing to corrupt
-                continue
-            if self.plant.mechanism == "scale_state":
-                with torch.no_grad():
-                    scaler.scale = scaler.scale * 2.0 ** -self.plant.log2
-                self.touched += 1
-                continue
-            # The reference amax is the history's largest entry before the plant first acted, so
-            # a lasting plant injects the same value every step instead of compounding it.
-            ref = self._ref.setdefault(name, float(scaler.amax_history.max()))
-            if ref > 0 and math.isfinite(ref):
-                with torch.no_grad():  # one outlier entry: the scale is too small (underflow)
-                    scaler.amax_history[0] = ref * 2.0 ** self.plant.log2
-                self.touched += 1
-
-    def _attach_outlier(self, layer: nn.Module) -> None:
-        def pre(_m: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-            if not (self.plant.active(self.step) and torch.is_grad_enabled() and _m.training):
-                return None
-            x = args[0]
-            extra = torch.zeros_like(x[:1])
-            extra.view(-1)[0] = OUTLIER
-            return (torch.cat([x, extra], dim=0), *args[1:])
-
-        def post(_m: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor | None:
-            if out.shape[0] == args[0].shape[0] and self.plant.active(self.step) and _m.training \
-                    and torch.is_grad_enabled() and args[0].shape[0] > 1 and _is_padded(args[0]):
-                self.touched += 1
-                return out[:-1]
-            return None
-
-        self._handles.append(layer.register_forward_pre_hook(pre))
-        self._handles.append(layer.register_forward_hook(post))
-
-
-def _is_padded(x: torch.Tensor) -> bool:
-    last = x[-1].reshape(-1)
-    return bool(last[0] == OUTLIER) and bool((last[1:] == 0).all())
-
-
-def scale_fault(layer: nn.Module, tensor: str, log2: float,
-                active: Callable[[], bool] = lambda: True) -> Callable[[], None]:
-    """Make an emulated FP8 layer quantise ``tensor`` with its scale times ``2**-log2`` (the scale
-    it reports as used is the faulty one) whenever ``active()``. Returns the undo. A layer without
-    FP8 quantisers (BF16) is left alone."""
-    from fp8track.numerics.scaling import quantize
-
-    q = getattr(layer, "_quantizers", None)
-    if q is None or not getattr(layer, "fp8_recipe", None) or not layer.fp8_recipe.quantizes:
-        return lambda: None
-    orig = q.quantize
-    factor = 2.0 ** -log2
-
-    def faulty(kind: str, x: torch.Tensor, update: bool, *rest: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        qx, s = orig(kind, x, update, *rest)
-        if kind != tensor or not active():
-            return qx, s
-        s = s * factor
-        return quantize(x, q.fmt[kind], s), s
-
-    q.quantize = faulty
-    return lambda: setattr(q, "quantize", orig)
+def attach_plant(model: nn.Module, plant: Plant, layers: Sequence[str]) -> Planted:
+    """``plant`` in ``layers`` of ``model``; call ``before_step(step)`` before each step's forward.
+    Layers without the FP8 state a mechanism corrupts (the BF16 control) are left alone."""
+    return faults.plant(model, plant.fault(), layers, strict=False)
 
 
 @contextlib.contextmanager
@@ -366,12 +268,12 @@ def broken_inference(model: nn.Module, log2: float) -> Iterator[None]:
     """Evaluation through a wrong weight scale (``2**-log2`` too small) in every FP8 layer."""
     from fp8track.execution.backends.emulated import EmulatedFP8Layer
 
-    undo = [scale_fault(m, "weight", log2) for m in model.modules() if isinstance(m, EmulatedFP8Layer)]
+    layers = [n for n, m in model.named_modules() if isinstance(m, EmulatedFP8Layer)]
+    handle = faults.plant(model, Fault("scale", "weight", log2=log2, in_eval=True), layers, strict=False)
     try:
         yield
     finally:
-        for u in undo:
-            u()
+        handle.detach()
 
 
 # --- layer damage, measured without the monitor ------------------------------------------------------
@@ -420,7 +322,7 @@ class GemmErrorProbe:
             if not (self.on and m.training and torch.is_grad_enabled()):
                 return
             x = args[0]
-            if x.shape[0] == out.shape[0] + 1 and _is_padded(x):
+            if x.shape[0] == out.shape[0] + 1 and has_outlier_row(x, OUTLIER):
                 x = x[:-1]
             with torch.no_grad():
                 b = None if m.bias is None else m.bias.float()
@@ -499,7 +401,7 @@ def train_run(spec: RunSpec, log_dir: Path) -> dict[str, Any]:
     cfg = fp8track.MonitorConfig(every_n_steps=spec.every_n, **({} if spec.bursts else {"burst_steps": 0}))
     mon = fp8track.Monitor(model, cfg, log_dir=log_dir, meta=meta, data_fingerprint=fingerprint).attach()
     planted = target_layers(fp8_layers, spec.plant.position) if spec.plant else []
-    plant = PlantHandle(model, spec.plant, planted).attach() if spec.plant else None
+    plant = attach_plant(model, spec.plant, planted) if spec.plant else None
     # After the plant's hooks, so the probe sees what the next layer sees (the padded row dropped).
     probe = GemmErrorProbe(model, list(report.fp8_layers),
                            backward=spec.plant is not None and spec.plant.tensor == "gradient")
@@ -553,7 +455,7 @@ def bf16_unaffected(spec: RunSpec, steps: int = 4) -> dict[str, Any]:
         model = build_model(spec.family, spec.seed)
         report = fp8track.apply_fp8(model, "bf16", backend="emulated")
         layers = target_layers([n for n, _ in report.bf16_layers], always.position)
-        handle = PlantHandle(model, always, layers).attach() if planted else None
+        handle = attach_plant(model, always, layers) if planted else None
         opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95))
         losses = []
         for step, (x, y) in enumerate(data):
@@ -728,9 +630,13 @@ def _cause_scenarios() -> list[Scenario]:
         out.append(Scenario(f"transient-{fam}-{recipe.split(':')[0]}-mlp_down", "latent_damage",
                             _spec(fam, recipe, plant=plant), ci, tags=("transient",)))
     between = every(41, STEPS, 3)
-    for fam, recipe, role, bursts in (("gpt", CURRENT, "mlp_down", True), ("gpt", CURRENT, "mlp_down", False),
-                                      ("llama", CURRENT, "attn_in", True), ("llama", CURRENT, "attn_in", False),
-                                      ("qwen2", CURRENT, "mlp_down", False)):
+    for fam, recipe, role, bursts in (
+        ("gpt", CURRENT, "mlp_down", True),
+        ("gpt", CURRENT, "mlp_down", False),
+        ("llama", CURRENT, "attn_in", True),
+        ("llama", CURRENT, "attn_in", False),
+        ("qwen2", CURRENT, "mlp_down", False),
+    ):
         plant = Plant("outlier", "activation", role, between)
         tag = "bursts" if bursts else "no_bursts"
         out.append(Scenario(f"between-{fam}-{recipe.split(':')[0]}-{role}-{tag}", "latent_damage",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -109,6 +110,7 @@ def main() -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     variants = ("plain", "unsampled", "sampled")
     med: dict[str, list[float]] = {v: [] for v in variants}
+    load_start = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(args.rounds):
             for v in variants:
@@ -130,6 +132,9 @@ def main() -> None:
         "ratio_vs_plain": {v: round(statistics.median(med[v]) / base, 3) for v in variants},
         "ratio_spread": {v: [round(min(med[v]) / base, 3), round(max(med[v]) / base, 3)] for v in variants},
         "statistics_one_grouped_tensor": {k: round(v, 3) for k, v in stats_pass(20).items()},
+        # The machine may be shared: the load average (1, 5, 15 min) at the start and the end.
+        "load_average": {"cpus": os.cpu_count(), "start": [round(x, 2) for x in load_start],
+                         "end": [round(x, 2) for x in os.getloadavg()]},
     }
     print(json.dumps(result, indent=1))
     if args.out:

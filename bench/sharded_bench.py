@@ -19,7 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-WORKER = Path(__file__).resolve().parent.parent / "tests" / "integration" / "scripts" / "sharded_monitor.py"
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+WORKER = TESTS / "integration" / "scripts" / "sharded_monitor.py"
 CONFIGS = [("fsdp", 2), ("fsdp_tp", 4)]
 
 
@@ -30,7 +31,9 @@ def main() -> None:
         "--width", type=int, default=8, help="model and batch width multiplier (1 = the test model)"
     )
     args = p.parse_args()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # the worker takes its sizes from the test kit (tests/helpers)
+    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     results = []
     for mode, world in CONFIGS:
         with tempfile.TemporaryDirectory() as out:

@@ -38,7 +38,7 @@ def main() -> None:
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from fp8track.sweep.executor import find_parent
+    from fp8track.sweep.mlflow_runs import find_parent
     from fp8track.sweep.spec import load_sweep
 
     uri = f"sqlite:///{out / 'mlflow.db'}"

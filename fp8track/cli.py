@@ -4,16 +4,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fp8track.errors import ConfigError
+from fp8track.errors import ConfigError, redacted_output
 
 EXIT_BAD_INPUT = 2
 """Exit status for refused input, the same as argparse's for a bad option."""
+
+MLFLOW_HTTP_RETRIES = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
+}
+"""MLflow's HTTP retry settings for the commands (MLflow's defaults: 7 retries, factor 2, 120 s
+timeout, about 4 minutes before an unreachable server is an error)."""
 
 
 MLFLOW_URI_SCHEMES = ("sqlite", "http", "https", "postgresql", "mysql", "mssql", "databricks")
@@ -35,6 +45,42 @@ def check_tracking_uri(option: str, uri: str | None) -> None:
         )
 
 
+DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "oracle")
+"""Database schemes (SQLAlchemy dialects) of an MLflow store or an Optuna storage."""
+
+
+def check_database_uri(option: str, uri: str | None) -> None:
+    """Refuse a database URI SQLAlchemy cannot open here: an unknown dialect, or a known one whose
+    driver is not installed (``postgresql://`` without psycopg), before anything is created.
+    SQLAlchemy's own dialect registry decides, so every driver it knows is accepted."""
+    if uri is None or "://" not in uri:
+        return
+    scheme = uri.split("://", 1)[0].split("+", 1)[0].lower()
+    if scheme not in DATABASE_SCHEMES and option == "--storage":
+        valid = ", ".join(f"{s}://" for s in DATABASE_SCHEMES)
+        raise ConfigError(f"{option} {uri!r} is not a database URL; valid schemes are: {valid}")
+    if scheme not in DATABASE_SCHEMES:
+        return  # an http(s) or databricks tracking server: no driver here
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        make_url(uri).get_dialect().import_dbapi()
+    except (ArgumentError, NoSuchModuleError, ValueError) as err:
+        raise ConfigError(f"{option} {uri!r} is not a database URL SQLAlchemy can open: {err}") from None
+    except ImportError as err:
+        raise ConfigError(
+            f"{option} {uri!r} needs a database driver that is not installed ({err}); install it "
+            "(e.g. pip install psycopg for postgresql://) or use sqlite:///<path>"
+        ) from None
+
+
+def check_number(option: str, value: float | None, low: float) -> None:
+    """Refuse a number option that is NaN, infinite or below ``low``."""
+    if value is not None and not (math.isfinite(value) and value >= low):
+        raise ConfigError(f"{option} must be a finite number >= {low:g}, got {value!r}")
+
+
 def check_out_dir(option: str, path: str | None) -> None:
     """Refuse an output folder that exists as something other than a folder (a file)."""
     if path is not None and Path(path).exists() and not Path(path).is_dir():
@@ -48,10 +94,20 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--trials must be an integer >= 1, got {args.trials}")
     for option in ("tracking_uri", "mlflow_uri"):
         check_tracking_uri(f"--{option.replace('_', '-')}", getattr(args, option, None))
-    if args.command in ("diagnose", "check-inference", "sweep"):
+    for option in ("tracking_uri", "mlflow_uri", "storage"):
+        check_database_uri(f"--{option.replace('_', '-')}", getattr(args, option, None))
+    if args.command in ("diagnose", "check-inference", "sweep", "demo"):
         check_out_dir("--out", getattr(args, "out", None))
+    if args.command == "integrations":
+        check_out_dir("--copy", args.copy)
+    if args.command == "sync":
+        check_out_dir("--wandb-dir", args.wandb_dir)
     if args.command == "check-inference" and args.batches < 1:
         raise ConfigError(f"--batches must be an integer >= 1, got {args.batches}")
+    if args.command == "sweep":
+        check_number("--tolerance-factor", args.tolerance_factor, 0.0)
+        check_number("--tolerance-floor", args.tolerance_floor, 0.0)
+        check_number("--kill-grace", args.kill_grace, 0.0)
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
@@ -82,11 +138,15 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 def _cmd_diagnose(args: argparse.Namespace) -> int:
     from fp8track.analysis.pairing import run_label
     from fp8track.report.console import print_diagnosis
+    from fp8track.report.html import describe_problems
     from fp8track.report.run import diagnose_runs
 
     # Unusable input raises ConfigError: main() prints it as one line and exits 2.
     res = diagnose_runs(args.fp8_run, args.baseline, args.out, tracking_uri=args.tracking_uri)
     print_diagnosis(res.diagnosis, res.html_path, runs=(run_label(res.fp8), run_label(res.control)))
+    for what, run in (("FP8 run", res.fp8), ("control", res.control)):
+        if run.problems:
+            print(f"damaged records in the {what} {run.source}: {describe_problems(run.problems)}")
     print(f"diagnosis.json: {res.json_path}")
     for where in res.logged:
         print(f"logged: {where}")
@@ -271,12 +331,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     stderr and returns 2, like argparse's own errors; anything else is a bug and keeps its traceback."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        check_args(args)
-        return int(args.func(args))
-    except ConfigError as exc:
-        print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    # MLflow retries an unreachable server for about 4 minutes by default; a command says so sooner
+    # (the user's own MLFLOW_HTTP_REQUEST_* settings win).
+    if args.command in ("sync", "diagnose"):  # not the sweep: its trials inherit the environment
+        for name, value in MLFLOW_HTTP_RETRIES.items():
+            os.environ.setdefault(name, value)
+    with redacted_output():  # MLflow's own lines ("View run ... at <URI>") carry the URI's password
+        try:
+            check_args(args)
+            return int(args.func(args))
+        except ConfigError as exc:
+            message = " ".join(str(exc).split())  # one line, whatever the cause's text held
+            print(f"{parser.prog} {args.command}: error: {message}", file=sys.stderr)
+            return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

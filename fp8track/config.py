@@ -14,7 +14,7 @@ from fp8track.analysis.divergence import DivergenceConfig
 from fp8track.analysis.drift import DriftConfig
 from fp8track.analysis.spikes import SpikeConfig
 from fp8track.errors import ConfigError, check_int, dataclass_from_dict, read_yaml_mapping
-from fp8track.monitoring.monitor import CaptureConfig
+from fp8track.monitoring.capture_config import CaptureConfig
 
 DEFAULT_LOG_DIR = "fp8track-runs"
 """The one default parent of run directories, relative to the working directory, for every

@@ -5,7 +5,7 @@ and logged to MLflow (and W&B offline with ``--wandb``):
 
 1. ``bf16-control``: the BF16 control;
 2. ``fp8-<recipe>``: the same model, data and seed in emulated FP8;
-3. ``fp8-planted``: the FP8 run with a documented planted problem (:class:`OutlierPlant`): from
+3. ``fp8-planted``: the FP8 run with a documented planted problem (:func:`planted_fault`): from
    step ``0.6 x steps`` on, an outlier of ``PLANT_AMAX`` (1e6) enters the activation amax history
    of one layer (``blocks.1.mlp.fc``) at every training step, as if one token carried a huge
    value. Delayed scaling sets that layer's activation scale for the outlier, so its ordinary
@@ -41,7 +41,7 @@ from typing import Any
 from urllib.parse import quote
 
 from fp8track.config import DEFAULT_LOG_DIR
-from fp8track.errors import ConfigError
+from fp8track.errors import ConfigError, check_int
 
 PLANT_LAYER = "blocks.1.mlp.fc"
 PLANT_AMAX = 1e6
@@ -99,33 +99,16 @@ def quiet_libraries() -> Iterator[None]:
                 os.environ["WANDB_SILENT"] = wandb_silent
 
 
-class OutlierPlant:
-    """The planted problem: from optimizer step ``start`` on, every training forward of the hooked
-    layer records an outlier of ``amax`` in its activation amax history before quantising, as if
-    one token carried a huge value. Delayed scaling then sets the layer's activation scale for the
-    outlier and its ordinary activations underflow. The BF16 control has no such state, so it is
-    an FP8-only problem of one layer, starting mid-training."""
+def planted_fault(steps: int) -> Any:
+    """The planted problem of a run of ``steps`` steps: from step ``PLANT_FRACTION * steps`` on,
+    every training forward of ``PLANT_LAYER`` records an outlier of ``PLANT_AMAX`` in its activation
+    amax history before quantising, as if one token carried a huge value (the kit's
+    ``amax_outlier`` fault, :mod:`fp8track.execution.faults`). Delayed scaling then sets the layer's
+    activation scale for the outlier and its ordinary activations underflow. The BF16 control has
+    no such state, so it is an FP8-only problem of one layer, starting mid-training."""
+    from fp8track.execution.faults import Fault
 
-    def __init__(self, module: Any, layer: str, start: int, amax: float = PLANT_AMAX) -> None:
-        self.module, self.layer, self.start, self.amax = module, layer, start, amax
-        target = module.model.get_submodule(layer)
-        scalers = getattr(target, "delayed_scalers", {})
-        if "activation" not in scalers:
-            raise ConfigError(
-                f"the planted problem needs delayed scaling on {layer}; use a delayed recipe or --no-plant"
-            )
-        self.scaler = scalers["activation"]
-        target.register_forward_pre_hook(self._hook)
-
-    def _hook(self, mod: Any, args: tuple[Any, ...]) -> None:
-        import torch
-
-        if self.module.training and self.module.global_step >= self.start:
-            self.scaler.observe(torch.tensor(self.amax, device=args[0].device))
-
-    def describe(self) -> str:
-        return (f"from step {self.start}, an outlier of {self.amax:g} enters the activation amax history of "
-                f"{self.layer} at every training step (delayed scaling: its other activations underflow)")
+    return Fault("amax_outlier", "activation", ((int(PLANT_FRACTION * steps), None),), value=PLANT_AMAX)
 
 
 def run_progress_bar(label: str) -> Any:
@@ -171,42 +154,20 @@ def run_one(
     checkpoint: Path | None = None,
     label: str | None = None,
 ) -> DemoRun:
+    """Train one demo run of the example GPT under ``recipe`` (``plant``: with the planted problem
+    of :func:`planted_fault`), monitored by :class:`fp8track.lightning.FP8Monitor` against
+    ``baseline`` and logged to the demo's MLflow store (and W&B offline with ``use_wandb``)."""
     import lightning.pytorch as pl
-    from lightning.pytorch.loggers import MLFlowLogger
 
     from fp8track.examples.gpt import build_example
+    from fp8track.execution import faults
     from fp8track.lightning import FP8Monitor
     from fp8track.monitoring.records import RunReader
 
     module, data, _report = build_example(recipe=recipe, seed=seed)
     if plant:
-        OutlierPlant(module, PLANT_LAYER, int(PLANT_FRACTION * steps))
-    loggers: list[Any] = [
-        MLFlowLogger(
-            experiment_name="fp8track-demo",
-            run_name=name,
-            tracking_uri=f"sqlite:///{out / 'mlflow.db'}",
-            # MLflow's default artifact root is ./mlruns in the working directory; keep it here.
-            artifact_location=(out / "mlartifacts").as_uri(),
-        )
-    ]
-    if use_wandb:
-        import wandb
-        from lightning.pytorch.loggers import WandbLogger
-
-        # mode="offline" goes to wandb.init for this run only (offline=True would set WANDB_MODE
-        # for the whole process); reinit="create_new" gives every training run its own W&B run.
-        # The run is opened here and handed to the logger: WandbLogger's own wandb.init passes
-        # anonymous=None, which W&B 0.31 answers with a deprecation line on the console.
-        run = wandb.init(
-            project="fp8track-demo",
-            name=name,
-            dir=str(out),
-            mode="offline",
-            reinit="create_new",
-            settings=wandb.Settings(silent=True),
-        )
-        loggers.append(WandbLogger(experiment=run, save_dir=str(out)))
+        faults.plant(module.model, planted_fault(steps), [PLANT_LAYER], clock=lambda: module.global_step)
+    loggers = _loggers(out, name, use_wandb)
     monitor = FP8Monitor(
         every_n_steps=every_n_steps,
         log_dir=out / DEFAULT_LOG_DIR,
@@ -248,6 +209,39 @@ def run_one(
     return DemoRun(name, recipe, run_dir, loggers[0].run_id, losses[max(losses)], seconds, wandb_id)
 
 
+def _loggers(out: Path, name: str, use_wandb: bool) -> list[Any]:
+    """The run's Lightning loggers: MLflow on the demo's SQLite store, then (``use_wandb``) W&B offline."""
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    loggers: list[Any] = [
+        MLFlowLogger(
+            experiment_name="fp8track-demo",
+            run_name=name,
+            tracking_uri=f"sqlite:///{out / 'mlflow.db'}",
+            # MLflow's default artifact root is ./mlruns in the working directory; keep it here.
+            artifact_location=(out / "mlartifacts").as_uri(),
+        )
+    ]
+    if use_wandb:
+        import wandb
+        from lightning.pytorch.loggers import WandbLogger
+
+        # mode="offline" goes to wandb.init for this run only (offline=True would set WANDB_MODE
+        # for the whole process); reinit="create_new" gives every training run its own W&B run.
+        # The run is opened here and handed to the logger: WandbLogger's own wandb.init passes
+        # anonymous=None, which W&B 0.31 answers with a deprecation line on the console.
+        run = wandb.init(
+            project="fp8track-demo",
+            name=name,
+            dir=str(out),
+            mode="offline",
+            reinit="create_new",
+            settings=wandb.Settings(silent=True),
+        )
+        loggers.append(WandbLogger(experiment=run, save_dir=str(out)))
+    return loggers
+
+
 def compare_url(tracking_uri: str, run_ids: list[str], host: str = "http://127.0.0.1:5000") -> str:
     """The MLflow UI's compare view of ``run_ids`` (as served by ``mlflow ui`` on ``host``)."""
     from mlflow import MlflowClient
@@ -279,6 +273,7 @@ def run_demo(
         )
     if steps < 10:
         raise ConfigError(f"steps must be >= 10, got {steps!r}")
+    check_int("every_n_steps", every_n_steps, 1)  # before the output folder exists
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     common: dict[str, Any] = {

@@ -10,16 +10,81 @@ package, so every layer can use them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar
+import os
+import re
+import reprlib
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, TextIO, TypeVar
 
 T = TypeVar("T")
 
+SECRET_ENV_VARS = (
+    "WANDB_API_KEY",
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_TRACKING_TOKEN",
+    "MLFLOW_TRACKING_CLIENT_CERT_PATH",
+    "DATABRICKS_TOKEN",
+    "HF_TOKEN",
+    "AWS_SECRET_ACCESS_KEY",
+)
+"""Environment variables whose values never appear in anything fp8track writes."""
+
+_URI_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/\s@'\"]+@")
+
+
+def redact(text: str) -> str:
+    """``text`` with credentials removed: ``scheme://user:password@host`` becomes
+    ``scheme://***@host``, and the value of each :data:`SECRET_ENV_VARS` set in the environment
+    (4 characters or more) becomes ``***``. The one redactor: applied to every record line,
+    ``meta.json``, tracker params/tags/config, failure messages, every :class:`ConfigError` and
+    what the command line prints (:func:`redacted_output`).
+
+    Example:
+        >>> redact("https://alice:pw@mlflow.example.com/api")
+        'https://***@mlflow.example.com/api'
+    """
+    if "@" in text:
+        text = _URI_CREDENTIALS.sub(r"\g<scheme>***@", text)
+    for name in SECRET_ENV_VARS:
+        value = os.environ.get(name)
+        if value and len(value) >= 4 and value in text:
+            text = text.replace(value, "***")
+    return text
+
+
+class _RedactingStream:
+    """A text stream that writes through :func:`redact` to the stream it wraps."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return self._stream.write(redact(text))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def redacted_output() -> Iterator[None]:
+    """Inside the block, what is written to ``sys.stdout`` / ``sys.stderr`` passes through
+    :func:`redact`: for third-party lines fp8track cannot word itself (MLflow prints "View run
+    <name> at: <tracking URI>/..." with the URI's password when a run ends)."""
+    with contextlib.redirect_stdout(_RedactingStream(sys.stdout)):  # type: ignore[type-var]
+        with contextlib.redirect_stderr(_RedactingStream(sys.stderr)):  # type: ignore[type-var]
+            yield
+
 
 class ConfigError(ValueError):
-    """A bad argument or configuration value, detected before any training step."""
+    """A bad argument or configuration value, detected before any training step. Its message is
+    redacted (:func:`redact`): a tracking URI's password never reaches a log or a terminal."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(redact(a) if isinstance(a, str) else a for a in args))
 
 
 class RankFailure(RuntimeError):
@@ -36,19 +101,53 @@ class TrainingHalted(RuntimeError):
     why and at which step; the run directory's ``halt`` event records it too."""
 
 
-def invalid_choice(what: str, value: object, valid: Iterable[object], hint: str = "") -> ConfigError:
-    """Build the standard "unknown X" error: names the value received and the valid ones."""
-    choices = ", ".join(repr(v) for v in valid)
-    message = f"unknown {what} {value!r}; valid values are: {choices}"
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 80
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 6
+_SHORT.maxlevel = 2
+SHORT_REPR_CHARS = 160
+
+
+def short_repr(value: object) -> str:
+    """``repr(value)`` bounded in depth and to :data:`SHORT_REPR_CHARS` characters, for error
+    messages: a value read from a file may be huge (YAML aliases expand a few lines into billions
+    of items, whose full repr alone exhausts memory)."""
+    text = _SHORT.repr(value)
+    return text if len(text) <= SHORT_REPR_CHARS else text[: SHORT_REPR_CHARS - 3] + "..."
+
+
+def invalid_choice(
+    what: str, value: object, valid: Iterable[object], hint: str = "", where: str = ""
+) -> ConfigError:
+    """Build the standard "unknown X" error: names the value received (``no X given`` for None)
+    and the valid ones; ``where`` (e.g. ``"sweep file s.yaml"``) comes first.
+
+    Example:
+        >>> str(invalid_choice("method", "gird", ("grid", "random"), where="sweep file s.yaml"))
+        "sweep file s.yaml: unknown method 'gird'; valid values are: 'grid', 'random'"
+    """
+    choices = ", ".join(short_repr(v) for v in valid)
+    found = f"no {what} given" if value is None else f"unknown {what} {short_repr(value)}"
+    message = f"{where + ': ' if where else ''}{found}; valid values are: {choices}"
     if hint:
         message += f". {hint}"
     return ConfigError(message)
 
 
+def as_names(value: Any) -> tuple[Any, ...]:
+    """A list setting as a tuple; a bare string is a one-element list (``tensors: activation`` in
+    YAML means ``[activation]``, never its letters)."""
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, Mapping) or not isinstance(value, Iterable):
+        raise ConfigError(f"expected a list of names, got {type(value).__name__} {short_repr(value)}")
+    return tuple(value)
+
+
 def check_int(name: str, value: object, minimum: int) -> None:
     """Raise :class:`ConfigError` unless ``value`` is an int (not a bool) >= ``minimum``."""
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {short_repr(value)}")
 
 
 def check_float(
@@ -60,18 +159,29 @@ def check_float(
         ok = (value > low if strict else value >= low) and (allow_inf or math.isfinite(value))
     if not ok:
         rel = ">" if strict else ">="
-        raise ConfigError(f"{name} must be a number {rel} {low}, got {value!r}")
+        raise ConfigError(f"{name} must be a number {rel} {low}, got {short_repr(value)}")
 
 
-def dataclass_from_dict(cls: type[T], data: Mapping[str, Any]) -> T:
-    """Build the dataclass ``cls`` from a mapping (YAML/CLI).
+def dataclass_from_dict(cls: type[T], data: Mapping[str, Any], strict: bool = True) -> T:
+    """Build the dataclass ``cls`` from a mapping (YAML/CLI, or a stored record).
 
-    An unknown key is an error naming the valid ones."""
+    With ``strict`` an unknown key is an error naming the valid ones; without it unknown keys are
+    dropped (a record written by another version)."""
     known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(data) - known)
-    if unknown:
+    if unknown and strict:
         raise invalid_choice(f"{cls.__name__} key", unknown[0], sorted(known))
-    return cls(**dict(data))
+    return cls(**{k: v for k, v in data.items() if k in known})
+
+
+class FromDict:
+    """Mixin of the frozen config dataclasses read from YAML/CLI mappings:
+    ``Config.from_dict(mapping)`` is :func:`dataclass_from_dict` (an unknown key is a
+    :class:`ConfigError` naming the valid ones)."""
+
+    @classmethod
+    def from_dict(cls: type[T], data: Mapping[str, Any]) -> T:
+        return dataclass_from_dict(cls, data)
 
 
 def read_yaml_mapping(path: object, what: str) -> dict[str, Any]:
@@ -114,7 +224,32 @@ def read_yaml_mapping(path: object, what: str) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{what} {name!r} must hold a mapping, got {type(data).__name__}")
+    if _expanded_size(data, MAX_YAML_VALUES) > MAX_YAML_VALUES:
+        raise ConfigError(
+            f"{what} {name!r} expands to more than {MAX_YAML_VALUES:,} values through YAML aliases "
+            "(&anchor / *alias): refused; write the values out"
+        )
     return data
+
+
+MAX_YAML_VALUES = 100_000
+"""The most values (scalars, lists, mappings, each alias counted at every use) a YAML file fp8track
+reads may expand to: a "billion laughs" file of ten lines expands to 10^9 strings."""
+
+
+def _expanded_size(data: Any, limit: int) -> int:
+    """How many values ``data`` holds with shared (aliased) parts counted at every use; stops
+    counting past ``limit``."""
+    count, stack = 0, [data]
+    while stack and count <= limit:
+        item = stack.pop()
+        count += 1
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return count
 
 
 def save_state(version: int = 1, **fields: Any) -> dict[str, Any]:

@@ -17,12 +17,14 @@ from fp8track.analysis.ranking import rank_layers
 from fp8track.config import DEFAULT_LOG_DIR, MonitorConfig
 from fp8track.errors import ConfigError
 from fp8track.execution.apply import ApplyReport
+from fp8track.execution.layers import compile_selector
 from fp8track.monitoring import monitor as core
 from fp8track.monitoring.capture import LayerFilter, LayerPlan
-from fp8track.monitoring.monitor import FP8_SHARE_METRIC
+from fp8track.monitoring.flop_share import FP8_SHARE_METRIC
 from fp8track.monitoring.naming import LOSS_METRIC, run_metric
 from fp8track.monitoring.records import EventRecord, RunMeta, RunReader
 from fp8track.monitoring.sharding import ShardSpec
+from fp8track.trackers import loop_trackers, validate_tracker_spec
 from fp8track.trackers.base import Tracker, TrackerFanout
 
 
@@ -130,10 +132,39 @@ def run_summary(run_dir: str | Path, top_k: int = 5) -> dict[str, Any]:
     return out
 
 
+LAYERS_FORMS = (
+    "None (every linear layer), 're:<regex>', a layer or module name, a list of those, or a callable"
+)
+
+
+def check_layers(layers: Any) -> None:
+    """The checks of a ``layers=`` selector that need no model (the model's names are checked
+    when the monitor selects its layers): its form, a list that is not empty, and each ``re:``
+    term compiles.
+
+    Raises:
+        ConfigError: naming the bad value and the valid forms (:data:`LAYERS_FORMS`).
+    """
+    if layers is None or callable(layers):
+        return
+    if not isinstance(layers, (str, list, tuple)):
+        raise ConfigError(f"layers must be {LAYERS_FORMS}, got {type(layers).__name__} {layers!r}")
+    terms = [layers] if isinstance(layers, str) else list(layers)
+    if not terms:
+        raise ConfigError(
+            f"layers=[] selects no layer, so nothing would be monitored; layers must be {LAYERS_FORMS}"
+        )
+    for term in terms:
+        if not isinstance(term, str) or not term:
+            raise ConfigError(
+                f"layer selectors must be non-empty strings, got {term!r}; layers must be {LAYERS_FORMS}"
+            )
+        compile_selector(term, "layer selector")
+
+
 def check_frontend_args(layers: Any, eval_metrics: Any) -> None:
     """The checks every training-framework frontend makes at construction (ConfigError)."""
-    if layers is not None and not (callable(layers) or isinstance(layers, (str, list, tuple))):
-        raise ConfigError(f"layers must be None, a string, a list of strings or a callable, got {layers!r}")
+    check_layers(layers)
     names_ok = isinstance(eval_metrics, (list, tuple)) and all(isinstance(n, str) for n in eval_metrics)
     if not (eval_metrics == "auto" or names_ok):
         raise ConfigError(
@@ -174,7 +205,15 @@ class Monitor(core.Monitor):
     batches):
         config: :class:`fp8track.MonitorConfig`, a mapping or a YAML path (capture settings and
             the detectors' thresholds).
-        trackers: :class:`fp8track.trackers.Tracker` objects fed after the records are written.
+        trackers: where the records go besides the run directory, checked here (a bad value is a
+            :class:`ConfigError` naming the valid forms): ``"auto"`` (default: the runs this process
+            already logs to, found when the monitor is built: the active MLflow run of
+            ``mlflow.start_run()``, else the run of ``MLFLOW_RUN_ID``, as a sweep trial has it, at the
+            active tracking URI; and the W&B run of ``wandb.init``; nothing when none is open),
+            ``"none"``, ``"mlflow"`` / ``"wandb"`` (that open run, which must exist), or a list of
+            those names and :class:`fp8track.trackers.Tracker` objects (used as given). The
+            runs found stay the user's: the monitor never ends them.
+            (:func:`fp8track.trackers.loop_trackers`).
         baseline: the BF16 control for the default loss analyzer: a local run directory,
             ``"mlflow:<run_id>"`` (resolved against ``tracking_uri``, else ``MLFLOW_TRACKING_URI``), a
             W&B offline run directory, or a loaded :class:`fp8track.analysis.baseline.Baseline`. Loaded
@@ -195,7 +234,7 @@ class Monitor(core.Monitor):
         layers: str | Sequence[str] | LayerFilter | None = None,
         plans: Mapping[str, LayerPlan] | None = None,
         log_dir: str | Path | None = DEFAULT_LOG_DIR,
-        trackers: Sequence[Tracker] = (),
+        trackers: str | Sequence[str | Tracker] = "auto",
         meta: RunMeta | None = None,
         analyzers: Sequence[core.StepAnalyzer] | None = None,
         baseline: BaselineSpec = None,
@@ -206,17 +245,21 @@ class Monitor(core.Monitor):
         data_fingerprint: Mapping[str, Any] | None = None,
     ) -> None:
         cfg = MonitorConfig.load(config)
+        check_frontend_args(layers, "auto")
+        validate_tracker_spec(trackers)
         model = unwrap_model(model)
         writer = _global_rank() == 0 if is_writer is None else is_writer
-        # The control feeds rank-0 analysis only; other ranks never read it (it may not be there).
+        # The control and the trackers feed rank-0 work only; other ranks never read them (the
+        # control may not be there, and the user's runs are open on rank 0 alone).
         baseline = load_control(baseline, tracking_uri) if writer else None
+        sinks = loop_trackers(trackers) if writer else []
         super().__init__(
             model,
             cfg,
             layers=layers,
             plans=plans,
             log_dir=log_dir,
-            sink=tracker_sink(trackers),
+            sink=tracker_sink(sinks),
             meta=meta,
             analyzers=default_analyzers(baseline, cfg) if analyzers is None else analyzers,
             is_writer=writer,
@@ -257,5 +300,6 @@ __all__ = [
     "BaselineSpec",
     "unwrap_model",
     "check_frontend_args",
+    "check_layers",
     "FrontendResults",
 ]

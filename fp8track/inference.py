@@ -74,7 +74,8 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         ckpt = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as err:  # pickle/zip errors have many types
         raise ConfigError(
-            f"checkpoint {str(p)!r} cannot be read with torch.load(weights_only=True): {err}"
+            f"checkpoint {str(p)!r} cannot be read with torch.load(weights_only=True): "
+            f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
         ) from err
     if not isinstance(ckpt, Mapping) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(

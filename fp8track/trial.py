@@ -256,14 +256,17 @@ def align_ranking(ranking: Sequence[str], names: Sequence[str]) -> list[str]:
     """``ranking`` in the names of the model being converted. The monitor names layers from the
     module it watches (a LightningModule: ``model.model.layers.0.mlp``), the program may convert
     the inner model (``model.layers.0.mlp``): a ranked name maps to the longest layer name it ends
-    with (after a dot); names matching no layer are dropped.
+    with (after a dot); names matching no layer are dropped. One expert's row
+    (``<experts>.<param>.expert_<e>``) stands for its projection ``<experts>.<param>``.
 
     Example:
         >>> align_ranking(["model.lm_head", "model.model.layers.0.q"], ["model.layers.0.q", "lm_head"])
         ['lm_head', 'model.layers.0.q']
     """
+    from fp8track.execution.experts import projection_of_row
+
     out: list[str] = []
-    for r in ranking:
+    for r in map(projection_of_row, ranking):  # one expert's row designates its projection
         hits = [n for n in names if r == n or r.endswith("." + n)]
         if hits:
             best = max(hits, key=len)

@@ -49,3 +49,20 @@ def chromium():
             "chromium is not installed and could not be installed with apt-get (needs root or CI=true)"
         )
     return path
+
+
+@pytest.fixture(scope="session")
+def _mlflow_db(tmp_path_factory) -> str:
+    pytest.importorskip("mlflow")
+    from helpers.mlflow_store import create_store
+
+    return create_store(f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}")
+
+
+@pytest.fixture
+def mlflow_store(_mlflow_db, request):
+    """The session's shared MLflow SQLite store and this test's experiment names
+    (:class:`helpers.mlflow_store.MlflowStore`)."""
+    from helpers.mlflow_store import MlflowStore, experiment_prefix
+
+    return MlflowStore(_mlflow_db, experiment_prefix(request.node.nodeid))

@@ -229,6 +229,9 @@ class RunData:
             (variant ``"actual"``).
         meta: run metadata (``meta.json``; from MLflow its params/tags, from W&B ``config["fp8track"]``).
         events: ``(kind, step, data)`` of recorded events (run directories only).
+        problems: what the reader skipped (run directories only): per file, damaged lines (count,
+            line numbers, kinds) or the file missing
+            (:func:`fp8track.monitoring.records.summarise_problems`).
     """
 
     source: str
@@ -236,6 +239,7 @@ class RunData:
     tensor_rows: Sequence[Any] = ()
     meta: Mapping[str, Any] = field(default_factory=dict)
     events: Sequence[Any] = ()
+    problems: Sequence[Mapping[str, Any]] = ()
 
     def loss_key(self, key: str | None = None) -> str:
         """The loss metric's name: ``key`` if the run has it, else the first of :data:`LOSS_KEYS`."""
@@ -252,7 +256,7 @@ EVAL_PREFIX = "fp8/eval/"
 
 
 def _load_run_dir(path: Path) -> RunData:
-    from fp8track.monitoring.records import RunReader
+    from fp8track.monitoring.records import RunReader, summarise_problems
 
     reader = RunReader(path)
     metrics: dict[str, dict[int, float]] = {}
@@ -261,7 +265,8 @@ def _load_run_dir(path: Path) -> RunData:
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 metrics.setdefault(k, {})[int(rec.step)] = float(v)
     events = [(e.kind, e.step, e.data) for e in reader.events()]
-    return RunData(str(path), metrics, list(reader.tensor_stats()), reader.meta(), events)
+    rows = list(reader.tensor_stats())
+    return RunData(str(path), metrics, rows, reader.meta(), events, summarise_problems(reader.problems))
 
 
 def _load_mlflow(run_id: str, tracking_uri: str | None) -> RunData:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,7 @@ import numpy as np
 from fp8track.analysis.windows import HalvesWindow, RobustWindow, centred_median, filled
 from fp8track.errors import (
     ConfigError,
+    FromDict,
     check_float,
     check_int,
     dataclass_from_dict,
@@ -52,7 +53,7 @@ PHASES = ("start", "mid")
 
 
 @dataclass(frozen=True)
-class DivergenceConfig:
+class DivergenceConfig(FromDict):
     """Thresholds of :class:`DivergenceDetector` (validated at construction).
 
     Attributes:
@@ -116,10 +117,6 @@ class DivergenceConfig:
     def effective_lookback(self) -> int:
         return self.lookback if self.lookback is not None else 4 * self.window
 
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> DivergenceConfig:
-        return dataclass_from_dict(cls, d)
-
 
 @dataclass(frozen=True)
 class DivergenceEvent:
@@ -158,8 +155,8 @@ class DivergenceEvent:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> DivergenceEvent:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        """The event stored by :meth:`to_dict` (unknown keys of another version dropped)."""
+        return dataclass_from_dict(cls, d, strict=False)
 
     def to_record(self) -> EventRecord:
         """``EventRecord(kind="divergence", step=detect_step)`` with an alert (level ``"ERROR"``)."""

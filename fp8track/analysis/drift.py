@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 import fp8track.errors as errors
-from fp8track.errors import ConfigError, check_float, check_int, dataclass_from_dict, invalid_choice
+from fp8track.errors import ConfigError, FromDict, check_float, check_int, invalid_choice
 from fp8track.monitoring.records import EventRecord
 from fp8track.numerics.formats import TENSOR_KINDS, FormatPair, FP8Format, get_format, get_format_pair
 from fp8track.numerics.scaling import AMAX_COMPUTE_ALGOS, current_scale, delayed_scaling_update, drift_log2
@@ -36,7 +36,7 @@ DIRECTIONS = ("overflow_risk", "underflow_risk")
 
 
 @dataclass(frozen=True)
-class DriftConfig:
+class DriftConfig(FromDict):
     """When drift becomes an event.
 
     Attributes:
@@ -52,10 +52,6 @@ class DriftConfig:
     def __post_init__(self) -> None:
         check_float("threshold_log2", self.threshold_log2, 0.0, strict=True)
         check_int("consecutive", self.consecutive, 1)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> DriftConfig:
-        return dataclass_from_dict(cls, d)
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from fp8track.analysis.windows import MAD_TO_SIGMA, centred_median
-from fp8track.errors import ConfigError, check_float, check_int, dataclass_from_dict
+from fp8track.errors import ConfigError, FromDict, check_float, check_int
 
 UNITS = ("paired", "control_noise")
 SEVERITIES = ("none", "medium", "high")
@@ -56,7 +56,7 @@ DATA_KEY = "data"
 
 
 @dataclass(frozen=True)
-class GapConfig:
+class GapConfig(FromDict):
     """Knobs of :func:`judge_gap` (module docstring).
 
     Attributes:
@@ -93,10 +93,6 @@ class GapConfig:
         check_float("start_fraction", self.start_fraction, 0.0)
         check_float("min_gap", self.min_gap, 0.0)
         check_float("seed_band", self.seed_band, 0.0)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> GapConfig:
-        return dataclass_from_dict(cls, d)
 
 
 @dataclass(frozen=True)
@@ -264,6 +260,98 @@ def change_point(values: np.ndarray) -> int:
     return int(t[i]) if sse[i] < total else 0
 
 
+def _common_series(
+    fp8: Mapping[int, float], control: Mapping[int, float]
+) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """The steps both runs logged (ascending) and the two losses there, as float64 arrays.
+
+    Raises:
+        ConfigError: fewer than 3 common steps.
+    """
+    steps = sorted(set(int(s) for s in fp8) & set(int(s) for s in control))
+    if len(steps) < 3:
+        raise ConfigError(
+            f"the FP8 run and the control share {len(steps)} logged loss steps; "
+            "judging the gap needs at least 3"
+        )
+    f = np.array([float(fp8[s]) for s in steps], dtype=np.float64)
+    c = np.array([float(control[s]) for s in steps], dtype=np.float64)
+    return steps, f, c
+
+
+def relative_gap(f: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """``(f - c) / |c|`` per step: ``+inf`` where the FP8 loss is non-finite, 0 where the gap is
+    undefined (both non-finite, or both zero)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        gap = (f - c) / np.abs(c)
+    gap = np.where(np.isfinite(f), gap, np.inf)
+    return np.where(np.isnan(gap), 0.0, gap)
+
+
+def _infinite_as_worst(gap: np.ndarray) -> np.ndarray:
+    """``gap`` with every infinite value as ``+inf``: a median counts an infinite gap as worse than
+    any finite one (and never meets ``-inf`` and ``+inf`` in one window, whose mean is NaN)."""
+    return np.where(np.isinf(gap), np.inf, gap)
+
+
+def _median(gap: np.ndarray) -> float:
+    return float(np.median(_infinite_as_worst(gap)))
+
+
+def _noise_unit(gap: np.ndarray, c: np.ndarray, paired: bool) -> float:
+    """The noise unit's sigma (module docstring): the paired gap's own step-to-step noise, else the
+    control's relative step-to-step noise; floored at 1e-6."""
+    if paired:
+        noise = step_noise(np.where(np.isfinite(gap), gap, np.nan), relative=False)
+    else:
+        noise = step_noise(c, relative=True)
+    # A deterministic or synthetic series still has float rounding: floor the unit.
+    return max(noise if math.isfinite(noise) else 0.0, 1e-6)
+
+
+def _onset(smooth: np.ndarray, tol: float, w: int, sustain: float) -> int | None:
+    """Index of the lasting gap's onset on the smoothed gap (module docstring), ``None`` when the
+    gap does not last."""
+    n = smooth.size
+    # Change point on the smoothed gap, clipped so one non-finite stretch cannot own the fit.
+    clip = np.clip(np.where(np.isfinite(smooth), smooth, 1.0), -1.0, 1.0)
+    t = change_point(clip)
+    above = smooth > tol
+    tail = above[t:]
+    if not (above[-1] and tail.size >= max(1, w // 2) and tail.mean() >= sustain):
+        return None
+    pre = float(np.median(clip[:t])) if t > 0 else 0.0
+    if pre > tol:
+        # The gap was already there before the split (which marks a growth): the onset is the
+        # first step from which the gap stays above the cut.
+        share = np.cumsum(above[::-1])[::-1] / np.arange(n, 0, -1)
+        i = int(np.argmax(above & (share >= sustain)))
+    else:
+        mid = (pre + float(np.median(clip[t:]))) / 2
+        i = t
+        while i > 0 and above[i - 1] and clip[i - 1] > mid:
+            i -= 1
+    while i < n and not above[i]:
+        i += 1
+    return i if i < n else None
+
+
+def _phase(
+    steps: list[int], f: np.ndarray, c: np.ndarray, onset_i: int, w: int, start_fraction: float
+) -> str:
+    """``"start"`` when the onset is within ``start_fraction`` of the run or the FP8 run made less
+    than half the control's progress before it, else ``"mid"``."""
+    early = (steps[onset_i] - steps[0]) <= start_fraction * (steps[-1] - steps[0])
+    f_nan = np.where(np.isfinite(f), f, np.nan)
+    # Progress made before the trouble: half a window before the onset, where the running
+    # median does not see the steps after it yet.
+    j = max(0, onset_i - w // 2 - 1)
+    ctl_progress = _median_at(c, 0, w) - _median_at(c, j, w)
+    f_j = _median_at(f_nan, j, w)
+    fp8_progress = _median_at(f_nan, 0, w) - f_j if np.isfinite(f_j) else -math.inf
+    return "start" if early or fp8_progress < 0.5 * ctl_progress else "mid"
+
+
 def judge_gap(
     fp8: Mapping[int, float],
     control: Mapping[int, float],
@@ -289,85 +377,29 @@ def judge_gap(
         ('paired', True, 180, 'high')
     """
     cfg = config or GapConfig()
-    steps = sorted(set(int(s) for s in fp8) & set(int(s) for s in control))
-    if len(steps) < 3:
-        raise ConfigError(
-            f"the FP8 run and the control share {len(steps)} logged loss steps; "
-            "judging the gap needs at least 3"
-        )
-    f = np.array([float(fp8[s]) for s in steps], dtype=np.float64)
-    c = np.array([float(control[s]) for s in steps], dtype=np.float64)
+    steps, f, c = _common_series(fp8, control)
     n = len(steps)
     w = _width(n, cfg.smooth)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        gap = (f - c) / np.abs(c)
-    gap = np.where(np.isfinite(f), gap, np.inf)
-    gap = np.where(np.isnan(gap), 0.0, gap)
-    big = 1e30
-    smooth = centred_median(np.where(np.isinf(gap), big, gap), w)
-    smooth = np.where(smooth >= big / 10, np.inf, smooth)
-
-    unit = "paired" if paired else "control_noise"
-    if paired:
-        noise = step_noise(np.where(np.isfinite(gap), gap, np.nan), relative=False)
-    else:
-        noise = step_noise(c, relative=True)
-    # A deterministic or synthetic series still has float rounding: floor the unit.
-    noise = max(noise if math.isfinite(noise) else 0.0, 1e-6)
+    gap = relative_gap(f, c)
+    smooth = centred_median(_infinite_as_worst(gap), w)
+    noise = _noise_unit(gap, c, paired)
     stat_cut = cfg.noise_k * noise if paired else cfg.noise_k * MEDIAN_SE * noise / math.sqrt(w)
     tol = max(stat_cut, cfg.min_gap)
-
-    # Change point on the smoothed gap, clipped so one non-finite stretch cannot own the fit.
-    clip = np.clip(np.where(np.isfinite(smooth), smooth, 1.0), -1.0, 1.0)
-    t = change_point(clip)
-    above = smooth > tol
-    onset_i: int | None = None
-    tail = above[t:]
-    if above[-1] and tail.size >= max(1, w // 2) and tail.mean() >= cfg.sustain:
-        pre = float(np.median(clip[:t])) if t > 0 else 0.0
-        if pre > tol:
-            # The gap was already there before the split (which marks a growth): the onset is the
-            # first step from which the gap stays above the cut.
-            share = np.cumsum(above[::-1])[::-1] / np.arange(n, 0, -1)
-            i = int(np.argmax(above & (share >= cfg.sustain)))
-        else:
-            mid = (pre + float(np.median(clip[t:]))) / 2
-            i = t
-            while i > 0 and above[i - 1] and clip[i - 1] > mid:
-                i -= 1
-        while i < n and not above[i]:
-            i += 1
-        onset_i = i if i < n else None
-
-    phase = None
-    if onset_i is not None:
-        early = (steps[onset_i] - steps[0]) <= cfg.start_fraction * (steps[-1] - steps[0])
-        f_nan = np.where(np.isfinite(f), f, np.nan)
-        # Progress made before the trouble: half a window before the onset, where the running
-        # median does not see the steps after it yet.
-        j = max(0, onset_i - w // 2 - 1)
-        ctl_progress = _median_at(c, 0, w) - _median_at(c, j, w)
-        f_j = _median_at(f_nan, j, w)
-        fp8_progress = _median_at(f_nan, 0, w) - f_j if np.isfinite(f_j) else -math.inf
-        phase = "start" if early or fp8_progress < 0.5 * ctl_progress else "mid"
-
-    seg = gap[onset_i:] if onset_i is not None else gap
-    level = float(np.median(np.where(np.isinf(seg), big, seg)))
-    level = math.inf if level >= big / 10 else level
+    onset_i = _onset(smooth, tol, w, cfg.sustain)
+    phase = _phase(steps, f, c, onset_i, w, cfg.start_fraction) if onset_i is not None else None
+    level = _median(gap[onset_i:] if onset_i is not None else gap)
     band_onset: int | None = None
-    tail = gap[-max(w, n // 5):]  # where the run ends: its last fifth (at least one smoothing width)
-    end_level = float(np.median(np.where(np.isinf(tail), big, tail)))
-    if onset_i is not None and end_level < cfg.seed_band:
+    # Where the run ends: its last fifth (at least one smoothing width).
+    if onset_i is not None and _median(gap[-max(w, n // 5):]) < cfg.seed_band:
         # Lasting but ending inside the seed band: what two healthy trajectories drift apart by.
         band_onset, onset_i, phase = steps[onset_i], None, None
-    z = level / noise
-    z_cut = tol / noise
+    z, z_cut = level / noise, tol / noise
     if onset_i is None:
         severity = "none"
     else:
         severity = "high" if (not math.isfinite(z) or z >= 2 * z_cut) else "medium"
     return GapJudgement(
-        unit=unit,
+        unit="paired" if paired else "control_noise",
         steps=tuple(steps),
         fp8=tuple(f.tolist()),
         control=tuple(c.tolist()),
@@ -392,6 +424,7 @@ __all__ = [
     "GapConfig",
     "GapJudgement",
     "judge_gap",
+    "relative_gap",
     "same_batches",
     "data_fingerprint_of",
     "step_noise",

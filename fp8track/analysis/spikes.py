@@ -39,12 +39,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import fp8track.errors as errors
 from fp8track.analysis.windows import RobustWindow, TrendWindow, filled
-from fp8track.errors import ConfigError, check_float, check_int, dataclass_from_dict, invalid_choice
+from fp8track.errors import ConfigError, FromDict, check_float, check_int, dataclass_from_dict, invalid_choice
 from fp8track.monitoring.records import EventRecord
 
 SPIKE_ACTIONS = ("log", "stop", "checkpoint")
@@ -54,7 +54,7 @@ NONFINITE_SEVERITY = 10.0  # ranks a NaN/inf loss above any spike under a 10x re
 
 
 @dataclass(frozen=True)
-class SpikeConfig:
+class SpikeConfig(FromDict):
     """Thresholds of :class:`SpikeDetector` (all validated at construction).
 
     Attributes:
@@ -119,11 +119,6 @@ class SpikeConfig:
         check_float("min_sigma_rel", self.min_sigma_rel, 0.0)
         if self.action not in SPIKE_ACTIONS:
             raise invalid_choice("spike action", self.action, SPIKE_ACTIONS)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> SpikeConfig:
-        """Build from a mapping (YAML/CLI); unknown keys are an error naming the valid ones."""
-        return dataclass_from_dict(cls, d)
 
 
 @dataclass(frozen=True)
@@ -225,8 +220,8 @@ class SpikeEvent:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SpikeEvent:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        """The event stored by :meth:`to_dict` (unknown keys of another version dropped)."""
+        return dataclass_from_dict(cls, d, strict=False)
 
     def to_record(self, classification: SpikeClassification | None = None) -> EventRecord:
         """The :class:`EventRecord` (``kind`` = :attr:`kind`, ``step`` = :attr:`start_step`).

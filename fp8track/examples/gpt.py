@@ -284,7 +284,7 @@ class CharDataModule(L.LightningDataModule):
 
         from torch.utils.data import RandomSampler
 
-        from fp8track.monitoring.monitor import data_fingerprint
+        from fp8track.monitoring.run_meta import data_fingerprint
 
         self.setup()
         assert self.train_set is not None

@@ -45,6 +45,8 @@ import torch
 from torch import nn
 
 from fp8track.errors import ConfigError, check_float, check_int
+from fp8track.execution import faults
+from fp8track.execution.faults import OUTLIER_VALUE, Fault
 from fp8track.monitoring.naming import run_metric
 from fp8track.trial import (
     JsonCache,
@@ -61,7 +63,6 @@ GAP_BEST_METRIC = run_metric("val_loss_gap_best")
 """``fp8/val_loss_gap_best``: running minimum of :data:`GAP_METRIC` (MLflow keeps only a run's last value)."""
 VAL_LOSS_METRIC = run_metric("val_loss")
 """``fp8/val_loss``: held-out loss, nats."""
-OUTLIER_VALUE = 1e6
 
 
 @dataclass(frozen=True)
@@ -177,30 +178,13 @@ class TrialResult:
 
 def plant_outlier(model: nn.Module, layer: str, value: float = OUTLIER_VALUE) -> None:
     """Make ``layer`` fragile under per-tensor FP8 without changing the BF16 model's function:
-    its input channel 0 becomes ``value`` and its weight column 0 is zeroed and kept at zero (the
-    gradient hook zeroes that column, so AdamW never moves it)."""
-    modules = dict(model.named_modules())
-    if layer not in modules or not hasattr(modules[layer], "weight"):
-        linears = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
-        raise ConfigError(
-            f"plant_outlier names no linear layer {layer!r}; linear layers: {', '.join(linears)}"
-        )
-    target = modules[layer]
-    with torch.no_grad():
-        target.weight[:, 0] = 0.0
+    its input channel 0 becomes ``value`` on every forward (evaluation too) and its weight column 0
+    is zeroed and kept at zero (the kit's ``sink`` fault, :mod:`fp8track.execution.faults`).
 
-    def keep_zero(grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.clone()
-        grad[:, 0] = 0.0
-        return grad
-
-    def overwrite(_m: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        x = args[0].clone()
-        x[..., 0] = value
-        return (x, *args[1:])
-
-    target.weight.register_hook(keep_zero)
-    target.register_forward_pre_hook(overwrite)
+    Raises:
+        ConfigError: ``layer`` names no layer of ``model``.
+    """
+    faults.plant(model, Fault("sink", value=value, channels=(0,), in_eval=True), [layer])
 
 
 class HeldOutEval(L.Callback):

@@ -100,7 +100,8 @@ def apply_fp8(
     (:mod:`fp8track.execution.fp8_experts`); a backend or recipe that cannot run them lists them in
     ``ApplyReport.unconverted`` with the reason and warns. Routers (and Qwen2-MoE's
     ``shared_expert_gate``) stay in high precision, as in every reference implementation, unless
-    ``fp8_routers`` is True. ``<experts>.<param>`` in ``bf16_layers`` keeps one projection.
+    ``fp8_routers`` is True (a router that is no ``nn.Linear`` is then listed as unconverted).
+    ``<experts>.<param>`` in ``bf16_layers`` keeps one projection.
 
     Args:
         model: the model (its linears still plain ``nn.Linear`` / ``Conv1D``).
@@ -129,54 +130,29 @@ def apply_fp8(
     recipe = Recipe.parse(recipe)
     spec = FallbackSpec.parse(bf16_layers)
     chosen = get_backend(backend)
-    already = [n for n, m in model.named_modules() if backend_of(m) is not None]
-    if already:
-        raise ConfigError(
-            f"the model already holds FP8 layers or FP8-backend modules ({preview_names(already, 8)}); "
-            "apply_fp8 once, to a fresh model"
-        )
+    _refuse_converted(model)
     rebuilt, refused_attention = linearize_attention(model)
     try:
         keep, notes = spec.resolve_with_notes(model, ranking=ranking, example_inputs=example_inputs)
-        gemms = linear_names(model)
-        names = [n for n in gemms if is_convertible(model.get_submodule(n))]
-        unconverted, routers = _moe_exclusions(model, chosen, names, keep, fp8_routers)
-        names = [n for n in names if n not in unconverted]
-        converted = chosen.convert(model, recipe, names, keep)
+        plan = _plan(model, chosen, keep, fp8_routers)
+        converted = chosen.convert(model, recipe, plan.names, keep)
     except BaseException:
         for name, original in rebuilt:
             model.set_submodule(name, original)
         raise
     keep = {**keep, **converted.refused}  # layers the backend would refuse at run time stay BF16
-    fp8 = list(converted.fp8)
-    unconverted = {**dict(refused_attention), **unconverted, **converted.unconverted}
-    for n in gemms:
-        if n in routers and n not in names:
-            keep.setdefault(
-                n, ROUTER_REASON
-            )  # a router subclass (PhiMoE, Llama 4): high precision as intended
-        elif (
-            n not in names
-            and n not in unconverted
-            and not any(n.startswith(a + ".") for a in refused_attention)
-        ):
-            unconverted[n] = (
-                f"{type(model.get_submodule(n)).__name__} is not exactly nn.Linear or transformers "
-                "Conv1D (its own forward may differ), so no backend converts it"
-            )
+    unconverted = {**dict(refused_attention), **plan.unconverted, **converted.unconverted}
+    unconverted.update(_left_out(model, plan, unconverted, list(refused_attention)))
     if unconverted and recipe.quantizes:
         _warn_unconverted(unconverted)
     if rebuilt:
         notes = (*notes, "nn.MultiheadAttention rebuilt on q_proj/k_proj/v_proj/out_proj linears: "
                  + ", ".join(n for n, _ in rebuilt))
-    bf16 = [(n, keep.get(n, "recipe bf16")) for n in gemms
-            if (n in names or n in routers) and n not in fp8 and n not in unconverted]
-    bf16 += [(n, why) for n, why in keep.items() if n not in gemms and n not in dict(bf16)]
     report = ApplyReport(
         backend=chosen.name,
         recipe=recipe,
-        fp8_layers=tuple(fp8),
-        bf16_layers=tuple(bf16),
+        fp8_layers=converted.fp8,
+        bf16_layers=_bf16_layers(plan, keep, converted.fp8, unconverted),
         unconverted=tuple(unconverted.items()),
         notes=tuple(notes),
     )
@@ -184,24 +160,86 @@ def apply_fp8(
     return report
 
 
-def _moe_exclusions(
-    model: nn.Module, backend: Backend, names: list[str], keep: dict[str, str], fp8_routers: bool
-) -> tuple[dict[str, str], set[str]]:
-    """Routers into ``keep`` (unless ``fp8_routers``); ``({name: reason} of the expert groups this
-    backend cannot convert, the router GEMM modules)``."""
+def _refuse_converted(model: nn.Module) -> None:
+    already = [n for n, m in model.named_modules() if backend_of(m) is not None]
+    if already:
+        raise ConfigError(
+            f"the model already holds FP8 layers or FP8-backend modules ({preview_names(already, 8)}); "
+            "apply_fp8 once, to a fresh model"
+        )
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What :func:`apply_fp8` hands the backend: ``gemms`` every GEMM layer, ``names`` those to
+    convert, ``unconverted`` expert groups the backend cannot run, ``routers`` the router GEMMs
+    (kept in high precision unless ``fp8_routers``)."""
+
+    gemms: tuple[str, ...]
+    names: tuple[str, ...]
+    unconverted: dict[str, str]
+    routers: frozenset[str]
+    fp8_routers: bool
+
+
+def _plan(model: nn.Module, backend: Backend, keep: dict[str, str], fp8_routers: bool) -> _Plan:
+    """The conversion plan; routers go into ``keep`` (unless ``fp8_routers``)."""
+    gemms = linear_names(model)
+    names = [n for n in gemms if is_convertible(model.get_submodule(n))]
     moe = find_moe(model)
-    routers = set(moe.router_gemms())
+    routers = frozenset(moe.router_gemms())
     if not fp8_routers:
-        for r in routers:
-            if r in names:
-                keep.setdefault(r, ROUTER_REASON)
-    if backend.converts_experts:
-        return {}, routers
-    return {
+        for r in routers & set(names):
+            keep.setdefault(r, ROUTER_REASON)
+    unconverted = {} if backend.converts_experts else {
         g.fqn: f"the {backend.name} backend does not convert fused experts ({g.kind}); they run in "
         "high precision (use backend='emulated', or TE GroupedLinear / torchao MoE training)"
         for g in moe.groups if g.fqn in names
-    }, routers
+    }
+    names = [n for n in names if n not in unconverted]
+    return _Plan(tuple(gemms), tuple(names), unconverted, routers, fp8_routers)
+
+
+def _left_out(
+    model: nn.Module, plan: _Plan, unconverted: Mapping[str, str], attention: Sequence[str]
+) -> dict[str, str]:
+    """``{name: reason}`` of the GEMMs no backend converts: ``nn.Linear`` subclasses (a router
+    subclass only when ``fp8_routers`` asked for it; otherwise it is in high precision as intended)
+    and, under ``fp8_routers``, routers computing their logits in their own forward (Mixtral)."""
+    out = {}
+    for n in plan.gemms:
+        if n in plan.names or n in unconverted or any(n.startswith(a + ".") for a in attention):
+            continue
+        if n in plan.routers and not plan.fp8_routers:
+            continue
+        out[n] = (
+            f"{type(model.get_submodule(n)).__name__} is not exactly nn.Linear or transformers "
+            "Conv1D (its own forward may differ), so no backend converts it"
+        )
+    if plan.fp8_routers:
+        out.update({
+            r: f"{type(model.get_submodule(r)).__name__} computes the router logits in its own forward "
+            "(no linear layer), so no backend converts it; it runs in high precision"
+            for r in sorted(plan.routers) if r not in plan.gemms
+        })
+    return out
+
+
+def _bf16_layers(
+    plan: _Plan, keep: Mapping[str, str], fp8: Sequence[str], unconverted: Mapping[str, str]
+) -> tuple[tuple[str, str], ...]:
+    """``(name, reason)`` of every GEMM that stays in BF16: the layers (a fused experts module
+    with some projections in FP8 is listed by its ``<experts>.<param>`` names), routers kept in
+    high precision, then the spec's other names (``<experts>.<param>``)."""
+    partial = {n.rpartition(".")[0] for n in fp8}
+    out = [
+        (n, keep.get(n, ROUTER_REASON if n in plan.routers else "recipe bf16"))
+        for n in plan.gemms
+        if (n in plan.names or (n in plan.routers and not plan.fp8_routers))
+        and n not in fp8 and n not in partial and n not in unconverted
+    ]
+    listed = {n for n, _ in out}
+    return (*out, *((n, why) for n, why in keep.items() if n not in plan.gemms and n not in listed))
 
 
 def _warn_unconverted(unconverted: Mapping[str, str]) -> None:

@@ -27,6 +27,7 @@ Megatron-LM ``--moe-router-dtype fp32``), so :func:`fp8track.apply_fp8` does as 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -58,9 +59,27 @@ class ExpertParam:
     bias: str | None = None
 
     def weight_oi(self, module: nn.Module) -> torch.Tensor:
-        """The ``[E, out, in]`` view of the parameter (GEMM orientation of every expert)."""
-        w = getattr(module, self.name)
+        """The ``[E, out, in]`` view of the parameter (GEMM orientation of every expert); a
+        torchao-wrapped weight is read through its plain tensor (:func:`plain_weight`)."""
+        w = plain_weight(getattr(module, self.name))
         return w.transpose(-2, -1) if self.transposed else w
+
+
+def plain_weight(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or the plain tensor inside torchao's MoE-training weight wrapper (its ``_data``: the
+    wrapper itself has no storage of its own); views of the wrapper hold views of it."""
+    data = getattr(t, "_data", None)
+    return data if isinstance(data, torch.Tensor) and type(t).__module__.startswith("torchao") else t
+
+
+def torchao_training_config(module: nn.Module) -> object | None:
+    """The torchao MoE training config (``Float8TrainingOpConfig`` / ``MXFP8TrainingOpConfig``)
+    of a fused experts module whose weights torchao wrapped, else ``None``."""
+    for p in module._parameters.values():
+        cfg = getattr(p, "config", None) if type(p).__module__.startswith("torchao") else None
+        if cfg is not None:
+            return cfg
+    return None
 
 
 @dataclass(frozen=True)
@@ -124,7 +143,9 @@ def _is_te_grouped(module: nn.Module) -> bool:
 
 
 def _is_torchao_wrapped(module: nn.Module) -> bool:
-    return any(type(p).__module__.startswith("torchao") for p in module._parameters.values() if p is not None)
+    return torchao_training_config(module) is not None or any(
+        type(p).__module__.startswith("torchao") for p in module._parameters.values() if p is not None
+    )
 
 
 def fused_params(module: nn.Module) -> tuple[ExpertParam, ...]:
@@ -274,6 +295,50 @@ def expert_row(group_fqn: str, param: str, expert: int | None = None) -> str:
     """
     base = f"{group_fqn}.{param}"
     return base if expert is None else f"{base}.expert_{expert}"
+
+
+_EXPERT_SUFFIX = ".expert_"
+
+
+def projection_of_row(name: str) -> str:
+    """The selectable name a record row designates: ``<experts>.<param>`` for one expert's row
+    ``<experts>.<param>.expert_<e>`` (an expert cannot be kept in BF16 alone on any backend: its
+    projection can), else ``name`` itself.
+
+    Example:
+        >>> projection_of_row("model.layers.1.mlp.experts.down_proj.expert_3")
+        'model.layers.1.mlp.experts.down_proj'
+    """
+    head, sep, tail = name.rpartition(_EXPERT_SUFFIX)
+    return head if sep and tail.isdigit() else name
+
+
+_ROW_FORMS = (
+    re.compile(r"^(?P<group>.+)\.expert_(?P<e>\d+)$"),  # fused: <experts>.<param>.expert_<e>
+    re.compile(r"^(?P<group>.+)\.gemm_(?P<e>\d+)$"),  # TE GroupedLinear debug names: <name>.gemm_<e>
+    # module-list experts: <experts>.expert_<e>.<param> (SwitchTransformers), <experts>.<e>.<param>
+    re.compile(r"^(?P<experts>(?:.+\.)?experts)\.(?:expert_)?(?P<e>\d+)\.(?P<param>.+)$"),
+)
+
+
+def parse_expert_row(name: str) -> tuple[str, int] | None:
+    """``(group, expert)`` of a record row holding one expert's GEMM, else ``None``. ``group`` names
+    the projection across the experts (``<experts>.<param>``), so siblings share it whatever
+    form the row has: fused ``<experts>.<param>.expert_<e>``, Transformer Engine
+    ``<name>.gemm_<e>``, module-list ``<experts>.expert_<e>.<param>`` or ``<experts>.<e>.<param>``.
+
+    Example:
+        >>> parse_expert_row("encoder.block.1.layer.1.mlp.experts.expert_3.wi")
+        ('encoder.block.1.layer.1.mlp.experts.wi', 3)
+        >>> parse_expert_row("model.layers.0.self_attn.q_proj") is None
+        True
+    """
+    for form in _ROW_FORMS:
+        m = form.match(name)
+        if m is not None:
+            group = m["group"] if "group" in form.groupindex else f"{m['experts']}.{m['param']}"
+            return group, int(m["e"])
+    return None
 
 
 def param_names(group: ExpertGroup) -> Sequence[str]:

@@ -61,9 +61,10 @@ import torch
 from torch import nn
 
 from fp8track.errors import ConfigError
-from fp8track.execution.experts import MOE_KEYWORDS, find_moe
+from fp8track.execution.experts import MOE_KEYWORDS, find_moe, projection_of_row
 from fp8track.execution.layers import (
     compile_selector,
+    expert_param_name,
     gemm_layers,
     is_gemm_layer,
     match_layers,
@@ -380,10 +381,14 @@ class FallbackSpec:
                 )
             elif term.startswith("auto:"):
                 k = int(term.split(":")[1])
-                for n, why in _from_ranking(ranking, k, linears, term).items():
+                for n, why in _from_ranking(ranking, k, linears, term, model).items():
                     chosen.setdefault(n, why)
             elif term in MOE_KEYWORDS:
-                take(moe_keyword_layers(model, term, linears), f"{term} (mixture-of-experts keyword)")
+                hits = moe_keyword_layers(model, term, linears)
+                take(hits, f"{term} (mixture-of-experts keyword)")
+                if not hits:  # routers that are no linear layer (Mixtral's gate): high precision anyway
+                    notes.append(f"{term}: {', '.join(find_moe(model).keyword_modules(term))} run their "
+                                 "GEMMs in their own forward (no linear layer), in high precision")
             else:
                 take(_match_term(model, term, linears), term if term.startswith("re:") else f"named {term}")
         if block_terms:
@@ -410,12 +415,16 @@ def moe_keyword_layers(model: nn.Module, keyword: str, names: Sequence[str]) -> 
     ``shared_experts``) picks: fused expert modules and module-list experts' linears, router
     linears and shared-expert gates, or the shared experts' linears.
 
+    Returns:
+        the picked names, in the order of ``names``; empty when the parts exist but hold no GEMM
+        layer (routers computing their logits in their own forward, as Mixtral's ``gate``).
+
     Raises:
         ConfigError: the model has no such part (the message says what it has).
     """
     modules = find_moe(model).keyword_modules(keyword)
     hits = [n for n in names if any(n == m or n.startswith(m + ".") for m in modules)]
-    if not hits:
+    if not modules:
         raise ConfigError(
             f"keyword {keyword!r} names no layer: the model has no mixture-of-experts "
             f"{keyword.replace('_', ' ')} (linear layers: {preview_names(list(names))})"
@@ -431,7 +440,8 @@ def _match_term(model: nn.Module, term: str, linears: Sequence[str]) -> list[str
 
 
 def _from_ranking(
-    ranking: Sequence[str] | Mapping[str, float] | None, k: int, linears: Sequence[str], term: str
+    ranking: Sequence[str] | Mapping[str, float] | None, k: int, linears: Sequence[str], term: str,
+    model: nn.Module | None = None,
 ) -> dict[str, str]:
     if ranking is None:
         raise ConfigError(
@@ -441,8 +451,13 @@ def _from_ranking(
         ordered = sorted(ranking, key=lambda n: -float(ranking[n]))
     else:
         ordered = list(ranking)
-    ordered = [_linear_named(n, linears) for n in ordered]
-    unknown = [n for n in ordered if n not in linears]
+    # One expert's row designates its projection (<experts>.<param>); experts of one projection
+    # ranked apart count once, at the best rank.
+    ordered = list(dict.fromkeys(_linear_named(projection_of_row(n), linears) for n in ordered))
+    unknown = [
+        n for n in ordered
+        if n not in linears and not (model is not None and expert_param_name(model, n, linears))
+    ]
     if unknown:
         raise ConfigError(
             f"ranking names layers the model lacks: {preview_names(unknown)}; "
@@ -456,11 +471,16 @@ def _from_ranking(
 def _linear_named(name: str, linears: Sequence[str]) -> str:
     """The linear layer a ranking's ``name`` designates: itself, or the one linear whose name ends
     with ``"." + name``. The monitor records canonical names (``fp8track.monitoring.naming``), without
-    a LightningModule's ``model.`` holder or a wrapper prefix that this model's names may carry."""
+    a LightningModule's ``model.`` holder or a wrapper prefix that this model's names may carry.
+    A fused experts projection ``<experts>.<param>`` keeps its ``.<param>`` on its experts' name."""
     if name in linears:
         return name
     hits = [n for n in linears if n.endswith("." + name)]
-    return hits[0] if len(hits) == 1 else name
+    if len(hits) == 1:
+        return hits[0]
+    owner, _, param = name.rpartition(".")
+    hits = [n for n in linears if owner and (n == owner or n.endswith("." + owner))]
+    return f"{hits[0]}.{param}" if len(hits) == 1 else name
 
 
 def block_count(count: str, total: int) -> int:

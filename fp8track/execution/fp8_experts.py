@@ -1,8 +1,9 @@
 """Fused expert modules in emulated FP8: the module keeps its class, parameters and names.
 
 :func:`convert_experts` gives a fused experts module (:mod:`fp8track.execution.experts`) a
-subclass of its own class whose ``forward`` runs each projection as an FP8 grouped GEMM
-(:func:`fp8track.execution.grouped.fp8_grouped_linear`) with one quantizer per expert. Parameters,
+subclass of its own class whose ``forward`` runs each projection as an FP8 grouped GEMM with one
+quantizer per expert (:func:`fp8track.execution.grouped.fp8_grouped_linear`; block recipes:
+:func:`fp8track.execution.grouped_block.fp8_block_grouped_linear`). Parameters,
 their names, ``state_dict`` keys and every other attribute stay as they were, so checkpoints load
 into the converted model and the model's own code (``_apply_gate``, ``act_fn``, biases) still runs.
 
@@ -28,7 +29,9 @@ from torch import nn
 
 from fp8track.execution.experts import ExpertGroup, ExpertParam
 from fp8track.execution.grouped import GROUPED_SCALINGS, GroupQuantizers, equal_offsets, fp8_grouped_linear
+from fp8track.execution.grouped_block import fp8_block_grouped_linear
 from fp8track.execution.recipes import Recipe
+from fp8track.numerics.scaling import BLOCK_SCALINGS
 
 Tap = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
@@ -64,9 +67,11 @@ class EmulatedFP8Experts(nn.Module):
         return self._fp8_quant.get(param)
 
     def _project(self, param: ExpertParam, rows: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        out = fp8_grouped_linear(
-            rows, param.weight_oi(self), offs, self._fp8_quant.get(param.name), self.training
-        )
+        quant = self._fp8_quant.get(param.name)
+        if quant is not None and quant.recipe.scaling in BLOCK_SCALINGS:
+            out = fp8_block_grouped_linear(rows, param.weight_oi(self), offs, quant.recipe)
+        else:
+            out = fp8_grouped_linear(rows, param.weight_oi(self), offs, quant, self.training)
         tap = self.fp8track_tap
         if tap is not None:
             tap(param.name, rows, offs, out)
@@ -151,9 +156,8 @@ def unconverted_reason(group: ExpertGroup, module: nn.Module, recipe: Recipe) ->
         return f"{group.kind} experts are run by their own library, not converted by the emulated backend"
     if recipe.scaling not in GROUPED_SCALINGS:
         return (
-            f"recipe {recipe.name!r}: block-scaled grouped GEMMs are not emulated (expert groups run "
-            f"per-expert tensor scaling only: {', '.join(GROUPED_SCALINGS)}); "
-            "the experts stay in high precision"
+            f"recipe {recipe.name!r}: its grouped GEMM is not emulated (expert groups run "
+            f"{', '.join(GROUPED_SCALINGS)}); the experts stay in high precision"
         )
     if getattr(module, "_is_expert_parallel", False):
         return "expert-parallel experts (sentinel slots) are not emulated"

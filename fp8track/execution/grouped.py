@@ -28,12 +28,12 @@ import torch.nn.functional as F
 
 from fp8track.execution.checkpointing import in_backward
 from fp8track.execution.recipes import Recipe
-from fp8track.numerics.scaling import DelayedScaler, current_scale, dequantize, quantize
+from fp8track.numerics.scaling import BLOCK_SCALINGS, DelayedScaler, current_scale, dequantize, quantize
 
-GROUPED_SCALINGS = ("delayed", "current")
-"""Scalings the emulated grouped GEMM runs (per-expert tensor scales). Block-scaled grouped GEMMs
-(MXFP8, 128-blocks, NVFP4) need group padding along the tokens (torchao pads to 16/32 rows) and are
-left to the backends that implement them: the emulated backend lists such experts as unconverted."""
+GROUPED_SCALINGS = ("delayed", "current", *BLOCK_SCALINGS)
+"""Scalings the emulated grouped GEMM runs: per-expert tensor scales (here) and the block recipes
+(:mod:`fp8track.execution.grouped_block`, groups padded along the tokens as TE and torchao pad them).
+NVFP4's grouped GEMM is not emulated: the emulated backend lists such experts as unconverted."""
 
 _ALIGN_BYTES = 16  # torch._grouped_mm: every stride but the last a multiple of 16 bytes
 
@@ -244,13 +244,17 @@ def fp8_grouped_linear(
     weight's dtype, as Hugging Face's ``grouped_mm`` runs it)."""
     if quant is None:
         return grouped_mm(x.to(weight_oi.dtype), weight_oi.transpose(-2, -1), offs)
-    dev = x.device.type
-    out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        out_dtype = torch.float32
     update = training and torch.is_grad_enabled()
-    with torch.autocast(dev, enabled=False):
-        return FP8GroupedLinearFn.apply(x, weight_oi, offs, quant, out_dtype, update)
+    with torch.autocast(x.device.type, enabled=False):
+        return FP8GroupedLinearFn.apply(x, weight_oi, offs, quant, output_dtype(x), update)
+
+
+def output_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype an FP8 GEMM returns for input ``x``: autocast's dtype when autocast is on, else
+    ``x``'s (float32 for any other dtype)."""
+    dev = x.device.type
+    out = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    return out if out in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
 
 
 def equal_offsets(groups: int, rows_per_group: int, device: torch.device) -> torch.Tensor:
@@ -265,6 +269,7 @@ __all__ = [
     "equal_offsets",
     "fp8_grouped_linear",
     "grouped_mm",
+    "output_dtype",
     "segment_amax",
     "segment_ids",
 ]

@@ -120,11 +120,29 @@ def expert_param_name(model: nn.Module, term: str, names: Sequence[str]) -> bool
     """Whether ``term`` is ``<experts>.<param>``: one projection of a fused experts module among
     ``names`` (``model.layers.1.mlp.experts.down_proj``)."""
     owner, _, param = term.rpartition(".")
-    if owner not in names:
-        return False
-    module = model.get_submodule(owner)
-    p = module._parameters.get(param)
-    return is_fused_experts(module) and isinstance(p, torch.Tensor) and p.dim() == 3
+    module = _submodule(model, owner) if owner in names else None
+    p = module._parameters.get(param) if module is not None else None
+    return module is not None and is_fused_experts(module) and isinstance(p, torch.Tensor) and p.dim() == 3
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module | None:
+    """``model.get_submodule(name)``, or ``None`` (a canonical name without its holder prefix)."""
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def expert_param_names(model: nn.Module, names: Sequence[str]) -> list[str]:
+    """``<experts>.<param>`` of every projection of the fused experts modules among ``names``
+    (what ``re:`` terms search besides the layer names)."""
+    out = []
+    for n in names:
+        module = _submodule(model, n)
+        if module is not None and is_fused_experts(module):
+            out.extend(f"{n}.{p}" for p, t in module._parameters.items()
+                       if isinstance(t, torch.Tensor) and t.dim() == 3)
+    return out
 
 
 def preview_names(names: Sequence[str], limit: int = 24) -> str:
@@ -149,8 +167,9 @@ def match_layers(
     """The layers of ``names`` (GEMM layer names of ``model``) that one selector ``term`` picks.
 
     Args:
-        term: ``re:PATTERN`` (every name where ``re.search(PATTERN, name)`` matches) or the
-            qualified name of a layer or of a module whose GEMM layers are all picked.
+        term: ``re:PATTERN`` (every name where ``re.search(PATTERN, name)`` matches, fused experts'
+            projections ``<experts>.<param>`` included) or the qualified name of a layer, of a fused
+            experts projection, or of a module whose GEMM layers are all picked.
         what: how error messages name the setting (``"layer selector"``, ``"bf16_layers term"``).
 
     Returns:
@@ -163,8 +182,12 @@ def match_layers(
     pattern = compile_selector(term, what)
     if pattern is not None:
         hits = [n for n in names if pattern.search(n)]
+        params = expert_param_names(model, names)
+        hits += [p for p in params if pattern.search(p) and p.rpartition(".")[0] not in hits]
         if not hits:
-            raise ConfigError(f"{what} {term!r} matches no linear layer; candidates: {preview_names(names)}")
+            raise ConfigError(
+                f"{what} {term!r} matches no linear layer; candidates: {preview_names([*names, *params])}"
+            )
         return hits
     hits = [n for n in names if n == term or n.startswith(term + ".")]
     if hits:

@@ -39,10 +39,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fp8track.errors import ConfigError, invalid_choice
+from fp8track.errors import ConfigError, as_names, invalid_choice
 from fp8track.execution.backends import backend_of
 from fp8track.execution.backends import te as te_backend
 from fp8track.execution.checkpointing import in_backward
+from fp8track.execution.experts import MOE_KEYWORDS
+from fp8track.execution.fallback import moe_keyword_layers
 from fp8track.execution.layers import (
     GEMM_LAYER_KINDS,
     gemm_layers,
@@ -253,7 +255,9 @@ def select_layers(
         layers: ``None`` (every GEMM layer), one selector term or a list of them (see
             :func:`~fp8track.execution.layers.match_layers`: ``re:PATTERN`` searched in the
             qualified name, or the qualified name of a layer or of a module holding layers; the
-            canonical or the full name), or a ``(module, fqn) -> bool`` filter (full names).
+            canonical or the full name; the mixture-of-experts keywords ``experts``, ``router``,
+            ``shared_experts``; ``<experts>.<param>`` picks its experts module), or a
+            ``(module, fqn) -> bool`` filter (full names).
 
     Raises:
         ConfigError: when the model has no GEMM layer, or a term matches none (the message lists
@@ -286,18 +290,23 @@ def select_layers(
         for term in [layers] if isinstance(layers, str) else list(layers):
             if not isinstance(term, str):
                 raise ConfigError(f"layer selectors must be strings or a callable, got {term!r}")
+            if term in MOE_KEYWORDS:  # experts / router / shared_experts
+                picked.update(canonical[n] for n in moe_keyword_layers(model, term, raw))
+                continue
             try:
                 picked.update(match_layers(model, term, names))
             except ConfigError as err:  # a full name (with its holder or wrappers) names the same layers
                 try:
-                    picked.update(canonical[n] for n in match_layers(model, term, raw))
+                    picked.update(canonical.get(n, n) for n in match_layers(model, term, raw))
                 except ConfigError:
                     raise err from None
+    # <experts>.<param> picks its experts module (whose capture records every projection)
+    picked |= {n.rpartition(".")[0] for n in picked}
     return [(canonical[fqn], m) for fqn, m in candidates if canonical[fqn] in picked]
 
 
 def validate_tensors(tensors: Iterable[str]) -> tuple[str, ...]:
-    tensors = tuple(tensors)
+    tensors = as_names(tensors)  # "activation" is ("activation",), not its letters
     if not tensors:
         raise ConfigError(f"tensors must name at least one of {TENSOR_KINDS}")
     for t in tensors:
@@ -307,7 +316,7 @@ def validate_tensors(tensors: Iterable[str]) -> tuple[str, ...]:
 
 
 def validate_whatif(whatif: Iterable[str]) -> tuple[str, ...]:
-    whatif = tuple(whatif)
+    whatif = as_names(whatif)  # "mxfp8" is ("mxfp8",)
     for v in whatif:
         if v not in WHATIF_VARIANTS:
             raise invalid_choice("what-if variant", v, WHATIF_VARIANTS)
@@ -360,6 +369,7 @@ class LayerCapture:
         self._recomputes = 0  # forwards run inside backward this step and taken as their recompute
         self._resting_weight: torch.Tensor | None = None
         self.partials: dict[tuple[str, str], torch.Tensor] = {}
+        self.count_tokens = False  # one expert of a module-list MoE: its rows carry ``tokens``
         # Block rows' max_blockwise_dynamic_range this step, merged by max (0-d float64 on device).
         self.ranges: dict[tuple[str, str], torch.Tensor] = {}
         self.flops = 0  # GEMM FLOPs (forward + both backward GEMMs) seen since the last take_flops
@@ -400,6 +410,13 @@ class LayerCapture:
                     obs.append((f"{variant}_columnwise", f"{s}_columnwise"))
             self._observations = obs
         return self._observations
+
+    def extra_stats(self, tensor: str, stats: dict[str, float]) -> None:
+        """Add ``tokens`` (rows seen: ``numel`` over the row width) to an activation / gradient row
+        of one expert's linear (:attr:`count_tokens`), as the fused experts' rows carry it."""
+        w = gemm_weight(self.module) if self.count_tokens else None
+        if w is not None and tensor in ("activation", "gradient"):
+            stats["tokens"] = stats["numel"] / int(w.shape[1] if tensor == "activation" else w.shape[0])
 
     def keys(self) -> list[tuple[str, str]]:
         """Every (tensor, variant) this layer reports, in a fixed order (same on every rank)."""

@@ -24,8 +24,11 @@ partials reproduces the logged row (:func:`recompute_stats`). Dumps are bounded:
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +36,8 @@ from typing import Any
 import torch
 
 from fp8track.errors import ConfigError, check_int
-from fp8track.monitoring.capture import LayerPlan, tensor_partial
+from fp8track.monitoring.capture import LayerCapture, LayerPlan, tensor_partial
+from fp8track.monitoring.records import EventRecord
 from fp8track.numerics.scaling import quantize
 from fp8track.numerics.stats import finalize
 
@@ -125,12 +129,118 @@ def _file_name(layer: str) -> str:
 
 
 def write_dump(run_dir: Path, dump: LayerDump) -> tuple[Path, int]:
-    """Save one layer's dump; returns its path and size in bytes."""
+    """Save one layer's dump; returns its path and size in bytes.
+
+    The file is written under a temporary name and renamed when complete, so a failed write
+    leaves no partial ``.pt`` behind.
+
+    Raises:
+        OSError: the file could not be written (a full disk, a file-size limit, ...). ``torch.save``
+            reports a short write as ``RuntimeError`` ("unexpected pos"), raised here as ``OSError``.
+    """
     folder = run_dir / DUMP_DIR / f"step{dump.step:08d}"
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / _file_name(dump.layer)
-    torch.save(dump.to_dict(), path)
+    partial = path.with_name(path.name + ".partial")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save(dump.to_dict(), partial)
+        os.replace(partial, path)
+    except (OSError, RuntimeError) as exc:
+        partial.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only when empty: the step's other layers may have been written
+        raise OSError(f"cannot write {path}: {type(exc).__name__}: {exc}") from exc
     return path, path.stat().st_size
+
+
+def write_dumps(run_dir: Path, dumps: Iterable[LayerDump]) -> tuple[list[Path], int, str | None]:
+    """Save the layers of one dump (:func:`write_dump`), stopping at the first that fails (on a
+    full disk or past a file-size limit the others would fail too).
+
+    Returns:
+        the files written, their total size in bytes, and the error (``None`` when all were written).
+    """
+    files: list[Path] = []
+    total = 0
+    for dump in dumps:
+        try:
+            path, size = write_dump(run_dir, dump)
+        except OSError as exc:
+            return files, total, str(exc)
+        files.append(path)
+        total += size
+    return files, total, None
+
+
+class DumpControl:
+    """When the monitor dumps: an event asks (:meth:`request`), the next sampled step arms the
+    layers' recorders (:meth:`arm`), its flush writes the files and the ``dump`` event
+    (:meth:`write`). At most ``policy.max_dumps`` per run, ``policy.max_bytes`` each."""
+
+    def __init__(self, policy: DumpPolicy) -> None:
+        self.policy = policy
+        self.left = policy.max_dumps
+        self.wanted: set[str] | None | bool = False  # False: none; None: all layers
+        self._armed: tuple[DumpBudget, dict[str, LayerDump]] | None = None
+
+    @property
+    def armed(self) -> bool:
+        """Whether this step's observations are being recorded (a dump to write at its flush)."""
+        return self._armed is not None
+
+    def request(self, layers: Iterable[str] | None) -> None:
+        """Dump ``layers`` (None: every layer) on the next sampled step, if dumps are left."""
+        if self.left > 0:
+            self.wanted = None if layers is None else set(layers)
+
+    def arm(self, step: int, captures: Mapping[str, Any]) -> None:
+        """On a sampled step: if a dump was requested, record the requested layers' observations."""
+        if self.wanted is False:
+            return
+        wanted, self.wanted = self.wanted, False
+        self.left -= 1
+        budget = DumpBudget(self.policy.max_bytes)
+        layers: dict[str, LayerDump] = {}
+        for fqn, cap in captures.items():
+            # (expert rows and routers keep no dumps: their tensors are grouped over experts)
+            if isinstance(cap, LayerCapture) and cap.active and (wanted is None or fqn in wanted):  # type: ignore[operator]
+                cap.recorder = _recorder(fqn, cap, budget, layers, step)
+        self._armed = (budget, layers)
+
+    def write(self, step: int, run_dir: Path | None) -> EventRecord:
+        """Write the armed dump under ``run_dir`` (a full disk warns, training goes on)."""
+        assert self._armed is not None
+        budget, layers = self._armed
+        self._armed = None
+        if run_dir is None:
+            return EventRecord("dump", step, {"files": [], "bytes": 0, "left_out": sorted(budget.refused)})
+        written, total, error = write_dumps(run_dir, layers.values())
+        data: dict[str, Any] = {"files": [str(p.relative_to(run_dir)) for p in written], "bytes": total,
+                                "left_out": sorted(budget.refused)}
+        if error is not None:  # a full disk or a file-size limit: one warning, no more dumps
+            self.left = 0
+            data["error"] = error
+            warnings.warn(f"fp8track: tensor dump of step {step} not written, no more dumps in this run "
+                          f"(training goes on): {error}", stacklevel=2)
+        return EventRecord("dump", step, data)
+
+
+def _recorder(
+    fqn: str, cap: LayerCapture, budget: DumpBudget, layers: dict[str, LayerDump], step: int
+) -> Callable[[str, torch.Tensor, torch.Tensor | None], None]:
+    """The capture's hook into a dump: each observation is kept while the budget allows."""
+
+    def record(tensor: str, x: torch.Tensor, scale: torch.Tensor | None) -> None:
+        plan = cap.plan
+        per_tensor = plan.scaling == "per_tensor"
+        nbytes = x.numel() * (x.element_size() + (1 if per_tensor and scale is not None else 0))
+        if not budget.take(fqn, nbytes):
+            layers.pop(fqn, None)  # a layer is dumped whole or not at all
+            return
+        dump = layers.setdefault(fqn, LayerDump(step, fqn, plan_dict(plan)))
+        dump.observations.append(observation(tensor, x, scale, plan.formats[tensor], per_tensor))
+
+    return record
 
 
 def load_dump(path: str | Path) -> LayerDump:
@@ -186,10 +296,12 @@ def recompute_stats(dump: LayerDump) -> dict[str, dict[str, float]]:
 __all__ = [
     "DumpPolicy",
     "DumpBudget",
+    "DumpControl",
     "LayerDump",
     "load_dump",
     "list_dumps",
     "recompute_stats",
     "write_dump",
+    "write_dumps",
     "DUMP_DIR",
 ]

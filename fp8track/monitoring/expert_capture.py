@@ -31,7 +31,7 @@ Where the GEMMs are seen:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,12 +40,25 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from fp8track.execution.checkpointing import in_backward
-from fp8track.execution.experts import ExpertGroup, ExpertParam, expert_row
+from fp8track.execution.experts import (
+    ROUTER_REASON,
+    ExpertGroup,
+    ExpertParam,
+    expert_row,
+    plain_weight,
+    torchao_training_config,
+)
 from fp8track.execution.fp8_experts import EmulatedFP8Experts
 from fp8track.execution.grouped import equal_offsets, segment_ids
 from fp8track.monitoring.capture import LayerPlan, guard_module_hooks, shadow_plan
 from fp8track.numerics.formats import TENSOR_KINDS
-from fp8track.numerics.segment_stats import merge_group_partials, segment_partial_stats
+from fp8track.numerics.scaling import BLOCK_SCALINGS, block_layout
+from fp8track.numerics.segment_stats import (
+    expert_tile_partial_stats,
+    merge_group_partials,
+    segment_block_partial_stats,
+    segment_partial_stats,
+)
 from fp8track.numerics.stats import identity_partial, merge_partials
 
 if TYPE_CHECKING:
@@ -185,12 +198,16 @@ class ExpertGroupCapture:
                 )
 
     def _plan(self, param: ExpertParam, fp8: bool) -> LayerPlan:
+        torchao = torchao_training_config(self.module) if self.group.kind == "torchao" else None
+        if torchao is not None:
+            return torchao_plan(self.name, torchao)
         if not fp8:
             return shadow_plan(self.name, self.shadow_format)
         assert isinstance(self.module, EmulatedFP8Experts)
         recipe = self.module.fp8_recipe
         formats = {t: recipe.formats.for_tensor(t).name for t in TENSOR_KINDS}
-        return LayerPlan(self.name, True, formats)
+        scaling = recipe.scaling if recipe.scaling in BLOCK_SCALINGS else "per_tensor"
+        return LayerPlan(self.name, True, formats, scaling=scaling)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def attach(self) -> None:
@@ -231,7 +248,7 @@ class ExpertGroupCapture:
             module.fp8track_tap = self.tap
             return
         impl = getattr(getattr(module, "config", None), "_experts_implementation", "grouped_mm")
-        if self.group.kind == "fused" and impl not in (None, "grouped_mm") and not self._warned:
+        if self.group.kind != "dense" and impl not in (None, "grouped_mm") and not self._warned:
             self._warned = True
             warnings.warn(
                 f"fp8track: {self.name} runs experts implementation {impl!r}; per-expert statistics "
@@ -261,9 +278,10 @@ class ExpertGroupCapture:
         """The projection whose parameter ``weight`` is (or views)."""
         if not isinstance(weight, torch.Tensor):
             return None
+        ptr = plain_weight(weight).data_ptr()
         for p in self.group.params:
-            w = getattr(self.module, p.name)
-            if weight.data_ptr() == w.data_ptr() and weight.shape[0] == w.shape[0]:
+            w = plain_weight(getattr(self.module, p.name))
+            if ptr == w.data_ptr() and weight.shape[0] == w.shape[0]:
                 return p
         return None
 
@@ -285,8 +303,14 @@ class ExpertGroupCapture:
         if "weight" in self.tensors and param not in self._weights_done:
             self._weights_done.add(param)
             n = int(w.shape[1])
-            wseg = torch.arange(e, device=w.device).repeat_interleave(n)
-            self._add(param, "weight", w.detach().reshape(e * n, -1), wseg, self._scale(param, "weight"))
+            if self.plans[param].scaling in BLOCK_SCALINGS:  # each expert's slice, its own blocks / tiles
+                plan = self.plans[param]
+                layout = block_layout(plan.scaling, "weight")
+                parts = expert_tile_partial_stats(w.detach(), layout, plan.formats["weight"])
+                self._merge(param, "weight", parts)
+            else:
+                wseg = torch.arange(e, device=w.device).repeat_interleave(n)
+                self._add(param, "weight", w.detach().reshape(e * n, -1), wseg, self._scale(param, "weight"))
         if "gradient" in self.tensors and out.requires_grad:
             scale_fn = self._gradient_scale_fn(param)
             out.register_hook(lambda g: self._gradient(param, g, seg, scale_fn))
@@ -314,12 +338,47 @@ class ExpertGroupCapture:
         self, param: str, tensor: str, x2d: torch.Tensor, seg: torch.Tensor, scale: torch.Tensor | None
     ) -> None:
         plan = self.plans[param]
-        parts = segment_partial_stats(
-            x2d, seg, self.group.num_experts, plan.formats[tensor], scale, plan.margin
-        )
+        if plan.scaling in BLOCK_SCALINGS:
+            layout = block_layout(plan.scaling, tensor)
+            parts = segment_block_partial_stats(
+                x2d, seg, self.group.num_experts, layout, plan.formats[tensor]
+            )
+        else:
+            parts = segment_partial_stats(
+                x2d, seg, self.group.num_experts, plan.formats[tensor], scale, plan.margin
+            )
+        self._merge(param, tensor, parts)
+
+    def _merge(self, param: str, tensor: str, parts: torch.Tensor) -> None:
+        """Add the experts' partials ``[E, 13]`` of one observation, and their aggregate."""
         parts = torch.cat([parts, merge_group_partials(parts).unsqueeze(0)])
         prev = self.partials.get((param, tensor))
         self.partials[(param, tensor)] = parts if prev is None else merge_partials([prev, parts])
+
+
+def torchao_plan(name: str, config: object) -> LayerPlan:
+    """How torchao's MoE training quantises expert GEMMs: MXFP8 (``MXFP8TrainingOpConfig``: 1x32
+    blocks, E4M3, E8M0 scales rounded up, the same rule as the ``mxfp8`` recipe; any other scale
+    mode is judged by it too), or FP8 rowwise (``Float8TrainingOpConfig``: E4M3 with per-token and
+    per-column scales, judged per expert tensor-wise, as the monitor judges torchao's rowwise
+    linears: a documented approximation)."""
+    formats = dict.fromkeys(TENSOR_KINDS, "e4m3")
+    scaling = "mxfp8" if type(config).__name__.startswith("MXFP8") else "per_tensor"
+    return LayerPlan(name, True, formats, scaling=scaling)
+
+
+def not_fp8_reason(capture: object, why: Mapping[str, str]) -> str | None:
+    """Why an MoE capture's GEMMs are not in FP8, from ``why`` (layer -> reason, from the apply
+    report): an expert projection by its ``<experts>.<param>`` name or its experts module's; a
+    router by its name, else the default that keeps it in high precision."""
+    if isinstance(capture, ExpertRowCapture):
+        group = capture.group.name
+        return why.get(f"{group}.{capture.param}") or why.get(group)
+    from fp8track.monitoring.router_capture import RouterCapture
+
+    if isinstance(capture, RouterCapture):
+        return why.get(capture.name) or f"kept in BF16: {ROUTER_REASON}"
+    return None
 
 
 def expert_captures(
@@ -328,7 +387,7 @@ def expert_captures(
     """A capture per fused / dense expert group ``(canonical name, group)`` of ``model``."""
     out = []
     for name, group in groups:
-        if group.kind in ("fused", "dense"):
+        if group.kind in ("fused", "dense", "torchao"):
             out.append(
                 ExpertGroupCapture(name, model.get_submodule(group.fqn), group, tensors, shadow_format)
             )
@@ -344,11 +403,14 @@ class MoECaptures:
         skip: canonical names of selected layers the layer captures must leave out (expert modules,
             whose rows come from here; router subclasses returning tuples, measured by the router
             capture).
+        token_layers: canonical names of selected linears of module-list experts (their layer
+            captures count the expert's tokens: ``LayerCapture.count_tokens``).
     """
 
     def __init__(self) -> None:
         self.captures: dict[str, ExpertRowCapture | RouterCapture] = {}
         self.skip: set[str] = set()
+        self.token_layers: set[str] = set()
 
 
 def moe_captures(
@@ -367,10 +429,12 @@ def moe_captures(
         experts = model.get_submodule(block.experts.fqn)
         group_capture = None
         name = by_module.get(id(experts))
-        if name is not None and block.experts.kind in ("fused", "dense"):
+        if name is not None and block.experts.kind in ("fused", "dense", "torchao"):
             group_capture = ExpertGroupCapture(name, experts, block.experts, tensors, shadow_format)
             out.captures.update(group_capture.rows)
             out.skip.add(name)
+        if block.experts.kind == "module_list":
+            out.token_layers.update(by_module[id(m)] for m in experts.modules() if id(m) in by_module)
         if block.router is None or block.router_gemm is None:
             continue
         router, gemm = model.get_submodule(block.router), model.get_submodule(block.router_gemm)
@@ -382,7 +446,9 @@ def moe_captures(
         # Real routing from the fused group's GEMM sizes (a dense group runs every expert on every
         # token: its routing is the router's own top-k then).
         counts = (
-            group_capture.take_counts if group_capture is not None and block.experts.kind == "fused" else None
+            group_capture.take_counts
+            if group_capture is not None and block.experts.kind in ("fused", "torchao")
+            else None
         )
         cap = RouterCapture(block_name, block, router, gemm, counts)
         cap.count_flops = gemm_name is None

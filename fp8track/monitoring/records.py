@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import socket
 import time
 import uuid
@@ -30,7 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp8track.errors import ConfigError, check_int
+from fp8track.errors import ConfigError, check_int, redact
+from fp8track.monitoring import writer_lock
 from fp8track.monitoring.naming import LOSS_METRIC
 
 META_FILE = "meta.json"
@@ -110,39 +110,6 @@ def software_versions() -> dict[str, str]:
     return versions
 
 
-SECRET_ENV_VARS = (
-    "WANDB_API_KEY",
-    "MLFLOW_TRACKING_PASSWORD",
-    "MLFLOW_TRACKING_TOKEN",
-    "MLFLOW_TRACKING_CLIENT_CERT_PATH",
-    "DATABRICKS_TOKEN",
-    "HF_TOKEN",
-    "AWS_SECRET_ACCESS_KEY",
-)
-"""Environment variables whose values never appear in anything fp8track writes."""
-
-_URI_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/\s@'\"]+@")
-
-
-def redact(text: str) -> str:
-    """``text`` with credentials removed: ``scheme://user:password@host`` becomes
-    ``scheme://***@host``, and the value of each :data:`SECRET_ENV_VARS` set in the environment
-    (4 characters or more) becomes ``***``. Applied to every record line, ``meta.json``, tracker
-    params/tags/config and failure messages.
-
-    Example:
-        >>> redact("https://alice:pw@mlflow.example.com/api")
-        'https://***@mlflow.example.com/api'
-    """
-    if "@" in text:
-        text = _URI_CREDENTIALS.sub(r"\g<scheme>***@", text)
-    for name in SECRET_ENV_VARS:
-        value = os.environ.get(name)
-        if value and len(value) >= 4 and value in text:
-            text = text.replace(value, "***")
-    return text
-
-
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), default=str)
 
@@ -198,7 +165,8 @@ class StepBatch:
 class RunWriter:
     """Appends records to a run directory; every write is flushed so a crash loses at most a line.
 
-    A directory that cannot be created or written is a :class:`ConfigError` here, before step 0.
+    A directory that cannot be created or written is a :class:`ConfigError` here, before step 0,
+    and so is a directory another live process is writing (:mod:`fp8track.monitoring.writer_lock`).
     A write that fails later (a full disk, a vanished mount) never raises: it warns once
     (``RuntimeWarning``), counts the lost lines in :attr:`lines_lost` and retries on the next write.
 
@@ -222,8 +190,11 @@ class RunWriter:
         self.recorded_before_resume: int | None = None
         self._warned = False
         meta_path = self.run_dir / META_FILE
+        self._lock = None
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            # before anything is truncated or appended: a live second writer is refused here
+            self._lock = writer_lock.acquire(self.run_dir)
             if not meta_path.exists():
                 meta_path.write_text(redact(json.dumps(asdict(meta), indent=2, default=str)))
             if resume_step is not None:
@@ -301,6 +272,7 @@ class RunWriter:
                 f.close()
             except OSError:
                 pass  # already reported by the failed write
+        writer_lock.release(self._lock)
 
 
 def _truncate_from_step(path: Path, step: int) -> tuple[int, int | None]:
@@ -342,12 +314,39 @@ def _check_record(record: Any) -> None:
 @dataclass(frozen=True)
 class ReadProblem:
     """A line of a run-directory file the reader skipped: ``kind`` is ``"torn_last_line"`` (the
-    writer died mid-line) or ``"corrupt_line"``; ``line`` is 1-based."""
+    writer died mid-line) or ``"corrupt_line"``; ``line`` is 1-based. A record file that is not
+    there at all is kind ``"missing_file"`` with line 0."""
 
     file: str
     line: int
     kind: str
     detail: str
+
+
+MAX_LISTED_LINES = 200
+"""Damaged line numbers listed per file in :func:`summarise_problems` (the count covers them all)."""
+
+
+def summarise_problems(problems: Sequence[ReadProblem]) -> list[dict[str, Any]]:
+    """Per file, what the reader skipped, as plain data (diagnosis.json, the report): ``file``,
+    ``missing`` (the file is not there), ``damaged_lines`` (how many), ``lines`` (their numbers,
+    the first :data:`MAX_LISTED_LINES`), ``kinds`` (count per kind) and the first ``detail``."""
+    out: dict[str, dict[str, Any]] = {}
+    for p in problems:
+        entry = out.setdefault(
+            p.file,
+            {"file": p.file, "missing": False, "damaged_lines": 0, "lines": [], "kinds": {}, "detail": ""},
+        )
+        if p.kind == "missing_file":
+            entry["missing"] = True
+            entry["detail"] = p.detail
+            continue
+        entry["damaged_lines"] += 1
+        if len(entry["lines"]) < MAX_LISTED_LINES:
+            entry["lines"].append(p.line)
+        entry["kinds"][p.kind] = entry["kinds"].get(p.kind, 0) + 1
+        entry["detail"] = entry["detail"] or p.detail
+    return list(out.values())
 
 
 class RunReader:
@@ -391,16 +390,18 @@ class RunReader:
         self._reported.add((name, line))
         self.problems.append(ReadProblem(name, line, kind, detail))
         if len(self._reported) == 1:
+            where = f"{self.run_dir / name}" + (f" line {line}" if line else "")
             warnings.warn(
-                f"fp8track: {self.run_dir / name} line {line}: {kind} ({detail}); skipped. "
-                "Every damaged line is skipped and listed in RunReader.problems",
+                f"fp8track: {where}: {kind} ({detail}); skipped. Every damaged line and missing file "
+                "is listed in RunReader.problems (and in a diagnosis' data_problems)",
                 RuntimeWarning,
                 stacklevel=4,
             )
 
     def _records(self, name: str, build: Any) -> Iterator[Any]:
         path = self.run_dir / name
-        if not path.exists():
+        if not path.exists():  # a writer creates all three record files: this one was lost
+            self._problem(name, 0, "missing_file", f"the run directory has no {name}")
             return
         with open(path, "rb") as f:
             for i, raw in enumerate(f, start=1):

@@ -19,11 +19,15 @@ router itself runs as the model wrote it) and measures, per block:
                     ``E * sum_e f_e P_e`` with ``f_e`` the share of tokens routed to ``e`` (over the
                     k choices) and ``P_e`` the mean router probability of ``e``
 ``z_loss``          the router z-loss, ``mean(logsumexp(z)^2)``
+``dropped_pct``     share of routed (token, expert) slots dropped over an expert's capacity, in %
+                    (only for routers with an ``expert_capacity`` that return their dispatch mask,
+                    as SwitchTransformers' ``Top1Router``: capacity counted per sequence)
 ==================  =============================================================================
 
 The routed slots per expert are the experts' real routing (the grouped GEMM's group sizes, from
 :class:`fp8track.monitoring.expert_capture.ExpertGroupCapture`) where the block has fused experts,
-else the top-k of the recomputed logits. Every number is a sum or a max over tokens, so micro-batches
+the router's own dispatch mask where it returns one (capacity drops included), else the top-k of
+the recomputed logits. Every number is a sum or a max over tokens, so micro-batches
 and data-parallel ranks combine in the monitor's one SUM and one MAX all-reduce.
 
 Metric names: ``fp8/router/<block>/<stat>``; run level ``fp8/router/aux_loss`` and
@@ -46,9 +50,9 @@ from fp8track.monitoring.naming import run_metric
 
 ROUTER_STATS = (
     "logit_amax", "logit_std", "entropy", "topk_margin", "flip_pct", "load_cv", "load_max_over_mean",
-    "aux_loss", "z_loss",
+    "aux_loss", "z_loss", "dropped_pct",
 )
-_SCALAR_SUMS = ("tokens", "entropy", "margin", "logit_sum", "logit_sq", "flips", "z2")
+_SCALAR_SUMS = ("tokens", "entropy", "margin", "logit_sum", "logit_sq", "flips", "z2", "dropped")
 
 
 class RouterCapture:
@@ -124,11 +128,18 @@ class RouterCapture:
                 return
         else:
             self._forwards += 1
-        self.observe(args[0])
+        self.observe(args[0], dispatch_mask(output, self.num_experts) if self.capacity else None)
+
+    @property
+    def capacity(self) -> int | None:
+        """The router's ``expert_capacity`` (tokens per expert and sequence), if it has one."""
+        cap = getattr(self.router, "expert_capacity", None)
+        return cap if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0 else None
 
     @torch.no_grad()
-    def observe(self, hidden: torch.Tensor) -> None:
-        """Add one forward's router input ``hidden [..., H]``."""
+    def observe(self, hidden: torch.Tensor, dispatch: torch.Tensor | None = None) -> None:
+        """Add one forward's router input ``hidden [..., H]`` (and its dispatch mask
+        ``[..., E]``, 1 where a token goes to an expert after capacity, when the router gives one)."""
         weight: torch.Tensor = self.gemm.weight  # type: ignore[assignment]
         bias: torch.Tensor | None = getattr(self.gemm, "bias", None)
         h = hidden.detach().reshape(-1, hidden.shape[-1])
@@ -139,6 +150,13 @@ class RouterCapture:
             h, weight.detach().to(h.dtype), None if bias is None else bias.detach().to(h.dtype)
         )
         sums, zmax = router_sums(z, z_model.float(), self.top_k)
+        k = _SCALAR_SUMS.index("dropped")
+        if dispatch is None:
+            sums[k] = math.nan  # no capacity: no dropped_pct (NaN survives the SUM all-reduce)
+        else:
+            kept = dispatch.reshape(-1, self.num_experts).to(torch.float64)
+            sums[k] = h.shape[0] * self.top_k - kept.sum()
+            sums[len(_SCALAR_SUMS) : len(_SCALAR_SUMS) + self.num_experts] = kept.sum(dim=0)
         self._sums = sums if self._sums is None else self._sums + sums
         self._max = zmax if self._max is None else torch.maximum(self._max, zmax)
 
@@ -166,8 +184,9 @@ class RouterCapture:
 
 
 def router_sums(z: torch.Tensor, z_model: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sums ``[7 + 2E]`` (float64: tokens, entropy, top-k margin, logit sum, logit square sum,
-    flips, logsumexp squared; slots per expert; probability per expert) and ``[1]`` max |z| of
+    """Sums ``[8 + 2E]`` (float64: tokens, entropy, top-k margin, logit sum, logit square sum,
+    flips, logsumexp squared, dropped slots (0 here); slots per expert; probability per expert)
+    and ``[1]`` max |z| of
     float32 logits ``z [T, E]`` (``z_model``: the same logits in the model's dtype)."""
     t, e = z.shape
     logp = torch.log_softmax(z, dim=-1)
@@ -186,8 +205,18 @@ def router_sums(z: torch.Tensor, z_model: torch.Tensor, top_k: int) -> tuple[tor
         torch.tensor(float(t), dtype=torch.float64, device=z.device),
         entropy.sum(dtype=torch.float64), margin.sum(dtype=torch.float64), z.sum(dtype=torch.float64),
         z.double().square().sum(), flips.to(torch.float64), lse.double().square().sum(),
+        torch.zeros((), dtype=torch.float64, device=z.device),  # dropped slots: the capture fills it
     ])
     return torch.cat([scalars, counts, p.sum(dim=0, dtype=torch.float64)]), z.abs().amax().double().reshape(1)
+
+
+def dispatch_mask(output: object, num_experts: int) -> torch.Tensor | None:
+    """The dispatch mask a router returned (an integer or boolean ``[..., E]`` tensor first in its
+    output tuple, SwitchTransformers' ``expert_index``), else ``None``."""
+    first = output[0] if isinstance(output, tuple) and output else None
+    if isinstance(first, torch.Tensor) and not first.is_floating_point() and first.shape[-1] == num_experts:
+        return first
+    return None
 
 
 def finalize_router(sums: Sequence[float], zmax: float, num_experts: int, top_k: int) -> dict[str, float]:
@@ -214,6 +243,7 @@ def finalize_router(sums: Sequence[float], zmax: float, num_experts: int, top_k:
         "load_max_over_mean": max(counts) / mean_c if mean_c > 0 else 0.0,
         "aux_loss": num_experts * sum((c / n) * (pe / n) for c, pe in zip(counts, probs, strict=True)),
         "z_loss": v["z2"] / n,
+        **({} if math.isnan(v["dropped"]) else {"dropped_pct": 100.0 * v["dropped"] / (n * top_k)}),
     }
 
 

@@ -6,6 +6,7 @@ the data fingerprint, and which logged metrics are evaluation metrics."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -146,4 +147,27 @@ def data_fingerprint(
     return out
 
 
-__all__ = ["run_meta_for", "select_eval_metrics", "precision_setup", "data_fingerprint", "EVAL_NAME_PREFIXES"]
+def with_data(meta: RunMeta, fingerprint: Mapping[str, Any]) -> RunMeta:
+    """``meta`` with the data fingerprint (:func:`data_fingerprint`) as ``config["data"]``.
+
+    Raises:
+        ConfigError: a fingerprint that is not a non-empty mapping of JSON scalars.
+    """
+    if not isinstance(fingerprint, Mapping) or not fingerprint:
+        raise ConfigError(f"data fingerprint must be a non-empty mapping, got {fingerprint!r}")
+    bad = [k for k, v in fingerprint.items() if not isinstance(v, (str, int, float, bool, type(None)))]
+    if bad:
+        raise ConfigError(
+            f"data fingerprint values must be str/int/float/bool/None; bad keys: {', '.join(map(str, bad))}"
+        )
+    return replace(meta, config={**dict(meta.config), "data": dict(fingerprint)})
+
+
+__all__ = [
+    "with_data",
+    "run_meta_for",
+    "select_eval_metrics",
+    "precision_setup",
+    "data_fingerprint",
+    "EVAL_NAME_PREFIXES",
+]

@@ -51,7 +51,7 @@ class KernelSpec:
     Attributes:
         device_type: ``"cpu"`` or ``"cuda"``.
         dtype: the observed tensor's dtype name (``"float32"``, ``"bfloat16"``, ``"float16"``).
-        row_length: C of the kernel's ``[R, C]`` view (:func:`fp8track.numerics.stats.row_length`);
+        row_length: C of the kernel's ``[R, C]`` view (:func:`fp8track.numerics.kernel_policy.row_length`);
             R is dynamic (>= 2).
         tail: whether the graph takes the zero-padded tail row.
     """

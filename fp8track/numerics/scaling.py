@@ -380,3 +380,28 @@ def pow2_block_scales(block_amax: torch.Tensor, fmt: str | FP8Format) -> torch.T
     scale = torch.exp2((exponent - 1).to(torch.float32))  # 2**floor(log2(raw)) for finite raw > 0
     usable = (a > 0) & torch.isfinite(a) & torch.isfinite(raw)
     return torch.where(usable, scale, torch.ones_like(scale))
+
+
+def block_fake_quantize(x2d: torch.Tensor, layout: str, fmt: FP8Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-quantise then dequantise a 2-D tensor along its last dimension.
+
+    Args:
+        x2d: 2-D tensor; blocks run along dim 1 (the GEMM's reduction dimension).
+        layout: a :data:`~fp8track.numerics.scaling.BLOCK_LAYOUTS` name: ``mxfp8`` (1x32, E8M0
+            scales rounded up as TE), ``block128`` (1x128, power-of-two scales), ``block128x128``
+            (128x128 tiles, power-of-two scales).
+        fmt: element format.
+
+    Returns:
+        ``(dequantised float32 tensor of x2d's shape, scales)``; scales have shape
+        ``[rows, blocks per row]`` (``[row tiles, column tiles]`` for tiles).
+    """
+    x = x2d.to(torch.float32)
+    size, tiles, _ = BLOCK_LAYOUTS[layout]
+    if x.numel() == 0:  # an expert without tokens
+        return x, x.new_ones(0, 0)
+    blocks, _ = blockify(x, layout)
+    _, scale = block_scales(blocks, layout, fmt)
+    deq = unblockify(dequantize(quantize(blocks, fmt, scale), scale), x.shape, layout)
+    grid = (-(-x.shape[0] // size), -(-x.shape[1] // size)) if tiles else (x.shape[0], -1)
+    return deq, scale.reshape(grid)

@@ -16,7 +16,7 @@ import math
 import torch
 
 from fp8track.numerics.formats import FP8Format, get_format
-from fp8track.numerics.scaling import scale_from_amax
+from fp8track.numerics.scaling import BLOCK_LAYOUTS, block_scales, blockify_rows, scale_from_amax
 from fp8track.numerics.stats_kernel import (
     NUM_SUM,
     PARTIAL_SIZE,
@@ -41,6 +41,7 @@ def segment_partial_stats(
     fmt: str | FP8Format,
     scale: torch.Tensor | None = None,
     margin: int = 0,
+    row_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Partials ``[groups, PARTIAL_SIZE]`` (float64, on ``x2d``'s device) of the row groups of ``x2d``.
 
@@ -53,6 +54,8 @@ def segment_partial_stats(
         scale: ``[G]`` float32 scales, or ``None`` for current scaling per group
             (``M / amax_g / 2**margin`` with Transformer Engine's guards).
         margin: current scaling's margin.
+        row_scale: ``[R]`` float32 scales, one per row (block recipes: each row one block), used
+            instead of the group's; the group's scale range is then that of its rows.
     """
     fmt = get_format(fmt)
     x2d = x2d.detach()
@@ -75,7 +78,10 @@ def segment_partial_stats(
         s_g = scale.to(device=dev, dtype=torch.float32).reshape(groups)
     p_g = _pow2_normaliser(amax_g)
     pad = torch.ones(1, dtype=torch.float32, device=dev)
-    s_rows = torch.cat([s_g, pad])[seg].unsqueeze(1)
+    if row_scale is not None:
+        s_rows = row_scale.to(device=dev, dtype=torch.float32).reshape(rows, 1)
+    else:
+        s_rows = torch.cat([s_g, pad])[seg].unsqueeze(1)
     p_rows = torch.cat([p_g, pad])[seg].unsqueeze(1)
     sums_rows = _row_sums(x32, s_rows, p_rows, fconst, fmt.dtype, torch.float64)  # [R, NUM_SUM - 1]
     sums = torch.zeros(groups + 1, NUM_SUM - 1, dtype=torch.float64, device=dev)
@@ -88,15 +94,71 @@ def segment_partial_stats(
     counts = counts[:groups]
     seen = counts > 0
     neg_inf = torch.full_like(counts, -math.inf)
-    s64 = s_g.to(torch.float64)
+    if row_scale is None:
+        s_max = s_min = s_g.to(torch.float64)
+    else:  # the range of the scales of the rows holding data (all rows where none does)
+        rs, occupied = s_rows.reshape(rows).to(torch.float64), row_amax > 0
+        any_occ = _segment_reduce(occupied.to(torch.float64), seg, groups, "amax", 0.0) > 0
+        use = occupied | ~torch.cat([any_occ, any_occ.new_zeros(1)])[seg]
+        s_max = _segment_reduce(torch.where(use, rs, -math.inf), seg, groups, "amax", -math.inf)
+        s_min = _segment_reduce(torch.where(use, rs, math.inf), seg, groups, "amin", math.inf)
     maxes = torch.stack([
         torch.where(seen, amax_g.to(torch.float64), neg_inf),
         torch.where(seen, -amin_g.to(torch.float64), neg_inf),
-        torch.where(seen, s64, neg_inf),
-        torch.where(seen, -s64, neg_inf),
+        torch.where(seen, s_max, neg_inf),
+        torch.where(seen, -s_min, neg_inf),
     ], dim=1)
     out = torch.cat([counts.unsqueeze(1), sums, maxes], dim=1)
     assert out.shape[1] == PARTIAL_SIZE
+    return out
+
+
+def segment_block_partial_stats(
+    x2d: torch.Tensor, seg: torch.Tensor, groups: int, layout: str, fmt: str | FP8Format
+) -> torch.Tensor:
+    """Partials ``[groups, PARTIAL_SIZE]`` of the row groups of ``x2d [R, C]`` under a row block
+    layout (``mxfp8`` 1x32, ``block128`` 1x128: blocks along each row, so every block belongs to its
+    row's group), each block with its own scale, as
+    :func:`fp8track.numerics.stats.block_partial_stats` judges one tensor (padding of a row's last
+    block out of the counts; the scale range over the blocks holding data)."""
+    fmt = get_format(fmt)
+    size, tiles, _ = BLOCK_LAYOUTS[layout]
+    if tiles:
+        raise ValueError(f"segment_block_partial_stats takes row layouts, not {layout!r} tiles")
+    rows = x2d.shape[0]
+    blocks, pad = blockify_rows(x2d.detach().to(torch.float32), size)
+    per_row = blocks.shape[0] // rows if rows else 0
+    _, scale = block_scales(blocks, layout, fmt)
+    out = segment_partial_stats(
+        blocks, seg.repeat_interleave(per_row), groups, fmt, row_scale=scale.reshape(-1)
+    )
+    if pad:
+        rows_g = torch.zeros(groups + 1, dtype=torch.float64, device=x2d.device)
+        rows_g = rows_g.index_add(0, seg, torch.ones(rows, dtype=torch.float64, device=x2d.device))
+        out[:, :2] -= (pad // rows * rows_g[:groups]).unsqueeze(1)
+    return out
+
+
+def expert_tile_partial_stats(w: torch.Tensor, layout: str, fmt: str | FP8Format) -> torch.Tensor:
+    """Partials ``[E, PARTIAL_SIZE]`` of each expert's slice ``w[e]`` of ``w [E, R, C]`` under
+    ``layout``, each judged on its own: a row layout by :func:`segment_block_partial_stats`, a tile
+    layout (``block128x128``) on every expert's ``[R, C]`` zero-padded to whole tiles (a tile never
+    holds two experts' weights; the padding out of the counts)."""
+    e, r, c = w.shape
+    size, tiles, _ = BLOCK_LAYOUTS[layout]
+    if not tiles:
+        seg = torch.arange(e, device=w.device).repeat_interleave(r)
+        return segment_block_partial_stats(w.reshape(e * r, c), seg, e, layout, fmt)
+    fmt = get_format(fmt)
+    pr, pc = (-r) % size, (-c) % size
+    padded = torch.nn.functional.pad(w.detach().to(torch.float32), (0, pc, 0, pr))
+    rt, ct = (r + pr) // size, (c + pc) // size
+    # [E, rt, size, ct, size] -> one tile per row, experts' tiles contiguous
+    tiles_ = padded.reshape(e, rt, size, ct, size).permute(0, 1, 3, 2, 4).reshape(e * rt * ct, size * size)
+    _, scale = block_scales(tiles_, layout, fmt)
+    seg = torch.arange(e, device=w.device).repeat_interleave(rt * ct)
+    out = segment_partial_stats(tiles_, seg, e, fmt, row_scale=scale.reshape(-1))
+    out[:, :2] -= float((r + pr) * (c + pc) - r * c)
     return out
 
 

@@ -4,7 +4,9 @@ Public entry point: :func:`quant_stats`. Underneath, the statistics are carried 
 one small float64 tensor per tensor observed, living on that tensor's device, built without any
 host synchronisation (:func:`partial_stats`). Partials of micro-batches or ranks combine exactly
 (:func:`merge_partials`, :func:`all_reduce_partials`); :func:`finalize` turns them into numbers
-on the host, once per logging step.
+on the host, once per logging step. Which path computes a partial (eager, compiled per row length,
+ahead of time) is :mod:`fp8track.numerics.kernel_policy`'s choice (:func:`set_compile`, re-exported
+here); every path gives the same numbers.
 
 Definitions (x upcast to float32, non-finite elements set aside; N = number of finite elements,
 ``d = saturating_cast(x * s) / s``, M = the format's max):
@@ -32,8 +34,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,6 +41,20 @@ import torch
 
 from fp8track.errors import ConfigError, invalid_choice
 from fp8track.numerics.formats import FP8Format, get_format
+from fp8track.numerics.kernel_policy import (  # noqa: F401  (the policy's controls, re-exported where they lived)
+    _POLICY,
+    COMPILE_MIN_NUMEL,
+    COMPILE_MODES,
+    KERNEL_ENV,
+    MAX_ROWS,
+    _CompilePolicy,
+    compiled_partial,
+    get_compile,
+    row_length,
+    set_compile,
+    wait_for_aot_kernels,
+    wants_compiled,
+)
 from fp8track.numerics.nvfp4 import (
     NVFP4Options,
     columnwise_operand,
@@ -55,7 +69,6 @@ from fp8track.numerics.scaling import (
     scale_from_amax,
 )
 from fp8track.numerics.stats_kernel import (  # noqa: F401  (MAX_FIELDS, SUM_FIELDS, OVERFLOW_RTOL: the partial layout, re-exported)
-    _CHUNK,
     _IDX,
     MAX_FIELDS,
     NUM_SUM,
@@ -63,9 +76,7 @@ from fp8track.numerics.stats_kernel import (  # noqa: F401  (MAX_FIELDS, SUM_FIE
     PARTIAL_FIELDS,
     PARTIAL_SIZE,
     SUM_FIELDS,
-    _compiled_partial,
     _fmt_consts,
-    _inductor_options,
     _merge_two,
     _tensor_partial_body,
     empty_partial,
@@ -90,172 +101,6 @@ STAT_NAMES: tuple[str, ...] = (
 
 BLOCK_RECIPES = tuple(BLOCK_LAYOUTS)
 """Block layouts :func:`block_quant_stats` accepts (the table lives in :mod:`fp8track.numerics.scaling`)."""
-
-# --- compilation policy ------------------------------------------------------------------------------
-
-COMPILE_MIN_NUMEL = 2 * _CHUNK
-"""Tensors with fewer elements take the eager path under the ``"auto"`` policy (see :func:`set_compile`)."""
-
-_COMPILE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-MAX_ROWS: dict[str, int] = {"cuda": 4096}
-"""Most rows of the compiled kernel's ``[R, C]`` view, per device type (absent: rows stay
-:data:`_CHUNK` long). On a GPU a row is one thread block's reduction: bounding R by lengthening rows
-keeps the over-rows stage small and the per-row stage parallel at every tensor size, whatever size
-the kernel was first compiled for."""
-
-
-def row_length(numel: int, device_type: str) -> int:
-    """Row length C of the compiled kernel for ``numel`` elements on ``device_type``: :data:`_CHUNK`,
-    doubled until ``numel / C`` rows fit :data:`MAX_ROWS` (a power of two, so a model meets few)."""
-    max_rows = MAX_ROWS.get(device_type)
-    c = _CHUNK
-    if max_rows is not None:
-        while c * max_rows < numel:
-            c *= 2
-    return c
-
-
-def _own_code(fn: Any) -> Any:
-    """``fn`` with a code object of its own. Dynamo caches compiled graphs, and counts recompiles
-    against its limit, per code object; a kernel per row length gets its own cache and budget."""
-    import types
-
-    return types.FunctionType(
-        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
-    )
-
-
-COMPILE_MODES = ("auto", "aot", "compiled", "eager")
-KERNEL_ENV = "FP8TRACK_STATS_KERNEL"
-"""Environment variable naming the initial compile mode (e.g. ``aot`` for a run started from the
-CLI or a Lightning script); :func:`set_compile` overrides it."""
-
-
-def _mode_from_env() -> str:
-    mode = os.environ.get(KERNEL_ENV, "auto")
-    if mode not in COMPILE_MODES:
-        raise invalid_choice(f"${KERNEL_ENV}", mode, COMPILE_MODES)
-    return mode
-
-
-class _CompilePolicy:
-    """Holds the compile mode and the lazily built compiled kernels (one per device type and row
-    length, per process)."""
-
-    def __init__(self) -> None:
-        self.mode: str = _mode_from_env()
-        self.kernels: dict[tuple[str, int], Any] = {}
-        self.failed = False
-        self.aot: Any = None  # fp8track.numerics.aot_kernels.AotKernels, made on first use of "aot"
-        # (device, dtype, row length, no tail) -> loaded runner, or None once its build failed
-        self.aot_runners: dict[tuple[torch.device, torch.dtype, int, bool], Any] = {}
-
-    def wants(self, x: torch.Tensor) -> bool:
-        if self.failed or self.mode == "eager" or x.dtype not in _COMPILE_DTYPES:
-            return False
-        return self.mode == "compiled" or x.numel() >= COMPILE_MIN_NUMEL
-
-    def get_kernel(self, device_type: str, row_len: int) -> Any:
-        key = (device_type, row_len)
-        kernel = self.kernels.get(key)
-        if kernel is None:
-            kernel = self.kernels[key] = torch.compile(
-                _own_code(_compiled_partial), options=_inductor_options()
-            )
-        return kernel
-
-    def run(self, main: torch.Tensor, tail: torch.Tensor | None, *args: torch.Tensor) -> torch.Tensor:
-        """:func:`_compiled_partial` on ``main`` (+ ``tail``): through the ahead-of-time package in
-        ``"aot"`` mode once it is built, else through ``torch.compile`` (R dynamic)."""
-        device, c, rows = main.device, main.shape[1], main.shape[0]
-        if self.mode == "aot" and rows >= 2:
-            key = (device, main.dtype, c, tail is None)
-            runner = self.aot_runners[key] if key in self.aot_runners else self._aot_runner(key)
-            if runner is not None:
-                return runner(main, tail, *args)
-        if rows >= 2:
-            torch._dynamo.mark_dynamic(main, 0)
-        return self.get_kernel(device.type, c)(main, tail, *args)
-
-    def _aot_runner(self, key: tuple[torch.device, torch.dtype, int, bool]) -> Any:
-        """Ask :class:`AotKernels` for the runner of ``key``; remember the answer once it is settled
-        (loaded, or failed: ``None``), so later calls skip the spec and the build poll."""
-        from fp8track.numerics import aot_kernels
-
-        if self.aot is None:
-            self.aot = aot_kernels.AotKernels()
-        device, dtype, c, no_tail = key
-        spec = aot_kernels.KernelSpec(device.type, str(dtype).removeprefix("torch."), c, not no_tail)
-        runner = self.aot.get(spec, device.index)
-        if runner is not None or spec in self.aot.failed:
-            self.aot_runners[key] = runner
-        return runner
-
-
-_POLICY = _CompilePolicy()
-
-
-def set_compile(mode: bool | str) -> None:
-    """Choose how :func:`partial_stats` runs (process-wide).
-
-    Args:
-        mode: ``"auto"`` (default: ``torch.compile`` for tensors of at least :data:`COMPILE_MIN_NUMEL`
-            elements, eager below, where call overhead dominates), ``"aot"`` (as ``"auto"``, but
-            each kernel variant is also compiled ahead of time by AOTInductor in a background
-            process and used once built: a fraction of the per-call host cost; see
-            :mod:`fp8track.numerics.aot_kernels`), ``"compiled"``/``True`` (always compile),
-            ``"eager"``/``False`` (never compile).
-
-    The compiled kernel is built on first use (a few seconds; the first compile in a process also
-    pays inductor's start-up). If compilation fails (e.g. no C++ compiler) a warning is issued
-    once and the eager path is used from then on. Both paths give the same counts and agree on the
-    sums to float rounding.
-    """
-    if mode is True:
-        mode = "compiled"
-    elif mode is False:
-        mode = "eager"
-    if mode not in COMPILE_MODES:
-        raise invalid_choice("compile mode", mode, COMPILE_MODES)
-    _POLICY.mode = str(mode)
-    _POLICY.failed = False
-
-
-def wait_for_aot_kernels(timeout_s: float = 600.0) -> dict[str, bool]:
-    """Block until every ahead-of-time kernel build started so far (``"aot"`` mode) has finished.
-
-    Training never needs this (it uses ``torch.compile`` until a package is ready); benchmarks and
-    tests do, to measure or check the packaged kernels. Returns ``{variant: loaded}``.
-    """
-    if _POLICY.aot is None:
-        return {}
-    return {str(spec): ok for spec, ok in _POLICY.aot.wait_all(timeout_s).items()}
-
-
-def get_compile() -> str:
-    """The current compile mode (one of :data:`COMPILE_MODES`)."""
-    return _POLICY.mode
-
-
-def _split_rows(x: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-    """``x`` flattened as ``main [R, c]`` (R >= 1, a view) and a zero-padded ``tail [1, c]``
-    (``None`` when the length is a multiple of ``c``, as most layer shapes are: that graph
-    skips the tail's reductions and buffers, which dominate the call cost of small tensors)."""
-    flat = x.reshape(-1)
-    n = flat.numel()
-    r = n // c
-    tail_n = n - r * c
-    if tail_n == 0 and r >= 1:
-        return flat.view(r, c), None, 0
-    tail = flat.new_zeros((1, c))
-    tail[0, :tail_n] = flat[r * c :]
-    pad = c - tail_n
-    if r == 0:
-        return tail, flat.new_zeros((1, c)), pad + c
-    return flat[: r * c].view(r, c), tail, pad
-
 
 def _assemble(body: torch.Tensor, numel: int, pad: int) -> torch.Tensor:
     """Prepend ``numel`` (padding excluded) and remove ``pad`` padding zeros from the finite count."""
@@ -336,18 +181,12 @@ def partial_stats(
     use_current = _flag(s is None, x.device)
     if s is None:
         s = _ignored_scale(x.device)  # a 0-d float32 placeholder, ignored under current scaling
-    if s.numel() == 1 and _POLICY.wants(x):
-        main, tail, tail_pad = _split_rows(x, row_length(n, x.device.type))
-        try:
-            acc = identity_partial(x.device) if into is None else into
-            out = _POLICY.run(main, tail, acc, s if s.dim() == 0 else s.reshape(()), use_current, fconst)
+    if s.numel() == 1 and wants_compiled(x):
+        acc = identity_partial(x.device) if into is None else into
+        compiled = compiled_partial(x, acc, s if s.dim() == 0 else s.reshape(()), use_current, fconst)
+        if compiled is not None:
+            out, tail_pad = compiled
             return _remove_padding(out, pad + tail_pad) if pad + tail_pad else out
-        except Exception as exc:  # compiler missing or broken: warn once, stay eager
-            _POLICY.failed = True
-            warnings.warn(
-                f"fp8track: torch.compile of the statistics kernel failed ({exc!r}); using eager",
-                stacklevel=2,
-            )
     if s.numel() > 1:
         # Block scales broadcast against x: rows are x's leading dims (each block a row).
         if x.dim() == 2:

@@ -1,5 +1,6 @@
 """The report's figures, drawn on ``matplotlib.figure.Figure`` (no pyplot, no global backend) and
-returned as base64 PNG text for ``<img src="data:image/png;base64,...">``."""
+returned as base64 PNG text for ``<img src="data:image/png;base64,...">``. The per-layer heatmaps
+are the one heatmap of :mod:`fp8track.trackers.heatmap` (also MLflow's ``fp8_heatmap.png``)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ import numpy as np
 from fp8track.analysis.baseline import RunData
 from fp8track.analysis.diagnose import Diagnosis, spike_config_for
 from fp8track.optional import require
+from fp8track.trackers.heatmap import LABEL_PT, MARK_COLOR
+from fp8track.trackers.heatmap import heatmap_figure as shared_heatmap_figure
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-FP8_COLOR, CONTROL_COLOR, BAD_COLOR = "#d62728", "#1f77b4", "#ff7f0e"
+FP8_COLOR, CONTROL_COLOR, BAD_COLOR = MARK_COLOR, "#1f77b4", "#ff7f0e"
 
 HEATMAPS: tuple[tuple[str, str], ...] = (
     ("underflow_pct", "underflow (% of nonzero elements flushed to zero)"),
@@ -26,14 +29,11 @@ HEATMAPS: tuple[tuple[str, str], ...] = (
     ("log10_one_minus_cos", "log10(1 - cosine similarity)"),
     ("scale_drift_log2", "scale drift (binades): log2(scale used / current scale)"),
 )
-"""Per-layer heatmaps: relative error rather than raw MSE, which scales with each tensor's magnitude."""
+"""Per-layer heatmaps (:data:`fp8track.trackers.heatmap.PANELS`): relative error rather than raw MSE,
+which scales with each tensor's magnitude."""
 
 DPI = 90
 """Pixels per inch of the PNGs; a 10-inch figure is 900 px wide, shown at that size in the report."""
-
-LABEL_PT = 9
-"""Heatmap row labels in points: 9 pt at :data:`DPI` is 11 px, readable at 1400 px window width."""
-
 
 def to_png_base64(fig: Figure) -> str:
     buf = io.BytesIO()
@@ -133,73 +133,12 @@ def eval_figure(fp8: RunData, control: RunData) -> Figure | None:
     return fig
 
 
-def _matrix(rows: Sequence[Any], stat: str) -> tuple[list[str], list[int], np.ndarray]:
-    from fp8track.trackers.mlflow import heatmap_matrix
-
-    source = {"rel_error_db": "sqnr_db", "log10_one_minus_cos": "cos"}.get(stat, stat)
-    labels, steps, m = heatmap_matrix(rows, source)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        if stat == "rel_error_db":
-            m = -m
-        elif stat == "log10_one_minus_cos":
-            m = np.log10(np.clip(1.0 - m, 1e-12, None))
-    m = np.where(np.isfinite(m), m, np.nan)
-    return labels, steps, m
-
-
 def heatmap_figure(rows: Sequence[Any], stat: str, title: str, mark: Sequence[str] = ()) -> Figure | None:
-    """Layer/tensor x step heatmap of one statistic; labels in ``mark`` (the top-ranked) in red."""
-    labels, steps, m = _matrix(rows, stat)
-    if not labels or not steps:
-        return None
-    fig = _figure(10, 1.4 + 0.25 * len(labels))
-    ax = fig.subplots()
-    cmap = "coolwarm" if stat == "scale_drift_log2" else "viridis"
-    vmin, vmax = colour_limits(m, steps, symmetric=stat == "scale_drift_log2")
-    im = ax.imshow(m, aspect="auto", interpolation="nearest", cmap=cmap, vmin=vmin, vmax=vmax)
-    ax.set_title(title, fontsize=10)
-    ax.set_yticks(range(len(labels)), labels, fontsize=LABEL_PT)
-    for tick in ax.get_yticklabels():
-        if tick.get_text().rsplit("/", 1)[0] in mark:
-            tick.set_color(FP8_COLOR)
-            tick.set_fontweight("bold")
-    ticks = np.linspace(0, len(steps) - 1, num=min(len(steps), 10)).round().astype(int)
-    ax.set_xticks(ticks, [str(steps[i]) for i in ticks], fontsize=8)
-    ax.set_xlabel(
-        "step"
-        + (
-            " (step 0, the warm-up, is left out of the colour scale)"
-            if 0 in steps[:1] and len(steps) > 1
-            else ""
-        )
-    )
-    finite = m[np.isfinite(m)]
-    extend = {(False, False): "neither", (True, False): "min", (False, True): "max", (True, True): "both"}[
-        (bool(finite.size and finite.min() < vmin), bool(finite.size and finite.max() > vmax))]
-    fig.colorbar(im, ax=ax, extend=extend)
-    return fig
-
-
-def colour_limits(m: np.ndarray, steps: Sequence[int], symmetric: bool = False) -> tuple[float, float]:
-    """``(vmin, vmax)`` of a heatmap's colour scale: the finite values of every column except step 0
-    (the warm-up: delayed scaling has no amax history yet, its extreme values would wash out every
-    later step), unless step 0 is the only column; ``symmetric`` gives ``(-L, L)`` around 0.
-    A flat or empty matrix gets a small non-empty range.
-
-    Example:
-        >>> colour_limits(np.array([[100.0, 1.0, 3.0], [-50.0, 2.0, 2.0]]), [0, 10, 20])
-        (1.0, 3.0)
-    """
-    cols = [i for i, s in enumerate(steps) if s != 0] or list(range(len(steps)))
-    vals = m[:, cols] if m.ndim == 2 and m.size else np.empty(0)
-    vals = vals[np.isfinite(vals)]
-    if symmetric:
-        lim = max(float(np.abs(vals).max()) if vals.size else 1.0, 1e-3)
-        return -lim, lim
-    if not vals.size:
-        return 0.0, 1.0
-    lo, hi = float(vals.min()), float(vals.max())
-    return (lo, hi) if hi > lo else (lo - 0.5, hi + 0.5)
+    """Layer/tensor x step heatmap of one statistic; labels in ``mark`` (the top-ranked) in red. The
+    one heatmap (:func:`fp8track.trackers.heatmap.heatmap_figure`, also MLflow's ``fp8_heatmap.png``)
+    with one panel."""
+    require("matplotlib", "the HTML report")
+    return shared_heatmap_figure(rows, (stat,), titles={stat: title}, mark=mark)
 
 
 def ranking_figure(d: Diagnosis, top: int = 15) -> Figure | None:

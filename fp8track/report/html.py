@@ -13,7 +13,9 @@ from __future__ import annotations
 import html
 import json
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from fp8track.analysis.baseline import RunData
 from fp8track.analysis.diagnose import Diagnosis, Finding
@@ -108,6 +110,33 @@ def _ranking_table(d: Diagnosis, top: int = 30) -> str:
     )
 
 
+def describe_problems(problems: Sequence[Mapping[str, Any]]) -> str:
+    """One line per run for the terminal and the report: ``metrics.jsonl: 3 damaged lines (12, 15,
+    40); tensor_stats.jsonl: missing``; empty when nothing was skipped."""
+    parts = []
+    for p in problems:
+        if p.get("missing"):
+            parts.append(f"{p['file']}: missing")
+            continue
+        lines = ", ".join(str(n) for n in p["lines"][:10]) + (", ..." if p["damaged_lines"] > 10 else "")
+        parts.append(f"{p['file']}: {p['damaged_lines']} damaged line(s) skipped ({lines})")
+    return "; ".join(parts)
+
+
+def _problems_html(fp8: RunData, control: RunData) -> str:
+    """The records the readers skipped, per run (nothing when both were read whole)."""
+    runs = (("FP8 run", fp8), ("BF16 control", control))
+    rows = [(name, text) for name, run in runs if (text := describe_problems(run.problems))]
+    if not rows:
+        return ""
+    cells = "".join(f"<tr><th>{html.escape(n)}</th><td>{html.escape(t)}</td></tr>" for n, t in rows)
+    return (
+        "<h2>Damaged records</h2><p>What the reader could not use was skipped; the diagnosis is drawn "
+        "from the rest (diagnosis.json: <code>data_problems</code>).</p>"
+        f'<table id="data-problems">{cells}</table>'
+    )
+
+
 def render_report(d: Diagnosis, fp8: RunData, control: RunData) -> str:
     """The report as one HTML string (figures inline as base64 PNG)."""
     e = html.escape
@@ -154,6 +183,7 @@ def render_report(d: Diagnosis, fp8: RunData, control: RunData) -> str:
                  f"<th>in noise units</th></tr>{rows}</table>")
     body = (
         f"<h1>fp8track diagnosis: {e(run_name(fp8))} vs {e(run_name(control))}</h1>{verdict}{summary}"
+        f"{_problems_html(fp8, control)}"
         f'<h2>Findings</h2><div id="findings">{"".join(_finding_html(f) for f in d.findings)}</div>'
         f"<h2>Loss and gap</h2>{fig('fig-loss')}"
         "<h2>Validation and downstream metrics</h2>"
@@ -181,4 +211,4 @@ def write_report(path: str | os.PathLike[str], d: Diagnosis, fp8: RunData, contr
     return out
 
 
-__all__ = ["render_report", "write_report", "METHOD"]
+__all__ = ["render_report", "write_report", "describe_problems", "METHOD"]

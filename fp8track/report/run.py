@@ -8,6 +8,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fp8track.analysis.baseline import RunData, load_run
 from fp8track.analysis.diagnose import Diagnosis, DiagnosisConfig, diagnose
@@ -25,6 +26,12 @@ class DiagnosisOutput:
     fp8: RunData
     control: RunData
     logged: tuple[str, ...] = field(default_factory=tuple)
+
+
+def data_problems(fp8: RunData, control: RunData) -> dict[str, list[dict[str, Any]]]:
+    """``{"fp8": [...], "control": [...]}``: per run, what its reader skipped
+    (:attr:`fp8track.analysis.baseline.RunData.problems`); empty lists when both were read whole."""
+    return {"fp8": [dict(p) for p in fp8.problems], "control": [dict(p) for p in control.problems]}
 
 
 def diagnose_runs(
@@ -56,7 +63,9 @@ def diagnose_runs(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / "diagnosis.json"
-    json_path.write_text(json.dumps(d.to_dict(), indent=2, allow_nan=False))
+    # What the readers skipped (damaged lines, missing files) travels with the diagnosis drawn from it.
+    payload = {**d.to_dict(), "data_problems": data_problems(fp8, control)}
+    json_path.write_text(json.dumps(payload, indent=2, allow_nan=False))
     html_path = write_report(out / "report.html", d, fp8, control)
     logged: list[str] = []
     run_id = mlflow_run_id or (str(fp8_ref)[len("mlflow:"):] if str(fp8_ref).startswith("mlflow:") else None)

@@ -11,7 +11,9 @@ from typing import Any
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from fp8track.sweep.executor import SweepOptions, find_parent, read_summary, run_sweep
+    from fp8track.sweep.executor import SweepOptions, run_sweep
+    from fp8track.sweep.finish import read_summary
+    from fp8track.sweep.mlflow_runs import find_parent
     from fp8track.sweep.spec import load_sweep
     from fp8track.sweep.summary import format_text
 
@@ -36,6 +38,14 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     if args.summary:
         from mlflow.tracking import MlflowClient
 
+        from fp8track.errors import ConfigError
+
+        store = options.mlflow_uri.removeprefix("sqlite:///")
+        if store != options.mlflow_uri and not Path(store).is_file():  # MLflow would create an empty one
+            raise ConfigError(
+                f"no sweep store at {options.mlflow_uri}: sweep {spec.name!r} has not run there "
+                "(run it first, or pass the --tracking-uri and --out it used)"
+            )
         client = MlflowClient(options.mlflow_uri)
         _exp_id, parent = find_parent(client, spec.name)
         print(f"sweep {spec.name!r}: parent run {parent} at {options.mlflow_uri}")
@@ -76,8 +86,8 @@ def _how_to_look(tracking_uri: str, name: str) -> str:
     """:func:`fp8track.sweep.links.how_to_look` for the sweep's trials, oldest first."""
     from mlflow.tracking import MlflowClient
 
-    from fp8track.sweep.executor import find_parent
     from fp8track.sweep.links import how_to_look
+    from fp8track.sweep.mlflow_runs import find_parent
 
     client = MlflowClient(tracking_uri)
     exp_id, parent = find_parent(client, name)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp8track.errors import ConfigError, invalid_choice, read_yaml_mapping
+from fp8track.errors import ConfigError, invalid_choice, read_yaml_mapping, short_repr
 
 METHODS = ("grid", "random", "bayes")
 GOALS = ("minimize", "maximize")
@@ -149,7 +149,7 @@ def load_sweep(
     method = raw.get("method")
     if method not in METHODS:
         hint = "'custom' needs a W&B server (wandb sweep + wandb agent)" if method == "custom" else ""
-        raise invalid_choice(f"{where}: method", method, METHODS, hint)
+        raise invalid_choice("method", method, METHODS, hint, where=where)
     metric = raw.get("metric")
     if not isinstance(metric, Mapping) or not metric.get("name"):
         raise ConfigError(
@@ -157,7 +157,7 @@ def load_sweep(
         )
     goal = metric.get("goal", "minimize")
     if goal not in GOALS:
-        raise invalid_choice(f"{where}: metric goal", goal, GOALS)
+        raise invalid_choice("metric goal", goal, GOALS, where=where)
     if not raw.get("program"):
         raise ConfigError(f"{where}: program is missing: the script or module each trial runs, e.g. train.py")
     program = str(raw["program"])
@@ -180,7 +180,7 @@ def load_sweep(
         raise ConfigError(f"{where} fails the W&B sweep schema: " + "; ".join(violations))
     run_cap = raw.get("run_cap")
     if run_cap is not None and (not isinstance(run_cap, int) or isinstance(run_cap, bool) or run_cap < 1):
-        raise ConfigError(f"{where}: run_cap must be an integer >= 1, got {run_cap!r}")
+        raise ConfigError(f"{where}: run_cap must be an integer >= 1, got {short_repr(run_cap)}")
     return SweepSpec(
         name=str(raw.get("name") or ("sweep" if isinstance(source, Mapping) else Path(source).stem)),
         method=method, metric=str(metric["name"]), goal=goal, params=params,
@@ -200,7 +200,8 @@ def _params(section: Any, where: str, example: bool) -> tuple[Param, ...]:
             raise ConfigError(f"{where}: parameter name {name!r} must match {NAME_RE.pattern}")
         if not isinstance(body, Mapping):
             raise ConfigError(
-                f"{where}: parameter {name!r} must be a mapping (value, values or min/max), got {body!r}"
+                f"{where}: parameter {name!r} must be a mapping (value, values or min/max), "
+                f"got {short_repr(body)}"
             )
         if "parameters" in body:
             raise ConfigError(
@@ -209,7 +210,7 @@ def _params(section: Any, where: str, example: bool) -> tuple[Param, ...]:
             )
         if options is not None and name not in options:
             raise invalid_choice(
-                f"{where}: parameter (not an option of the sweep program)", name, sorted(options)
+                "parameter (not an option of the sweep program)", name, sorted(options), where=where
             )
         out.append(_param(name, body, where, example))
     names = {p.name for p in out}
@@ -226,16 +227,18 @@ def _param(name: str, body: Mapping[str, Any], where: str, example: bool) -> Par
                           f"{', '.join(has) or 'none of them'}")
     if "value" in body:
         if body["value"] is None or isinstance(body["value"], (dict, list)):
-            raise ConfigError(f"{where}: parameter {name!r} value must be a scalar, got {body['value']!r}")
+            raise ConfigError(
+                f"{where}: parameter {name!r} value must be a scalar, got {short_repr(body['value'])}"
+            )
         p = Param(name, "constant", value=body["value"])
     elif "values" in body:
         values = body["values"]
         if not isinstance(values, list) or not values:
             raise ConfigError(f"{where}: parameter {name!r} has no values (values must be a non-empty list)")
         if any(v is None or isinstance(v, (dict, list)) for v in values):
-            raise ConfigError(f"{where}: parameter {name!r} values must be scalars, got {values!r}")
+            raise ConfigError(f"{where}: parameter {name!r} values must be scalars, got {short_repr(values)}")
         if len(set(map(str, values))) != len(values):
-            raise ConfigError(f"{where}: parameter {name!r} lists a value twice: {values!r}")
+            raise ConfigError(f"{where}: parameter {name!r} lists a value twice: {short_repr(values)}")
         p = Param(name, "categorical", values=tuple(values))
     else:
         low, high = body.get("min"), body.get("max")
@@ -249,7 +252,7 @@ def _param(name: str, body: Mapping[str, Any], where: str, example: bool) -> Par
         default = "int_uniform" if isinstance(low, int) and isinstance(high, int) else "uniform"
         dist = body.get("distribution", default)
         if dist not in DISTRIBUTIONS[2:]:
-            raise invalid_choice(f"{where}: distribution of {name!r}", dist, DISTRIBUTIONS[2:])
+            raise invalid_choice(f"distribution of {name!r}", dist, DISTRIBUTIONS[2:], where=where)
         if dist == "log_uniform_values" and low <= 0:
             raise ConfigError(f"{where}: parameter {name!r}: log_uniform_values needs min > 0, got {low!r}")
         p = Param(name, dist, low=low, high=high)
@@ -291,7 +294,7 @@ def _hyperband(section: Any, where: str) -> Hyperband | None:
         return None
     if not isinstance(section, Mapping) or section.get("type") != "hyperband":
         kind = section.get("type") if isinstance(section, Mapping) else section
-        raise invalid_choice(f"{where}: early_terminate type", kind, ("hyperband",))
+        raise invalid_choice("early_terminate type", kind, ("hyperband",), where=where)
     eta = section.get("eta", 3)
     min_iter, max_iter, s = section.get("min_iter"), section.get("max_iter"), section.get("s")
     for key, v in (("eta", eta), ("min_iter", min_iter), ("max_iter", max_iter), ("s", s)):

@@ -17,7 +17,7 @@ import threading
 import time
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from typing import Any
 from fp8track.errors import ConfigError, check_float, check_int
 from fp8track.monitoring import naming
 from fp8track.monitoring.records import EventRecord, RunMeta, StepBatch, TensorStatsRow, redact
+from fp8track.trackers.retry import NO_RETRY, Backoff, call_with_backoff
 
 SYNC_DIR = "sync"
 """Sub-directory of a run directory holding one ``<tracker>.missed.jsonl`` file per tracker."""
@@ -163,37 +164,6 @@ def tensor_stat_columns(rows: Sequence[TensorStatsRow]) -> list[str]:
     return known + [k for k in seen if k not in STAT_NAMES]
 
 
-def call_with_backoff(
-    call: Callable[[], Any],
-    *,
-    transient: Callable[[BaseException], bool],
-    for_s: float,
-    initial_s: float,
-    max_s: float,
-    wait: Callable[[float], Any] = time.sleep,
-    stopped: Callable[[], bool] | None = None,
-    on_retry: Callable[[BaseException], None] | None = None,
-) -> Any:
-    """``call()``, called again after an exception that ``transient`` accepts: the waits start at
-    ``initial_s`` seconds and double up to ``max_s``, for up to ``for_s`` seconds from the first
-    failure (0: no retry). Then, or for any other exception, or once ``stopped()``, the exception
-    is raised. ``wait(seconds)`` sleeps (an ``Event.wait`` lets a stop cut it short);
-    ``on_retry(exc)`` runs before each wait."""
-    delay, deadline = initial_s, None
-    while True:
-        try:
-            return call()
-        except Exception as exc:
-            now = time.monotonic()
-            deadline = now + for_s if deadline is None else deadline
-            if not for_s or now >= deadline or (stopped is not None and stopped()) or not transient(exc):
-                raise
-            if on_retry is not None:
-                on_retry(exc)
-            wait(min(delay, max(deadline - now, 0.0)))
-            delay = min(2 * delay, max_s)
-
-
 class Tracker(ABC):
     """A destination for step batches (W&B, MLflow, ...).
 
@@ -236,8 +206,8 @@ class QueuedTracker(Tracker):
     not blocked by network or database I/O. Subclasses implement :meth:`_deliver` (runs in the
     worker) and optionally :meth:`_close` (runs in :meth:`finish` after the queue is drained).
     A ``_deliver`` that fails with a *transient* error (:meth:`_transient`: the server is down or
-    slow) is retried with exponential back-off (``retry_initial_s`` doubling up to
-    ``retry_max_s``) for up to ``retry_for_s`` per batch; batches logged meanwhile wait in the
+    slow) is retried with exponential back-off as ``retry`` says (:class:`Backoff`: ``initial_s``
+    doubling up to ``max_s``, for up to ``for_s`` per batch); batches logged meanwhile wait in the
     queue, in order, and go out once the destination is back, so an outage shorter than that
     loses nothing and needs no ``fp8track sync``. The first retry of an outage is reported once
     through :meth:`take_notices`. ``_deliver`` must therefore be idempotent for one batch (the
@@ -252,8 +222,7 @@ class QueuedTracker(Tracker):
             (no retries: the caller's thread must not sleep).
         max_queue: batches that may wait for the worker before :meth:`log` refuses more.
         finish_timeout_s: how long :meth:`finish` waits for the worker to drain the queue.
-        retry_for_s: seconds one batch may be retried (0 = fail at once).
-        retry_initial_s, retry_max_s: first and largest wait between two retries.
+        retry: how one batch is retried (:class:`Backoff`; the default ``for_s=0`` fails at once).
     """
 
     def __init__(
@@ -262,20 +231,15 @@ class QueuedTracker(Tracker):
         background: bool = True,
         max_queue: int = 10_000,
         finish_timeout_s: float = 600.0,
-        retry_for_s: float = 0.0,
-        retry_initial_s: float = 0.5,
-        retry_max_s: float = 30.0,
+        retry: Backoff = NO_RETRY,
     ) -> None:
         check_int("max_queue", max_queue, 1)
         check_float("finish_timeout_s", finish_timeout_s, 0.0, strict=True)
-        check_float("retry_for_s", retry_for_s, 0.0)
-        check_float("retry_initial_s", retry_initial_s, 0.0, strict=True)
-        check_float("retry_max_s", retry_max_s, retry_initial_s)
+        if not isinstance(retry, Backoff):
+            raise ConfigError(f"retry must be a fp8track.trackers.retry.Backoff, got {retry!r}")
         self.background = bool(background)
         self.finish_timeout_s = float(finish_timeout_s)
-        self.retry_for_s = float(retry_for_s)
-        self.retry_initial_s = float(retry_initial_s)
-        self.retry_max_s = float(retry_max_s)
+        self.retry = retry
         self.retries = 0  # deliveries retried over the tracker's life
         self._notices: list[str] = []
         self._in_outage = False
@@ -322,15 +286,13 @@ class QueuedTracker(Tracker):
                 self._in_outage = True
                 self._notice(
                     f"step {batch.step} not delivered ({type(exc).__name__}: {str(exc)[:300]}); retrying "
-                    f"with back-off from {self.retry_initial_s:g} s to {self.retry_max_s:g} s for up to "
-                    f"{self.retry_for_s:g} s per step, later steps wait in the queue"
+                    f"{self.retry.describe()} per step, later steps wait in the queue"
                 )
             self.retries += 1
 
         call_with_backoff(
-            lambda: self._deliver(batch), transient=self._transient, for_s=self.retry_for_s,
-            initial_s=self.retry_initial_s, max_s=self.retry_max_s, wait=self._stop.wait,
-            stopped=self._stop.is_set, on_retry=on_retry,
+            lambda: self._deliver(batch), transient=self._transient, backoff=self.retry,
+            wait=self._stop.wait, stopped=self._stop.is_set, on_retry=on_retry,
         )  # fmt: skip
         self._in_outage = False
 

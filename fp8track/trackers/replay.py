@@ -12,6 +12,9 @@ in a metric history; W&B gains a second row with the same ``trainer/global_step`
 ``fp8track sync --mlflow-uri`` without ``--mlflow-run-id`` completes the MLflow run that already
 carries the run directory's ``fp8track.run_id`` tag (the training's own run, or the run an earlier
 sync created): a second sync finds it and sends only what is still missed, never a second run.
+``fp8track sync --wandb-dir`` does the same for W&B: its run's id is derived from the run
+directory's ``fp8track.run_id`` (``fp8track-<run id>``), and a run of that id already under
+``--wandb-dir`` gets only what is still missed (nothing, after a complete sync).
 """
 
 from __future__ import annotations
@@ -21,13 +24,13 @@ import dataclasses
 import json
 import os
 import queue
+import re
 import time
 from collections.abc import Iterable
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from fp8track.errors import ConfigError
+from fp8track.errors import ConfigError, dataclass_from_dict
 from fp8track.monitoring.records import RunMeta, RunReader, redact
 from fp8track.trackers.base import QueuedTracker, StepBatch, Tracker, missed_path, read_missed
 
@@ -61,8 +64,7 @@ def step_batches(run_dir: str | os.PathLike[str]) -> dict[int, StepBatch]:
 def run_meta(run_dir: str | os.PathLike[str]) -> RunMeta:
     """The :class:`RunMeta` stored in ``meta.json`` (unknown keys ignored)."""
     d = RunReader(run_dir).meta()
-    known = {f.name for f in fields(RunMeta)}
-    return RunMeta(**{k: v for k, v in d.items() if k in known})
+    return dataclass_from_dict(RunMeta, d, strict=False)
 
 
 def replay(run_dir: str | os.PathLike[str], tracker: Tracker, only_missed: bool = True) -> int:
@@ -178,6 +180,40 @@ def find_mlflow_run(client: Any, fp8track_run_id: str | None) -> str | None:
     return runs[0].info.run_id if runs else None
 
 
+def wandb_sync_id(fp8track_run_id: str) -> str:
+    """The W&B run id ``fp8track sync --wandb-dir`` gives the run of a run directory: derived from
+    its ``fp8track.run_id``, so a second sync finds (and resumes) the same run."""
+    return "fp8track-" + re.sub(r"[^A-Za-z0-9_-]", "-", fp8track_run_id)[:48]
+
+
+def find_wandb_run(wandb_dir: str | os.PathLike[str], wandb_run_id: str) -> Path | None:
+    """The local folder of the W&B run ``wandb_run_id`` under ``<wandb_dir>/wandb`` (offline
+    ``offline-run-<time>-<id>``, online ``run-<time>-<id>``), the earliest; None when there is none."""
+    found = sorted(Path(wandb_dir, "wandb").glob(f"*run-*-{wandb_run_id}"))
+    return found[0] if found else None
+
+
+def _sync_wandb(run_dir: Path, meta: RunMeta, args: argparse.Namespace) -> dict[str, Any]:
+    """``fp8track sync --wandb-dir``: idempotent. The run's id is derived from the run directory
+    (:func:`wandb_sync_id`) unless ``--wandb-run-id`` names one; when that run already exists (a
+    folder under ``--wandb-dir``, or the named run) only what is still missed is sent, so a second
+    sync sends nothing twice and opens no second run."""
+    from fp8track.trackers.wandb import WandbTracker
+
+    run_id = args.wandb_run_id or wandb_sync_id(meta.run_id)
+    previous = find_wandb_run(args.wandb_dir, run_id)
+    existing = args.wandb_run_id is not None or previous is not None
+    tracker = WandbTracker.create(
+        project=args.wandb_project, name=meta.name, dir=args.wandb_dir, mode=args.wandb_mode,
+        run_id=run_id, resume="must" if args.wandb_run_id else "allow", tracker_name=args.wandb_name,
+        background=False, lazy=True,
+    )  # fmt: skip
+    n = replay(run_dir, tracker, only_missed=existing and not args.all)
+    where = tracker.run.dir if tracker.opened else previous
+    return {"run_id": run_id, "run_dir": str(where), "existing_run": existing, "steps": n,
+            "still_missed": missed_steps(run_dir, tracker.name)}
+
+
 # -- CLI -------------------------------------------------------------------------------------------
 def _cmd_sync(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
@@ -191,7 +227,16 @@ def _cmd_sync(args: argparse.Namespace) -> int:
         from fp8track.trackers.mlflow import MLflowTracker
 
         client = require("mlflow", "fp8track sync --mlflow-uri").MlflowClient(args.mlflow_uri)
-        run_id = args.mlflow_run_id or find_mlflow_run(client, meta.run_id)
+        try:  # one call first: an unreachable or refusing store is one line, not a traceback
+            run_id = args.mlflow_run_id or find_mlflow_run(client, meta.run_id)
+            if run_id is not None:
+                client.get_run(run_id)
+        except Exception as exc:  # MLflow's, requests' and SQLAlchemy's errors have many types
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            raise ConfigError(
+                f"--mlflow-uri {args.mlflow_uri}: the MLflow store cannot be used "
+                f"({type(exc).__name__}: {first}); check that the server runs and the URI is right"
+            ) from None
         tracker = MLflowTracker(
             client=client, run_id=run_id, experiment_name=args.mlflow_experiment,
             run_name=meta.name, name=args.mlflow_name, background=False,
@@ -204,18 +249,7 @@ def _cmd_sync(args: argparse.Namespace) -> int:
         report["mlflow"] = {"run_id": tracker.run_id, "existing_run": run_id is not None, "steps": n,
                             "still_missed": missed_steps(run_dir, tracker.name)}
     if args.wandb_dir:
-        from fp8track.trackers.wandb import WandbTracker
-
-        tracker = WandbTracker.create(
-            project=args.wandb_project, name=meta.name, dir=args.wandb_dir, mode=args.wandb_mode,
-            run_id=args.wandb_run_id, tracker_name=args.wandb_name, background=False,
-        )
-        n = replay(run_dir, tracker, only_missed=args.wandb_run_id is not None and not args.all)
-        report["wandb"] = {
-            "run_dir": str(tracker.run.dir),
-            "steps": n,
-            "still_missed": missed_steps(run_dir, tracker.name),
-        }
+        report["wandb"] = _sync_wandb(run_dir, meta, args)
     print(json.dumps(report, indent=2))
     return 0
 
@@ -236,10 +270,13 @@ def add_subparser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--mlflow-experiment", default="fp8track", help="experiment for a new MLflow run")
     p.add_argument("--mlflow-name", default="mlflow", help="tracker name whose missed file to read")
-    p.add_argument("--wandb-dir", help="directory for a new W&B run (upload it later with `wandb sync`)")
+    p.add_argument(
+        "--wandb-dir", help="directory of the W&B run (a folder; upload it later with `wandb sync`)"
+    )
     p.add_argument(
         "--wandb-run-id",
-        help="existing online run to resume and complete (default: a new run with every step)",
+        help="existing online run to resume and complete (default: the run fp8track-<run id> of this run "
+        "directory, every step the first time, what is still missed after)",
     )
     p.add_argument("--wandb-project", default="fp8track")
     p.add_argument("--wandb-mode", default="offline", choices=("online", "offline"))

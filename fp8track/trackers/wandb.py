@@ -44,6 +44,12 @@ from fp8track.trackers.base import (
     scalar_metrics,
     tensor_stat_columns,
 )
+from fp8track.trackers.expert_views import (
+    EXPERT_HEATMAP_CAPTION,
+    EXPERT_HEATMAP_KEY,
+    ExpertHeatmap,
+    figure_image,
+)
 
 if TYPE_CHECKING:
     import wandb
@@ -125,6 +131,7 @@ class WandbTracker(QueuedTracker):
         self._steps_since_table = 0
         self._last_step = 0
         self._last_alert: dict[str, float] = {}  # title -> time.monotonic() of the last alert sent
+        self._experts = ExpertHeatmap()  # MoE: experts x steps, logged at the end (trackers.expert_views)
         self.alerts_sent = 0
 
     @classmethod
@@ -138,10 +145,12 @@ class WandbTracker(QueuedTracker):
         run_id: str | None = None,
         tracker_name: str = "wandb",
         lazy: bool = False,
+        resume: str = "must",
         **kwargs: Any,
     ) -> WandbTracker:
         """Open a run owned by the tracker: ``wandb.init(project, name, dir, mode,
-        reinit="create_new")``, resuming ``run_id`` when given (``resume="must"``). ``mode`` is
+        reinit="create_new")``, with the id ``run_id`` when given (``resume``: ``"must"``, an
+        existing run; ``"allow"``, that run if it exists, else a new one with this id). ``mode`` is
         passed to ``wandb.init`` only; the environment is not touched. ``lazy`` opens the run on
         first use instead, so a failing ``wandb.init`` cannot stop training (its steps are
         recorded as missed). ``kwargs`` go to the tracker's constructor."""
@@ -149,12 +158,21 @@ class WandbTracker(QueuedTracker):
         valid_modes = ("online", "offline", "disabled", "shared")
         if mode not in valid_modes:
             raise invalid_choice("W&B mode", mode, valid_modes)
-        resume = {"id": run_id, "resume": "must"} if run_id else {}
+        if resume not in ("must", "allow"):
+            raise invalid_choice("W&B resume", resume, ("must", "allow"))
+        resume_args = {"id": run_id, "resume": resume} if run_id else {}
 
         def open_run() -> wandb.Run:
-            return wandb.init(project=project, name=name, dir=dir, mode=mode, reinit="create_new", **resume)
+            return wandb.init(
+                project=project, name=name, dir=dir, mode=mode, reinit="create_new", **resume_args
+            )
 
         return cls(open_run if lazy else open_run(), own_run=True, name=tracker_name, **kwargs)
+
+    @property
+    def opened(self) -> bool:
+        """Whether the run is open (a lazily opened run is not until first use)."""
+        return self._wandb_run is not None
 
     @property
     def run(self) -> wandb.Run:
@@ -246,6 +264,7 @@ class WandbTracker(QueuedTracker):
             self._added_step = batch.step
             if batch.tensor_rows:
                 self._add_tensor_rows(batch.tensor_rows)
+                self._experts.add(batch.tensor_rows)
             if batch.events:
                 self._add_events(batch.events)
             if batch.tensor_rows or any(ev.kind in EVENT_TABLES for ev in batch.events):
@@ -286,6 +305,11 @@ class WandbTracker(QueuedTracker):
                     self._record_failure(step, TablesNotWritten(exc))
                 raise
             self._tables_logged()
+        fig = self._experts.figure()
+        if fig is not None:  # MoE: the experts x steps heatmap (trackers.expert_views)
+            wandb = require("wandb", "the W&B tracker")
+            image = wandb.Image(figure_image(fig), caption=EXPERT_HEATMAP_CAPTION)
+            self._ensure_run().log({EXPERT_HEATMAP_KEY: image, self.step_metric: self._last_step})
         if self.own_run:
             self.run.finish()
 

@@ -23,6 +23,8 @@ from fp8track.lightning import FP8Monitor
 from fp8track.monitoring.records import RunReader
 from fp8track.numerics import stats
 
+from helpers.lightning import quiet_trainer
+
 pytestmark = pytest.mark.slow
 
 STEPS, EVERY = 7, 3
@@ -149,10 +151,7 @@ class Net(pl.LightningModule):
 
 def _fit(tmp_path, model: pl.LightningModule, name: str) -> dict:
     mon = FP8Monitor(every_n_steps=EVERY, trackers="none", log_dir=str(tmp_path / name))
-    trainer = pl.Trainer(
-        accelerator="cpu", max_steps=STEPS, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path, callbacks=[mon],
-    )
+    trainer = quiet_trainer(tmp_path, [mon], max_steps=STEPS)
     inner = model._orig_mod if hasattr(model, "_orig_mod") else model
     trainer.fit(model)
     series = RunReader(mon.run_dir).series()

@@ -16,6 +16,8 @@ from torch import nn
 from fp8track.examples.gpt import build_example, train_loop
 from fp8track.execution.apply import apply_fp8
 
+from helpers.lightning import quiet_trainer
+
 RECIPES = ["delayed", "current", "mxfp8", "block", "fp8_input_bf16_gemm"]
 GPT_KW = dict(n_layer=2, n_embd=32, n_head=2, block_size=32, batch_size=16, lr=3e-3, max_bytes=300_000)
 GPT_STEPS = 150
@@ -96,7 +98,6 @@ def test_mlp_regression_fp8_tracks_bf16():
 
 
 def test_lightning_module_logs_losses_and_data_module_reads_any_file(tmp_path):
-    import lightning as L
 
     from fp8track.examples.gpt import CharDataModule, stdlib_text
 
@@ -109,15 +110,9 @@ def test_lightning_module_logs_losses_and_data_module_reads_any_file(tmp_path):
     )
     assert report.bf16_layers[0] == ("model.blocks.0.attn.qkv", "first:1 (block model.blocks.0)")
     data = CharDataModule(path, block_size=32, batch_size=8)
-    trainer = L.Trainer(
-        max_epochs=1,
-        limit_train_batches=3,
-        limit_val_batches=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        precision="bf16-mixed",
+    trainer = quiet_trainer(
+        None, max_epochs=1, limit_train_batches=3, limit_val_batches=2, precision="bf16-mixed",
+        accelerator="auto",
     )
     trainer.fit(module, datamodule=data)
     assert {"train_loss", "val_loss"} <= set(trainer.callback_metrics)

@@ -1,6 +1,5 @@
 """DDP with 2 CPU processes (gloo): one run directory, statistics reduced over both ranks' data."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,14 +11,15 @@ from fp8track.monitoring.records import RunReader
 from fp8track.numerics.nvfp4 import max_blockwise_dynamic_range
 from fp8track.numerics.stats import finalize, merge_partials, partial_stats
 
+from helpers.dist_sizes import DDP_BATCH, DDP_D_IN
+from helpers.subprocesses import python_env
+
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_monitor.py"
-sys.path.insert(0, str(SCRIPT.parent))
-import ddp_monitor  # noqa: E402
 
 
 @pytest.mark.slow
 def test_ddp_two_ranks_reduce_to_single_process_statistics(tmp_path):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env = python_env(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
     )
@@ -37,7 +37,7 @@ def test_ddp_two_ranks_reduce_to_single_process_statistics(tmp_path):
     assert not torch.equal(rank_batches[0], rank_batches[1])
     expected = finalize(merge_partials([partial_stats(b, "e4m3") for b in rank_batches]), "e4m3")
     got = rows[(0, "net.0", "activation")]
-    assert got["numel"] == 2 * ddp_monitor.BATCH * ddp_monitor.D_IN
+    assert got["numel"] == 2 * DDP_BATCH * DDP_D_IN
     for k in ("amax", "amin", "underflow_pct", "overflow_pct", "scale"):  # counts and extrema: exact
         assert got[k] == expected[k], k
     # Sums may be accumulated in another order in another process (compiled kernel vs the eager

@@ -19,6 +19,8 @@ STEPS, EVERY = 30, 5
 
 @pytest.mark.slow
 def test_demo_trains_three_runs_diagnoses_and_keeps_wandb_runs_apart(tmp_path):
+    """Long (about 45 s): `fp8track demo` as a user runs it, in a fresh process: three trainings, two
+    diagnoses, MLflow and W&B offline."""
     out = tmp_path / "demo"
     proc = subprocess.run(
         [

@@ -5,14 +5,12 @@ import json
 import subprocess
 import sys
 from html.parser import HTMLParser
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_diagnose import PLANTED, _pair, _rows  # noqa: E402
-
 from fp8track.analysis.synthetic_loss import plant_divergence  # noqa: E402
+
+from helpers.synthetic_runs import PLANTED, layer_rows, synthetic_pair
 
 
 def _cli(*args, cwd=None):
@@ -41,9 +39,9 @@ class _Imgs(HTMLParser):
 def _planted(tmp_path):
     # the planted layer from step 150 and the loss rising from 160: a mid-training gap naming it, and
     # the layer outlier (statistics nominate, the loss decides)
-    run, ctl = _pair(
+    run, ctl = synthetic_pair(
         tmp_path,
-        fp8_rows=lambda rng: _rows(rng, planted_from=150),
+        fp8_rows=lambda rng: layer_rows(rng, planted_from=150),
         fp8_loss=lambda c, rng: plant_divergence(c * (1 + rng.normal(0, 0.002, len(c))), 160, 0.004),
     )
     return tmp_path / "fp8", tmp_path / "control"

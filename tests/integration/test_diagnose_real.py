@@ -12,7 +12,11 @@ from torch.utils.data import DataLoader, TensorDataset
 from fp8track.analysis.baseline import load_run
 from fp8track.analysis.diagnose import diagnose
 from fp8track.execution.apply import apply_fp8
+from fp8track.execution.faults import Fault
+from fp8track.execution.faults import plant as plant_fault
 from fp8track.lightning import FP8Monitor
+
+from helpers.lightning import quiet_trainer
 
 STEPS, PLANT_FROM = 240, 140
 
@@ -24,7 +28,6 @@ class Net(pl.LightningModule):
     def __init__(self, recipe: str, plant: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.plant = plant
         self.body = nn.Sequential(
             nn.Linear(17, 64),
             nn.ReLU(),
@@ -34,16 +37,14 @@ class Net(pl.LightningModule):
             nn.ReLU(),
             nn.Linear(64, 1),
         )
-        with torch.no_grad():
-            self.body[0].weight[:, 16] = 0.0
-        mask = torch.ones_like(self.body[0].weight)
-        mask[:, 16] = 0.0
-        self.body[0].weight.register_hook(lambda g: g * mask)
         apply_fp8(self, recipe, backend="emulated")
+        # input 16 is the sink feature (0, appended by _forward), its weight column held at exactly
+        # zero in every run; the planted run's training passes carry 1e6 there from PLANT_FROM on
+        sink = Fault("sink", windows=((PLANT_FROM, None),), value=1e6 if plant else 0.0, channels=(16,))
+        plant_fault(self, sink, ["body.0"], clock=lambda: self.global_step)
 
     def _forward(self, x):
-        value = 1e6 if self.plant and self.training and self.global_step >= PLANT_FROM else 0.0
-        return self.body(torch.cat([x, torch.full_like(x[:, :1], value)], dim=1))
+        return self.body(torch.cat([x, torch.zeros_like(x[:, :1])], dim=1))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -72,9 +73,7 @@ class Net(pl.LightningModule):
 
 def _fit(tmp_path, name, recipe, plant=False):
     mon = FP8Monitor(every_n_steps=5, log_dir=tmp_path / name, trackers="none")
-    trainer = pl.Trainer(accelerator="cpu", max_steps=STEPS, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                         callbacks=[mon], val_check_interval=60, num_sanity_val_steps=0)
+    trainer = quiet_trainer(tmp_path, [mon], max_steps=STEPS, val_check_interval=60, num_sanity_val_steps=0)
     trainer.fit(Net(recipe, plant))
     return load_run(mon.monitor.run_dir)
 

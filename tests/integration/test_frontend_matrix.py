@@ -21,6 +21,8 @@ import fp8track
 from fp8track.monitoring.naming import LOSS_METRIC, canonical_layer_names, run_metric
 from fp8track.monitoring.records import RunReader
 
+from helpers.lightning import quiet_trainer
+
 pytestmark = pytest.mark.slow
 
 
@@ -151,21 +153,6 @@ def test_hf_trainer_with_accumulation_records_the_loss_hf_logs(tmp_path, tokens_
         report.fp8_layers
     ) == 15
     assert [e.kind for e in cb.events] == ["run_end"]
-
-
-def test_hf_trainer_callback_not_attached_is_refused_before_the_first_step(tmp_path):
-    from fp8track.hf import FP8TrainerCallback
-
-    model = tiny_llama()
-    from transformers import Trainer, TrainingArguments
-
-    args = TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=2, report_to="none", use_cpu=True,
-                             save_strategy="no", disable_tqdm=True)
-    trainer = Trainer(model=model, args=args, train_dataset=token_data(), callbacks=[FP8TrainerCallback()])
-    before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(fp8track.ConfigError, match=r"attach\(trainer\)"):
-        trainer.train()
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # no step ran
 
 
 def test_hf_trainer_report_to_mlflow_puts_fp8_metrics_beside_hf_loss(tmp_path, monkeypatch):
@@ -343,22 +330,16 @@ def _lightning_net(manual: bool, returns_loss: bool = True):
 
 
 def test_lightning_bf16_mixed_with_accumulation(tmp_path):
-    import lightning.pytorch as pl
 
     net = _lightning_net(manual=False)
     fp8track.apply_fp8(net, "delayed", backend="emulated")
     monitor = fp8track.FP8Monitor(every_n_steps=2, trackers="none", log_dir=str(tmp_path / "runs"))
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
+        tmp_path,
+        [monitor],
         max_steps=4,
         accumulate_grad_batches=2,
         precision="bf16-mixed",
-        accelerator="cpu",
-        callbacks=[monitor],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
     )
     recorder = GemmRecorder(net, lambda: trainer.global_step)
     trainer.fit(net, _lightning_data())
@@ -374,22 +355,12 @@ def test_lightning_bf16_mixed_with_accumulation(tmp_path):
 
 
 def test_manual_optimisation_without_a_returned_loss_is_no_alarm(tmp_path):
-    import lightning.pytorch as pl
 
     net = _lightning_net(manual=True, returns_loss=False)
     monitor = fp8track.FP8Monitor(
         every_n_steps=2, trackers="none", on_spike="stop", log_dir=str(tmp_path / "runs")
     )
-    trainer = pl.Trainer(
-        max_steps=6,
-        accelerator="cpu",
-        callbacks=[monitor],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(tmp_path, [monitor], max_steps=6)
     recorder = GemmRecorder(net, lambda: trainer.global_step)
     trainer.fit(net, _lightning_data())
     recorder.close()

@@ -1,8 +1,8 @@
 """The checkpoint guard in a real Lightning Trainer: a planted NaN stops training before
 ModelCheckpoint writes the poisoned step; the last good checkpoint stays the latest."""
 
-import math
 import re
+from dataclasses import replace
 
 import lightning.pytorch as pl
 import pytest
@@ -11,8 +11,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from fp8track.errors import TrainingHalted
+from fp8track.execution.faults import Fault, plant
 from fp8track.lightning import FP8Monitor
 from fp8track.monitoring.records import RunReader
+
+from helpers.lightning import quiet_trainer
 
 
 class Net(pl.LightningModule):
@@ -24,18 +27,14 @@ class Net(pl.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-        self.nan_at, self.poison = nan_at, poison
+        # the output of the last layer NaN, or (same value) the gradient flowing back into it
+        fault = Fault("nan_output") if poison == "loss" else Fault("nan_gradient", "gradient")
+        window = ((nan_at, nan_at + 1),)
+        plant(self, replace(fault, windows=window), ["body.2"], clock=lambda: self.global_step)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        out = self.body(x)
-        if self.global_step == self.nan_at:
-            if self.poison == "loss":
-                out = out * math.nan
-            else:
-                out = out + (out * 0).detach()  # same value ...
-                out.register_hook(lambda g: g * math.nan)  # ... NaN gradient
-        return torch.nn.functional.mse_loss(out, y)
+        return torch.nn.functional.mse_loss(self.body(x), y)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)
@@ -49,15 +48,8 @@ class Net(pl.LightningModule):
 def _fit(tmp_path, net, **monitor_kw):
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}")
     monitor = FP8Monitor(every_n_steps=10, trackers="none", log_dir=str(tmp_path / "fp8"), **monitor_kw)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=[ckpt, monitor],  # listed first: Lightning still runs checkpoint callbacks last
-    )
+    # checkpoint listed first: Lightning still runs checkpoint callbacks last
+    trainer = quiet_trainer(tmp_path, [ckpt, monitor], max_epochs=1, enable_checkpointing=True)
     return trainer, monitor
 
 

@@ -2,8 +2,6 @@
 on_spike. The Trainer set-ups (resume, second fit, manual optimisation, ...) are in
 test_lightning_setups.py."""
 
-import sys
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -14,7 +12,7 @@ from fp8track.errors import ConfigError
 from fp8track.lightning import FP8Monitor
 from fp8track.monitoring.records import RunReader
 
-sys.path.insert(0, str(Path(__file__).parent))
+from helpers.lightning import quiet_trainer
 
 
 class Net(pl.LightningModule):
@@ -40,15 +38,9 @@ class Net(pl.LightningModule):
 
 
 def _trainer(tmp_path, callbacks, **kw):
-    kw.setdefault("logger", False)
-    return pl.Trainer(
-        accelerator="cpu",
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=callbacks,
-        **kw,
-    )
+    # Lightning's defaults for checkpointing, as before the shared quiet Trainer
+    kw.setdefault("enable_checkpointing", True)
+    return quiet_trainer(tmp_path, callbacks, **kw)
 
 
 def _run_dir(tmp_path):
@@ -102,14 +94,15 @@ def test_constructor_validation():
 
 
 @pytest.mark.slow
-def test_trackers_found_in_trainer_loggers_wandb_offline_and_mlflow(tmp_path):
+def test_trackers_found_in_trainer_loggers_wandb_offline_and_mlflow(tmp_path, mlflow_store):
     """FP8Monitor(trackers="auto") logs into the runs of the trainer's own WandbLogger and
     MLFlowLogger; read back with W&B's reader and MLflow's client."""
     from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
     from mlflow import MlflowClient
-    from test_wandb_offline import history, inspect, table_rows
 
-    mlf = MLFlowLogger(experiment_name="t", tracking_uri=f"sqlite:///{tmp_path / 'm.db'}",
+    from helpers.wandb_records import history, inspect, table_rows
+
+    mlf = MLFlowLogger(experiment_name=mlflow_store.experiment("t"), tracking_uri=mlflow_store.uri,
                        artifact_location=(tmp_path / "art").as_uri())
     wb = WandbLogger(project="t", save_dir=str(tmp_path), mode="offline")
     mon = FP8Monitor(every_n_steps=2, log_dir=tmp_path / "fp8")
@@ -120,7 +113,7 @@ def test_trackers_found_in_trainer_loggers_wandb_offline_and_mlflow(tmp_path):
     local = {r.step: r.metrics for r in reader.metrics() if "fp8/worst/mse" in r.metrics}
     assert sorted(local) == [0, 2, 4]
 
-    client = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    client = MlflowClient(mlflow_store.uri)
     hist = client.get_metric_history(mlf.run_id, "fp8/body.0/activation/underflow_pct")
     assert {m.step: m.value for m in hist} == {
         s: local[s]["fp8/body.0/activation/underflow_pct"] for s in local

@@ -11,6 +11,8 @@ from fp8track.execution.backends.emulated import EmulatedFP8Linear
 from fp8track.lightning import FP8Monitor
 from fp8track.monitoring.records import RunReader
 
+from helpers.lightning import quiet_trainer
+
 
 class SwapToFP8(Precision):
     """Runs after ``Callback.setup`` and ``configure_model`` (``Strategy.setup``), like TE's plugin."""
@@ -54,17 +56,7 @@ def test_every_layer_swapped_in_convert_module_is_monitored(tmp_path):
     plugin = SwapToFP8()
     model = Net()
     mon = FP8Monitor(every_n_steps=1, log_dir=tmp_path / "fp8", trackers="none")
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        default_root_dir=tmp_path,
-        plugins=[plugin],
-        callbacks=[mon],
-    )
+    trainer = quiet_trainer(tmp_path, [mon], max_steps=2, plugins=[plugin])
     trainer.fit(model)
     swapped = [n for n, m in model.named_modules() if isinstance(m, EmulatedFP8Linear)]
     assert swapped == ["body.0", "body.2", "body.4", "head"] == list(plugin.report.fp8_layers)

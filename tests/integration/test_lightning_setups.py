@@ -19,6 +19,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from fp8track.lightning import FP8Monitor
 from fp8track.monitoring.records import RunReader
 
+from helpers.lightning import quiet_trainer
+
 USER_OFFSET = 100.0  # the user's own "loss" metric is our loss + 100: a collision would show
 
 
@@ -74,8 +76,7 @@ def _trainer(tmp_path: Path, callbacks, **kw) -> pl.Trainer:
     kw.setdefault("enable_checkpointing", False)
     kw.setdefault("log_every_n_steps", 1)
     kw.setdefault("limit_val_batches", 2)
-    return pl.Trainer(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False,
-                      default_root_dir=tmp_path, callbacks=callbacks, **kw)
+    return quiet_trainer(tmp_path, callbacks, **kw)
 
 
 def _monitor(tmp_path: Path, **kw) -> FP8Monitor:
@@ -253,14 +254,18 @@ def test_exception_closes_locally_without_a_collective(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_mlflow_run_keeps_the_users_loss_history(tmp_path):
+def test_mlflow_run_keeps_the_users_loss_history(tmp_path, mlflow_store):
     """In the user's MLflow run, ``loss`` holds exactly what the user logged; fp8track's loss is
     ``fp8/loss``."""
     from lightning.pytorch.loggers import MLFlowLogger
     from mlflow import MlflowClient
 
-    uri = f"sqlite:///{tmp_path / 'm.db'}"
-    mlf = MLFlowLogger(experiment_name="t", tracking_uri=uri, artifact_location=(tmp_path / "art").as_uri())
+    uri = mlflow_store.uri
+    mlf = MLFlowLogger(
+        experiment_name=mlflow_store.experiment("t"),
+        tracking_uri=uri,
+        artifact_location=(tmp_path / "art").as_uri(),
+    )
     model, mon = Net(), _monitor(tmp_path)
     _trainer(tmp_path, [mon], max_steps=4, logger=mlf).fit(model)
     client = MlflowClient(uri)

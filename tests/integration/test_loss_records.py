@@ -10,6 +10,8 @@ from torch import nn
 from fp8track.lightning import FP8Monitor
 from fp8track.monitoring.records import RunReader
 
+from helpers.lightning import quiet_trainer
+
 STEPS = 30
 
 
@@ -36,15 +38,7 @@ class _Manual(L.LightningModule):
 
 def test_manual_optimisation_without_a_loss_is_no_alarm_and_does_not_stop(tmp_path):
     mon = FP8Monitor(every_n_steps=5, trackers="none", log_dir=tmp_path, on_spike="stop")
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=STEPS,
-        logger=False,
-        callbacks=[mon],
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
-    )
+    trainer = quiet_trainer(None, [mon], max_steps=STEPS)
     trainer.fit(_Manual())
     assert trainer.global_step == STEPS  # on_spike="stop" did not stop it
     reader = RunReader(mon.run_dir)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("mlflow")
@@ -18,10 +15,10 @@ from fp8track.trackers import TrackerFanout, replay  # noqa: E402
 from fp8track.trackers.base import StepBatch, read_missed  # noqa: E402
 from fp8track.trackers.mlflow import MLflowTracker  # noqa: E402
 from fp8track.trackers.replay import missed_steps  # noqa: E402
+from fp8track.trackers.retry import Backoff  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "reliability"))
-from servers import free_port as _free_port  # noqa: E402
-from servers import mlflow_server  # noqa: E402
+from helpers.servers import free_port as _free_port  # noqa: E402
+from helpers.servers import mlflow_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +45,7 @@ def test_server_logging_outage_and_replay(tmp_path, monkeypatch):
 
     with mlflow_server(tmp_path, port) as uri:
         # No retries: this is the outage that outlasts the run (tests/reliability covers healing).
-        tracker = MLflowTracker(tracking_uri=uri, experiment_name="server-test", retry_for_s=0)
+        tracker = MLflowTracker(tracking_uri=uri, experiment_name="server-test", retry=Backoff(for_s=0))
         fan = TrackerFanout([tracker], run_dir)
         fan.start(writer.meta)
         for s in range(3):

@@ -266,9 +266,10 @@ def test_retrying_client_outlasts_a_write_lock_held_past_mlflows_busy_timeout(tm
     import time
 
     from fp8track.trackers.mlflow import RetryingClient
+    from fp8track.trackers.retry import Backoff
 
     db = tmp_path / "m.db"
-    client = RetryingClient(MlflowClient(f"sqlite:///{db}"), for_s=60)
+    client = RetryingClient(MlflowClient(f"sqlite:///{db}"), retry=Backoff(for_s=60, initial_s=0.05, max_s=2))
     run_id = client.create_run(client.create_experiment("locked")).info.run_id
     locked = threading.Event()
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import io
 import re
 import subprocess
-import sys
 import urllib.request
 from html.parser import HTMLParser
 from pathlib import Path
@@ -30,8 +29,7 @@ pytest.importorskip("optuna")
 pytest.importorskip("mlflow")
 Image = pytest.importorskip("PIL.Image")
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "reliability"))
-from servers import free_port, mlflow_server  # noqa: E402
+from helpers.servers import free_port, mlflow_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 QUAD = Path(__file__).resolve().parents[1] / "sweep_programs" / "quadratic.py"
@@ -144,6 +142,7 @@ def monitor_runs(uri: str) -> tuple[str, list[str]]:
 def test_sweep_and_monitor_params_in_the_mlflow_ui(
     tmp_path: Path, chromium: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Long (about 50 s): a real mlflow server, a sweep's subprocesses and Chromium rendering the UI."""
     from mlflow.tracking import MlflowClient
 
     from fp8track.cli import main

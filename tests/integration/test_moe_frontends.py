@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from helpers.moe import E, K, batch, tiny_moe
 
 pytest.importorskip("mlflow")
@@ -16,6 +17,8 @@ import lightning.pytorch as pl  # noqa: E402
 import fp8track  # noqa: E402
 from fp8track.analysis.baseline import load_run  # noqa: E402
 from fp8track.monitoring.naming import run_metric  # noqa: E402
+
+from helpers.lightning import quiet_trainer
 
 pytestmark = pytest.mark.slow
 BLOCK = "model.layers.1.mlp"
@@ -37,27 +40,42 @@ class _MoEModule(pl.LightningModule):
         return torch.utils.data.DataLoader(batch(0, b=12), batch_size=2)
 
 
-def _fit(tmp_path, name: str, recipe: str | None) -> dict:
+def _fit(tmp_path, name: str, recipe: str | None, uri: str, experiment: str) -> dict:
     from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
 
     module = _MoEModule(recipe)
-    ml = MLFlowLogger(experiment_name="moe", run_name=name, tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    ml = MLFlowLogger(experiment_name=experiment, run_name=name, tracking_uri=uri)
     wb_dir = tmp_path / f"wandb_{name}"
     wb_dir.mkdir()
     wb = WandbLogger(project="moe", name=name, save_dir=str(wb_dir), offline=True)
     monitor = fp8track.FP8Monitor(every_n_steps=2, apply_report=module.report)
-    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=[ml, wb], callbacks=[monitor],
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         default_root_dir=tmp_path)
+    trainer = quiet_trainer(tmp_path, [monitor], max_epochs=1, logger=[ml, wb])
     trainer.fit(module)
     wb.experiment.finish()
     return {"dir": monitor.run_dir, "mlflow": f"mlflow:{ml.run_id}", "wandb": wb_dir / "wandb"}
 
 
-def test_moe_rows_and_router_metrics_reach_the_run_dir_mlflow_and_wandb(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    refs = {name: _fit(tmp_path, name, recipe) for name, recipe in (("control", None), ("fp8", "current"))}
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+@pytest.fixture(scope="module")
+def moe_pair(tmp_path_factory, _mlflow_db):
+    """The control and the FP8 run, trained once for this module's tests (which only read them)."""
+    from helpers.mlflow_store import MlflowStore
+
+    root = tmp_path_factory.mktemp("moe_pair")
+    store = MlflowStore(_mlflow_db, f"{__name__}/moe_pair")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WANDB_SILENT", "true")
+        # WandbLogger(offline=True) exports WANDB_MODE; the context restores it for later tests
+        mp.setenv("WANDB_MODE", "offline")
+        mp.chdir(root)  # FP8Monitor's default run directory, MLflow's and W&B's defaults
+        refs = {
+            name: _fit(root, name, recipe, store.uri, store.experiment("moe"))
+            for name, recipe in (("control", None), ("fp8", "current"))
+        }
+    return refs, store.uri
+
+
+def test_moe_rows_and_router_metrics_reach_the_run_dir_mlflow_and_wandb(moe_pair):
+    refs, uri = moe_pair
     for name, ref in refs.items():
         variant = "actual" if name == "fp8" else "shadow"
         for source in ("dir", "mlflow", "wandb"):
@@ -74,12 +92,19 @@ def test_moe_rows_and_router_metrics_reach_the_run_dir_mlflow_and_wandb(tmp_path
             )  # batch 2 x 8 tokens, top-2
             aux = run.metrics[run_metric("router", "aux_loss")]
             assert sorted(aux) == [0, 2, 4] and all(1.0 <= v <= E for v in aux.values()), (name, source)
+        # the experts x steps heatmap: an MLflow figure and a W&B image
+        from mlflow import MlflowClient
+
+        artifacts = {a.path for a in MlflowClient(uri).list_artifacts(ref["mlflow"].removeprefix("mlflow:"))}
+        assert "fp8_experts_heatmap.png" in artifacts, name
+        images = list((ref["wandb"]).rglob("*experts_heatmap*.png"))
+        assert images and images[0].read_bytes()[:4] == b"\x89PNG", name
 
 
-def test_moe_pair_is_diagnosed_from_run_directories(tmp_path):
+def test_moe_pair_is_diagnosed_from_run_directories(tmp_path, moe_pair):
     from fp8track.report.run import diagnose_runs
 
-    refs = {name: _fit(tmp_path, name, recipe) for name, recipe in (("control", None), ("fp8", "current"))}
+    refs = moe_pair[0]
     out = diagnose_runs(str(refs["fp8"]["dir"]), str(refs["control"]["dir"]), tmp_path / "diag")
     assert (tmp_path / "diag" / "report.html").exists()
     d = out.diagnosis

@@ -28,13 +28,13 @@ pytestmark = pytest.mark.slow
 STEPS = 24
 
 
-def _train(tmp_path, name: str, recipe: str, whatif: tuple[str, ...], uri: str) -> dict:
+def _train(tmp_path, name: str, recipe: str, whatif: tuple[str, ...], uri: str, experiment: str) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
     report = apply_fp8(model, recipe, backend="emulated")
     wandb_dir = tmp_path / f"wandb_{name}"
     wandb_dir.mkdir()
-    ml = MLflowTracker(tracking_uri=uri, run_name=name)
+    ml = MLflowTracker(tracking_uri=uri, experiment_name=experiment, run_name=name)
     wb = WandbTracker.create(project="fp8track-nvfp4", name=name, dir=str(wandb_dir), mode="offline")
     mon = Monitor(model, {"every_n_steps": 4, "whatif": whatif}, log_dir=tmp_path / "runs",
                   trackers=[ml, wb], apply_report=report)
@@ -69,11 +69,11 @@ def _wandb_table_rows(wandb_file: str) -> dict[tuple[int, str, str, str], dict]:
     return out
 
 
-def test_whatif_nvfp4_and_columnwise_rows_in_wandb_mlflow_and_report(tmp_path) -> None:
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_whatif_nvfp4_and_columnwise_rows_in_wandb_mlflow_and_report(tmp_path, mlflow_store) -> None:
+    uri, exp = mlflow_store.uri, mlflow_store.experiment()
     refs = {
-        "control": _train(tmp_path, "control", "bf16", ("nvfp4",), uri),
-        "fp8": _train(tmp_path, "fp8", "mxfp8", (), uri),
+        "control": _train(tmp_path, "control", "bf16", ("nvfp4",), uri, exp),
+        "fp8": _train(tmp_path, "fp8", "mxfp8", (), uri, exp),
     }
     want = {"control": {"shadow", "nvfp4", "nvfp4_columnwise"}, "fp8": {"actual", "actual_columnwise"}}
     for run, ref in refs.items():
@@ -119,7 +119,7 @@ def _range_layout(variant: str, tensor: str) -> tuple[int, bool]:
     return {"mxfp8": (32, False), "block": (128, tensor == "weight"), "nvfp4": (16, tensor == "weight")}[base]
 
 
-def test_max_blockwise_dynamic_range_end_to_end_in_records_mlflow_and_wandb(tmp_path) -> None:
+def test_max_blockwise_dynamic_range_end_to_end_in_records_mlflow_and_wandb(tmp_path, mlflow_store) -> None:
     """An MXFP8 layer with what-if nvfp4 / block / current, fed tensors with planted block ranges
     (two micro-batches: the step's value is the larger), dY set by the loss: every block row
     carries TE's max_blockwise_dynamic_range, equal to a loop over the blocks here, in the run
@@ -130,9 +130,9 @@ def test_max_blockwise_dynamic_range_end_to_end_in_records_mlflow_and_wandb(tmp_
         model[0].weight.fill_(0.5)
         model[0].weight[3, 6] = 2.0**-9  # row 3 and column 6: 0.5 / 2^-9 -> 8 binades
     report = apply_fp8(model, "mxfp8", backend="emulated")
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_store.uri
     (tmp_path / "wandb").mkdir()
-    ml = MLflowTracker(tracking_uri=uri, run_name="range")
+    ml = MLflowTracker(tracking_uri=uri, experiment_name=mlflow_store.experiment(), run_name="range")
     wb = WandbTracker.create(project="fp8track-range", name="range", dir=str(tmp_path / "wandb"),
                              mode="offline")
     mon = Monitor(model, {"every_n_steps": 1, "whatif": ("nvfp4", "block", "current")},

@@ -21,6 +21,8 @@ from fp8track.examples.gpt import GPT, GPTConfig, GPTLightningModule
 from fp8track.execution.recipes import Recipe
 from fp8track.monitoring.monitor import run_meta_for
 
+from helpers.lightning import quiet_trainer
+
 STEPS, EVERY, BATCH, SEQ = 12, 3, 4, 16
 SMALL = GPTConfig(vocab=64, n_layer=1, n_head=2, n_embd=32, block_size=SEQ)
 
@@ -89,15 +91,13 @@ def _hf(tmp_path, name, family, recipe):
 
 
 def _lightning(tmp_path, name, recipe):
-    import lightning.pytorch as pl
 
     torch.manual_seed(0)
     module = GPTLightningModule(SMALL, lr=0.05)
     fp8track.apply_fp8(module, recipe)
     monitor = fp8track.FP8Monitor(every_n_steps=EVERY, log_dir=tmp_path / name, trackers="none",
                                   config={"run_name": name})
-    trainer = pl.Trainer(accelerator="cpu", max_steps=STEPS, logger=False, callbacks=[monitor],
-                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
+    trainer = quiet_trainer(None, [monitor], max_steps=STEPS)
     loader = torch.utils.data.DataLoader(_batches(SMALL.vocab), batch_size=None)
     trainer.fit(module, loader)
     return monitor.run_dir

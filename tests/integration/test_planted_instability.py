@@ -1,11 +1,11 @@
 """A real emulated FP8 run with a planted instability, judged against its BF16 control.
 
 The planted layer's input gets a rare huge outlier (1e6) in a "sink" feature whose weight column
-is held at zero. In BF16 the outlier times zero is exactly zero: the control never notices. Under
-delayed scaling the outlier enters the amax history, so for the next ``history`` steps the
-activation scale is ~1e6 times too small and every normal activation underflows to zero: the
-loss jumps and recovers once the outlier rolls out of the history. Those spikes must be
-classified FP8-only, and the drift events must name the planted layer.
+is held at zero (the planted-fault kit's ``sink`` fault). In BF16 the outlier times zero is exactly
+zero: the control never notices. Under delayed scaling the outlier enters the amax history, so for
+the next ``history`` steps the activation scale is ~1e6 times too small and every normal activation
+underflows to zero: the loss jumps and recovers once the outlier rolls out of the history. Those
+spikes must be classified FP8-only, and the drift events must name the planted layer.
 """
 
 import lightning.pytorch as pl
@@ -15,43 +15,32 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fp8track.execution.apply import apply_fp8
+from fp8track.execution.faults import Fault, plant
 from fp8track.lightning import FP8Monitor
 from fp8track.monitoring.records import RunReader
 
+from helpers.lightning import quiet_trainer
+
 OUTLIER_FROM, OUTLIER_EVERY, STEPS, HISTORY = 400, 80, 640, 16
-
-
-class SinkInjector(nn.Module):
-    """Appends a sink feature: 0, or 1e6 on outlier steps (set by the training loop)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.value = 0.0
-
-    def forward(self, x):
-        return torch.cat([x, torch.full_like(x[:, :1], self.value)], dim=1)
 
 
 class Planted(pl.LightningModule):
     def __init__(self, recipe: str) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.inject = SinkInjector()
         self.planted = nn.Linear(17, 64)
         self.head = nn.Sequential(nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
-        with torch.no_grad():
-            self.planted.weight[:, 16] = 0.0
-        mask = torch.ones_like(self.planted.weight)
-        mask[:, 16] = 0.0
-        self.planted.weight.register_hook(lambda g: g * mask)  # the sink column stays exactly zero
         self.report = apply_fp8(self, recipe, backend="emulated")
+        # input 16 is a sink feature (0, appended by training_step): 1e6 on the outlier steps, its
+        # weight column held at exactly zero
+        hits = tuple((s, s + 1) for s in range(OUTLIER_FROM, STEPS, OUTLIER_EVERY))
+        sink = Fault("sink", windows=hits, value=1e6, channels=(16,))
+        plant(self, sink, ["planted"], clock=lambda: self.global_step)
 
     def training_step(self, batch, batch_idx):
-        step = self.global_step
-        hit = step >= OUTLIER_FROM and (step - OUTLIER_FROM) % OUTLIER_EVERY == 0
-        self.inject.value = 1e6 if hit else 0.0
         x, y = batch
-        return nn.functional.mse_loss(self.head(self.planted(self.inject(x))), y)
+        x = torch.cat([x, torch.zeros_like(x[:, :1])], dim=1)
+        return nn.functional.mse_loss(self.head(self.planted(x)), y)
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
@@ -65,16 +54,7 @@ class Planted(pl.LightningModule):
 
 def _fit(tmp_path, name, recipe, baseline=None):
     mon = FP8Monitor(every_n_steps=1, log_dir=tmp_path / name, trackers="none", baseline=baseline)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=[mon],
-    )
+    trainer = quiet_trainer(tmp_path, [mon], max_steps=STEPS)
     trainer.fit(Planted(recipe))
     return mon.monitor.run_dir
 

@@ -3,7 +3,6 @@ and Lightning's ModelParallelStrategy. Every logged statistic must equal the sin
 statistics of the same global tensors (gathered by the worker script, recomputed here)."""
 
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,15 +13,16 @@ import torch
 from fp8track.monitoring.records import RunReader
 from fp8track.numerics.stats import STAT_NAMES, finalize, merge_partials, partial_stats
 
+from helpers.dist_sizes import SHARDED_BATCH, SHARDED_LAYERS, SHARDED_STEPS
+from helpers.subprocesses import python_env
+
 SCRIPT = Path(__file__).parent / "scripts" / "sharded_monitor.py"
-sys.path.insert(0, str(SCRIPT.parent))
-import sharded_monitor as worker  # noqa: E402
 
 FORMATS = {"activation": "e4m3", "weight": "e4m3", "gradient": "e5m2"}  # shadow mode, hybrid pair
 
 
 def _run(cmd: list[str], tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env = python_env(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -50,8 +50,8 @@ def _check(tmp_path: Path, world: int, prefix: str = "") -> None:
     for r in ranks:
         by_dp.setdefault(r["dp_rank"], r["saved"])
     saved = ranks[0]["saved"]
-    for step in range(worker.STEPS):
-        for layer in worker.LAYERS:
+    for step in range(SHARDED_STEPS):
+        for layer in SHARDED_LAYERS:
             for tensor, fmt in FORMATS.items():
                 if tensor == "weight":  # one weight, complete on every rank: counted once
                     for r in ranks:
@@ -69,11 +69,11 @@ def _check(tmp_path: Path, world: int, prefix: str = "") -> None:
             assert (
                 rows[(step, prefix + layer, "activation")]["numel"]
                 == a
-                == len(by_dp) * worker.BATCH * w.shape[1]
+                == len(by_dp) * SHARDED_BATCH * w.shape[1]
             )
     grad_norm = reader.series("fp8/grad_norm")
     loss = reader.series("fp8/loss")
-    for step in range(worker.STEPS):
+    for step in range(SHARDED_STEPS):
         _close(grad_norm[step], float(saved[(step, "grad_norm")]), f"grad_norm {step}")
         _close(loss[step], float(saved[(step, "loss")]), f"loss {step}")
 

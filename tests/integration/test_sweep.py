@@ -66,7 +66,7 @@ def cli(*args: str) -> int:
 def runs(out: Path, name: str, role: str = "trial"):
     from mlflow.tracking import MlflowClient
 
-    from fp8track.sweep.executor import find_parent
+    from fp8track.sweep.mlflow_runs import find_parent
 
     client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
     exp_id, parent = find_parent(client, name)
@@ -86,7 +86,8 @@ def trials_and_recommendation(out: Path, name: str) -> tuple[list[tuple[str, str
 def test_program_runs_as_subprocesses_reproducibly_and_reuses_results(tmp_path: Path) -> None:
     """Same YAML and --seed twice: the same trials and recommendation. The program (not the
     executor) wrote each child run's metric. A second sweep of the same program and parameters in
-    the same store trains nothing: every trial and the control come from the cache."""
+    the same store trains nothing: every trial and the control come from the cache.
+    Long (about 50 s): two sweeps of three trials and two controls, a subprocess each, then a third."""
     params = dict(
         recipe=["current", "mxfp8", "delayed"],
         bf16_layers=["none", "first:1", "last:1", "first_last"],
@@ -149,7 +150,8 @@ def test_a_metric_the_program_never_logs_is_one_error_after_the_first_run(tmp_pa
 
 def test_pruned_trial_stops_its_program_and_shows_as_pruned(tmp_path: Path) -> None:
     """Hyperband prunes the worse trial of a bracket while its program runs: the program ignores
-    SIGTERM, so the executor SIGKILLs it; its run is KILLED, tagged PRUNED, named [pruned]."""
+    SIGTERM, so the executor SIGKILLs it; its run is KILLED, tagged PRUNED, named [pruned].
+    Long (about 40 s): four programs logging 0.6 s apart, so that pruning meets them running."""
     pids = tmp_path / "pids"
     pids.mkdir()
     path = sweep_yaml(
@@ -249,6 +251,7 @@ def two_workers(tmp_path: Path, name: str, storage: str | None) -> Path:
 
 @pytest.mark.slow
 def test_two_workers_on_one_sqlite_study(tmp_path: Path) -> None:
+    """Long (about 40 s): two sweep processes and their trial programs racing on one study: the claim."""
     two_workers(tmp_path, "sqlite2", None)
 
 
@@ -256,7 +259,9 @@ def test_two_workers_on_one_sqlite_study(tmp_path: Path) -> None:
 def test_users_llama_lightning_script_is_swept(tmp_path: Path) -> None:
     """Acceptance: a script outside the package (HF Llama from a config, Lightning, FP8Monitor)
     leaves a parent and one child run per trial written by that program, auto:1 resolved from the
-    sweep's own ranking, and a recommendation naming its BF16 layers."""
+    sweep's own ranking, and a recommendation naming its BF16 layers.
+    Long (about 70 s): five Lightning programs as subprocesses (three trials, the control, a rerun),
+    each importing Lightning and transformers."""
     path = sweep_yaml(
         tmp_path,
         "llama",
@@ -357,4 +362,5 @@ def postgres() -> Iterator[str]:
 
 @pytest.mark.slow
 def test_two_workers_on_postgresql(tmp_path: Path, postgres: str) -> None:
+    """Long (about 35 s): a PostgreSQL server and two sweep processes racing on its study: the claim."""
     two_workers(tmp_path, "pg2", postgres)

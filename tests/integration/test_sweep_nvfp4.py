@@ -28,6 +28,7 @@ def _tiny_parameters(bf16_layers: str, **extra: dict) -> dict:
 
 
 def test_nvfp4_sweep_yaml_runs_locally(tmp_path: Path, monkeypatch) -> None:
+    """Long (about 35 s): the YAML's program trains the trial and its control, a subprocess each."""
     monkeypatch.setenv("FP8TRACK_STATS_KERNEL", "eager")
     spec = yaml.safe_load(YAML.read_text())
     assert "nvfp4" in spec["parameters"]["recipe"]["values"]
@@ -43,7 +44,7 @@ def test_nvfp4_sweep_yaml_runs_locally(tmp_path: Path, monkeypatch) -> None:
                  "--finalists", "0", "--control-seeds", "1"]) == 0
     from mlflow.tracking import MlflowClient
 
-    from fp8track.sweep.executor import find_parent
+    from fp8track.sweep.mlflow_runs import find_parent
 
     client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
     exp_id, parent = find_parent(client, spec["name"])
@@ -59,7 +60,8 @@ def test_nvfp4_sweep_yaml_runs_locally(tmp_path: Path, monkeypatch) -> None:
 
 def test_auto_k_for_nvfp4_is_ranked_from_the_controls_whatif_rows(tmp_path: Path, monkeypatch) -> None:
     """``--auto-from whatif``: the BF16 control is recorded with ``whatif=["nvfp4"]`` and ``auto:1``
-    is ranked from its nvfp4 rows alone; no all-NVFP4 probe run is trained."""
+    is ranked from its nvfp4 rows alone; no all-NVFP4 probe run is trained.
+    Long (about 40 s): the control and the trial train as subprocesses."""
     import json
 
     from mlflow.tracking import MlflowClient
@@ -68,7 +70,7 @@ def test_auto_k_for_nvfp4_is_ranked_from_the_controls_whatif_rows(tmp_path: Path
     from fp8track.analysis.ranking import rank_layers
     from fp8track.cli import main
     from fp8track.monitoring.records import TensorStatsRow
-    from fp8track.sweep.executor import find_parent
+    from fp8track.sweep.mlflow_runs import find_parent
 
     monkeypatch.setenv("FP8TRACK_STATS_KERNEL", "eager")
     spec = yaml.safe_load(YAML.read_text())

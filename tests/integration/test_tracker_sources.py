@@ -15,9 +15,12 @@ from fp8track import Monitor, apply_fp8  # noqa: E402
 from fp8track.analysis.baseline import load_run  # noqa: E402
 from fp8track.analysis.diagnose import diagnose  # noqa: E402
 from fp8track.analysis.loss_gap import judge_gap, same_batches  # noqa: E402
+from fp8track.execution.faults import Fault, plant  # noqa: E402
 from fp8track.monitoring.monitor import data_fingerprint  # noqa: E402
 from fp8track.trackers.mlflow import MLflowTracker  # noqa: E402
 from fp8track.trackers.wandb import WandbTracker, find_wandb_run  # noqa: E402
+
+from helpers.models import mlp
 
 pytestmark = pytest.mark.slow
 
@@ -25,18 +28,13 @@ STEPS = 60
 EVERY = 7  # sampled steps 0, 7, 14...: most steps are unsampled
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
-
-
-def _train(tmp_path, name: str, fp8: bool, uri: str) -> dict:
-    model = _model()
+def _train(tmp_path, name: str, fp8: bool, uri: str, experiment: str) -> dict:
+    model = mlp(32, 64, 64, 8)
     if fp8:
         apply_fp8(model, "current", backend="emulated")
     wandb_dir = tmp_path / f"wandb_{name}"
     wandb_dir.mkdir()
-    ml = MLflowTracker(tracking_uri=uri, run_name=name)
+    ml = MLflowTracker(tracking_uri=uri, experiment_name=experiment, run_name=name)
     wb = WandbTracker.create(project="fp8track-sources", name=name, dir=str(wandb_dir), mode="offline")
     mon = Monitor(model, {"every_n_steps": EVERY}, log_dir=tmp_path / "runs", trackers=[ml, wb])
     gen = torch.Generator().manual_seed(1)  # the same batches, in the same order, in both runs
@@ -45,25 +43,30 @@ def _train(tmp_path, name: str, fp8: bool, uri: str) -> dict:
     torch.manual_seed(5)
     target = nn.Linear(32, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    # a planted, lasting fault: from step 30 the FP8 run's middle layer loses 60 of its 64 inputs
+    flush = Fault("weight_flush", "weight", windows=((30, None),), channels=tuple(range(60)))
+    fault = plant(model, flush, ["2"]) if fp8 else None
     for step in range(STEPS):
+        if fault is not None:
+            fault.before_step(step)
         g = torch.Generator().manual_seed(int(order[step]))
         x = torch.randn(16, 32, generator=g)
         y = target(x).detach()
         loss = (model(x) - y).pow(2).mean()
         loss.backward()
         opt.step()
-        if fp8 and step >= 29:  # a planted, lasting fault: the FP8 run's middle layer loses 60 of 64 inputs
-            with torch.no_grad():
-                model[2].weight[:, :60] = 0
         mon.step(loss=loss)
         opt.zero_grad()
     mon.close()
     return {"dir": mon.run_dir, "mlflow": f"mlflow:{ml.run_id}", "wandb": find_wandb_run(wandb_dir)}
 
 
-def test_run_dir_mlflow_and_wandb_give_the_same_losses_and_findings(tmp_path):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    refs = {"fp8": _train(tmp_path, "fp8", True, uri), "control": _train(tmp_path, "control", False, uri)}
+def test_run_dir_mlflow_and_wandb_give_the_same_losses_and_findings(tmp_path, mlflow_store):
+    uri, exp = mlflow_store.uri, mlflow_store.experiment()
+    refs = {
+        "fp8": _train(tmp_path, "fp8", True, uri, exp),
+        "control": _train(tmp_path, "control", False, uri, exp),
+    }
     runs = {
         src: {k: load_run(r[src], tracking_uri=uri) for k, r in refs.items()}
         for src in ("dir", "mlflow", "wandb")

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,20 +17,11 @@ from fp8track.trackers.replay import main as sync_main  # noqa: E402
 from fp8track.trackers.replay import missed_steps  # noqa: E402
 from fp8track.trackers.wandb import WandbTracker  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "reliability"))
-from wandb_records import history, inspect  # noqa: E402
+from helpers.wandb_records import history, inspect, table_rows  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 STEP = "trainer/global_step"
-
-
-def table_rows(run_dir: Path, key: str) -> list[list]:
-    """All rows of an incremental table: the union of its increment files."""
-    rows = []
-    for f in sorted((run_dir / "files" / "media" / "table").glob(f"{key}_*.table.json")):
-        rows += json.loads(f.read_text())["data"]
-    return rows
 
 
 def _batch(step: int) -> StepBatch:

@@ -2,7 +2,10 @@
 
 Each entry below is one user-facing input with a wrong value. The test checks that it raises
 :class:`fp8track.errors.ConfigError` (for the CLI: one line on stderr, exit status 2, no traceback)
-and that the message names the bad value and the valid ones (``must_say``). It also regenerates
+and that the message names the bad value and the valid ones (``must_say``). CLI entries run
+``fp8track.cli.main`` in this process with stdout and stderr captured at the file descriptors (what a
+terminal would show, library loggers included); one of them also runs as ``python -m fp8track.cli``
+in a fresh process (the exit status as the shell sees it). It also regenerates
 the table of docs/reliability.md from these entries: the test fails when the committed table
 differs; ``FP8TRACK_WRITE_DOCS=1 pytest tests/reliability/test_bad_input.py`` rewrites it.
 
@@ -259,33 +262,50 @@ CASES: tuple[Case, ...] = (
 _SEEN: dict[str, str] = {}  # entry -> message, shared by the two tests below (one run per case)
 
 
-def _message(case: Case, tmp: Path) -> str:
+def _message(case: Case, tmp: Path, capfd: pytest.CaptureFixture[str]) -> str:
     if case.entry not in _SEEN:
         # Messages may name the test's temporary folder; the table shows it as <tmp>.
-        _SEEN[case.entry] = _refuse(case, tmp).replace(str(tmp), "<tmp>")
+        _SEEN[case.entry] = _refuse(case, tmp, capfd).replace(str(tmp), "<tmp>")
     return _SEEN[case.entry]
 
 
-def _refuse(case: Case, tmp: Path) -> str:
-    if case.run is not None:
-        with pytest.raises(ConfigError) as info:
-            case.run(tmp)
-        return str(info.value)
+def _cli_argv(case: Case, tmp: Path) -> list[str]:
     run_dir = tmp / "run"
     run_dir.mkdir(exist_ok=True)
     (run_dir / "meta.json").write_text(json.dumps({"run_id": "r", "name": "n"}))
     _file(tmp, "latin1.yaml", "name: caf\xe9\n".encode("latin-1"))
     _file(tmp, "a-file", b"")
-    argv = [a.format(run_dir=run_dir, tmp=tmp, repo=DOC.parents[1]) for a in case.argv]
-    proc = subprocess.run(
-        [sys.executable, "-m", "fp8track.cli", *argv], capture_output=True, text=True, timeout=300, cwd=tmp,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
-    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
-    assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"fp8track {argv[0]}: error: "), proc.stderr
+    return [a.format(run_dir=run_dir, tmp=tmp, repo=DOC.parents[1]) for a in case.argv]
+
+
+def _one_error_line(argv: list[str], status: int, out: str, err: str) -> str:
+    """The message of the single ``fp8track <command>: error: ...`` line a refused command prints."""
+    assert status == 2, (status, out[-2000:], err[-2000:])
+    assert "Traceback" not in err and out == "", err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"fp8track {argv[0]}: error: "), err
     return lines[0].split(": error: ", 1)[1]
+
+
+def _refuse(case: Case, tmp: Path, capfd: pytest.CaptureFixture[str]) -> str:
+    if case.run is not None:
+        with pytest.raises(ConfigError) as info:
+            case.run(tmp)
+        return str(info.value)
+    from fp8track.cli import main
+
+    argv = _cli_argv(case, tmp)
+    capfd.readouterr()  # what earlier cases printed
+    here = os.getcwd()
+    os.chdir(tmp)
+    try:
+        status = main(argv)
+    except SystemExit as exc:  # argparse's own refusals
+        status = exc.code
+    finally:
+        os.chdir(here)
+    out, err = capfd.readouterr()
+    return _one_error_line(argv, status, out, err)
 
 
 def _table(rows: list[tuple[str, str]]) -> str:
@@ -298,10 +318,23 @@ def _table(rows: list[tuple[str, str]]) -> str:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.entry for c in CASES])
-def test_refused_with_a_message_naming_the_value_and_the_valid_ones(case, tmp_path):
-    msg = _message(case, tmp_path)
+def test_refused_with_a_message_naming_the_value_and_the_valid_ones(case, tmp_path, capfd):
+    msg = _message(case, tmp_path, capfd)
     for fragment in case.must_say:
         assert fragment in msg, f"{case.entry}: message lacks {fragment!r}: {msg}"
+
+
+def test_a_refused_command_exits_2_with_one_line_in_a_fresh_process(tmp_path, capfd):
+    """The CLI cases above run in this process; here one runs as the shell runs it: its exit status,
+    and one line on stderr with nothing else (no traceback, no library chatter at import)."""
+    case = next(c for c in CASES if c.argv[:1] == ("demo",))
+    argv = _cli_argv(case, tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fp8track.cli", *argv], capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    msg = _one_error_line(argv, proc.returncode, proc.stdout, proc.stderr)
+    assert msg.replace(str(tmp_path), "<tmp>") == _message(case, tmp_path, capfd)  # as in-process
 
 
 def test_stats_command_runs_on_its_own_input(tmp_path):
@@ -313,12 +346,12 @@ def test_stats_command_runs_on_its_own_input(tmp_path):
     assert out["activation_e4m3"]["numel"] == 64 * 512 and out["weight_e4m3"]["numel"] == 256 * 512
 
 
-def test_docs_table_is_generated_from_these_cases(tmp_path):
+def test_docs_table_is_generated_from_these_cases(tmp_path, capfd):
     rows = []
     for i, case in enumerate(CASES):
         d = tmp_path / str(i)
         d.mkdir()
-        rows.append((case.entry, _message(case, d)))
+        rows.append((case.entry, _message(case, d, capfd)))
     table = _table(rows)
     text = DOC.read_text(encoding="utf-8")
     head, rest = text.split(BEGIN, 1)

@@ -19,7 +19,6 @@ import pytest
 from fp8track.monitoring.records import METRICS_FILE, RunReader
 
 SCRIPT = Path(__file__).parent / "scripts" / "resume_train.py"
-sys.path.insert(0, str(Path(__file__).parent))
 pytestmark = pytest.mark.slow
 
 
@@ -41,6 +40,7 @@ def _run_dir(out: Path) -> Path:
 
 
 def test_sigkill_and_resume_logs_every_step_once_and_detectors_continue(tmp_path):
+    """Long (about 30 s): three Lightning training processes (uninterrupted, killed, resumed)."""
     mlflow = pytest.importorskip("mlflow")
     ref, out = tmp_path / "uninterrupted", tmp_path / "killed"
     ref.mkdir()
@@ -114,10 +114,11 @@ def test_resumed_run_keeps_the_wandb_step_axis_increasing(tmp_path):
     increase and hold every logging step once; the run directory still holds every step once."""
     pytest.importorskip("wandb")
     import torch
-    from wandb_records import history, inspect
 
     from fp8track import Monitor, MonitorConfig
     from fp8track.trackers.wandb import WandbTracker
+
+    from helpers.wandb_records import history, inspect
 
     def train(mon, model, steps):
         for step in steps:

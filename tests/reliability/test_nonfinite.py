@@ -15,10 +15,7 @@ from fp8track.analysis.spikes import SpikeDetector
 from fp8track.frontend import Monitor
 from fp8track.monitoring.records import RunReader
 
-
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+from helpers.models import mlp
 
 
 class _NanGrad(torch.autograd.Function):
@@ -39,7 +36,7 @@ def _finite_amax(t: torch.Tensor) -> float:
 
 
 def test_nonfinite_tensors_are_counted_and_the_rest_measured_over_finite_elements(tmp_path):
-    model = _model()
+    model = mlp(8, 16, 4, act=None)
     monitor = Monitor(model, MonitorConfig(every_n_steps=1), log_dir=tmp_path).attach()
     expected: dict[tuple[int, str, str], tuple[float, float]] = {}  # -> (nonfinite_pct, finite amax)
     with warnings.catch_warnings():
@@ -90,7 +87,7 @@ def test_nonfinite_tensors_are_counted_and_the_rest_measured_over_finite_element
 
 
 def test_one_nan_loss_is_an_event_and_does_not_poison_the_spike_window(tmp_path):
-    model = _model()
+    model = mlp(8, 16, 4, act=None)
     monitor = Monitor(model, MonitorConfig(every_n_steps=5), log_dir=tmp_path)
     losses = [2.0 + 0.01 * ((-1) ** s) + 0.001 * (s % 7) for s in range(120)]
     losses[60] = math.nan

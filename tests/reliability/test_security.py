@@ -62,6 +62,7 @@ def test_planted_credentials_never_appear_in_any_output(tmp_path, monkeypatch, c
     pytest.importorskip("mlflow")
     pytest.importorskip("wandb")
     from fp8track.trackers.mlflow import MLflowTracker
+    from fp8track.trackers.retry import Backoff
     from fp8track.trackers.wandb import WandbTracker
 
     for k, v in SECRETS.items():
@@ -73,7 +74,7 @@ def test_planted_credentials_never_appear_in_any_output(tmp_path, monkeypatch, c
     good = MLflowTracker(
         tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", artifact_location=(tmp_path / "art").as_uri()
     )
-    unreachable = MLflowTracker(tracking_uri=uri, name="mlflow-remote", retry_for_s=0)
+    unreachable = MLflowTracker(tracking_uri=uri, name="mlflow-remote", retry=Backoff(for_s=0))
     wb = WandbTracker.create(project="p", dir=str(tmp_path), mode="offline")
     meta = RunMeta(name="secret-test", config={"tracking_uri": uri, "token": SECRETS["WANDB_API_KEY"]})
     monitor = Monitor(

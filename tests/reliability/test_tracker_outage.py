@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import signal
-import sys
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -24,15 +23,10 @@ from fp8track.monitoring.records import RunMeta, RunReader
 from fp8track.trackers.base import read_missed
 from fp8track.trackers.replay import replay
 
-sys.path.insert(0, str(Path(__file__).parent))
-from servers import MlflowServer, free_port  # noqa: E402
+from helpers.models import mlp
+from helpers.servers import MlflowServer, free_port
 
 pytestmark = pytest.mark.slow
-
-
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
 
 
 def _train_step(model: torch.nn.Module, monitor: Monitor, step: int) -> None:
@@ -48,8 +42,10 @@ def _tracker_warnings(caught: list[warnings.WarningMessage], name: str) -> list[
 
 
 def test_mlflow_server_killed_and_restarted_heals_without_sync(tmp_path, monkeypatch):
+    """Long (about 30 s): a real mlflow server started, killed and restarted while training runs."""
     mlflow = pytest.importorskip("mlflow")
     from fp8track.trackers.mlflow import MLflowTracker
+    from fp8track.trackers.retry import Backoff
 
     # MLflow's own HTTP retries would hide the outage from the adapter for minutes: off, so the
     # adapter's back-off is what is tested.
@@ -60,12 +56,10 @@ def test_mlflow_server_killed_and_restarted_heals_without_sync(tmp_path, monkeyp
         tracker = MLflowTracker(
             tracking_uri=server.uri,
             experiment_name="outage",
-            retry_for_s=300,
-            retry_initial_s=0.2,
-            retry_max_s=2,
+            retry=Backoff(for_s=300, initial_s=0.2, max_s=2),
             heatmap=False,
         )
-        model = _model()
+        model = mlp(8, 16, 4, act=torch.nn.GELU)
         monitor = Monitor(
             model, MonitorConfig(every_n_steps=1), log_dir=tmp_path / "runs", trackers=[tracker]
         )
@@ -114,8 +108,7 @@ def test_wandb_init_failure_leaves_training_running_and_steps_replayable(tmp_pat
     wandb = pytest.importorskip("wandb")
     from fp8track.trackers.wandb import WandbTracker
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
-    from test_wandb_offline import history, inspect
+    from helpers.wandb_records import history, inspect
 
     real_init = wandb.init
 
@@ -124,7 +117,7 @@ def test_wandb_init_failure_leaves_training_running_and_steps_replayable(tmp_pat
 
     monkeypatch.setattr(wandb, "init", broken_init)
     tracker = WandbTracker.create(project="p", dir=str(tmp_path / "first"), mode="offline", lazy=True)
-    model = _model()
+    model = mlp(8, 16, 4, act=torch.nn.GELU)
     monitor = Monitor(model, MonitorConfig(every_n_steps=2), log_dir=tmp_path / "runs", trackers=[tracker])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -156,8 +149,7 @@ def test_wandb_log_failure_never_duplicates_table_rows(tmp_path, monkeypatch):
     from fp8track.monitoring import naming
     from fp8track.trackers.wandb import WandbTracker
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
-    from test_wandb_offline import history, inspect, table_rows
+    from helpers.wandb_records import history, inspect, table_rows
 
     tracker = WandbTracker.create(project="p", dir=str(tmp_path), mode="offline", background=False)
     real_log = tracker.run.log
@@ -169,7 +161,7 @@ def test_wandb_log_failure_never_duplicates_table_rows(tmp_path, monkeypatch):
         return real_log(data, *a, **k)
 
     monkeypatch.setattr(tracker.run, "log", flaky_log)
-    model = _model()
+    model = mlp(8, 16, 4, act=torch.nn.GELU)
     monitor = Monitor(
         model,
         MonitorConfig(every_n_steps=2),

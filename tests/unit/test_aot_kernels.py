@@ -32,6 +32,7 @@ def _agree(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def test_packages_build_in_the_background_then_replace_the_jit_kernel(aot_mode):
+    """Long (about 50 s): two AOTInductor packages are built; building them is what is tested."""
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(4 * 1024, generator=gen) * 30).to(torch.bfloat16)  # whole rows: the tail-free graph
     y = torch.exp(3 * torch.randn(5000, generator=gen)).to(torch.bfloat16)  # a padded tail row

@@ -41,11 +41,11 @@ def test_local_run_dir(tmp_path):
         load_baseline(tmp_path / "ctl", key="nll")
 
 
-def test_mlflow_sqlite_run(tmp_path, monkeypatch):
+def test_mlflow_sqlite_run(mlflow_store, monkeypatch):
     tracking = pytest.importorskip("mlflow.tracking")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_store.uri
     client = tracking.MlflowClient(tracking_uri=uri)  # no process-global tracking URI
-    run = client.create_run(client.create_experiment("ctl"))
+    run = client.create_run(client.create_experiment(mlflow_store.experiment("ctl")))
     series = {s: v for s, v in control_curve().items() if s % 2 == 0}  # logged every 2 steps
     for s, v in series.items():
         client.log_metric(run.info.run_id, "train_loss", v, step=s)

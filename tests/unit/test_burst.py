@@ -11,6 +11,7 @@ import fp8track
 from fp8track import dumps
 from fp8track.config import MonitorConfig
 from fp8track.errors import ConfigError
+from fp8track.execution.faults import Fault, plant
 from fp8track.frontend import Monitor, run_summary
 from fp8track.monitoring.records import EventRecord, RunReader
 from fp8track.monitoring.schedule import BURST_TRIGGERS, Burst, BurstPolicy, scheduled
@@ -76,27 +77,25 @@ def test_burst_opens_extends_and_narrows():
 
 
 class Planted(torch.nn.Module):
-    """Four layers; ``fc3``'s input gets a large outlier on the steps in ``planted``."""
+    """Four layers; ``fc3``'s input gets a large outlier on the planted steps (:func:`_train`)."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.fc1, self.fc2 = torch.nn.Linear(16, 64), torch.nn.Linear(64, 64)
         self.fc3, self.fc4 = torch.nn.Linear(64, 64), torch.nn.Linear(64, 1)
-        self.step, self.planted = 0, set()
 
     def forward(self, x):
-        h = torch.tanh(self.fc2(torch.tanh(self.fc1(x))))
-        if self.step in self.planted:
-            h = h.clone()
-            h[0, 3] = 300.0  # one element: fc3's scale follows it, the rest underflows
-        return self.fc4(self.fc3(h))
+        return self.fc4(self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x))))))
 
 
 def _train(tmp_path, steps=100, planted=(), recipe=None, **cfg):
     model = Planted()
-    model.planted = set(planted)
     report = fp8track.apply_fp8(model, recipe, backend="emulated") if recipe else None
+    fault = None
+    if planted:  # one element of fc3's input: its scale follows it, the rest underflows
+        windows = tuple((s, s + 1) for s in planted)
+        fault = plant(model, Fault("element", windows=windows, value=300.0, element=(0, 3)), ["fc3"])
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     config = MonitorConfig.from_dict(
         {
@@ -109,7 +108,8 @@ def _train(tmp_path, steps=100, planted=(), recipe=None, **cfg):
     g = torch.Generator().manual_seed(1)
     with Monitor(model, config, log_dir=tmp_path, apply_report=report) as mon:
         for i in range(steps):
-            model.step = i
+            if fault is not None:
+                fault.before_step(i)
             x = torch.randn(32, 16, generator=g)
             loss = (model(x) - x[:, :1]).pow(2).mean()
             loss.backward()
@@ -275,13 +275,13 @@ def test_no_share_warning_for_a_bf16_control(tmp_path):
 # -- one tracker call per flush ---------------------------------------------------------------------
 
 
-def test_a_flush_goes_to_mlflow_in_one_log_batch(tmp_path):
+def test_a_flush_goes_to_mlflow_in_one_log_batch(tmp_path, mlflow_store):
     mlflow = pytest.importorskip("mlflow")
     from fp8track.trackers.base import Tracker
     from fp8track.trackers.mlflow import MLflowTracker
 
-    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    run_id = client.create_run(client.create_experiment("coalesce")).info.run_id
+    client = mlflow.MlflowClient(tracking_uri=mlflow_store.uri)
+    run_id = client.create_run(client.create_experiment(mlflow_store.experiment("coalesce"))).info.run_id
     calls = []
     original = client.log_batch
 

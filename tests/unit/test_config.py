@@ -13,6 +13,8 @@ from fp8track.analysis.spikes import SpikeConfig
 from fp8track.errors import ConfigError
 from fp8track.monitoring.monitor import CaptureConfig
 
+from helpers.models import mlp
+
 YAML = """
 every_n_steps: 5
 tensors: [activation, gradient]
@@ -27,11 +29,6 @@ drift:
   consecutive: 5
 whatif_history_len: null
 """
-
-
-def _model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
 
 
 def test_yaml_dict_and_python_build_the_same_config(tmp_path):
@@ -91,7 +88,7 @@ def test_bad_files(tmp_path):
 
 def test_the_thresholds_reach_the_analyzers(tmp_path):
     (tmp_path / "monitor.yaml").write_text(YAML)
-    mon = fp8track.Monitor(_model(), tmp_path / "monitor.yaml", log_dir=tmp_path)
+    mon = fp8track.Monitor(mlp(8, 8, 2), tmp_path / "monitor.yaml", log_dir=tmp_path)
     loss_analyzer, drift_analyzer = mon.analyzers
     assert loss_analyzer.spikes.config == SpikeConfig(z_threshold=9.0, window=64, warmup=32)
     assert loss_analyzer.divergence.config == DivergenceConfig(rise_threshold=0.1)
@@ -101,7 +98,7 @@ def test_the_thresholds_reach_the_analyzers(tmp_path):
 
 
 def test_readme_plain_loop_snippet(tmp_path):
-    model = _model()
+    model = mlp(8, 8, 2)
     monitor = fp8track.Monitor(model, fp8track.MonitorConfig(every_n_steps=2), log_dir=tmp_path).attach()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(4, 8)

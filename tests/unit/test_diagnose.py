@@ -7,7 +7,6 @@ import math
 import numpy as np
 import pytest
 
-from fp8track.analysis.baseline import load_run
 from fp8track.analysis.diagnose import (
     DiagnosisConfig,
     compare_loss,
@@ -17,73 +16,12 @@ from fp8track.analysis.diagnose import (
     relative_noise,
 )
 from fp8track.analysis.synthetic_loss import Curve, healthy, plant_divergence, plant_spike
-from fp8track.monitoring.records import MetricsRecord, RunMeta, RunWriter, TensorStatsRow
 
-N = 300
-EVERY = 10
-LAYERS = [f"blocks.{i}.{m}" for i in range(3) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")] + [
-    "lm_head"
-]
-PLANTED = "blocks.1.mlp.fc"
-
-
-def _stats(rng, sqnr=30.0, under=1.0, drift=0.0):
-    sqnr = sqnr + rng.normal(0, 0.4)
-    return {
-        "sqnr_db": sqnr,
-        "cos": 1 - 0.5 * 10 ** (-sqnr / 10),
-        "underflow_pct": max(under + rng.normal(0, 0.08), 0),
-        "overflow_pct": 0.0,
-        "scale_drift_log2": drift + rng.normal(0, 0.1),
-        "mse": 1e-4,
-        "amax": 1.0,
-    }
-
-
-def _rows(rng, variant="actual", planted_from=None, planted_steps=()):
-    rows = []
-    for step in range(0, N, EVERY):
-        for i, layer in enumerate(LAYERS):
-            for t in ("activation", "weight", "gradient"):
-                bad = layer == PLANTED and t == "activation" and (
-                    (planted_from is not None and step >= planted_from) or step in planted_steps)
-                s = _stats(rng, 12.0, 18.0, -6.0) if bad else _stats(rng, 30.0 + 0.1 * i, 1.0 + 0.02 * i)
-                rows.append(TensorStatsRow(step, layer, t, s, variant))
-    return rows
-
-
-def _write(tmp_path, name, loss, rows, evals=None, precision=None, recipe="delayed", data=None):
-    config = {"precision": precision or {"recipe": None if recipe == "bf16" else recipe,
-                                         "fp8_weights": False, "cpu_offloading": False}}
-    if data is not None:
-        config["data"] = data
-    meta = RunMeta(name=name, recipe={"name": recipe}, fp8_layers=tuple(LAYERS) if recipe != "bf16" else (),
-                   config=config)
-    w = RunWriter(tmp_path / name, meta)
-    for s, v in enumerate(loss):
-        w.write_metrics(MetricsRecord(s, {"loss": float(v)}))
-    for s, metrics in (evals or {}).items():
-        w.write_metrics(MetricsRecord(s, {f"fp8/eval/{k}": v for k, v in metrics.items()}))
-    w.write_tensor_stats(rows)
-    w.close()
-    return load_run(tmp_path / name)
-
-
-def _pair(tmp_path, fp8_loss=None, fp8_rows=None, fp8_evals=None, ctl_evals=None, precision=None, seed=0):
-    rng = np.random.default_rng(seed)
-    control = healthy(Curve(start=6.0, floor=2.0, tau=60.0, sigma=0.02), N, rng)
-    # Same data order: FP8's loss follows the control's step to step, with a little own noise.
-    fp8 = control * (1 + rng.normal(0, 0.002, N)) if fp8_loss is None else fp8_loss(control, rng)
-    evals = {s: {"val_loss": 2.4 - 0.1 * s / N, "val_acc": 0.60 + 0.1 * s / N} for s in range(59, N, 60)}
-    ctl = _write(tmp_path, "control", control, _rows(rng, "shadow"), ctl_evals or evals, recipe="bf16")
-    run = _write(
-        tmp_path, "fp8", fp8, fp8_rows(rng) if fp8_rows else _rows(rng), fp8_evals or evals, precision
-    )
-    return run, ctl
+from helpers.synthetic_runs import EVERY, LAYERS, PLANTED, N, layer_rows, synthetic_pair, write_run
 
 
 def test_healthy_fp8_run_is_healthy_with_no_layer_outlier(tmp_path):
-    d = diagnose(*_pair(tmp_path))
+    d = diagnose(*synthetic_pair(tmp_path))
     assert d.kinds() == ["healthy"]
     assert d.top.severity == "info"
     # |gap| within noise_k control-noise sigmas: the numbers behind the verdict
@@ -100,7 +38,7 @@ def test_planted_outlier_layer_with_a_normal_loss_is_a_layer_to_watch(tmp_path):
     """Statistics nominate, the loss decides: the planted layer stands out and is ranked first from
     its own onset, but with a loss like the control's it is named under `healthy` as a layer to
     watch, with its error standing out (SQNR 12 dB against ~30 dB)."""
-    d = diagnose(*_pair(tmp_path, fp8_rows=lambda rng: _rows(rng, planted_from=150)))
+    d = diagnose(*synthetic_pair(tmp_path, fp8_rows=lambda rng: layer_rows(rng, planted_from=150)))
     assert d.kinds() == ["healthy"]
     f = d.top
     assert f.layers == (PLANTED,)
@@ -120,8 +58,8 @@ def test_divergence_from_start_lists_newly_enabled_options(tmp_path):
         return control[0] * (1 + rng.normal(0, 0.02, N))
 
     precision = {"recipe": "delayed", "fp8_weights": True, "cpu_offloading": True, "torch_compile": False}
-    run, ctl = _pair(
-        tmp_path, fp8_loss=broken, fp8_rows=lambda rng: _rows(rng, planted_from=0), precision=precision
+    run, ctl = synthetic_pair(
+        tmp_path, fp8_loss=broken, fp8_rows=lambda rng: layer_rows(rng, planted_from=0), precision=precision
     )
     d = diagnose(run, ctl)
     assert d.top.kind == "divergence_from_start"
@@ -138,10 +76,10 @@ def test_divergence_from_start_lists_newly_enabled_options(tmp_path):
 
 
 def test_mid_training_instability_is_a_mid_training_gap_with_the_planted_layer_first(tmp_path):
-    run, ctl = _pair(
+    run, ctl = synthetic_pair(
         tmp_path,
         fp8_loss=lambda c, rng: plant_divergence(c * (1 + rng.normal(0, 0.002, N)), 180, 0.004),
-        fp8_rows=lambda rng: _rows(rng, planted_from=170),
+        fp8_rows=lambda rng: layer_rows(rng, planted_from=170),
     )
     d = diagnose(run, ctl)
     assert d.top.kind == "mid_training_gap"
@@ -164,7 +102,7 @@ def test_mid_training_instability_is_a_mid_training_gap_with_the_planted_layer_f
 def test_downstream_drop_with_normal_loss(tmp_path):
     ctl_evals = {s: {"val_acc": 0.60 + 0.1 * s / N} for s in range(59, N, 60)}
     fp8_evals = {s: {"val_acc": v["val_acc"] * (0.7 if s > 200 else 1.0)} for s, v in ctl_evals.items()}
-    d = diagnose(*_pair(tmp_path, fp8_evals=fp8_evals, ctl_evals=ctl_evals))
+    d = diagnose(*synthetic_pair(tmp_path, fp8_evals=fp8_evals, ctl_evals=ctl_evals))
     assert d.kinds() == ["downstream_drop_with_normal_loss"]
     ev = d.top.evidence["eval"]["val_acc"]
     assert ev["worse_rel"] == pytest.approx(0.3)
@@ -185,7 +123,9 @@ def _spiky(control, rng):
 
 def test_fp8_only_spikes_name_the_layer_that_jumps(tmp_path):
     spike_steps = SPIKE_STEPS
-    run, ctl = _pair(tmp_path, fp8_loss=_spiky, fp8_rows=lambda rng: _rows(rng, planted_steps=spike_steps))
+    run, ctl = synthetic_pair(
+        tmp_path, fp8_loss=_spiky, fp8_rows=lambda rng: layer_rows(rng, planted_steps=spike_steps)
+    )
     d = diagnose(run, ctl)
     assert d.top.kind == "fp8_only_spikes"
     assert d.top.steps == spike_steps
@@ -195,14 +135,16 @@ def test_fp8_only_spikes_name_the_layer_that_jumps(tmp_path):
 def test_fp8_only_spikes_name_a_layer_broken_all_along_that_stands_out(tmp_path):
     """The planted layer is broken from step 40 on (SQNR 12 dB against ~30 dB): at the spikes it does
     not jump against its own history, but it stands out against the other layers: it is named."""
-    run, ctl = _pair(tmp_path, fp8_loss=_spiky, fp8_rows=lambda rng: _rows(rng, planted_from=40))
+    run, ctl = synthetic_pair(
+        tmp_path, fp8_loss=_spiky, fp8_rows=lambda rng: layer_rows(rng, planted_from=40)
+    )
     d = diagnose(run, ctl)
     assert d.top.kind == "fp8_only_spikes"
     assert d.top.layers[0] == PLANTED and d.top.evidence["layers_standing_out"][0] == PLANTED
     assert d.top.evidence["layer_jumps"] == [] and "standing out over the run" in d.top.text
     # a layer that jumps at the spikes is named as such, and nothing is "standing out" then
-    run, ctl = _pair(tmp_path / "b", fp8_loss=_spiky,
-                     fp8_rows=lambda rng: _rows(rng, planted_steps=SPIKE_STEPS))
+    run, ctl = synthetic_pair(tmp_path / "b", fp8_loss=_spiky,
+                     fp8_rows=lambda rng: layer_rows(rng, planted_steps=SPIKE_STEPS))
     assert diagnose(run, ctl).top.evidence["layers_standing_out"] == []
 
 
@@ -219,8 +161,8 @@ def _noisy_pair(tmp_path, bump: float, paired: bool, seed: int = 5):
     excursion[150:171] = bump * np.sin(np.linspace(0, np.pi, 21))
     fp8 = control * (1 + excursion) * (1 + rng.normal(0, 0.002, N))
     data = data_fingerprint(seed=seed, order=range(N)) if paired else None
-    ctl = _write(tmp_path, "control", control, _rows(rng, "shadow"), recipe="bf16", data=data)
-    run = _write(tmp_path, "fp8", fp8, _rows(rng), data=data)
+    ctl = write_run(tmp_path, "control", control, layer_rows(rng, "shadow"), recipe="bf16", data=data)
+    run = write_run(tmp_path, "fp8", fp8, layer_rows(rng), data=data)
     return run, ctl
 
 
@@ -246,8 +188,8 @@ def test_spikes_in_both_runs_are_shared(tmp_path):
     rng = np.random.default_rng(3)
     control = both(healthy(Curve(start=6.0, floor=2.0, tau=60.0, sigma=0.02), N, rng))
     fp8 = control * (1 + rng.normal(0, 0.002, N))
-    ctl = _write(tmp_path, "control", control, _rows(rng, "shadow"), recipe="bf16")
-    run = _write(tmp_path, "fp8", fp8, _rows(rng))
+    ctl = write_run(tmp_path, "control", control, layer_rows(rng, "shadow"), recipe="bf16")
+    run = write_run(tmp_path, "fp8", fp8, layer_rows(rng))
     d = diagnose(run, ctl)
     assert "shared_spikes" in d.kinds() and "fp8_only_spikes" not in d.kinds()
     shared = next(f for f in d.findings if f.kind == "shared_spikes")
@@ -257,8 +199,8 @@ def test_spikes_in_both_runs_are_shared(tmp_path):
 def test_a_layer_hard_in_the_control_too_is_not_an_fp8_outlier(tmp_path):
     rng = np.random.default_rng(0)
     control = healthy(Curve(start=6.0, floor=2.0, tau=60.0, sigma=0.02), N, rng)
-    ctl = _write(tmp_path, "control", control, _rows(rng, "shadow", planted_from=0), recipe="bf16")
-    run = _write(tmp_path, "fp8", control * 1.0005, _rows(rng, planted_from=0))
+    ctl = write_run(tmp_path, "control", control, layer_rows(rng, "shadow", planted_from=0), recipe="bf16")
+    run = write_run(tmp_path, "fp8", control * 1.0005, layer_rows(rng, planted_from=0))
     d = diagnose(run, ctl)
     # judged as excess over the same layer in the control, the planted layer is no worse than any other
     planted = next(r for r in d.layer_ranking if r.layer == PLANTED)
@@ -327,7 +269,7 @@ def test_newly_enabled_and_json_is_plain(tmp_path):
         },
     }
     assert newly_enabled(fp8, ctl) == {"recipe": "current", "fused_optimizer": "fused"}
-    d = diagnose(*_pair(tmp_path))
+    d = diagnose(*synthetic_pair(tmp_path))
     text = json.dumps(d.to_dict(), allow_nan=False)  # no NaN/inf leaks into diagnosis.json
     assert '"layer_ranking"' in text
     with pytest.raises(ValueError, match="noise_k"):
@@ -339,14 +281,14 @@ def test_a_gap_inside_the_seed_band_needs_a_layer_that_broke_just_before_it(tmp_
     its onset kept); with a layer whose own history breaks at step 150 it is damage, a mid-training
     gap naming that layer first (``corroborated_by``). A layer breaking long before does not count."""
     step_up = lambda c, rng: c * (1 + rng.normal(0, 0.002, N)) * np.where(np.arange(N) >= 160, 1.035, 1.0)  # noqa: E731
-    alone = diagnose(*_pair(tmp_path / "a", fp8_loss=step_up))
+    alone = diagnose(*synthetic_pair(tmp_path / "a", fp8_loss=step_up))
     assert alone.kinds() == ["healthy"] and alone.loss.corroborated_by is None
     assert alone.loss.band_onset_step == pytest.approx(160, abs=6) and not alone.loss.lasting
-    broke = diagnose(*_pair(
-        tmp_path / "b", fp8_loss=step_up, fp8_rows=lambda rng: _rows(rng, planted_from=150)))
+    broke = diagnose(*synthetic_pair(
+        tmp_path / "b", fp8_loss=step_up, fp8_rows=lambda rng: layer_rows(rng, planted_from=150)))
     assert broke.top.kind == "mid_training_gap" and broke.top.layers[0] == PLANTED
     assert broke.loss.corroborated_by == PLANTED and broke.loss.onset_step == pytest.approx(160, abs=6)
     assert "seed band" in broke.top.text
-    early = diagnose(*_pair(
-        tmp_path / "c", fp8_loss=step_up, fp8_rows=lambda rng: _rows(rng, planted_from=30)))
+    early = diagnose(*synthetic_pair(
+        tmp_path / "c", fp8_loss=step_up, fp8_rows=lambda rng: layer_rows(rng, planted_from=30)))
     assert early.loss.corroborated_by is None and not early.loss.lasting

@@ -4,17 +4,13 @@ inputs whose answers are worked out by hand."""
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
+import diagnosis_bench as bench  # bench/, on pytest's pythonpath
+import diagnosis_scenarios as ds
 import pytest
 
 from fp8track.analysis.diagnose import Finding
 from fp8track.monitoring.records import TensorStatsRow
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import diagnosis_bench as bench  # noqa: E402
-import diagnosis_scenarios as ds  # noqa: E402
 
 
 def _row(step, layer, tensor, variant="actual", **stats):
@@ -169,12 +165,14 @@ def test_scenario_set_covers_every_kind_three_families_and_both_scalings():
         "divergence_from_start",
         "mid_training_gap",
         "downstream_drop_with_normal_loss",
+        "latent_damage",
     }
     assert sum(s.expected_kind == "healthy" for s in scs) >= 4
     assert {s.fp8.family for s in scs} == set(ds.FAMILIES)
     assert {s.fp8.recipe.split(":")[0] for s in scs} == {"delayed", "current"}
     layer = [s.fp8.plant for s in scs if s.scores_layer]
-    assert {p.tensor for p in layer} == set(ds.TENSORS) and {p.position for p in layer} == set(ds.POSITIONS)
+    assert {p.tensor for p in layer} == set(ds.TENSORS)
+    assert {p.position for p in layer} == {*ds.POSITIONS, *ds.ROLES}
     assert len({s.name for s in scs}) == len(scs)
     assert all(s.control().recipe == "bf16" and s.control().plant is None for s in scs)
     with pytest.raises(ValueError, match="unknown families"):
@@ -214,6 +212,7 @@ def test_gemm_error_probe_reads_zero_in_high_precision_and_one_for_a_flushed_wei
     from transformers.pytorch_utils import Conv1D
 
     import fp8track
+    from fp8track.execution.faults import Fault, plant
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 48), nn.GELU(), Conv1D(16, 48))
@@ -228,12 +227,12 @@ def test_gemm_error_probe_reads_zero_in_high_precision_and_one_for_a_flushed_wei
     assert all(0.001 < fwd[n][0] < 0.1 for n in names), fwd
     assert all(0.001 < dgrad[n][0] < 0.2 for n in names), dgrad
     # the second layer's weight flushed to zero: its output is its bias, a relative error near 1
-    undo = ds.scale_fault(model.get_submodule(names[1]), "weight", 40.0)
+    flush = plant(model, Fault("scale", "weight", log2=40.0, in_eval=True), [names[1]])
     probe.measure(1, True)
     with torch.no_grad():
         torch.nn.init.zeros_(model.get_submodule(names[1]).bias)
     model(x).sum().backward()
-    undo()
+    flush.detach()
     assert fwd[names[1]][1] == pytest.approx(1.0, abs=1e-6) and fwd[names[0]][1] < 0.1
     # not measured when off, nor in evaluation
     probe.measure(2, False)

@@ -14,12 +14,9 @@ from fp8track.frontend import unwrap_model
 from fp8track.monitoring.naming import LOSS_METRIC, run_metric
 from fp8track.monitoring.records import RunReader
 
+from helpers.models import mlp
+
 GAP = run_metric("loss_gap_vs_baseline")
-
-
-def _net():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
 
 
 def _run(monitor: fp8track.Monitor, losses: list[float]) -> None:
@@ -34,26 +31,32 @@ def _metrics(run_dir, key):
 
 
 def test_baseline_as_a_run_directory_path_feeds_the_loss_gap(tmp_path):
-    control = fp8track.Monitor(_net(), {"every_n_steps": 1}, log_dir=tmp_path)
+    control = fp8track.Monitor(mlp(4, 8, 1), {"every_n_steps": 1}, log_dir=tmp_path)
     _run(control, [3.0, 2.5, 2.0, 1.5])
     # the path as a string, and as a Path: loaded at construction, the gap = loss - control loss
     for ref in (str(control.run_dir), control.run_dir):
-        fp8 = fp8track.Monitor(_net(), {"every_n_steps": 2}, log_dir=tmp_path, baseline=ref)
+        fp8 = fp8track.Monitor(mlp(4, 8, 1), {"every_n_steps": 2}, log_dir=tmp_path, baseline=ref)
         _run(fp8, [3.5, 2.5, 2.25, 1.0])
         # at the flushes: sampled steps 0 and 2, and close() flushing step 3 (1.0 - 1.5)
         assert _metrics(fp8.run_dir, GAP) == pytest.approx({0: 0.5, 2: 0.25, 3: -0.5})
         assert not [e for e in fp8.events if e.kind == "analysis_error"]
 
 
-def test_baseline_from_mlflow_with_the_tracking_uri(tmp_path):
+def test_baseline_from_mlflow_with_the_tracking_uri(tmp_path, mlflow_store):
     from fp8track.trackers.mlflow import MLflowTracker
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    tracker = MLflowTracker(tracking_uri=uri, background=False, heatmap=False)
-    control = fp8track.Monitor(_net(), {"every_n_steps": 1}, log_dir=tmp_path, trackers=[tracker])
+    uri = mlflow_store.uri
+    tracker = MLflowTracker(
+        tracking_uri=uri, experiment_name=mlflow_store.experiment(), background=False, heatmap=False
+    )
+    control = fp8track.Monitor(mlp(4, 8, 1), {"every_n_steps": 1}, log_dir=tmp_path, trackers=[tracker])
     _run(control, [2.0, 1.0])
     fp8 = fp8track.Monitor(
-        _net(), {"every_n_steps": 1}, log_dir=tmp_path, baseline=f"mlflow:{tracker.run_id}", tracking_uri=uri
+        mlp(4, 8, 1),
+        {"every_n_steps": 1},
+        log_dir=tmp_path,
+        baseline=f"mlflow:{tracker.run_id}",
+        tracking_uri=uri,
     )
     _run(fp8, [2.5, 0.5])
     assert _metrics(fp8.run_dir, GAP) == pytest.approx({0: 0.5, 1: -0.5})
@@ -61,14 +64,14 @@ def test_baseline_from_mlflow_with_the_tracking_uri(tmp_path):
 
 def test_a_bad_baseline_is_refused_before_any_hook_or_file(tmp_path):
     with pytest.raises(fp8track.ConfigError, match="baseline must be a run directory"):
-        fp8track.Monitor(_net(), log_dir=tmp_path, baseline=42)
+        fp8track.Monitor(mlp(4, 8, 1), log_dir=tmp_path, baseline=42)
     with pytest.raises(fp8track.ConfigError, match="does not exist"):
-        fp8track.Monitor(_net(), log_dir=tmp_path, baseline=tmp_path / "missing")
+        fp8track.Monitor(mlp(4, 8, 1), log_dir=tmp_path, baseline=tmp_path / "missing")
     assert os.listdir(tmp_path) == []  # nothing written
 
 
 def test_with_block_closes_and_writes_pending_losses_even_when_the_loop_raises(tmp_path):
-    mon = fp8track.Monitor(_net(), {"every_n_steps": 10}, log_dir=tmp_path)
+    mon = fp8track.Monitor(mlp(4, 8, 1), {"every_n_steps": 10}, log_dir=tmp_path)
     with pytest.raises(RuntimeError, match="user code"):
         with mon:
             for v in (1.0, 2.0, 3.0):  # step 0 is sampled; steps 1 and 2 wait for a flush
@@ -81,7 +84,7 @@ def test_with_block_closes_and_writes_pending_losses_even_when_the_loop_raises(t
 
 def test_default_run_folder_is_fp8track_runs_in_the_working_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with fp8track.Monitor(_net()) as mon:
+    with fp8track.Monitor(mlp(4, 8, 1)) as mon:
         mon.step(loss=1.0)
     assert (
         DEFAULT_LOG_DIR == "fp8track-runs"
@@ -92,7 +95,7 @@ def test_default_run_folder_is_fp8track_runs_in_the_working_directory(tmp_path, 
 def test_unwrap_model_looks_through_fabric_and_peft_wrappers():
     from lightning.fabric.wrappers import _FabricModule
 
-    net = _net()
+    net = mlp(4, 8, 1)
     wrapped = _FabricModule(net, strategy=None)
     assert unwrap_model(wrapped) is net and unwrap_model(net) is net
     assert any(n.startswith("_forward_module.") for n, _ in wrapped.named_modules())

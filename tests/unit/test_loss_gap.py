@@ -11,6 +11,8 @@ from fp8track.analysis.loss_gap import GapConfig, change_point, judge_gap, same_
 from fp8track.analysis.synthetic_loss import Curve, noise, trend
 from fp8track.errors import ConfigError
 
+from helpers.lightning import quiet_trainer
+
 N = 300
 
 
@@ -155,7 +157,6 @@ def test_example_data_module_fingerprint_is_its_first_epoch_order(tmp_path):
 def test_fp8monitor_records_the_data_modules_fingerprint(tmp_path):
     """Lightning: FP8Monitor puts the data module's fingerprint in the run metadata, so two runs on
     the same data are judged as paired."""
-    import lightning as L
 
     from fp8track.analysis.baseline import load_run
     from fp8track.examples.gpt import build_example
@@ -169,16 +170,7 @@ def test_fp8monitor_records_the_data_modules_fingerprint(tmp_path):
             n_layer=1, n_embd=16, n_head=2, block_size=16, batch_size=4, data_path=text
         )
         mon = FP8Monitor(every_n_steps=2, trackers="none", log_dir=tmp_path / name)
-        trainer = L.Trainer(
-            accelerator="cpu",
-            max_steps=3,
-            logger=False,
-            callbacks=[mon],
-            enable_checkpointing=False,
-            enable_model_summary=False,
-            enable_progress_bar=False,
-            limit_val_batches=0,
-        )
+        trainer = quiet_trainer(None, [mon], max_steps=3, limit_val_batches=0)
         trainer.fit(module, datamodule=data)
         metas.append(load_run(mon.run_dir).meta)
     assert metas[0]["config"]["data"] == data.data_fingerprint()

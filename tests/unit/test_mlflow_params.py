@@ -5,8 +5,6 @@ apply report are the ``fp8track_meta.json`` artifact, read back by ``read_mlflow
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from torch import nn
 
@@ -96,7 +94,7 @@ def test_long_layer_lists_are_cut_at_a_whole_name_with_the_count_left_out() -> N
     assert name_list([]) == "none" and name_list(names[:2]) == ",".join(names[:2])
 
 
-def test_monitor_run_params_in_mlflow_and_read_back(tmp_path: Path) -> None:
+def test_monitor_run_params_in_mlflow_and_read_back(mlflow_store) -> None:
     """Through a real MLflowTracker into SQLite: the params are exactly :func:`run_params`, the layer
     lists are tags, and the config (monitor settings, apply report) comes back from the artifact."""
     pytest.importorskip("mlflow")
@@ -104,10 +102,11 @@ def test_monitor_run_params_in_mlflow_and_read_back(tmp_path: Path) -> None:
 
     from fp8track.trackers.mlflow import MLflowTracker, read_mlflow_run
 
-    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    uri = mlflow_store.uri
     for recipe, spec in EXPECTED:
         meta = _meta(recipe, spec)
-        t = MLflowTracker(tracking_uri=uri, experiment_name="p", background=False, heatmap=False)
+        t = MLflowTracker(tracking_uri=uri, experiment_name=mlflow_store.experiment("p"), background=False,
+                          heatmap=False)
         t.start(meta)
         run = MlflowClient(uri).get_run(t.run_id)
         assert run.data.params == {**EXPECTED[recipe, spec], "fp8.backend": "emulated", **SETUP}
@@ -119,15 +118,15 @@ def test_monitor_run_params_in_mlflow_and_read_back(tmp_path: Path) -> None:
         assert Recipe.from_dict(back["recipe"]) == Recipe.parse(recipe)
 
 
-def test_an_unwritable_artifact_store_costs_only_the_meta_artifact(tmp_path: Path) -> None:
+def test_an_unwritable_artifact_store_costs_only_the_meta_artifact(mlflow_store) -> None:
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
     from fp8track.trackers.mlflow import META_ARTIFACT, MLflowTracker
 
-    uri = f"sqlite:///{tmp_path / 'm.db'}"
-    t = MLflowTracker(tracking_uri=uri, experiment_name="ro", artifact_location="/proc/fp8track-no-such-dir",
-                      background=False, heatmap=False)
+    uri = mlflow_store.uri
+    t = MLflowTracker(tracking_uri=uri, experiment_name=mlflow_store.experiment("ro"),
+                      artifact_location="/proc/fp8track-no-such-dir", background=False, heatmap=False)
     t.start(_meta("current", "last:1"))  # does not raise
     assert MlflowClient(uri).get_run(t.run_id).data.params["fp8.n_fp8_layers"] == "2"
     assert any(META_ARTIFACT in n and "not written" in n for n in t.take_notices())

@@ -10,7 +10,6 @@ import warnings
 
 import pytest
 import torch
-from helpers.moe import ALL_FAMILIES, FUSED_FAMILIES, E, H, K, batch, forward_loss, tiny_moe
 
 from fp8track import apply_fp8
 from fp8track.errors import ConfigError
@@ -20,6 +19,8 @@ from fp8track.execution.fp8_experts import EmulatedFP8Experts
 from fp8track.execution.grouped import GroupQuantizers, fp8_grouped_linear, grouped_mm
 from fp8track.execution.recipes import Recipe
 from fp8track.trial import fp8_flop_share, layer_costs
+
+from helpers.moe import ALL_FAMILIES, FUSED_FAMILIES, E, H, K, batch, forward_loss, tiny_moe
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -198,18 +199,15 @@ def test_router_linears_are_converted_only_when_asked():
 def test_block_recipes_and_other_backends_list_experts_with_a_warning():
     model = tiny_moe("mixtral")
     with pytest.warns(UserWarning, match="not converted"):
-        report = apply_fp8(model, "mxfp8", backend="emulated")
+        report = apply_fp8(model, "nvfp4", backend="emulated")
     why = dict(report.unconverted)["model.layers.0.mlp.experts"]
-    assert "block-scaled grouped GEMMs are not emulated" in why
+    assert "its grouped GEMM is not emulated" in why
     assert "model.layers.0.mlp.experts" not in report.fp8_layers
     assert not isinstance(model.model.layers[0].mlp.experts, EmulatedFP8Experts)
     model = tiny_moe("mixtral")
     with pytest.warns(UserWarning, match="not converted"):
         report = apply_fp8(model, "current", backend="torchao")
-    assert (
-        "torchao backend does not convert fused experts"
-        in dict(report.unconverted)["model.layers.1.mlp.experts"]
-    )
+    assert "rowwise scales only" in dict(report.unconverted)["model.layers.1.mlp.experts"]
 
 
 def test_inplace_ops_on_a_converted_linear_output():

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.moe import ALL_FAMILIES, E, H, K, batch, forward_loss, tiny_moe
 from torch.overrides import TorchFunctionMode
 
 import fp8track
@@ -21,6 +20,8 @@ from fp8track import apply_fp8
 from fp8track.execution.experts import find_moe
 from fp8track.execution.recipes import Recipe
 from fp8track.numerics.stats import quant_stats
+
+from helpers.moe import ALL_FAMILIES, E, H, K, batch, forward_loss, tiny_moe
 
 STATS = ("amax", "underflow_pct", "sqnr_db", "cos", "scale")
 

@@ -11,10 +11,7 @@ from fp8track.errors import ConfigError
 from fp8track.monitoring.records import RunReader
 from fp8track.numerics.stats import finalize, merge_partials, partial_stats, quant_stats
 
-
-def _mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+from helpers.models import mlp
 
 
 @pytest.mark.parametrize(
@@ -35,14 +32,14 @@ def test_config_errors_name_value_and_choices(kwargs, match):
 
 def test_layer_selection_errors_list_candidates(tmp_path):
     with pytest.raises(ConfigError, match=r"'re:attn' matches no linear layer; candidates: 0, 2"):
-        Monitor(_mlp(), layers="re:attn", log_dir=tmp_path)
+        Monitor(mlp(16, 32, 4), layers="re:attn", log_dir=tmp_path)
     with pytest.raises(ConfigError, match="no linear layer to monitor"):
         Monitor(nn.Sequential(nn.ReLU()), log_dir=tmp_path)
-    assert list(Monitor(_mlp(), layers=["2"], log_dir=tmp_path).captures) == ["2"]
+    assert list(Monitor(mlp(16, 32, 4), layers=["2"], log_dir=tmp_path).captures) == ["2"]
 
 
 def test_sampling_and_records(tmp_path):
-    model = _mlp()
+    model = mlp(16, 32, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     mon = Monitor(model, MonitorConfig(every_n_steps=4, steps=(5,)), log_dir=tmp_path).attach()
     inputs = {}
@@ -75,7 +72,7 @@ def test_sampling_and_records(tmp_path):
 def test_unsampled_steps_keep_only_the_loss(tmp_path):
     # No observation, no grad norm, no per-layer state on unsampled steps; the loss is still
     # recorded. The hook stays registered while attached (a compiled model guards on hooks).
-    model = _mlp()
+    model = mlp(16, 32, 4)
     layers = [model[0], model[2]]
     mon = Monitor(model, MonitorConfig(every_n_steps=3), log_dir=tmp_path).attach()
     observed, sampled = [], []
@@ -100,7 +97,7 @@ def test_unsampled_steps_keep_only_the_loss(tmp_path):
 
 
 def test_micro_batches_merge_exactly(tmp_path):
-    model = _mlp()
+    model = mlp(16, 32, 4)
     mon = Monitor(model, MonitorConfig(every_n_steps=1, tensors=("activation",)), log_dir=tmp_path).attach()
     xs = [torch.randn(4, 16) * s for s in (1.0, 100.0, 1e-3)]
     total = 0.0
@@ -119,7 +116,7 @@ def test_micro_batches_merge_exactly(tmp_path):
 
 
 def test_state_round_trip_keeps_pending_losses(tmp_path):
-    model = _mlp()
+    model = mlp(16, 32, 4)
     mon = Monitor(model, MonitorConfig(every_n_steps=10), log_dir=tmp_path).attach()
     for v in (1.0, 2.0, 3.0):
         mon.step(loss=torch.tensor(v))
@@ -144,7 +141,7 @@ def test_a_failing_analyzer_warns_once_and_training_goes_on(tmp_path):
         def load_state_dict(self, state):
             pass
 
-    model = _mlp()
+    model = mlp(16, 32, 4)
     mon = Monitor(model, MonitorConfig(every_n_steps=1), log_dir=tmp_path, analyzers=[Broken()]).attach()
     with pytest.warns(UserWarning, match="Broken failed at step 0") as record:
         for _ in range(3):
@@ -162,7 +159,7 @@ def _events_after_run(tmp_path, losses, stop_at=None):
     and continue in a fresh Monitor, as a resumed job would."""
     import json
 
-    model = _mlp()
+    model = mlp(16, 32, 4)
     config = MonitorConfig(every_n_steps=7, tensors=("weight",))
     mon = Monitor(model, config, log_dir=tmp_path).attach()
     for step, loss in enumerate(losses):
@@ -196,7 +193,7 @@ def test_resume_mid_spike_gives_the_same_events(tmp_path):
 
 
 def test_evaluation_forwards_do_not_leak_into_statistics(tmp_path):
-    model = _mlp()
+    model = mlp(16, 32, 4)
     mon = Monitor(model, MonitorConfig(every_n_steps=1, tensors=("activation",)), log_dir=tmp_path).attach()
     x = torch.randn(4, 16)
     model(x).sum().backward()
@@ -255,7 +252,7 @@ def test_the_sink_gets_the_loss_of_every_step_under_its_own_step(tmp_path):
     from fp8track.monitoring.monitor import Monitor as Core
 
     sink = _ListSink()
-    model = _mlp()
+    model = mlp(16, 32, 4)
     mon = Core(model, CaptureConfig(every_n_steps=5), log_dir=tmp_path, sink=lambda run_dir: sink).attach()
     losses = _train(mon, model, 12)
     sent = {b.step: b.metrics["fp8/loss"] for b in sink.batches if "fp8/loss" in b.metrics}
@@ -266,7 +263,7 @@ def test_the_sink_gets_the_loss_of_every_step_under_its_own_step(tmp_path):
 
 
 def test_a_step_without_a_loss_records_none_and_raises_no_alarm(tmp_path):
-    model = _mlp()
+    model = mlp(16, 32, 4)
     mon = Monitor(model, MonitorConfig(every_n_steps=3), log_dir=tmp_path).attach()
     losses = _train(mon, model, 10, loss_at=lambda s: s in (1, 4, 5))
     reader = RunReader(mon.run_dir)
@@ -279,7 +276,7 @@ def test_a_step_without_a_loss_records_none_and_raises_no_alarm(tmp_path):
 
 
 def test_a_given_nan_loss_is_still_an_alarm(tmp_path):
-    model = _mlp()
+    model = mlp(16, 32, 4)
     mon = Monitor(model, MonitorConfig(every_n_steps=2), log_dir=tmp_path).attach()
     for step in range(4):
         mon.step(loss=float("nan") if step == 2 else 1.0)
@@ -308,7 +305,7 @@ def test_one_sum_and_one_max_collective_per_logging_step(tmp_path, monkeypatch):
 
         monkeypatch.setattr(dist, "all_reduce", counting)
         monkeypatch.setattr(core, "_dist_world", lambda: 2)
-        model = _mlp()
+        model = mlp(16, 32, 4)
         mon = Monitor(model, MonitorConfig(every_n_steps=4), log_dir=tmp_path).attach()
         losses = _train(mon, model, 8)  # sampled: 0, 4; flush at close: 5, 6, 7
         assert calls == [dist.ReduceOp.SUM, dist.ReduceOp.MAX] * 2 + [dist.ReduceOp.SUM], calls

@@ -11,14 +11,11 @@ from fp8track.analysis.baseline import load_run
 from fp8track.execution.apply import apply_fp8
 from fp8track.monitoring.monitor import precision_setup, select_eval_metrics
 
-
-def _mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+from helpers.models import mlp
 
 
 def test_record_eval_writes_fp8_eval_records_read_back_as_eval_metrics(tmp_path):
-    model = _mlp()
+    model = mlp(16, 32, 4)
     mon = Monitor(model, log_dir=tmp_path).attach()
     for _step in range(3):
         mon.step(loss=model(torch.randn(4, 16)).pow(2).mean())
@@ -47,7 +44,7 @@ def test_select_eval_metrics_auto_and_explicit():
 
 
 def test_precision_setup_reads_the_model_and_optimizers(tmp_path):
-    model = _mlp()
+    model = mlp(16, 32, 4)
     assert precision_setup(model) == {"recipe": None, "fp8_weights": False, "activation_checkpointing": False,
                                       "torch_compile": False, "fused_optimizer": None}
     apply_fp8(model, "current", backend="emulated")
@@ -63,6 +60,6 @@ def test_precision_setup_reads_the_model_and_optimizers(tmp_path):
     with torch.no_grad():
         model[0].weight = nn.Parameter(model[0].weight.to(torch.float8_e4m3fn), requires_grad=False)
     assert precision_setup(model)["fp8_weights"] is True
-    mon = Monitor(_mlp(), log_dir=tmp_path).attach()
+    mon = Monitor(mlp(16, 32, 4), log_dir=tmp_path).attach()
     mon.close()
     assert load_run(mon.run_dir).meta["config"]["precision"]["recipe"] is None

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import io
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,10 +16,10 @@ from fp8track.analysis.pairing import Mismatch
 from fp8track.cli import COMMANDS, build_parser
 from fp8track.monitoring.records import TensorStatsRow
 from fp8track.report.console import TABLE_WIDTH, print_diagnosis
-from fp8track.report.figures import DPI, LABEL_PT, colour_limits, heatmap_figure, loss_figure
+from fp8track.report.figures import DPI, LABEL_PT, heatmap_figure, loss_figure
+from fp8track.trackers.heatmap import colour_limits
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_diagnose import _pair, _rows  # noqa: E402
+from helpers.synthetic_runs import layer_rows, synthetic_pair
 
 
 def _loss(onset: int | None, n: int = 200) -> GapJudgement:
@@ -94,7 +92,7 @@ def test_the_report_header_names_the_runs(tmp_path):
     from fp8track.analysis.diagnose import diagnose
     from fp8track.report.html import render_report
 
-    run, ctl = _pair(tmp_path, fp8_rows=lambda rng: _rows(rng, planted_from=150))
+    run, ctl = synthetic_pair(tmp_path, fp8_rows=lambda rng: layer_rows(rng, planted_from=150))
     page = render_report(diagnose(run, ctl), run, ctl)
     head = page[page.index("<h1>") : page.index("</table>")]
     assert "<h1>fp8track diagnosis: fp8 vs control</h1>" in head

@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from fp8track.errors import ConfigError
-from fp8track.sweep.executor import SweepOptions, control_whatif
+from fp8track.sweep.controls import control_whatif
+from fp8track.sweep.options import SweepOptions
 from fp8track.sweep.spec import load_sweep
 from fp8track.trial import WHATIF_ENV, trial_settings, whatif_variant
 

@@ -48,12 +48,12 @@ def test_requested_tracker_without_its_logger_fails_early(tmp_path):
         make_trackers(["wandb"], [CSVLogger(tmp_path)])
 
 
-def test_auto_from_real_loggers(tmp_path):
+def test_auto_from_real_loggers(tmp_path, mlflow_store):
     from fp8track.trackers.mlflow import MLflowTracker
 
-    uri = f"sqlite:///{tmp_path}/ml.db"
-    ml = MLFlowLogger(experiment_name="e", tracking_uri=uri, artifact_location=str(tmp_path / "art"))
-    ml2 = MLFlowLogger(experiment_name="e2", tracking_uri=uri, artifact_location=str(tmp_path / "art2"))
+    uri, e = mlflow_store.uri, mlflow_store.experiment
+    ml = MLFlowLogger(experiment_name=e("e"), tracking_uri=uri, artifact_location=str(tmp_path / "art"))
+    ml2 = MLFlowLogger(experiment_name=e("e2"), tracking_uri=uri, artifact_location=str(tmp_path / "art2"))
     csv = CSVLogger(tmp_path)
     trackers = make_trackers("auto", [csv, ml, ml2], mlflow={"heatmap": False})
     # W&B and MLflow get their native views; any other logger the scalar metrics
@@ -72,15 +72,19 @@ def test_auto_from_real_loggers(tmp_path):
     assert [t.name for t in trackers_from_loggers([csv, CSVLogger(tmp_path)])] == ["CSVLogger", "CSVLogger-1"]
 
 
-def test_logger_kind_from_public_attributes_only(tmp_path):
-    uri = f"sqlite:///{tmp_path}/ml.db"
-    ml = MLFlowLogger(experiment_name="e", tracking_uri=uri, artifact_location=str(tmp_path / "art"))
+def test_logger_kind_from_public_attributes_only(tmp_path, mlflow_store):
+    uri = mlflow_store.uri
+    ml = MLFlowLogger(
+        experiment_name=mlflow_store.experiment("e"),
+        tracking_uri=uri,
+        artifact_location=str(tmp_path / "art"),
+    )
 
     class MyMLflow(MLFlowLogger):  # a subclass is still served natively
         pass
 
     assert logger_kind(ml) == "mlflow"
-    assert logger_kind(MyMLflow(experiment_name="e", tracking_uri=uri)) == "mlflow"
+    assert logger_kind(MyMLflow(experiment_name=mlflow_store.experiment("e"), tracking_uri=uri)) == "mlflow"
     assert logger_kind(CSVLogger(tmp_path)) == "generic"
     assert logger_kind(object()) is None
     # the tracking URI comes from the client's public attribute (the baseline resolves mlflow:<id> with it)

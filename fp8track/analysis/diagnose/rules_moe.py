@@ -2,7 +2,8 @@
 departs from the control.
 
 ``expert_outlier``: the experts of one group (``<experts>.<param>.expert_<e>`` rows of one tensor
-kind) see different tokens of one distribution, so on a sampled step they should quantise alike. An
+kind; module-list and TE forms too: :func:`fp8track.execution.experts.parse_expert_row`) see
+different tokens of one distribution, so on a sampled step they should quantise alike. An
 expert stands out on a step when its quantisation error is worse than its siblings' median by a
 margin that matters in absolute terms **and** in their spread: SQNR at least :data:`SQNR_MARGIN_DB`
 lower (ten times the error power) with a robust z of at least :data:`EXPERT_Z`, or an overflow or
@@ -22,7 +23,6 @@ an absolute floor (:data:`ROUTER_FLOORS`).
 from __future__ import annotations
 
 import math
-import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +33,7 @@ import numpy as np
 from fp8track.analysis.diagnose.evidence import Evidence, relative_noise
 from fp8track.analysis.diagnose.model import Finding, confidence
 from fp8track.analysis.ranking import MAIN_VARIANTS
+from fp8track.execution.experts import parse_expert_row
 
 SQNR_MARGIN_DB = 10.0
 SHARE_MARGIN_PCT = 1.0
@@ -52,7 +53,6 @@ MOE_NEXT_STEPS = (
     "per-expert current scaling (recipe current) or MXFP8 block scaling for the experts",
     "keep the first and last MoE layers in BF16 (bf16_layers='first_last')",
 )
-_EXPERT_ROW = re.compile(r"^(?P<group>.+)\.expert_(?P<e>\d+)$")
 
 
 @dataclass(frozen=True)
@@ -78,10 +78,10 @@ def _expert_cells(
     """``(group, tensor, step) -> {expert: (row name, stats)}`` of the main variant's expert rows."""
     out: dict[tuple[str, str, int], dict[int, tuple[str, Mapping[str, float]]]] = defaultdict(dict)
     for r in rows:
-        m = _EXPERT_ROW.match(r.layer)
+        m = parse_expert_row(r.layer)  # every expert row form (fused, module list, TE)
         if m is None or r.variant not in MAIN_VARIANTS:
             continue
-        out[(m["group"], r.tensor, int(r.step))][int(m["e"])] = (r.layer, r.stats)
+        out[(m[0], r.tensor, int(r.step))][m[1]] = (r.layer, r.stats)
     return out
 
 
@@ -155,8 +155,8 @@ def rule_expert_outlier(ev: Evidence, found: Sequence[Finding]) -> list[Finding]
     for o in expert_outliers(ev.fp8_rows):
         if (o.row, o.tensor) in in_control:
             continue  # the control's data makes it stand out too: not FP8's doing
-        n_experts = 1 + max((int(m["e"]) for r in ev.fp8_rows if (m := _EXPERT_ROW.match(r.layer))
-                             and m["group"] == o.group), default=o.expert)
+        n_experts = 1 + max((m[1] for r in ev.fp8_rows if (m := parse_expert_row(r.layer))
+                             and m[0] == o.group), default=o.expert)
         busy = not math.isfinite(o.token_share) or o.token_share >= 0.5 / n_experts
         severity = "high" if trouble and busy else ("medium" if busy else "low")
         what = {

@@ -64,20 +64,16 @@ from fp8track.execution.experts import expert_group
 from fp8track.execution.fp8_experts import EmulatedFP8Experts, convert_experts, unconverted_reason
 from fp8track.execution.layers import InOutWeightGemm, is_hf_conv1d
 from fp8track.execution.recipes import Recipe
-from fp8track.numerics.formats import FP8Format
 from fp8track.numerics.nvfp4 import NVFP4Recipe, new_generator, nvfp4_quantize
 from fp8track.numerics.scaling import (
-    BLOCK_LAYOUTS,
     BLOCK_SCALINGS,
     DelayedScaler,
     amax,
+    block_fake_quantize,
     block_layout,
-    block_scales,
-    blockify,
     current_scale,
     dequantize,
     quantize,
-    unblockify,
 )
 
 __all__ = [
@@ -87,29 +83,6 @@ __all__ = [
     "EmulatedFP8Linear",
     "block_fake_quantize",
 ]
-
-
-def block_fake_quantize(x2d: torch.Tensor, layout: str, fmt: FP8Format) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-quantise then dequantise a 2-D tensor along its last dimension.
-
-    Args:
-        x2d: 2-D tensor; blocks run along dim 1 (the GEMM's reduction dimension).
-        layout: a :data:`~fp8track.numerics.scaling.BLOCK_LAYOUTS` name: ``mxfp8`` (1x32, E8M0
-            scales rounded up as TE), ``block128`` (1x128, power-of-two scales), ``block128x128``
-            (128x128 tiles, power-of-two scales).
-        fmt: element format.
-
-    Returns:
-        ``(dequantised float32 tensor of x2d's shape, scales)``; scales have shape
-        ``[rows, blocks per row]`` (``[row tiles, column tiles]`` for tiles).
-    """
-    x = x2d.to(torch.float32)
-    blocks, _ = blockify(x, layout)
-    _, scale = block_scales(blocks, layout, fmt)
-    deq = unblockify(dequantize(quantize(blocks, fmt, scale), scale), x.shape, layout)
-    size, tiles, _ = BLOCK_LAYOUTS[layout]
-    grid = (-(-x.shape[0] // size), -(-x.shape[1] // size)) if tiles else (x.shape[0], -1)
-    return deq, scale.reshape(grid)
 
 
 def _fits_scaled_mm(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -18,6 +18,13 @@ fp8track recipe            torchao ``Float8LinearConfig``
 
 On CPU (or any device without an FP8 GEMM) ``emulate=True`` is set with ``dataclasses.replace``
 (the config is frozen). torchao has no margin; a non-zero margin is an error.
+
+Fused mixture-of-experts modules (:mod:`fp8track.execution.experts`) go through torchao's MoE
+training (``torchao.prototype.moe_training``: ``quantize_`` with ``Float8TrainingOpConfig``, its
+weight wrapper intercepting the grouped GEMMs; rowwise FP8, per-token activation and per-expert
+per-column weight scales), filtered to the experts modules as torchtitan does. It runs the
+``rowwise`` recipe on CUDA only (its casts are Triton kernels); any other recipe or device lists
+the experts as unconverted, with the reason.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from torch import nn
 
 from fp8track.errors import ConfigError
 from fp8track.execution.backends.base import Backend, Converted, ScaleRule, refuse_conv1d, register
+from fp8track.execution.experts import expert_group
 from fp8track.execution.layers import is_hf_conv1d
 from fp8track.execution.recipes import Recipe
 from fp8track.numerics.scaling import BLOCK_SCALINGS
@@ -116,10 +124,35 @@ def torchao_format(module: nn.Module, tensor: str) -> str:
     return "e5m2" if "e5m2" in str(cast.target_dtype) else "e4m3"
 
 
+def experts_reason(recipe: Recipe, device_type: str) -> str | None:
+    """Why torchao's MoE training cannot run fused experts under ``recipe`` here, or ``None``."""
+    if recipe.variant != "rowwise":
+        return (
+            f"torchao's MoE training runs FP8 grouped GEMMs with rowwise scales only (recipe 'rowwise'), "
+            f"not {recipe.variant!r}; the experts stay in high precision (or use backend='emulated')"
+        )
+    if device_type != "cuda":
+        return "torchao's FP8 MoE training needs CUDA (its rowwise casts are Triton kernels); " \
+            "the experts stay in high precision (or use backend='emulated')"
+    return None
+
+
+def convert_experts(model: nn.Module, names: Collection[str]) -> list[str]:
+    """Wrap the weights of the experts modules ``names`` for torchao's FP8 MoE training."""
+    from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+    from torchao.quantization import quantize_
+
+    wanted = set(names)
+    quantize_(model, Float8TrainingOpConfig(), filter_fn=lambda module, fqn: fqn in wanted)
+    return [n for n in names if n in wanted]
+
+
 class TorchaoBackend(Backend):
-    """``backend="torchao"``: ``Float8Linear`` (dynamic scaling only; see the module table)."""
+    """``backend="torchao"``: ``Float8Linear`` (dynamic scaling only; see the module table) and
+    fused experts through torchao's MoE training (see the module docstring)."""
 
     name = "torchao"
+    converts_experts = True
 
     def owns(self, module: nn.Module) -> bool:
         return is_torchao_fp8(module)
@@ -138,8 +171,17 @@ class TorchaoBackend(Backend):
         refuse_conv1d(self.name, model, names, keep_bf16, recipe)
         if not recipe.quantizes:
             return Converted(())
-        linears = [n for n in names if not is_hf_conv1d(model.get_submodule(n))]
         device = next((p.device.type for p in model.parameters()), "cpu")
+        groups = [n for n in names if expert_group(n, model.get_submodule(n)) is not None]
+        experts = [n for n in groups if n not in keep_bf16]
+        why = experts_reason(recipe, device) if experts else None
+        split = {n for n in experts if any(k.startswith(n + ".") for k in keep_bf16)}
+        unconverted = {n: why for n in experts} if why else {
+            n: "torchao's MoE training wraps every weight of an experts module: one projection cannot "
+            "stay in BF16 (keep the whole group, or use backend='emulated')" for n in split
+        }
+        fp8_experts = [] if why else convert_experts(model, [n for n in experts if n not in split])
+        linears = [n for n in names if n not in groups and not is_hf_conv1d(model.get_submodule(n))]
         # torchao's hardware rule (torchao/float8/float8_linear_utils.py, _auto_filter_for_recipe):
         # float8 GEMMs need both dims divisible by 16; applied on CPU too, so emulation refuses
         # what a GPU run would.
@@ -150,7 +192,8 @@ class TorchaoBackend(Backend):
             and ((m := model.get_submodule(n)).in_features % 16 or m.out_features % 16)
         }
         keep = set(keep_bf16) | set(refused)
-        return Converted(tuple(convert(model, recipe, linears, keep, device_type=device)), refused)
+        fp8 = convert(model, recipe, linears, keep, device_type=device)
+        return Converted((*fp8, *fp8_experts), refused, unconverted)
 
 
 register(TorchaoBackend())

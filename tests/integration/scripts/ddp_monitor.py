@@ -1,7 +1,7 @@
 """Run by tests/integration/test_ddp.py as a subprocess: 2 CPU ranks (gloo) with FP8Monitor.
 
 Lightning's "ddp" strategy re-executes this script for rank 1, so it must be a plain script.
-Usage: python ddp_monitor.py OUT_DIR
+Usage: python ddp_monitor.py OUT_DIR   (with tests/ on PYTHONPATH: helpers.subprocesses.python_env)
 """
 
 import sys
@@ -12,7 +12,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fp8track.lightning import FP8Monitor
 
-N, D_IN, D_HID, D_OUT, BATCH = 64, 32, 48, 16, 8
+from helpers.dist_sizes import DDP_BATCH as BATCH
+from helpers.dist_sizes import DDP_D_HID as D_HID
+from helpers.dist_sizes import DDP_D_IN as D_IN
+from helpers.dist_sizes import DDP_D_OUT as D_OUT
+from helpers.dist_sizes import DDP_N as N
 
 
 def dataset() -> TensorDataset:

@@ -11,7 +11,8 @@ Modes (``torchrun --standalone --nproc_per_node N sharded_monitor.py OUT MODE[,M
 
 Besides the monitor's run directory, every rank saves ``rank<r>.pt``: the *global* tensors of each
 sampled step (DTensors gathered with ``full_tensor()``), keyed ``(step, layer, tensor)``, plus the
-global gradient norm and loss, so the test recomputes every statistic in one process.
+global gradient norm and loss, so the test recomputes every statistic in one process. Needs tests/
+on ``PYTHONPATH`` (its sizes come from ``helpers.dist_sizes``).
 ``--bench K [--width W]`` instead times K steps unmonitored, unsampled, sampled (global scales: the
 two-phase amax) and sampled with local scales, on the model W times wider, and prints JSON on rank 0.
 """
@@ -25,8 +26,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-D_IN, D_HID, D_OUT, BATCH, STEPS = 32, 64, 16, 8, 3
-LAYERS = ("net.0", "net.2")
+from helpers.dist_sizes import SHARDED_BATCH as BATCH
+from helpers.dist_sizes import SHARDED_D_HID as D_HID
+from helpers.dist_sizes import SHARDED_D_IN as D_IN
+from helpers.dist_sizes import SHARDED_D_OUT as D_OUT
+from helpers.dist_sizes import SHARDED_LAYERS as LAYERS
+from helpers.dist_sizes import SHARDED_STEPS as STEPS
 
 
 def batch(dp_rank: int, step: int, width: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

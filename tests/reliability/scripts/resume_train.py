@@ -47,7 +47,7 @@ class Net(pl.LightningModule):
 class KillAt(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if mode == "kill" and trainer.global_step == 13:
-            monitor.monitor._fanout.trackers[0].flush(60)  # the tracker had sent everything so far
+            monitor.monitor._out.sink.trackers[0].flush(60)  # the tracker had sent everything so far
             os.kill(os.getpid(), signal.SIGKILL)
 
 

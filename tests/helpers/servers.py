@@ -1,5 +1,5 @@
 """A real ``mlflow server`` on 127.0.0.1 for tests: started in its own process group, stopped
-(or killed mid-run) by that pid. Imported by tests/reliability and tests/integration."""
+(or killed mid-run) by that pid."""
 
 from __future__ import annotations
 

@@ -1,0 +1,196 @@
+"""The sweep's Optuna side: the study in its RDB storage (heartbeats, retry of a dead worker's
+trial), samplers re-seeded per trial, the hyperband pruner, parameter suggestion, and the
+questions the executor asks the shared study (how many trials finished, who writes the summary).
+
+* ``grid`` -> ``GridSampler``, ``random`` -> ``RandomSampler``, ``bayes`` -> ``TPESampler``,
+  re-seeded for every trial from ``(seed, trial number)``: one worker with the same YAML and seed
+  proposes the same trials; several workers share the study's history in the storage (no process
+  id in any seed).
+* ``early_terminate: hyperband`` -> ``HyperbandPruner`` (``min_resource = min_iter``,
+  ``reduction_factor = eta``, ``max_resource = max_iter`` or "auto").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from fp8track.optional import require
+from fp8track.sweep.options import SweepOptions
+from fp8track.sweep.spec import SweepSpec
+from fp8track.trial import cache_key
+
+PARENT_ATTR = "mlflow_parent_run_id"
+"""Study user attribute holding the MLflow parent run's id (workers on other machines wait for it)."""
+FINISHED_STATES = ("COMPLETE", "PRUNED")
+
+
+class Surplus(RuntimeError):
+    """The trial is beyond the sweep's budget (raised before any training)."""
+
+
+@contextlib.contextmanager
+def experimental_ok() -> Iterator[None]:
+    """Optuna marks heartbeats and retries experimental; we rely on them knowingly."""
+    optuna = require("optuna", "fp8track sweep")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        yield
+
+
+def _base_sampler(spec: SweepSpec, seed: int) -> Any:
+    optuna = require("optuna", "fp8track sweep")
+    if spec.method == "grid":
+        space = {p.name: list(p.values) for p in spec.params if p.kind == "categorical"}
+        return optuna.samplers.GridSampler(space, seed=seed)
+    if spec.method == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    return optuna.samplers.TPESampler(seed=seed)
+
+
+def trial_seed(seed: int, number: int) -> int:
+    """The sampler seed of trial ``number``: a stable hash of ``(seed, number)`` (no process id)."""
+    return int(cache_key({"seed": seed, "trial": number}), 16) % (2**31)
+
+
+def seeded_sampler(spec: SweepSpec, seed: int) -> Any:
+    """An Optuna sampler re-seeded for every trial from ``(seed, trial number)`` (module docstring).
+
+    ``grid`` keeps one ``GridSampler(seed)``: its seed shuffles the grid once and trial ``n`` takes
+    the n-th point not yet run, the same order in every worker that uses the same seed."""
+    optuna = require("optuna", "fp8track sweep")
+    if spec.method == "grid":
+        return _base_sampler(spec, seed)
+
+    class TrialSeededSampler(optuna.samplers.BaseSampler):
+        def __init__(self) -> None:
+            self.inner = _base_sampler(spec, seed)
+
+        def before_trial(self, study: Any, trial: Any) -> None:
+            self.inner = _base_sampler(spec, trial_seed(seed, trial.number))
+            self.inner.before_trial(study, trial)
+
+        def infer_relative_search_space(self, study: Any, trial: Any) -> Any:
+            return self.inner.infer_relative_search_space(study, trial)
+
+        def sample_relative(self, study: Any, trial: Any, search_space: Any) -> Any:
+            return self.inner.sample_relative(study, trial, search_space)
+
+        def sample_independent(self, study: Any, trial: Any, name: str, dist: Any) -> Any:
+            return self.inner.sample_independent(study, trial, name, dist)
+
+        def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+            self.inner.after_trial(study, trial, state, values)
+
+        def reseed_rng(self) -> None:  # Optuna calls it for n_jobs > 1; our seeds come from the trial
+            pass
+
+    return TrialSeededSampler()
+
+
+def pruner(spec: SweepSpec) -> Any:
+    """``HyperbandPruner`` for ``early_terminate: hyperband``, else ``NopPruner``."""
+    optuna = require("optuna", "fp8track sweep")
+    if spec.hyperband is None:
+        return optuna.pruners.NopPruner()
+    return optuna.pruners.HyperbandPruner(min_resource=spec.hyperband.min_iter,
+                                          max_resource=spec.hyperband.max_iter or "auto",
+                                          reduction_factor=spec.hyperband.eta)
+
+
+def suggest(trial: Any, spec: SweepSpec) -> dict[str, Any]:
+    """The trial's parameters: constants as given, the others suggested by the study's sampler."""
+    params: dict[str, Any] = {}
+    for p in spec.params:
+        if p.kind == "constant":
+            params[p.name] = p.value
+        elif p.kind == "categorical":
+            params[p.name] = trial.suggest_categorical(p.name, list(p.values))
+        elif p.kind == "int_uniform":
+            params[p.name] = trial.suggest_int(p.name, int(p.low), int(p.high))
+        else:
+            params[p.name] = trial.suggest_float(p.name, p.low, p.high, log=p.kind == "log_uniform_values")
+    return params
+
+
+def open_study(spec: SweepSpec, options: SweepOptions) -> tuple[Any, bool]:
+    """``(study, created)``: the sweep's study in its RDB storage, created by this call or loaded
+    when another worker created it first (then ``created`` is False)."""
+    optuna = require("optuna", "fp8track sweep")
+    with experimental_ok():
+        storage = optuna.storages.RDBStorage(
+            options.storage_url,
+            heartbeat_interval=options.heartbeat_s,
+            grace_period=options.grace_s,
+            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
+                max_retry=options.max_retry
+            ),
+            # SQLite: several worker processes wait for the write lock instead of failing.
+            engine_kwargs={"connect_args": {"timeout": 120}}
+            if options.storage_url.startswith("sqlite")
+            else None,
+        )
+    sampler, prune = seeded_sampler(spec, options.seed), pruner(spec)
+    try:
+        study = optuna.create_study(study_name=spec.name, storage=storage, direction=spec.goal,
+                                    sampler=sampler, pruner=prune)
+        return study, True
+    except optuna.exceptions.DuplicatedStudyError:
+        return optuna.load_study(study_name=spec.name, storage=storage, sampler=sampler, pruner=prune), False
+
+
+def wait_for_parent(study: Any, timeout_s: float = 300.0) -> tuple[Any, str]:
+    """``(study, parent run id)`` once the study's creator wrote :data:`PARENT_ATTR` (the study
+    reloaded while waiting)."""
+    optuna = require("optuna", "fp8track sweep")
+    t0 = time.monotonic()
+    while True:
+        rid = study.user_attrs.get(PARENT_ATTR)
+        if rid:
+            return study, str(rid)
+        if time.monotonic() - t0 > timeout_s:
+            raise RuntimeError(
+                f"study {study.study_name!r} has no {PARENT_ATTR} after {timeout_s:.0f} s; "
+                "its creator died before writing it: delete the study or set the attribute"
+            )
+        time.sleep(1.0)
+        study = optuna.load_study(study_name=study.study_name, storage=study._storage,
+                                  sampler=study.sampler, pruner=study.pruner)
+
+
+def counts(study: Any) -> tuple[int, int]:
+    """(COMPLETE + PRUNED, RUNNING) trials of the study."""
+    states = [t.state.name for t in study.get_trials(deepcopy=False)]
+    return sum(s in FINISHED_STATES for s in states), states.count("RUNNING")
+
+
+def summary_writer(study: Any) -> str | None:
+    """The worker of the highest-numbered finished trial (``None`` when none finished)."""
+    finished = [
+        t for t in study.get_trials(deepcopy=False)
+        if t.state.name in FINISHED_STATES and not t.user_attrs.get("surplus")
+    ]
+    return max(finished, key=lambda t: t.number).user_attrs.get("worker") if finished else None
+
+
+def last_trial_of(study: Any, worker: str) -> Any:
+    """The last trial ``worker`` ran (``None`` when it ran none)."""
+    mine = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("worker") == worker]
+    return mine[-1] if mine else None
+
+
+def failed_trials(study: Any) -> set[str]:
+    """Numbers (as text, as the child runs' ``fp8track.trial`` tag) of the study's failed trials."""
+    optuna = require("optuna", "fp8track sweep")
+    return {
+        str(t.number)
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,))
+    }
+
+
+__all__ = ["PARENT_ATTR", "FINISHED_STATES", "Surplus", "experimental_ok", "trial_seed", "seeded_sampler",
+           "pruner", "suggest", "open_study", "wait_for_parent", "counts", "summary_writer",
+           "last_trial_of", "failed_trials"]
