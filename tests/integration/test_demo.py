@@ -10,6 +10,7 @@ import pytest
 from mlflow import MlflowClient
 
 from fp8track.analysis.baseline import read_wandb_history
+from fp8track.analysis.ranking import MATERIAL_MARGINS
 from fp8track.demo import PLANT_FRACTION, PLANT_LAYER
 from fp8track.monitoring.naming import canonical_layer_name
 from fp8track.monitoring.records import RunReader
@@ -97,7 +98,18 @@ def test_demo_trains_three_runs_diagnoses_and_keeps_wandb_runs_apart(tmp_path):
     planted_console = proc.stdout[proc.stdout.index("== planted run"):]
     assert f"Top-ranked layer: {planted_layer}" in " ".join(planted_console.split())
     # the console's last word on the planted run names the planted layer, in its top finding too
-    assert answers[1].startswith(f"fp8-planted: {d['findings'][0]['kind']} ") and PLANT_LAYER in answers[1]
+    # and its verdict: an FP8 problem caused by the planted layer, the verdict first in the file
+    assert next(iter(d)) == "verdict"
+    assert d["verdict"]["verdict"] == "fp8_problem" and d["verdict"]["layers"][0] == planted_layer
+    assert answers[1].startswith(f"fp8-planted: fp8_problem: {d['findings'][0]['kind']} (")
+    assert PLANT_LAYER in answers[1]
+    # the unplanted run: a layer called an outlier differs from the others by an amount that matters
+    d_fp8 = json.loads((out / "diagnosis-fp8" / "diagnosis.json").read_text())
+    margins = {r["layer"]: r["margin"] for r in d_fp8["layer_ranking"]}
+    for f in d_fp8["findings"]:
+        if f["kind"] == "layer_outlier":
+            m = margins[f["layers"][0]]
+            assert any(m.get(k, float("nan")) >= v for k, v in MATERIAL_MARGINS.items()), (f, m)
 
     # one W&B run per training run (a reused run would mix the three losses into one history)
     by_id: dict[str, list[Path]] = {}
