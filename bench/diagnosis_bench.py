@@ -133,6 +133,61 @@ def score_row(expected: str, kinds: Sequence[str], layers: Mapping[str, Sequence
     return out
 
 
+HEALTHY_KINDS = ("healthy", "shared_spikes")
+"""Scenarios whose right verdict is ``healthy`` (FP8 caused nothing; shared spikes are notes)."""
+LAYER_FINDINGS = ("layer_outlier", "latent_damage", "expert_outlier")
+CALIBRATION_BINS = ((0.0, 0.7), (0.7, 0.9), (0.9, 1.0))
+"""Confidence bins of the reliability table (the last one closed: confidence 1.0 belongs to it)."""
+
+
+def expected_verdict(kind: str) -> str:
+    return "healthy" if kind in HEALTHY_KINDS else "fp8_problem"
+
+
+def verdict_scores(expected_kind: str, verdict: str, verdict_layers: Sequence[str], planted: str | None,
+                   layer_verified: bool) -> dict[str, Any]:
+    """``verdict_right``; for a verified single-layer plant: ``causal_top1`` (the verdict names the
+    planted layer first), ``headline_not_cause`` (the verdict names another layer first: a
+    consequence or a bystander as the headline) and ``destroyed_called_healthy``."""
+    out: dict[str, Any] = {"verdict": verdict, "verdict_right": verdict == expected_verdict(expected_kind)}
+    if planted is not None and layer_verified:
+        first = canonical(verdict_layers[0]) if verdict_layers else None
+        out["causal_top1"] = verdict == "fp8_problem" and first == canonical(planted)
+        out["headline_not_cause"] = first is not None and first != canonical(planted)
+        out["destroyed_called_healthy"] = verdict == "healthy"
+    return out
+
+
+def finding_right(kind: str, layers: Sequence[str], expected_kind: str, accepted: Sequence[str],
+                  planted: str | None, layer_verified: bool) -> bool:
+    """Whether one finding is right, for the calibration table: ``healthy`` on a pair whose FP8 run
+    caused nothing; any other kind among the truth's accepted kinds, or a layer finding on a pair
+    with an FP8 problem; and, where it names layers and the plant's layer is verified, the planted
+    layer first."""
+    if kind == "healthy":
+        return expected_kind in HEALTHY_KINDS
+    ok_kind = kind in {expected_kind, *accepted} or (
+        kind in LAYER_FINDINGS and expected_kind not in HEALTHY_KINDS)
+    if not ok_kind:
+        return False
+    if layers and planted is not None and layer_verified:
+        return canonical(layers[0]) == canonical(planted)
+    return True
+
+
+def calibration(findings: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The reliability table: per confidence bin (:data:`CALIBRATION_BINS`), how many findings and
+    the share that were right (``findings``: dicts with ``confidence`` and ``right``)."""
+    out = []
+    for i, (lo, hi) in enumerate(CALIBRATION_BINS):
+        last = i == len(CALIBRATION_BINS) - 1
+        inside = [f for f in findings if lo <= f["confidence"] < hi or (last and f["confidence"] == hi)]
+        right = sum(bool(f["right"]) for f in inside)
+        out.append({"confidence": [lo, hi], "n": len(inside), "right": right,
+                    "share_right": round(right / len(inside), 3) if inside else None})
+    return out
+
+
 LAYER_KEYS = ("diagnosis", "finding", "top_finding", "naive_underflow", "naive_mse")
 """The layer answers scored: the diagnosis's ranking; the layers the first non-healthy finding
 names; the layers the top finding names, whatever its kind (``healthy`` names its layers to
@@ -168,6 +223,12 @@ def totals(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         for k in ("top1", "top3"):
             out[f"{key}_{k}"] = share(sum(r["score"][f"{key}_{k}"] for r in layer_rows), len(layer_rows))
             out[f"{key}_{k}_loss_verified"] = share(sum(r["score"][f"{key}_{k}"] for r in both), len(both))
+    out["verdict_right"] = share(sum(r["score"]["verdict_right"] for r in ok), len(ok))
+    causal = [r for r in layer_rows if "causal_top1" in r["score"]]
+    out["causal_top1"] = share(sum(r["score"]["causal_top1"] for r in causal), len(causal))
+    out["headline_not_cause"] = [r["name"] for r in causal if r["score"]["headline_not_cause"]]
+    out["destroyed_called_healthy"] = [r["name"] for r in causal if r["score"]["destroyed_called_healthy"]]
+    out["calibration"] = calibration([f for r in ok for f in r["diagnosis"]["findings"]])
     by_kind: dict[str, Any] = {}
     for r in ok:
         d = by_kind.setdefault(r["expected_kind"], {"n": 0, "kind_top": 0})
@@ -283,21 +344,29 @@ def evaluate_scenario(sc: ds.Scenario, fp8: Mapping[str, Any], ctl: Mapping[str,
                     "severity": f.severity,
                     "confidence": round(f.confidence, 3),
                     "layers": list(f.layers)[:3],
+                    "right": finding_right(f.kind, f.layers, sc.expected_kind, truth["accepted_kinds"],
+                                           planted, truth["layer_verified"]),
                 }
                 for f in findings
             ],
+            "verdict": {"verdict": diag.verdict.verdict, "reason": diag.verdict.reason,
+                        "layers": list(diag.verdict.layers)[:3]},
             "ranking_top5": answers["diagnosis"][:5],
             "seconds": round(seconds, 3),
         },
         "naive_top3": {k: answers[k][:3] for k in ("naive_underflow", "naive_mse")},
-        "score": score_row(
-            sc.expected_kind,
-            kinds,
-            answers if planted else None,
-            planted,
-            false_alarm(findings),
-            truth["accepted_kinds"],
-        ),
+        "score": {
+            **score_row(
+                sc.expected_kind,
+                kinds,
+                answers if planted else None,
+                planted,
+                false_alarm(findings),
+                truth["accepted_kinds"],
+            ),
+            **verdict_scores(sc.expected_kind, diag.verdict.verdict, diag.verdict.layers, planted,
+                             truth["layer_verified"]),
+        },
         "train_seconds": {"fp8": round(fp8["seconds"], 1), "control": round(ctl["seconds"], 1)},
     }
 

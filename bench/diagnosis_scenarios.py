@@ -808,12 +808,22 @@ def ground_truth(sc: Scenario, fp8: Mapping[str, Any], control: Mapping[str, Any
         checks["loss_normal"] = _median(ratio[n // 2:]) < GAP_MIN
         checks["eval_dropped"] = ev[last] >= EVAL_DROP_MIN * ctl[last]
         checks["clean_eval_normal"] = clean[last] < GAP_MIN * ctl[last]
-    out.setdefault("accepted_kinds", [kind])
-    out["checks"] = checks
-    out["materialised"] = all(checks.values())
     # The layer ranking's own ground truth: the planted layer's GEMM is the broken one, whether or
     # not one broken layer of a small model moves the loss.
     out["layer_damage"] = layer_damage(sc, fp8)
+    if kind == "latent_damage":
+        # The phenomenon is the destroyed GEMM itself (the probe's error, never the monitor's); the
+        # loss may or may not show it: a lasting gap or a spike it left are right answers too.
+        checks["layer_destroyed"] = bool(out["layer_damage"]["verified"])
+        accepted = [kind, "layer_outlier"]
+        if out["ratio_tail"] >= GAP_MIN:
+            accepted.append("mid_training_gap")
+        if max(sm[10:]) >= SPIKE_MIN:
+            accepted.append("fp8_only_spikes")
+        out["accepted_kinds"] = accepted
+    out.setdefault("accepted_kinds", [kind])
+    out["checks"] = checks
+    out["materialised"] = all(checks.values())
     out["layer_verified"] = bool(
         out["layer_damage"]["verified"] and checks["bf16_unaffected"] and checks.get("plant_acted", False)
     )

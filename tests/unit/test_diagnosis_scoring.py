@@ -94,7 +94,22 @@ def test_score_row_and_totals():
         {"name": "x", "verified": False, "layer_verified": False, "expected_kind": "mid_training_gap",
          "score": quiet},
     ]
+    verdicts = {"g": ("fp8_problem", ["b"]), "h": ("fp8_problem", ["a"]), "u": ("healthy", []),
+                "q": ("healthy", []), "x": ("healthy", [])}
+    for r in rows:
+        v, named = verdicts[r["name"]]
+        planted = "planted" if r["expected_kind"] != "healthy" else None
+        r["score"] = {**r["score"], **bench.verdict_scores(r["expected_kind"], v, named, planted,
+                                                           r.get("layer_verified", False))}
+        r["diagnosis"] = {"findings": [{"confidence": 0.95, "right": r["name"] == "g"}]}
     t = bench.totals(rows)
+    # g: fp8_problem (right) headlining "b" (not the cause); h: a healthy pair called fp8_problem
+    assert t["verdict_right"] == {"n": 2, "hits": 1, "share": 0.5}
+    # causal scores over the layer-verified plants (g, q): q's destroyed layer was called healthy
+    assert t["causal_top1"] == {"n": 2, "hits": 0, "share": 0.0}
+    assert (t["headline_not_cause"], t["destroyed_called_healthy"]) == (["g"], ["q"])
+    # calibration over the verified rows' findings (g right, h wrong), both in the top bin
+    assert t["calibration"][2] == {"confidence": [0.9, 1.0], "n": 2, "right": 1, "share_right": 0.5}
     assert (t["scenarios"], t["verified"], t["not_materialised"]) == (5, 2, ["u", "q", "x"])
     assert t["kind_top"] == {"n": 2, "hits": 0, "share": 0.0}
     assert t["kind_among"] == {"n": 2, "hits": 2, "share": 1.0}
@@ -242,3 +257,25 @@ def test_gemm_error_probe_reads_zero_in_high_precision_and_one_for_a_flushed_wei
         model(x)
     probe.detach()
     assert 2 not in fwd[names[0]] and 3 not in fwd[names[0]]
+
+
+def test_verdict_and_finding_scores_and_the_reliability_table():
+    assert bench.expected_verdict("shared_spikes") == "healthy"
+    assert bench.expected_verdict("latent_damage") == "fp8_problem"
+    v = bench.verdict_scores("mid_training_gap", "fp8_problem", ["model.blocks.0.attn.qkv"],
+                             "blocks.0.attn.qkv", True)  # wrapper prefixes dropped before comparing
+    assert v == {"verdict": "fp8_problem", "verdict_right": True, "causal_top1": True,
+                 "headline_not_cause": False, "destroyed_called_healthy": False}
+    # no verified layer: only the verdict is scored
+    assert bench.verdict_scores("healthy", "healthy", [], None, False) == {"verdict": "healthy",
+                                                                           "verdict_right": True}
+    right = bench.finding_right
+    assert right("healthy", [], "shared_spikes", ["shared_spikes"], None, False)
+    assert not right("healthy", [], "latent_damage", ["latent_damage"], "p", True)
+    assert right("layer_outlier", ["p"], "mid_training_gap", ["mid_training_gap"], "p", True)
+    assert not right("layer_outlier", ["lm_head", "p"], "mid_training_gap", ["mid_training_gap"], "p", True)
+    assert not right("layer_outlier", ["x"], "healthy", ["healthy"], None, False)  # a false alarm
+    assert right("mid_training_gap", ["x"], "mid_training_gap", ["mid_training_gap"], "p", False)
+    table = bench.calibration([{"confidence": c, "right": r} for c, r in
+                               ((0.5, False), (0.69, True), (0.7, True), (0.9, True), (1.0, False))])
+    assert [(b["n"], b["right"], b["share_right"]) for b in table] == [(2, 1, 0.5), (1, 1, 1.0), (2, 1, 0.5)]
