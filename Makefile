@@ -5,11 +5,11 @@
 PY ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= all,dev
+EXTRAS ?= all,dev,docs
 STAMP := $(VENV)/.fp8track-installed
 BIN := $(VENV)/bin
 
-.PHONY: install system-deps demo test test-gpu bench bench-gpu lint check
+.PHONY: install system-deps demo test test-gpu bench bench-gpu lint check docs
 
 # Debian packages the tests use: PostgreSQL (two sweep workers on one study) and Chromium (the
 # report and the MLflow UI rendered headless). Installed only when missing and only as root with
@@ -36,7 +36,7 @@ demo: $(STAMP)
 	$(BIN)/fp8track demo
 
 # --durations=25: the slowest tests in every run's output (CI's too), so a slow test shows at once.
-test: $(STAMP) system-deps check
+test: $(STAMP) system-deps check docs
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25
 
 HAS_CUDA = $(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
@@ -61,3 +61,8 @@ lint: $(STAMP)
 # tools/fix_long_lines.py shortens over-long lines without reformatting whole files.
 check: lint
 	$(BIN)/python -m mypy fp8track/numerics fp8track/monitoring
+
+# The documentation site from docs/ (mkdocs.yml) into site/; --strict: a dead link, a page missing
+# from the navigation or a docstring the reference cannot render fails the build (and `make test`).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --quiet

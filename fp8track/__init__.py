@@ -29,6 +29,9 @@ _LAZY = {
     # running a model in FP8
     "apply_fp8": "fp8track.execution.apply",
     "ApplyReport": "fp8track.execution.apply",
+    # the diagnosis of an FP8 run against its BF16 control
+    "diagnose": "fp8track.report.run",
+    "DiagnosisConfig": "fp8track.analysis.diagnose",
     # the BF16 control
     "load_baseline": "fp8track.analysis.baseline",
     "Baseline": "fp8track.analysis.baseline",
@@ -60,6 +63,9 @@ __all__ = [
     "RECIPE_NAMES",
     "apply_fp8",
     "ApplyReport",
+    # the diagnosis of an FP8 run against its BF16 control (the headline feature)
+    "diagnose",
+    "DiagnosisConfig",
     # the BF16 control
     "load_baseline",
     "Baseline",

@@ -46,6 +46,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from typing_extensions import override
+
 from fp8track.config import DEFAULT_LOG_DIR, MonitorConfig
 from fp8track.errors import ConfigError
 from fp8track.execution.apply import ApplyReport
@@ -209,6 +211,7 @@ class FP8TrainerCallback(TrainerCallback, FrontendResults):
         return out
 
     # -- Trainer events -----------------------------------------------------------------------------
+    @override
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if self.monitor is not None and not self.monitor.closed:
             self.monitor.close()
@@ -239,6 +242,7 @@ class FP8TrainerCallback(TrainerCallback, FrontendResults):
         self.monitor.global_step = state.global_step + 1  # the next step, in HF's numbering (from 1)
         self.monitor.attach()
 
+    @override
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # Called once per optimizer step, before its first micro-batch; HF numbers the step
         # global_step + 1 (the value global_step has when HF logs it).
@@ -247,6 +251,7 @@ class FP8TrainerCallback(TrainerCallback, FrontendResults):
             self._outputs.begin_step()
             self.monitor.begin_step(state.global_step + 1)
 
+    @override
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # Without attach, the first moment the step's gradients are final (after HF's clipping).
         monitor = self.monitor
@@ -254,6 +259,7 @@ class FP8TrainerCallback(TrainerCallback, FrontendResults):
             if monitor.config.track_grad_norm:
                 self._grad_norm = total_grad_norm(monitor.model)
 
+    @override
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # After the optimizer step (state.global_step already counts it). The step's loss as HF logs
         # it (module docstring); end_step takes it as one value.
@@ -262,14 +268,17 @@ class FP8TrainerCallback(TrainerCallback, FrontendResults):
             self.monitor.end_step(loss, self._grad_norm)
             self._loss_sum, self._grad_norm = None, None
 
+    @override
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
         if self.monitor is not None and self._trainer is None and isinstance(logs, Mapping):
             self._outputs.compare(logs.get("loss"), state.global_step)
 
+    @override
     def on_evaluate(self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> None:
         if self.monitor is not None and metrics:
             self.monitor.record_eval(state.global_step, select_eval_metrics(metrics, self.eval_metrics))
 
+    @override
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._outputs.stop()
         if self.monitor is not None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 from fp8track.analysis.spikes import SPIKE_ACTIONS
 from fp8track.config import DEFAULT_LOG_DIR, MonitorConfig
@@ -134,6 +135,7 @@ class FP8Monitor(Callback, FrontendResults):
         return self.config.spikes.action
 
     @property
+    @override
     def state_key(self) -> str:
         return self._generate_state_key(every_n_steps=self.config.every_n_steps, tensors=self.config.tensors)
 
@@ -176,6 +178,7 @@ class FP8Monitor(Callback, FrontendResults):
             apply_report=self.apply_report,
         )
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.monitor is None or self.monitor.closed:
             self.monitor = self._build_monitor(trainer, pl_module)  # a new run for every fit
@@ -193,6 +196,7 @@ class FP8Monitor(Callback, FrontendResults):
         self.monitor.begin_step(trainer.global_step)
 
     # -- per step -----------------------------------------------------------------------------------
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -202,6 +206,7 @@ class FP8Monitor(Callback, FrontendResults):
             self.monitor.begin_step(trainer.global_step)
         self._step_at_batch_start = trainer.global_step
 
+    @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
@@ -209,6 +214,7 @@ class FP8Monitor(Callback, FrontendResults):
         if self.monitor is not None and self.monitor.config.track_grad_norm and self.monitor.sampling:
             self._grad_norm = total_grad_norm(pl_module)
 
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -233,6 +239,7 @@ class FP8Monitor(Callback, FrontendResults):
                 if self.on_spike != "log":
                     self._act_on_spikes(trainer)
 
+    @override
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
@@ -303,6 +310,7 @@ class FP8Monitor(Callback, FrontendResults):
         meta = self.monitor.meta
         self.monitor.meta = replace(meta, config={**dict(meta.config), "precision": setup})
 
+    @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Validation metrics per evaluation, so the control comparison covers more than training loss.
         if self.monitor is None or trainer.sanity_checking:
@@ -313,10 +321,12 @@ class FP8Monitor(Callback, FrontendResults):
             trainer.global_step, select_eval_metrics(trainer.callback_metrics, self.eval_metrics)
         )
 
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.monitor is not None:
             self.monitor.close()
 
+    @override
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
@@ -324,14 +334,17 @@ class FP8Monitor(Callback, FrontendResults):
         if self.monitor is not None:
             self.monitor.close(reduce=False)
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":  # state restored for validate/test/predict must not leak into a later fit
             self._restored = None
 
     # -- checkpointing ------------------------------------------------------------------------------
+    @override
     def state_dict(self) -> dict[str, Any]:
         return self.monitor.state_dict() if self.monitor is not None else dict(self._restored or {})
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Lightning restores callbacks after setup and before on_fit_start: keep it for attach time.
         self._restored = dict(state_dict)

@@ -100,7 +100,7 @@ an outlier (:func:`material`): the error signals only (drift and history shifts 
 error they cause)."""
 
 MAIN_VARIANTS = ("actual", "shadow")
-# Issue 23: the column-wise copies of block recipes (the dgrad/wgrad operands, TE's ``_columnwise``
+# The column-wise copies of block recipes (the dgrad/wgrad operands, TE's ``_columnwise``
 # statistics) are ranked as tensors of their own, ``<tensor>_columnwise``, beside the row-wise ones.
 COLUMNWISE_VARIANTS = tuple(f"{v}_columnwise" for v in MAIN_VARIANTS)
 HISTORY_Z = 4.0
@@ -176,7 +176,7 @@ def element_format(stats: Mapping[str, float]) -> str:
     cur, amax = float(stats.get("current_scale", math.nan)), float(stats.get("amax", math.nan))
     if not (math.isfinite(cur) and math.isfinite(amax)) or cur <= 0 or amax <= 0:
         return "?"
-    if abs(math.log2(cur * amax) - math.log2(6.0)) < 1e-3:  # NVFP4's E2M1 (issue 23)
+    if abs(math.log2(cur * amax) - math.log2(6.0)) < 1e-3:  # NVFP4's E2M1
         return "e2m1"
     return "e5m2" if math.log2(cur * amax) >= E5M2_MIN_LOG2 else "e4m3"
 
@@ -311,7 +311,7 @@ def _series(rows: Iterable[Any], variant: str | None = None) -> dict[Key, list[_
         if r.variant in main:
             out.setdefault((r.layer, r.tensor), []).append(
                 _Point(int(r.step), row_signals(r.stats), r.stats, element_format(r.stats), r.variant))
-        elif r.variant in columnwise:  # issue 23: a tensor of its own
+        elif r.variant in columnwise:  # a tensor of its own
             out.setdefault((r.layer, f"{r.tensor}_columnwise"), []).append(_Point(
                 int(r.step), row_signals(r.stats), r.stats, element_format(r.stats),
                 r.variant.removesuffix("_columnwise")))

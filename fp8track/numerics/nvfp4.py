@@ -1,7 +1,7 @@
 """NVFP4 as Transformer Engine defines it: E2M1 values, two-level scales, 2-D weight tiles,
 stochastic rounding, the 16x16 random Hadamard transform (pure functions on tensors).
 
-Sources (TransformerEngine main, read 2026-12-02):
+Sources (TransformerEngine's main branch):
 
 * recipe: ``transformer_engine/common/recipe/__init__.py`` ``NVFP4BlockScaling`` (TE >= 2.8):
   ``fp4_quant_fwd_inp`` = RHT (column-wise only), no SR, 1-D; ``fp4_quant_fwd_weight`` = no RHT,

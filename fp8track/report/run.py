@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from fp8track.analysis.baseline import RunData, load_run
-from fp8track.analysis.diagnose import Diagnosis, DiagnosisConfig, diagnose
+from fp8track.analysis.diagnose import Diagnosis, DiagnosisConfig
+from fp8track.analysis.diagnose import diagnose as diagnose_pair
 from fp8track.analysis.pairing import require_pairing
 from fp8track.report.html import write_report
 
@@ -59,7 +60,7 @@ def diagnose_runs(
     fp8 = load_run(fp8_ref, tracking_uri)
     control = load_run(baseline_ref, tracking_uri)
     require_pairing(fp8, control)  # two runs that do not belong together: one line, no report
-    d = diagnose(fp8, control, config)
+    d = diagnose_pair(fp8, control, config)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / "diagnosis.json"
@@ -98,4 +99,59 @@ def diagnose_runs(
     return DiagnosisOutput(d, json_path, html_path, fp8, control, tuple(logged))
 
 
-__all__ = ["diagnose_runs", "DiagnosisOutput"]
+def diagnose(
+    fp8_run: str | os.PathLike[str],
+    control: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str] | None = None,
+    *,
+    tracking_uri: str | None = None,
+    config: DiagnosisConfig | None = None,
+) -> Diagnosis:
+    """Diagnose an FP8 run against its BF16 control, both given as run references: what
+    ``fp8track diagnose`` does, from Python (exported as ``fp8track.diagnose``).
+
+    The diagnosis follows the FP8 troubleshooting path (:mod:`fp8track.analysis.diagnose`): the
+    step-aligned loss gap in the control's own noise, spikes in both runs, the evaluation metrics,
+    the layers ranked like with like. Nothing is thresholded on a universal constant.
+
+    Args:
+        fp8_run: the FP8 run: a local fp8track run directory, ``"mlflow:<run id>"`` or a W&B
+            offline run directory (or its ``.wandb`` file).
+        control: the BF16 control run, in the same forms.
+        out_dir: when given, also write ``<out_dir>/diagnosis.json`` and ``<out_dir>/report.html``
+            and log them to the FP8 run's MLflow run when it is an ``mlflow:`` reference
+            (:func:`diagnose_runs`); by default nothing is written.
+        tracking_uri: the MLflow tracking URI for ``mlflow:`` references (default:
+            ``MLFLOW_TRACKING_URI``).
+        config: the diagnosis settings (:class:`fp8track.analysis.diagnose.DiagnosisConfig`).
+
+    Returns:
+        The :class:`~fp8track.analysis.diagnose.Diagnosis`: ``findings`` most severe first
+        (``top`` is the first; each with kind, severity, confidence, steps, layers and the next
+        experiments in the path's order), ``layer_ranking`` and the loss judgement ``loss``;
+        ``to_dict()`` is what ``diagnosis.json`` holds.
+
+    Raises:
+        ConfigError: an unusable run reference (naming it and the valid forms) or two runs that
+            cannot be compared (swapped, the same run twice, other layers or shapes, too few
+            common steps), before anything is written.
+
+    Example:
+        ```python
+        import fp8track
+
+        d = fp8track.diagnose("fp8track-runs/<fp8 run id>", "mlflow:<bf16 control run id>")
+        print(d.top.kind, d.top.severity, d.top.layers)   # e.g. mid_training_gap high ('blocks.1.mlp.fc',)
+        for finding in d.findings:
+            print(finding.title, finding.next_experiments)
+        ```
+    """
+    if out_dir is not None:
+        return diagnose_runs(fp8_run, control, out_dir, tracking_uri=tracking_uri, config=config).diagnosis
+    fp8 = load_run(fp8_run, tracking_uri)
+    ctl = load_run(control, tracking_uri)
+    require_pairing(fp8, ctl)
+    return diagnose_pair(fp8, ctl, config)
+
+
+__all__ = ["diagnose", "diagnose_runs", "DiagnosisOutput"]
