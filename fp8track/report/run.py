@@ -126,8 +126,9 @@ def diagnose(
         config: the diagnosis settings (:class:`fp8track.analysis.diagnose.DiagnosisConfig`).
 
     Returns:
-        The :class:`~fp8track.analysis.diagnose.Diagnosis`: ``findings`` most severe first
-        (``top`` is the first; each with kind, severity, confidence, steps, layers and the next
+        The :class:`~fp8track.analysis.diagnose.Diagnosis`: ``verdict`` first (``healthy``,
+        ``fp8_problem`` with the causal finding and its layers, or ``inconclusive`` with why),
+        ``findings`` causal first (``top`` is the first; each with kind, severity, confidence, steps, layers and the next
         experiments in the path's order), ``layer_ranking`` and the loss judgement ``loss``;
         ``to_dict()`` is what ``diagnosis.json`` holds.
 
@@ -141,6 +142,7 @@ def diagnose(
         import fp8track
 
         d = fp8track.diagnose("fp8track-runs/<fp8 run id>", "mlflow:<bf16 control run id>")
+        print(d.verdict.verdict, d.verdict.layers)   # e.g. fp8_problem ('blocks.1.mlp.fc',)
         print(d.top.kind, d.top.severity, d.top.layers)   # e.g. mid_training_gap high ('blocks.1.mlp.fc',)
         for finding in d.findings:
             print(finding.title, finding.next_experiments)

@@ -28,7 +28,7 @@ def _mid_training_pair(tmp_path):
 def test_a_healthy_pair_of_run_directories_is_healthy(tmp_path):
     synthetic_pair(tmp_path)
     d = fp8track.diagnose(tmp_path / "fp8", str(tmp_path / "control"))
-    assert d.kinds() == ["healthy"]
+    assert d.kinds() == ["healthy"] and d.verdict.verdict == "healthy"
     assert d.top.severity == "info"
     assert d.fp8_source.endswith("fp8") and d.control_source.endswith("control")
     assert not (tmp_path / "diagnosis.json").exists()  # no out_dir: nothing written
@@ -40,6 +40,8 @@ def test_a_mid_training_gap_names_the_planted_layer_and_writes_the_report(tmp_pa
     assert d.top.kind == "mid_training_gap" and d.top.severity in ("medium", "high")
     assert 180 <= d.top.steps[0] <= 230  # inside the planted rise
     assert d.top.layers[0] == PLANTED and d.layer_ranking[0].layer == PLANTED
+    assert (d.verdict.verdict, d.verdict.cause, d.verdict.layers[0]) == ("fp8_problem", "mid_training_gap",
+                                                                          PLANTED)
     written = json.loads((tmp_path / "out" / "diagnosis.json").read_text())
     assert [f["kind"] for f in written["findings"]] == d.kinds()
     assert written["data_problems"] == {"fp8": [], "control": []}
@@ -61,6 +63,7 @@ def test_a_control_read_from_mlflow_gives_the_same_diagnosis(tmp_path, mlflow_st
         tmp_path / "fp8", f"mlflow:{tracker.run_id}", tracking_uri=mlflow_store.uri
     )
     assert from_mlflow.kinds() == from_dir.kinds()
+    assert from_mlflow.verdict == from_dir.verdict  # the same verdict from a run dir and MLflow
     assert from_mlflow.top.layers[0] == PLANTED
     assert from_mlflow.loss.final_gap == pytest.approx(from_dir.loss.final_gap, rel=1e-6)
 
