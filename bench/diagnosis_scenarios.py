@@ -605,9 +605,11 @@ def _cause_scenarios() -> list[Scenario]:
     pairs that share spikes (what a diagnosis must not call a problem).
 
     * ``cause``: a 1e6 outlier joins the first attention input projection's input from step 40
-      (every 3rd step, or every step): the layer's output is destroyed on those steps, the damage
-      reaches the later layers, the loss and the head's gradient; the cause is the planted layer,
-      the later anomalies are its consequences;
+      (every 3rd step, or every step): the layer's output is destroyed on those steps (the truth:
+      its GEMM error in the training loop), the damage can reach the later layers, the loss and
+      the head's gradient; the cause is the planted layer, later anomalies are its consequences.
+      Whether the loss shows it depends on the model: a lasting gap or spikes it left are right
+      answers beside ``latent_damage``, a healthy verdict never is;
     * ``transient``: a 1e6 outlier into the first MLP down-projection for 15 steps from step 80,
       then never again: the loss rises and recovers (latent damage);
     * ``between``: every 3rd step from step 41 (the monitor samples every 5th: one planted step in
@@ -620,7 +622,7 @@ def _cause_scenarios() -> list[Scenario]:
                              ("gpt2", every3, False), ("gpt", ((40, STEPS),), False)):
         plant = Plant("outlier", "activation", "attn_in", windows)
         how = "every3" if len(windows) > 1 else "lasting"
-        out.append(Scenario(f"cause-{fam}-current-attn_in-{how}", "mid_training_gap",
+        out.append(Scenario(f"cause-{fam}-current-attn_in-{how}", "latent_damage",
                             _spec(fam, CURRENT, plant=plant), ci, tags=("cause", how)))
     transient = ((80, 95),)
     for fam, recipe, ci in (("gpt", CURRENT, True), ("llama", CURRENT, False), ("qwen2", CURRENT, False),

@@ -128,8 +128,9 @@ def diagnose(
     Returns:
         The :class:`~fp8track.analysis.diagnose.Diagnosis`: ``verdict`` first (``healthy``,
         ``fp8_problem`` with the causal finding and its layers, or ``inconclusive`` with why),
-        ``findings`` causal first (``top`` is the first; each with kind, severity, confidence, steps, layers and the next
-        experiments in the path's order), ``layer_ranking`` and the loss judgement ``loss``;
+        ``findings`` causal first (``top`` is the first; each with kind, severity, confidence,
+        steps, layers and the next experiments in the path's order), ``layer_ranking`` and the
+        loss judgement ``loss``;
         ``to_dict()`` is what ``diagnosis.json`` holds.
 
     Raises:

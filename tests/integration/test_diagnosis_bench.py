@@ -41,6 +41,13 @@ def test_ci_subset_plants_materialise_and_are_scored(tmp_path, record_property):
     # on top, no false alarm, the planted layer first in the ranking.
     missed = [(r["name"], r["diagnosis"]["findings"][:1]) for r in rows if not r["score"]["kind_top"]]
     assert not missed, missed
+    # One verdict per pair, right on every scenario; a destroyed layer is never called healthy and
+    # the verdict names the planted layer as the cause, not a consequence downstream of it.
+    wrong = [(r["name"], r["diagnosis"]["verdict"]) for r in rows if not r["score"]["verdict_right"]]
+    assert not wrong, wrong
+    t = result["totals"]
+    assert t["causal_top1"]["n"] >= 2 and t["causal_top1"]["share"] == 1.0, t["causal_top1"]
+    assert t["headline_not_cause"] == [] and t["destroyed_called_healthy"] == []
     assert not by["healthy"]["score"]["false_alarm"]
     # Single-layer plants are scored on the layer; the naive rules see the planted layer's rows.
     for r in rows:
@@ -54,10 +61,9 @@ def test_ci_subset_plants_materialise_and_are_scored(tmp_path, record_property):
             assert dmg["planted_error"] >= 3 * dmg["worst_other_error"], (r["name"], dmg)
             assert dmg["planted_error_before"] < 0.1, (r["name"], dmg)
             assert r["score"]["diagnosis_top1"], (r["name"], r["diagnosis"]["ranking_top5"])
-    t = result["totals"]
     assert t["verified"] == t["scenarios"] == len(rows)
     for key in ("kind_top", "kind_among", "false_alarms", "diagnosis_top1", "diagnosis_top3",
-                "naive_underflow_top1", "naive_mse_top1"):
+                "naive_underflow_top1", "naive_mse_top1", "verdict_right", "causal_top1"):
         record_property(key, json.dumps(t[key]))
     print(json.dumps({k: t[k] for k in t if k != "by_kind"}, indent=1))
     # A rerun reads every run back from the cache and diagnoses again: the same answers.
