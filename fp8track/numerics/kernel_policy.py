@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from fp8track.errors import invalid_choice
-from fp8track.numerics.stats_kernel import _CHUNK, _compiled_partial, _inductor_options
+from fp8track.numerics.stats_kernel import _CHUNK, _compiled_partial, _inductor_options, _row_sums
 
 COMPILE_MIN_NUMEL = 2 * _CHUNK
 """Tensors with fewer elements take the eager path under the ``"auto"`` policy (see :func:`set_compile`)."""
@@ -79,6 +79,7 @@ class _CompilePolicy:
         self.aot: Any = None  # fp8track.numerics.aot_kernels.AotKernels, made on first use of "aot"
         # (device, dtype, row length, no tail) -> loaded runner, or None once its build failed
         self.aot_runners: dict[tuple[torch.device, torch.dtype, int, bool], Any] = {}
+        self.row_kernels: dict[str, Any] = {}  # device type -> compiled per-row sums (R and C dynamic)
 
     def wants(self, x: torch.Tensor) -> bool:
         if self.failed or self.mode == "eager" or x.dtype not in _COMPILE_DTYPES:
@@ -204,6 +205,41 @@ def compiled_partial(
         return None
 
 
+def _row_sums_graph(
+    x32: torch.Tensor, s_rows: torch.Tensor, p_rows: torch.Tensor, fconst: torch.Tensor
+) -> torch.Tensor:
+    """What the compiled per-row kernel runs: :func:`_row_sums` with float64 accumulation and the
+    FP8 grid rounding of the compiled partial kernel (equal to the real cast)."""
+    return _row_sums(x32, s_rows, p_rows, fconst, None, torch.float64)
+
+
+def compiled_row_sums(
+    x32: torch.Tensor, s_rows: torch.Tensor, p_rows: torch.Tensor, fconst: torch.Tensor
+) -> torch.Tensor | None:
+    """Per-row sums ``[R, 8]`` of ``x32 [R, C]`` (each row with its scale ``s_rows [R, 1]`` and
+    normaliser ``p_rows [R, 1]``) in one fused pass, for the row groups of
+    :func:`fp8track.numerics.segment_stats.segment_partial_stats`; ``None`` where the policy keeps
+    ``x32`` eager or compilation failed (then a warning once, eager from then on). Eager, the eight
+    sums are eight passes over the tensor plus the elementwise temporaries: several times the
+    loop over groups it replaces; fused, a fraction of it."""
+    if not _POLICY.wants(x32):
+        return None
+    try:
+        kernel = _POLICY.row_kernels.get(x32.device.type)
+        if kernel is None:
+            kernel = _POLICY.row_kernels[x32.device.type] = torch.compile(
+                _own_code(_row_sums_graph), dynamic=True, options=_inductor_options()
+            )
+        return kernel(x32, s_rows, p_rows, fconst)
+    except Exception as exc:  # compiler missing or broken: warn once, stay eager
+        _POLICY.failed = True
+        warnings.warn(
+            f"fp8track: torch.compile of the statistics kernel failed ({exc!r}); using eager",
+            stacklevel=3,
+        )
+        return None
+
+
 def wants_compiled(x: torch.Tensor) -> bool:
     """Whether the policy computes ``x``'s partial with the compiled kernel."""
     return _POLICY.wants(x)
@@ -219,5 +255,6 @@ __all__ = [
     "get_compile",
     "wait_for_aot_kernels",
     "compiled_partial",
+    "compiled_row_sums",
     "wants_compiled",
 ]

@@ -16,6 +16,7 @@ import math
 import torch
 
 from fp8track.numerics.formats import FP8Format, get_format
+from fp8track.numerics.kernel_policy import compiled_row_sums
 from fp8track.numerics.scaling import BLOCK_LAYOUTS, block_scales, blockify_rows, scale_from_amax
 from fp8track.numerics.stats_kernel import (
     NUM_SUM,
@@ -83,7 +84,10 @@ def segment_partial_stats(
     else:
         s_rows = torch.cat([s_g, pad])[seg].unsqueeze(1)
     p_rows = torch.cat([p_g, pad])[seg].unsqueeze(1)
-    sums_rows = _row_sums(x32, s_rows, p_rows, fconst, fmt.dtype, torch.float64)  # [R, NUM_SUM - 1]
+    # [R, NUM_SUM - 1]: fused by the compile policy where it compiles, else eager (the same numbers)
+    sums_rows = compiled_row_sums(x32, s_rows, p_rows, fconst)
+    if sums_rows is None:
+        sums_rows = _row_sums(x32, s_rows, p_rows, fconst, fmt.dtype, torch.float64)
     sums = torch.zeros(groups + 1, NUM_SUM - 1, dtype=torch.float64, device=dev)
     sums.index_add_(0, seg, sums_rows)
     sums = sums[:groups]

@@ -94,5 +94,8 @@ def test_run_dir_mlflow_and_wandb_give_the_same_losses_and_findings(tmp_path, ml
             judged["dir"].onset_step,
         )
 
-    kinds = {src: diagnose(r["fp8"], r["control"]).kinds() for src, r in runs.items()}
+    diags = {src: diagnose(r["fp8"], r["control"]) for src, r in runs.items()}
+    kinds = {src: d.kinds() for src, d in diags.items()}
     assert kinds["mlflow"] == kinds["dir"] == kinds["wandb"], kinds
+    verdicts = {src: d.verdict for src, d in diags.items()}
+    assert verdicts["mlflow"] == verdicts["dir"] == verdicts["wandb"], verdicts
