@@ -83,7 +83,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def tracker_sink(trackers: Sequence[Tracker]) -> Callable[[Path], TrackerFanout] | None:
-    """A sink factory for :class:`fp8track.monitoring.monitor.Monitor`: the failure-tolerant
+    """A sink factory for :class:`fp8track.monitoring.monitor.MonitorCore`: the failure-tolerant
     fan-out over ``trackers`` (``None`` when there are none)."""
     trackers = list(trackers)
     if not trackers:
@@ -194,8 +194,8 @@ class FrontendResults:
         return run_summary(self.run_dir, top_k) if self.run_dir is not None else None
 
 
-class Monitor(core.Monitor):
-    """:class:`fp8track.monitoring.monitor.Monitor` for plain PyTorch loops, with the default
+class Monitor(core.MonitorCore):
+    """:class:`fp8track.monitoring.monitor.MonitorCore` for plain PyTorch loops, with the default
     analyzers and the tracker fan-out wired in.
 
     Args (beyond the core's ``model``, ``layers``, ``plans``, ``log_dir``, ``meta``, ``is_writer``,

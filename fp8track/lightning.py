@@ -77,7 +77,7 @@ class FP8Monitor(Callback, FrontendResults):
     optimizer step, un-normalised mean over micro-batches), ``fp8/grad_norm``,
     ``fp8/<layer>/<tensor>/<stat>``, ``fp8/worst/<stat>``, ``fp8/spikes/count``,
     ``fp8/divergence/count``, ``fp8/drift/count``, ``fp8/loss_gap_vs_baseline`` (see
-    :class:`fp8track.monitoring.monitor.Monitor` and :mod:`fp8track.analysis.analyzers`), and the
+    :class:`fp8track.monitoring.monitor.MonitorCore` and :mod:`fp8track.analysis.analyzers`), and the
     ``fp8_tensor_stats``, ``fp8_spike_events``, ``fp8_drift_events`` tables (W&B, MLflow).
 
     Example:

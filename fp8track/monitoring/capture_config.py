@@ -85,7 +85,7 @@ class CaptureConfig:
             burst's layers (:mod:`fp8track.monitoring.dumps`); 0 switches dumps off.
         max_dump_bytes: bytes of tensors per dump (layers past it are left out and named).
         on_nonfinite: ``"stop"`` (default: a non-finite loss or gradient stops training before a
-            checkpoint of that step is saved, :meth:`Monitor.guard`) or ``"log"``.
+            checkpoint of that step is saved, :meth:`MonitorCore.guard`) or ``"log"``.
         on_divergence: ``"log"`` (default) or ``"stop"`` (a divergence onset stops training too).
         fp8_share_warn_below: with an FP8 recipe, warn at the first fully sampled step when less
             than this share of the GEMM FLOPs ran in FP8, naming the layers that did not and why.

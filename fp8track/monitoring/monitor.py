@@ -2,7 +2,7 @@
 
 Plain PyTorch::
 
-    monitor = Monitor(model, CaptureConfig(every_n_steps=10), log_dir="runs")
+    monitor = MonitorCore(model, CaptureConfig(every_n_steps=10), log_dir="runs")
     for batch in loader:
         loss = model(batch).loss
         loss.backward(); opt.step()
@@ -10,12 +10,12 @@ Plain PyTorch::
         opt.zero_grad()
     monitor.close()
 
-Per sampled step the hooks accumulate device-side partials; :meth:`Monitor.step` then does one
+Per sampled step the hooks accumulate device-side partials; :meth:`MonitorCore.step` then does one
 reduction across ranks (one SUM and one MAX collective for all layers, losses included), one
 host copy, and on rank 0 alone writes the run directory and forwards the batch to trackers.
 Losses of unsampled steps stay on the device until the next sampled step.
 
-:class:`Monitor` orchestrates; each job has its module: what to capture
+:class:`MonitorCore` orchestrates; each job has its module: what to capture
 (:mod:`~fp8track.monitoring.capture_config`, :mod:`~fp8track.monitoring.selection`), when
 (:class:`~fp8track.monitoring.schedule.Sampler`), the cross-rank reduction every rank runs
 (:mod:`~fp8track.monitoring.reduce`, :mod:`~fp8track.monitoring.router_flush`), and the writer's part
@@ -79,7 +79,7 @@ from fp8track.monitoring.selection import Capture, build_captures
 from fp8track.monitoring.sharding import ShardSpec
 
 
-class Monitor:
+class MonitorCore:
     """Watches a model's linear layers and writes FP8 diagnostics (see module docstring).
 
     Args:
@@ -179,7 +179,7 @@ class Monitor:
         """The events of the last flush with statistics rows (on the writer)."""
         return self._post.last_events
 
-    def attach(self) -> Monitor:
+    def attach(self) -> MonitorCore:
         """Register hooks and (on the writer) open the run directory and trackers. Idempotent."""
         if self._attached:
             return self
@@ -360,7 +360,7 @@ class Monitor:
 
 
 __all__ = [
-    "Monitor",
+    "MonitorCore",
     "CaptureConfig",
     "StepAnalyzer",
     "StepSink",

@@ -108,7 +108,7 @@ def precision_setup(
 def data_fingerprint(
     seed: int | None = None, order: Iterable[Any] | None = None, **extra: Any
 ) -> dict[str, Any]:
-    """What data a run saw, for :class:`Monitor`'s ``data_fingerprint``: two runs whose
+    """What data a run saw, for :class:`fp8track.Monitor`'s ``data_fingerprint``: two runs whose
     fingerprints are equal saw the same batches in the same order, and their losses compare step
     by step (:func:`fp8track.analysis.loss_gap.same_batches`).
 

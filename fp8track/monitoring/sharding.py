@@ -1,6 +1,6 @@
 """How an observed tensor is spread over ranks, and the share of its statistics this rank computes.
 
-The monitor reduces every partial with one world-wide SUM and one MAX (``Monitor.flush``). That
+The monitor reduces every partial with one world-wide SUM and one MAX (``MonitorCore.flush``). That
 gives the statistics of the *logical* tensor as long as each element is counted by exactly one
 rank. This module decides, per observation, what this rank contributes:
 

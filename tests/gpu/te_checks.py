@@ -19,7 +19,7 @@ from torch import nn
 from fp8track.execution.apply import apply_fp8
 from fp8track.monitoring import te_capture
 from fp8track.monitoring.monitor import CaptureConfig as MonitorConfig
-from fp8track.monitoring.monitor import Monitor
+from fp8track.monitoring.monitor import MonitorCore as Monitor
 from fp8track.monitoring.records import RunReader
 from fp8track.trackers.nvdlfw import TEStatsBridge
 

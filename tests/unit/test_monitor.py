@@ -249,7 +249,7 @@ def _train(mon, model, steps, loss_at=lambda s: True):
 
 def test_the_sink_gets_the_loss_of_every_step_under_its_own_step(tmp_path):
     from fp8track.monitoring.monitor import CaptureConfig
-    from fp8track.monitoring.monitor import Monitor as Core
+    from fp8track.monitoring.monitor import MonitorCore as Core
 
     sink = _ListSink()
     model = mlp(16, 32, 4)
