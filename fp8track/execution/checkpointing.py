@@ -27,6 +27,8 @@ is one; otherwise (reentrant) it is the training forward itself.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
@@ -39,3 +41,45 @@ def in_backward() -> bool:
     """
     graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
     return graph_task_id is not None and graph_task_id() != -1
+
+
+class ForwardScales:
+    """The delayed-scaling scales one training forward quantised with, kept while its autograd
+    graph lives (its Function context holds it), for a recompute to replay."""
+
+    __slots__ = ("__weakref__", "replayed", "scales")
+
+    def __init__(self) -> None:
+        self.scales: dict[str, torch.Tensor] = {}
+        self.replayed = False
+
+
+class RecomputeQueue:
+    """The forwards of one layer still waiting for their backward (weakly held), and the rule of
+    the module docstring: a training forward inside backward replays the oldest of them (first in,
+    first out, as TE's ``fp8_tensors_recompute_buffer``) and updates nothing; any other training
+    forward gets a fresh :class:`ForwardScales` to fill."""
+
+    def __init__(self) -> None:
+        self._waiting: list[weakref.ref[ForwardScales]] = []
+
+    def begin_forward(self) -> tuple[ForwardScales, bool]:
+        """``(record, replay)`` for a training forward under delayed scaling."""
+        if in_backward():
+            for ref in self._waiting:
+                rec = ref()
+                if rec is not None and not rec.replayed:
+                    rec.replayed = True
+                    return rec, True
+        self._waiting = [r for r in self._waiting if r() is not None]
+        rec = ForwardScales()
+        self._waiting.append(weakref.ref(rec))
+        return rec, False
+
+    def end_backward(self, rec: ForwardScales | None) -> None:
+        """The backward of the forward that filled ``rec`` ran: it waits no more."""
+        if rec is not None:
+            self._waiting = [r for r in self._waiting if r() is not None and r() is not rec]
+
+
+__all__ = ["in_backward", "ForwardScales", "RecomputeQueue"]

@@ -20,13 +20,12 @@ operands directly but runs on CUDA only (torch 2.13); the result is the same up 
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from fp8track.execution.checkpointing import in_backward
+from fp8track.execution.checkpointing import ForwardScales, RecomputeQueue
 from fp8track.execution.recipes import Recipe
 from fp8track.numerics.scaling import BLOCK_SCALINGS, DelayedScaler, current_scale, dequantize, quantize
 
@@ -81,16 +80,6 @@ def segment_amax(x2d: torch.Tensor, seg: torch.Tensor, groups: int) -> torch.Ten
     return out[:groups]
 
 
-class _Record:
-    """The delayed scales one training forward used, kept for its activation-checkpointing recompute."""
-
-    __slots__ = ("__weakref__", "replayed", "scales")
-
-    def __init__(self) -> None:
-        self.scales: dict[str, torch.Tensor] = {}
-        self.replayed = False
-
-
 class GroupQuantizers:
     """Per-expert scales of one grouped projection under a per-tensor recipe (see the module docstring)."""
 
@@ -105,32 +94,26 @@ class GroupQuantizers:
                                  shape=(num_experts,))
                 for k, f in self.fmt.items()
             }
-        self._waiting: list[weakref.ref[_Record]] = []
+        self._recompute = RecomputeQueue()
         self.last_scales: dict[str, torch.Tensor] = {}
 
-    def begin_forward(self, update: bool) -> tuple[_Record | None, bool]:
+    def begin_forward(self, update: bool) -> tuple[ForwardScales | None, bool]:
         """``(record, replay)``: a training forward inside backward while an earlier forward waits
         for its backward is its recompute and replays that forward's scales (as
         :class:`~fp8track.execution.backends.emulated.EmulatedFP8Linear` and TE do)."""
         if not (self.delayed and update):
             return None, False
-        if in_backward():
-            for ref in self._waiting:
-                rec = ref()
-                if rec is not None and not rec.replayed:
-                    rec.replayed = True
-                    return rec, True
-        self._waiting = [r for r in self._waiting if r() is not None]
-        rec = _Record()
-        self._waiting.append(weakref.ref(rec))
-        return rec, False
+        return self._recompute.begin_forward()
 
-    def end_backward(self, rec: _Record | None) -> None:
-        if rec is not None:
-            self._waiting = [r for r in self._waiting if r() is not None and r() is not rec]
+    def end_backward(self, rec: ForwardScales | None) -> None:
+        self._recompute.end_backward(rec)
 
     def scales(
-        self, kind: str, amax_e: torch.Tensor, update: bool, rec: tuple[_Record | None, bool] = (None, False)
+        self,
+        kind: str,
+        amax_e: torch.Tensor,
+        update: bool,
+        rec: tuple[ForwardScales | None, bool] = (None, False),
     ) -> torch.Tensor:
         """The ``[E]`` float32 scales tensor kind ``kind`` is quantised with now, given each
         expert's amax of it (delayed scaling records the amaxes and updates after choosing)."""

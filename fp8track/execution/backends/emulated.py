@@ -50,7 +50,6 @@ The output dtype is the autocast dtype when autocast is on, else the input's dty
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -59,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8track.execution.backends.base import Backend, Converted, ScaleFn, ScaleRule, register
-from fp8track.execution.checkpointing import in_backward
+from fp8track.execution.checkpointing import ForwardScales, RecomputeQueue
 from fp8track.execution.experts import expert_group
 from fp8track.execution.fp8_experts import EmulatedFP8Experts, convert_experts, unconverted_reason
 from fp8track.execution.layers import InOutWeightGemm, is_hf_conv1d
@@ -118,17 +117,6 @@ def _bf16_mm(a_deq: torch.Tensor, b_t_deq: torch.Tensor, out_dtype: torch.dtype)
     return (a_deq.to(torch.bfloat16) @ b_t_deq.to(torch.bfloat16).t()).to(out_dtype)
 
 
-class _ForwardScales:
-    """The delayed-scaling scales one training forward quantised with, kept while its autograd
-    graph lives (its Function context holds it), for a recompute to replay."""
-
-    __slots__ = ("__weakref__", "replayed", "scales")
-
-    def __init__(self) -> None:
-        self.scales: dict[str, torch.Tensor] = {}
-        self.replayed = False
-
-
 class _Quantizers:
     """Per-tensor scale choice for one layer: delayed scalers or current scaling."""
 
@@ -144,9 +132,9 @@ class _Quantizers:
             }
         # Delayed scaling: training forwards whose backward has not run yet, oldest first (weak:
         # a graph dropped without a backward takes its entry with it).
-        self._waiting: list[weakref.ref[_ForwardScales]] = []
+        self._recompute = RecomputeQueue()
 
-    def begin_forward(self, update: bool) -> tuple[_ForwardScales | None, bool]:
+    def begin_forward(self, update: bool) -> tuple[ForwardScales | None, bool]:
         """``(record, replay)`` for a forward of this layer under delayed scaling.
 
         A training forward inside a backward pass while an earlier forward is still waiting for
@@ -157,28 +145,18 @@ class _Quantizers:
         """
         if not (self.delayed and update):
             return None, False
-        if in_backward():
-            for ref in self._waiting:
-                rec = ref()
-                if rec is not None and not rec.replayed:
-                    rec.replayed = True
-                    return rec, True
-        self._waiting = [r for r in self._waiting if r() is not None]
-        rec = _ForwardScales()
-        self._waiting.append(weakref.ref(rec))
-        return rec, False
+        return self._recompute.begin_forward()
 
-    def end_backward(self, rec: _ForwardScales | None) -> None:
+    def end_backward(self, rec: ForwardScales | None) -> None:
         """The backward of the forward that filled ``rec`` ran: it waits no more."""
-        if rec is not None:
-            self._waiting = [r for r in self._waiting if r() is not None and r() is not rec]
+        self._recompute.end_backward(rec)
 
     def quantize(
         self,
         kind: str,
         x: torch.Tensor,
         update: bool,
-        rec: tuple[_ForwardScales | None, bool] = (None, False),
+        rec: tuple[ForwardScales | None, bool] = (None, False),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(fp8 tensor, scale used)`` for one tensor of kind ``kind``.
 
