@@ -239,7 +239,7 @@ class Launcher:
                 f"the program {self.spec.program!r} finished without logging the sweep's metric "
                 f"{self.spec.metric!r} into its MLflow run; it logged: {', '.join(logged[:20]) or 'nothing'} "
                 "(set metric.name to one of these, or log it through trial_settings().mlflow_logger())")
-        self.runs.finish(rid, "COMPLETE", "FINISHED")
+        self.runs.finish(rid, "COMPLETE", "FINISHED", name=name)  # a program may rename its run
         return RunOutcome(rid, "COMPLETE", values, res.seconds)
 
     def _failed(self, rid: str, role: str, name: str, res: ProgramResult, control: str) -> RunOutcome:
@@ -253,7 +253,7 @@ class Launcher:
         else:
             err = f"exit status {res.returncode}: {res.tail(8)}"
         self.runs.client.set_tag(rid, "fp8track.error", err[-5000:])
-        self.runs.finish(rid, "FAIL", "FAILED")
+        self.runs.finish(rid, "FAIL", "FAILED", name=name)
         if refused is not None:
             if role == "control":
                 raise ProgramRefused(f"the BF16 control run {name!r} of {self.spec.program!r} {err}")

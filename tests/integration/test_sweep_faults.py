@@ -21,7 +21,7 @@ import yaml
 pytest.importorskip("optuna")
 pytest.importorskip("mlflow")
 
-from integration.test_sweep import QUAD, cli, runs, sweep_yaml  # noqa: E402
+from integration.test_sweep import cli, runs, sweep_yaml  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -83,8 +83,8 @@ def test_failed_trials_are_listed_with_their_reason_even_before_their_run_existe
     client, _, parent, found = runs(out, "failing")
     text = Path(client.download_artifacts(parent, "summary.txt", str(tmp_path))).read_text()
     listed = text.split("Failed trials:")[1]
-    for n, t in failed.items():
-        why = "the BF16 control failed"
+    why = "the BF16 control failed"
+    for n in failed:
         assert f"trial {n}: " in listed and why in listed.split(f"trial {n}: ")[1].splitlines()[0], text
     assert 0 in failed and {t.params["seed"] for t in failed.values()} == {1}
     assert {int(r.data.tags["fp8track.trial"]) for r in found}.isdisjoint(failed)  # no child run
