@@ -90,7 +90,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     try:
         print(_how_to_look(options.mlflow_uri, spec.name))
     except Exception:  # the links are a convenience: the sweep itself has finished
-        print(f"Look at it: mlflow ui --backend-store-uri {options.mlflow_uri}")
+        from fp8track.sweep.links import mlflow_ui_command
+
+        print(f"Look at it: {mlflow_ui_command(options.mlflow_uri)}")
     if options.wandb:
         print(
             f"W&B offline runs: {options.out / 'wandb'}  "
