@@ -175,7 +175,8 @@ def test_pareto_labels_never_overprint() -> None:
 
 
 def test_failed_trials_are_listed_with_their_reason() -> None:
-    rows = [*ROWS, TrialRow(7, "FAIL", "current", "last:1", -1, math.nan, error="exit status 1: boom\nline 2")]
+    failed = TrialRow(7, "FAIL", "current", "last:1", -1, math.nan, error="exit status 1: boom\nline 2")
+    rows = [*ROWS, failed]
     text = format_text(rows, recommend([], 0.01))
     assert "Failed trials:\n  trial 7: exit status 1: boom line 2" in text
     assert summary_table(rows)["error"][-1].startswith("exit status 1")
