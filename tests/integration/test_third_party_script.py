@@ -143,5 +143,6 @@ def test_sweep_over_the_scripts_flags_recommends(tmp_path):
     for r in trials:
         assert r.info.run_name.startswith("trial-")  # the script's run_name does not stick
         assert LOSS_METRIC in r.data.metrics and "gap_vs_bf16" in r.data.metrics
-        kept = r.data.tags["fp8.bf16_layers"]
-        assert kept == ("lm_head" if r.data.params["bf16_layers"] == "last:1" else "none")
+        kept = r.data.tags["fp8.bf16_layers"]  # last:1 = the last block of the stack h.0, h.1
+        block = ",".join(f"h.1.{m}" for m in ("attn.c_attn", "attn.c_proj", "mlp.0", "mlp.2"))
+        assert kept == (block if r.data.params["bf16_layers"] == "last:1" else "none")
