@@ -34,7 +34,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,8 @@ from urllib.parse import quote
 from fp8track.config import DEFAULT_LOG_DIR
 from fp8track.errors import ConfigError, check_int
 
+DEMO_EXPERIMENT = "fp8track-demo"
+"""The demo's MLflow experiment (and W&B project)."""
 PLANT_LAYER = "blocks.1.mlp.fc"
 PLANT_AMAX = 1e6
 PLANT_FRACTION = 0.6
@@ -215,7 +217,7 @@ def _loggers(out: Path, name: str, use_wandb: bool) -> list[Any]:
 
     loggers: list[Any] = [
         MLFlowLogger(
-            experiment_name="fp8track-demo",
+            experiment_name=DEMO_EXPERIMENT,
             run_name=name,
             tracking_uri=f"sqlite:///{out / 'mlflow.db'}",
             # MLflow's default artifact root is ./mlruns in the working directory; keep it here.
@@ -252,6 +254,25 @@ def compare_url(tracking_uri: str, run_ids: list[str], host: str = "http://127.0
     return f"{host}/#/compare-runs?runs={runs}&experiments={exps}"
 
 
+def retire_previous_runs(tracking_uri: str, names: Sequence[str]) -> int:
+    """Delete (MLflow's soft delete) the runs of experiment ``fp8track-demo`` named ``names``, so a
+    demo run again into the same folder leaves one run per name; how many were deleted."""
+    store = tracking_uri.removeprefix("sqlite:///")
+    if store == tracking_uri or not Path(store).is_file():
+        return 0
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name(DEMO_EXPERIMENT)
+    if exp is None:
+        return 0
+    found = client.search_runs([exp.experiment_id], max_results=1000)
+    old = [r for r in found if r.info.run_name in set(names)]
+    for r in old:
+        client.delete_run(r.info.run_id)
+    return len(old)
+
+
 def run_demo(
     out: str | Path = "fp8track-demo",
     *,
@@ -276,6 +297,11 @@ def run_demo(
     check_int("every_n_steps", every_n_steps, 1)  # before the output folder exists
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    names = ["bf16-control", f"fp8-{recipe.split(':')[0]}", *(["fp8-planted"] if plant else [])]
+    retired = retire_previous_runs(f"sqlite:///{out / 'mlflow.db'}", names)
+    if retired:
+        print(f"[fp8track] the previous demo's {retired} MLflow runs in {out} were deleted (same names; "
+              "MlflowClient().restore_run(id) brings one back)", flush=True)
     common: dict[str, Any] = {
         "steps": steps,
         "every_n_steps": every_n_steps,
@@ -326,10 +352,18 @@ def _prefixed(state: dict[str, Any]) -> dict[str, Any]:
     return {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
 
 
+def _experiment_id(tracking_uri: str) -> str:
+    from mlflow import MlflowClient
+
+    exp = MlflowClient(tracking_uri).get_experiment_by_name(DEMO_EXPERIMENT)
+    return exp.experiment_id if exp is not None else "0"
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from fp8track.analysis.pairing import run_label, run_name
     from fp8track.report.console import print_diagnosis
     from fp8track.report.run import diagnose_runs
+    from fp8track.sweep.links import DEFAULT_UI, experiment_runs_url, mlflow_ui_command
 
     out = Path(args.out).resolve()
     uri = f"sqlite:///{out / 'mlflow.db'}"
@@ -350,6 +384,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                 wandb_run=wandb_run,
             )
         url = compare_url(uri, [r.mlflow_run_id for r in runs if r.mlflow_run_id])
+        runs_url = experiment_runs_url(DEFAULT_UI, _experiment_id(uri))
     summary = {
         "runs": [
             {
@@ -369,8 +404,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
     print(f"\nfp8track run directories: {out / DEFAULT_LOG_DIR}")
     print(f"MLflow store:              {uri}")
-    print(f"Look at it:                mlflow ui --backend-store-uri {uri}")
-    print(f"Compare the runs:          {url}")
+    print(f"Look at it:                {mlflow_ui_command(uri)}")
+    print(f"  then open the runs:      {runs_url}")
+    print(f"  and compare them:        {url}")
     print(f"Inference chain:           fp8track check-inference {out / 'fp8.ckpt'}")
     if args.wandb:
         print(

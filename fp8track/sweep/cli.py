@@ -1,19 +1,26 @@
-"""``fp8track sweep SWEEP.yaml --trials N [--tracking-uri URI] [--storage URL] [--wandb] [--summary]``."""
+"""``fp8track sweep SWEEP.yaml --trials N [--tracking-uri URI] [--storage URL] [--wandb] [--summary]``.
+
+Ctrl-C, SIGTERM and SIGHUP stop the running trial's program, close the sweep's open MLflow runs
+as KILLED, print one line and exit ``128 + signal`` (130, 143, 129); the same command resumes.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from fp8track.sweep.executor import SweepOptions, run_sweep
+    from fp8track.sweep.executor import SweepOptions, run_sweep, signals_interrupt
     from fp8track.sweep.finish import read_summary
     from fp8track.sweep.mlflow_runs import find_parent
+    from fp8track.sweep.options import default_out
     from fp8track.sweep.spec import load_sweep
     from fp8track.sweep.summary import format_text
 
@@ -28,12 +35,13 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     if spec.grid_size is not None and spec.method == "grid":
         trials = min(trials, spec.grid_size)
     options = SweepOptions(
-        trials=trials, out=Path(args.out or f"fp8track-sweep/{spec.name}"), tracking_uri=args.tracking_uri,
+        trials=trials, out=Path(args.out) if args.out else default_out(spec.name),
+        tracking_uri=args.tracking_uri,
         storage=args.storage, wandb=args.wandb, seed=args.seed, progress=not args.no_progress,
         tolerance_factor=args.tolerance_factor, tolerance_floor=args.tolerance_floor,
         control_seeds=args.control_seeds, finalists=args.finalists, seed_param=args.seed_param,
         heartbeat_s=args.heartbeat, grace_s=args.grace, threads=args.threads, kill_grace_s=args.kill_grace,
-        auto_from=args.auto_from,
+        auto_from=args.auto_from, trial_timeout_s=args.trial_timeout,
     )
     if args.summary:
         from mlflow.tracking import MlflowClient
@@ -52,11 +60,20 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         print(read_summary(client, parent) or "the sweep has not finished: no summary yet")
         return 0
     t0 = time.perf_counter()
-    outcome = run_sweep(spec, options)
+    try:
+        with signals_interrupt():
+            outcome = run_sweep(spec, options)
+    except KeyboardInterrupt as stop:
+        signum = getattr(stop, "signum", signal.SIGINT)
+        print(f"fp8track sweep: interrupted ({signal.Signals(signum).name}): the running program was "
+              f"stopped and the sweep's open MLflow runs marked KILLED; the same command resumes it "
+              f"({options.out})", file=sys.stderr)
+        return 128 + int(signum)
     seconds = time.perf_counter() - t0
     report: dict[str, Any] = {
         "sweep": spec.name, "parent_run_id": outcome.parent_run_id, "trials_run_here": outcome.ran,
-        "seconds": round(seconds, 1), "tracking_uri": options.mlflow_uri, "storage": options.storage_url,
+        "seconds": round(seconds, 1), "out": str(options.out), "tracking_uri": options.mlflow_uri,
+        "storage": options.storage_url,
     }
     if outcome.recommendation is not None:
         print(format_text(outcome.rows, outcome.recommendation))
@@ -73,7 +90,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     try:
         print(_how_to_look(options.mlflow_uri, spec.name))
     except Exception:  # the links are a convenience: the sweep itself has finished
-        print(f"Look at it: mlflow ui --backend-store-uri {options.mlflow_uri}")
+        from fp8track.sweep.links import mlflow_ui_command
+
+        print(f"Look at it: {mlflow_ui_command(options.mlflow_uri)}")
     if options.wandb:
         print(
             f"W&B offline runs: {options.out / 'wandb'}  "
@@ -117,7 +136,10 @@ def add_subparser(sub: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="print the summary and recommendation from the store, run nothing",
     )
-    p.add_argument("--out", default=None, help="output folder (default ./fp8track-sweep/<sweep name>)")
+    p.add_argument(
+        "--out", default=None,
+        help="output folder (default ./fp8track-sweep/<sweep name as a folder name: letters, digits, . _ ->)",
+    )
     p.add_argument("--seed", type=int, default=0, help="sampler seed")
     p.add_argument("--tolerance-factor", type=float, default=1.0, help="noise band = factor x seed spread")
     p.add_argument(
@@ -132,6 +154,11 @@ def add_subparser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed-param", default="seed", help="the sweep parameter that is the program's seed")
     p.add_argument(
         "--kill-grace", type=float, default=10.0, help="seconds from SIGTERM to SIGKILL for a pruned trial"
+    )
+    p.add_argument(
+        "--trial-timeout", type=float, default=None, metavar="SECONDS",
+        help="stop and fail a program run (trial, control, rerun) still running after this long; "
+        "the sweep goes on",
     )
     p.add_argument("--heartbeat", type=int, default=5, help="Optuna heartbeat interval, seconds")
     p.add_argument(

@@ -5,8 +5,9 @@ the summary (:mod:`fp8track.sweep.summary`) written to the parent run: ``sweep_s
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +28,13 @@ from fp8track.sweep.summary import (
 )
 
 
-def finish_sweep(controls: Controls, status: Callable[[str], None]) -> tuple[list[TrialRow], Recommendation]:
-    """Rerun the finalists on the control's seeds, judge them, write the summary to the parent."""
+def finish_sweep(
+    controls: Controls, status: Callable[[str], None], failed: Sequence[Any] = ()
+) -> tuple[list[TrialRow], Recommendation]:
+    """Rerun the finalists on the control's seeds, judge them, write the summary to the parent.
+    ``failed``: the study's failed trials (Optuna ``FrozenTrial``), listed with their reasons."""
     runs, options, goal = controls.runs, controls.options, controls.spec.goal
-    rows = runs.trial_rows()
+    rows = with_failed(runs.trial_rows(), failed, controls)
     seed0 = next((controls.seed_of(params_of(controls, r)) for r in rows if r.finished), None)
     seeds = [seed0] if seed0 is None else [seed0 + i for i in range(options.control_seeds)]
     base = next((params_of(controls, r) for r in rows if r.finished), None)
@@ -56,6 +60,24 @@ def finish_sweep(controls: Controls, status: Callable[[str], None]) -> tuple[lis
     rec = recommend(judged, cspread, options.tolerance_factor, options.tolerance_floor, layers)
     write_summary(runs.client, runs.parent_run_id, rows, rec)
     return rows, rec
+
+
+def with_failed(rows: list[TrialRow], failed: Sequence[Any], controls: Controls) -> list[TrialRow]:
+    """``rows`` plus a FAIL row for each failed trial that has no child run (it failed before its
+    program started: its control or ``auto:K`` run failed), each FAIL row with the trial's reason
+    when its run has none; by trial number."""
+    reasons = {t.number: str(t.user_attrs.get("error", "")) for t in failed}
+    out = [dataclasses.replace(r, error=r.error or reasons.get(r.trial, "")) if r.state == "FAIL" else r
+           for r in rows]
+    have = {r.trial for r in rows}
+    for t in failed:
+        if t.number in have:
+            continue
+        params = {p.name: str(p.value if p.kind == "constant" else t.params.get(p.name, ""))
+                  for p in controls.spec.params}
+        out.append(TrialRow(t.number, "FAIL", params.get("recipe", ""), params.get("bf16_layers", ""), -1,
+                            math.nan, params={k: params[k] for k in t.params}, error=reasons[t.number]))
+    return sorted(out, key=lambda r: r.trial)
 
 
 def params_of(controls: Controls, row: TrialRow) -> dict[str, Any]:
@@ -107,4 +129,4 @@ def read_summary(client: Any, parent_run_id: str) -> str | None:
         return None
 
 
-__all__ = ["finish_sweep", "params_of", "write_summary", "read_summary"]
+__all__ = ["finish_sweep", "with_failed", "params_of", "write_summary", "read_summary"]

@@ -9,6 +9,14 @@ parameters reused.
 * **Metric**: the YAML's ``metric.name`` as the program logs it in its run, read while it runs:
   the n-th value is hyperband's iteration n. A program that finishes without logging the metric
   stops the sweep with one :class:`~fp8track.sweep.options.MetricNotLogged`.
+* **Refused input**: a program that stops on fp8track's ``ConfigError`` (the last line of its
+  traceback, :func:`refusal_in`) about what every run shares (any refusal in the BF16 control;
+  in another run, one naming the control's run, e.g. a control without a training loss for the
+  monitor's ``baseline``) stops the sweep with one :class:`~fp8track.sweep.options.ProgramRefused`
+  and the control leaves the cache; any other refusal fails that run only (a parameter value this
+  model refuses), its message in the run's ``fp8track.error`` tag and the summary.
+* **Time limit**: a run past ``trial_timeout_s`` is stopped (SIGTERM, SIGKILL) and FAILED; an
+  interrupted sweep (``KeyboardInterrupt``) stops its running program and marks its run KILLED.
 * **Reuse**: every finished or pruned run is cached by (program, parameters, store); a trial whose
   parameters were already run gets a child run copying that result (tag ``fp8track.reused_from``)
   and trains nothing (an earlier pruned run is replayed to the pruner: pruned again, or run).
@@ -17,15 +25,20 @@ parameters reused.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import json
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
+from fp8track.errors import ConfigError
 from fp8track.sweep.command import expand
 from fp8track.sweep.mlflow_runs import SweepRuns, param_text
-from fp8track.sweep.options import MetricNotLogged, RunOutcome, SweepOptions
-from fp8track.sweep.runner import metric_values, run_program
+from fp8track.sweep.options import MetricNotLogged, ProgramRefused, RunOutcome, SweepOptions
+from fp8track.sweep.runner import ProgramResult, metric_values, run_program
 from fp8track.sweep.sampling import FINISHED_STATES
 from fp8track.sweep.spec import SweepSpec
 from fp8track.trial import (
@@ -47,6 +60,34 @@ train the control and the ``auto:K`` run first)."""
 
 def _no_env() -> Mapping[str, str]:
     return {}
+
+
+_ERROR_LINE = re.compile(r"^((?:fp8track\.)[\w.]+): (.+)$")
+CONTROL_LOSS_FIX = (
+    "fix: the program must log its training loss into its MLflow run: fp8track.Monitor does so inside "
+    "the run (mlflow.start_run(), which picks up the sweep's MLFLOW_RUN_ID; trackers='auto', the "
+    "default), FP8Monitor through trial_settings().mlflow_logger(); or mlflow.log_metric('loss', ...)"
+)
+
+
+def refusal_in(log: Path | None) -> str | None:
+    """The message of the fp8track ``ConfigError`` (or subclass) a program's traceback ended on,
+    read from its log (the last such line: under ``torchrun`` each rank prints its own); ``None``
+    when it failed otherwise."""
+    if log is None or not log.is_file():
+        return None
+    for line in reversed(log.read_text(errors="replace").splitlines()[-400:]):
+        m = _ERROR_LINE.match(line.strip())
+        if m is None:
+            continue
+        module, _, name = m.group(1).rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError):
+            continue
+        if isinstance(cls, type) and issubclass(cls, ConfigError):
+            return m.group(2).strip()
+    return None
 
 
 class Launcher:
@@ -105,6 +146,13 @@ class Launcher:
                 )
             return out
 
+    def forget(self, run_id: str) -> None:
+        """Drop every cached result of the run ``run_id`` (a control the trials refused)."""
+        for p in self.cache.root.glob("run-*.json"):
+            with contextlib.suppress(OSError, ValueError):
+                if json.loads(p.read_text()).get("run_id") == run_id:
+                    p.unlink()
+
     @staticmethod
     def _replay(values: list[float], trial: Any) -> bool:
         """Report ``values`` to the trial's pruner in order; True as soon as it prunes."""
@@ -146,7 +194,8 @@ class Launcher:
         env = self._env(params, whatif, extra_env)
         rid = self.runs.child(params, role, name, trial)
         env[RUN_ID_ENV] = rid
-        argv = expand(self.spec.command, self.spec.program, params, json_file=self.logs / f"{rid}.args.json")
+        argv = expand(self.spec.command, self.spec.program, params, json_file=self.logs / f"{rid}.args.json",
+                      env=env)
         client = self.runs.client
         client.set_tag(rid, "fp8track.command", " ".join(argv)[:8000])
 
@@ -156,28 +205,32 @@ class Launcher:
             trial.report(v, i)
             return bool(trial.should_prune())
 
-        res = run_program(
-            argv,
-            env,
-            client,
-            rid,
-            self.spec.metric,
-            on_value,
-            log=self.logs / f"{rid}.log",
-            cwd=self.options.cwd,
-            poll_s=self.options.poll_s,
-            grace_s=self.options.kill_grace_s,
-        )
+        try:
+            res = run_program(
+                argv,
+                env,
+                client,
+                rid,
+                self.spec.metric,
+                on_value,
+                log=self.logs / f"{rid}.log",
+                cwd=self.options.cwd,
+                poll_s=self.options.poll_s,
+                grace_s=self.options.kill_grace_s,
+                timeout_s=self.options.trial_timeout_s,
+            )
+        except KeyboardInterrupt:  # the program was stopped on the way out (runner)
+            with contextlib.suppress(Exception):
+                client.set_tag(rid, "fp8track.error", "the sweep was interrupted while this run trained")
+                self.runs.finish(rid, "KILLED", "KILLED", name=f"{name} [interrupted]")
+            raise
         with contextlib.suppress(Exception):
             client.log_artifact(rid, str(res.log))
         if res.pruned:
             self.runs.finish(rid, "PRUNED", "KILLED", name=f"{name} [pruned]")
             return RunOutcome(rid, "PRUNED", res.values, res.seconds)
-        if res.returncode != 0:
-            err = f"exit status {res.returncode}: {res.tail(8)}"
-            client.set_tag(rid, "fp8track.error", err[-5000:])
-            self.runs.finish(rid, "FAIL", "FAILED")
-            return RunOutcome(rid, "FAIL", res.values, res.seconds, error=err)
+        if res.timed_out or res.returncode != 0:
+            return self._failed(rid, role, name, res, env.get(CONTROL_ENV, ""))
         values = res.values or metric_values(client, rid, self.spec.metric)
         if not values:
             logged = sorted(client.get_run(rid).data.metrics)
@@ -186,8 +239,32 @@ class Launcher:
                 f"the program {self.spec.program!r} finished without logging the sweep's metric "
                 f"{self.spec.metric!r} into its MLflow run; it logged: {', '.join(logged[:20]) or 'nothing'} "
                 "(set metric.name to one of these, or log it through trial_settings().mlflow_logger())")
-        self.runs.finish(rid, "COMPLETE", "FINISHED")
+        self.runs.finish(rid, "COMPLETE", "FINISHED", name=name)  # a program may rename its run
         return RunOutcome(rid, "COMPLETE", values, res.seconds)
 
+    def _failed(self, rid: str, role: str, name: str, res: ProgramResult, control: str) -> RunOutcome:
+        """Close a run whose program failed or timed out; raise :class:`ProgramRefused` when its
+        refusal would refuse every run (module docstring)."""
+        refused = None if res.timed_out else refusal_in(res.log)
+        if res.timed_out:
+            err = f"timed out after {self.options.trial_timeout_s:g} s (--trial-timeout): stopped"
+        elif refused is not None:
+            err = f"refused its input: {refused}"
+        else:
+            err = f"exit status {res.returncode}: {res.tail(8)}"
+        self.runs.client.set_tag(rid, "fp8track.error", err[-5000:])
+        self.runs.finish(rid, "FAIL", "FAILED", name=name)
+        if refused is not None:
+            if role == "control":
+                raise ProgramRefused(f"the BF16 control run {name!r} of {self.spec.program!r} {err}")
+            if control and control in refused:
+                self.forget(control.removeprefix("mlflow:"))
+                fix = f"; {CONTROL_LOSS_FIX}" if "loss metrics" in refused else ""
+                raise ProgramRefused(
+                    f"the {role} run {name!r} refused the sweep's BF16 control {control}: {refused}{fix} "
+                    "(the control left the cache: the next sweep trains it again)"
+                )
+        return RunOutcome(rid, "FAIL", res.values, res.seconds, error=err)
 
-__all__ = ["Launcher", "ExtraEnv"]
+
+__all__ = ["Launcher", "ExtraEnv", "refusal_in", "CONTROL_LOSS_FIX"]

@@ -9,7 +9,11 @@ before the browser's stored choice) and the ``/runs`` tab route open it on its r
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 from urllib.parse import quote
 
 DEFAULT_UI = "http://127.0.0.1:5000"
@@ -46,11 +50,24 @@ def compare_url(base: str, experiment_id: str, run_ids: Sequence[str]) -> str:
     return f"{base}/#/compare-runs?runs={runs}&experiments={quote(json.dumps([experiment_id]))}"
 
 
+def mlflow_ui_command(tracking_uri: str) -> str:
+    """``<mlflow> ui --backend-store-uri <uri>`` runnable as printed: the ``mlflow`` script beside
+    this interpreter (``.venv/bin/mlflow`` of a virtual environment nobody activated; relative when
+    under the working directory), else ``mlflow`` from the ``PATH``."""
+    script = Path(sys.executable).parent / "mlflow"  # not resolved: a venv's python is a symlink
+    if script.is_file():
+        rel = os.path.relpath(script)
+        exe = rel if not rel.startswith("..") else str(script)
+    else:
+        exe = "mlflow"
+    return f"{shlex.quote(exe)} ui --backend-store-uri {shlex.quote(tracking_uri)}"
+
+
 def how_to_look(tracking_uri: str, experiment_id: str, trial_run_ids: Sequence[str]) -> str:
     """The lines the CLI prints after a sweep: how to start the UI (a local store) and the two links."""
     base = ui_base(tracking_uri)
     local = base != tracking_uri.rstrip("/")
-    lines = [f"Look at it: mlflow ui --backend-store-uri {tracking_uri}  then open" if local
+    lines = [f"Look at it: {mlflow_ui_command(tracking_uri)}  then open" if local
              else "Look at it in the MLflow UI:"]
     lines.append(f"  runs:    {experiment_runs_url(base, experiment_id)}")
     if trial_run_ids:

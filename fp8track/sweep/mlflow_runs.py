@@ -216,6 +216,25 @@ class SweepRuns:
                 )
                 self.finish(rid, "FAIL", "FAILED")
 
+    def close_running(self, worker: str, reason: str) -> None:
+        """Mark KILLED (tag ``fp8track.state = KILLED``, ``fp8track.error`` = ``reason``) every child
+        run of ``worker`` still RUNNING: what an interrupt left open."""
+        running = self.client.search_runs(
+            [self.experiment_id],
+            filter_string=(
+                f"tags.mlflow.parentRunId = '{self.parent_run_id}' and attributes.status = 'RUNNING'"
+            ),
+        )
+        for run in running:
+            if run.data.tags.get("fp8track.worker") == worker:
+                self.client.set_tag(run.info.run_id, "fp8track.error", reason)
+                self.finish(run.info.run_id, "KILLED", "KILLED")
+
+    def reopen_parent(self) -> None:
+        """A resumed sweep's parent, KILLED or FAILED by an interrupt, is RUNNING again."""
+        if self.client.get_run(self.parent_run_id).info.status in ("KILLED", "FAILED"):
+            self.client.update_run(self.parent_run_id, status="RUNNING")
+
     def summary_written(self) -> bool:
         """Whether a worker already wrote the recommendation to the parent."""
         return "fp8track.recommendation" in self.client.get_run(self.parent_run_id).data.tags
@@ -248,9 +267,15 @@ def row_from_run(run: Any, metric: str, varying: list[str] | None = None) -> Tri
     def f(key: str) -> float:
         return float(m[key]) if key in m else math.nan
 
+    # TrialSettings.apply's layer table; else the monitor's own tag and param (a program calling
+    # apply_fp8 and fp8track.Monitor itself), the tag only when it lists every name.
     names = t.get("fp8track.bf16_layer_names", "")
+    if not names and " (+" not in t.get("fp8.bf16_layers", " (+"):
+        names = t["fp8.bf16_layers"]
     bf16 = tuple(n for n in names.split(",") if n and n != "none")
     n_bf16 = int(m["n_bf16_layers"]) if "n_bf16_layers" in m else (len(bf16) if names else -1)
+    if n_bf16 < 0 and str(p.get("fp8.n_bf16_layers", "")).isdigit():
+        n_bf16 = int(p["fp8.n_bf16_layers"])
     return TrialRow(
         trial=int(t.get("fp8track.trial", -1)),
         state=t.get("fp8track.state", "FAIL"),
@@ -264,6 +289,7 @@ def row_from_run(run: Any, metric: str, varying: list[str] | None = None) -> Tri
         step_time_s=f("fp8/step_time_s"),
         run_id=run.info.run_id,
         params={k: p[k] for k in (varying or [*FP8_PARAMS]) if k in p},
+        error=t.get("fp8track.error", ""),
     )
 
 

@@ -4,6 +4,7 @@ the plain data every part of the executor reads."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +32,10 @@ class SweepOptions:
             trial counts as dead (seconds).
         max_retry: how often a dead trial is queued again.
         threads: ``OMP_NUM_THREADS`` of each program.
-        kill_grace_s: seconds between SIGTERM and SIGKILL when a trial is pruned.
+        kill_grace_s: seconds between SIGTERM and SIGKILL when a trial is pruned, timed out or
+            interrupted.
+        trial_timeout_s: seconds one program run (a trial, a control, a finalist's rerun) may take;
+            a run past it is stopped and FAILED, and the sweep goes on (``None``: no limit).
         poll_s: how often the running program's metric is read, seconds.
         cwd: the programs' working directory (relative ``program`` paths start here).
         auto_from: where ``auto:K`` rankings come from (:data:`AUTO_FROM`): ``"probe"``, an
@@ -59,6 +63,7 @@ class SweepOptions:
     poll_s: float = 0.5
     cwd: Path = field(default_factory=Path.cwd)
     auto_from: str = "probe"
+    trial_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.auto_from not in AUTO_FROM:
@@ -70,6 +75,10 @@ class SweepOptions:
         check_int("grace_s", self.grace_s, self.heartbeat_s + 1)
         check_int("max_retry", self.max_retry, 0)
         check_int("threads", self.threads, 1)
+        _check_seconds("kill_grace_s", self.kill_grace_s, allow_zero=True)
+        _check_seconds("poll_s", self.poll_s)
+        if self.trial_timeout_s is not None:
+            _check_seconds("trial_timeout_s", self.trial_timeout_s)
         object.__setattr__(self, "out", Path(self.out).resolve())
         object.__setattr__(self, "cwd", Path(self.cwd).resolve())
 
@@ -80,6 +89,36 @@ class SweepOptions:
     @property
     def storage_url(self) -> str:
         return self.storage or f"sqlite:///{self.out / 'optuna.db'}"
+
+
+def _check_seconds(name: str, value: float, allow_zero: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
+
+
+SWEEPS_ROOT = Path("fp8track-sweep")
+"""Where a sweep writes when no ``--out`` is given: ``<SWEEPS_ROOT>/<folder_name(name)>``."""
+
+
+def folder_name(name: str) -> str:
+    """The sweep name as one safe folder name: characters other than letters, digits, ``.``,
+    ``_`` and ``-`` become ``-``, leading dots and dashes go (so ``..`` and ``/`` cannot climb out
+    of :data:`SWEEPS_ROOT`); the name itself stays the experiment's and the study's.
+
+    Example:
+        >>> folder_name("../../../escape"), folder_name("my fp8/v2"), folder_name("..")
+        ('escape', 'my-fp8-v2', 'sweep')
+    """
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name).lstrip(".-")
+    safe = re.sub(r"-*\.\.+-*", "-", safe).strip("-")  # no '..' left anywhere
+    return safe[:120] or "sweep"
+
+
+def default_out(name: str) -> Path:
+    """``./fp8track-sweep/<folder_name(name)>``, always inside ``./fp8track-sweep``."""
+    return SWEEPS_ROOT / folder_name(name)
 
 
 @dataclass
@@ -103,4 +142,10 @@ class MetricNotLogged(ConfigError):
     """The program finished without logging the sweep's metric."""
 
 
-__all__ = ["SweepOptions", "RunOutcome", "MetricNotLogged"]
+class ProgramRefused(ConfigError):
+    """A program run stopped on fp8track's :class:`~fp8track.errors.ConfigError` about input every
+    run shares (the sweep's control, its settings): the next runs would be refused the same way."""
+
+
+__all__ = ["SweepOptions", "RunOutcome", "MetricNotLogged", "ProgramRefused", "SWEEPS_ROOT", "folder_name",
+           "default_out"]

@@ -8,10 +8,12 @@ from typing import Any
 
 
 class SweepProgress:
-    """``trials 3/6 | best gap 0.0123 (trial 2) | 1m40s left`` while the sweep runs.
+    """``trials 3/6 | best gap +0.0123 (trial 2) | 1m40s left`` while the sweep runs.
 
-    Time left is the mean wall time of the trials this process finished times the trials still
-    to run (unknown until one finished). ``enabled=False`` makes every call a no-op.
+    The best gap is the smallest trial-minus-control gap seen (signed so + is worse than BF16, in
+    the metric's units, as ``gap_vs_bf16``), not a metric value. Time left is the mean wall time
+    of the trials this process finished times the trials still to run (unknown until one
+    finished). ``enabled=False`` makes every call a no-op.
     """
 
     def __init__(self, total: int, *, enabled: bool = True, done: int = 0) -> None:
@@ -37,11 +39,12 @@ class SweepProgress:
         if self._progress is not None:
             self._progress.update(self._task, status=f"{text} | {self._summary()}")
 
-    def trial_finished(self, number: int, value: float, seconds: float, done: int) -> None:
+    def trial_finished(self, number: int, gap: float, seconds: float, done: int) -> None:
+        """Trial ``number`` ended with ``gap`` to its control (NaN: none, e.g. it failed)."""
         self.done = done
         self._durations.append(seconds)
-        if math.isfinite(value) and (self.best is None or value < self.best[0]):
-            self.best = (value, number)
+        if math.isfinite(gap) and (self.best is None or gap < self.best[0]):
+            self.best = (gap, number)
         if self._progress is not None:
             self._progress.update(self._task, completed=min(done, self.total), status=self._summary())
 
@@ -51,7 +54,7 @@ class SweepProgress:
         return max(self.total - self.done, 0) * sum(self._durations) / len(self._durations)
 
     def _summary(self) -> str:
-        best = f"best gap {self.best[0]:.4f} (trial {self.best[1]})" if self.best else "best gap -"
+        best = f"best gap {self.best[0]:+.4f} (trial {self.best[1]})" if self.best else "best gap -"
         left = self.time_left_s()
         eta = "time left ?" if left is None else f"{int(left // 60)}m{int(left % 60):02d}s left"
         return f"{best} | {eta}"

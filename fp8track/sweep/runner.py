@@ -5,7 +5,13 @@ stop together) with ``MLFLOW_RUN_ID`` / ``MLFLOW_TRACKING_URI`` naming the child
 the metric's history in that run is read every ``poll_s`` seconds; each new value (in step order:
 its position is the hyperband iteration W&B counts) goes to ``on_value``, and ``True`` stops the
 program: SIGTERM to the group, SIGKILL after ``grace_s`` seconds, as ``wandb agent`` stops a run
-(``Agent._command_stop``: terminate, then kill after its ``KILL_DELAY``).
+(``Agent._command_stop``: terminate, then kill after its ``KILL_DELAY``). A program still running
+after ``timeout_s`` seconds is stopped the same way (``timed_out``).
+
+The program's own process group keeps it out of the terminal's Ctrl-C and out of signals sent to
+the sweep alone, so the sweep stops it itself: whatever ends the watch loop (an exception, the
+``KeyboardInterrupt`` the sweep's SIGINT/SIGTERM handler raises) stops the group before it
+propagates; no trial outlives its sweep.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ class ProgramResult:
         seconds: wall time.
         log: the program's stdout and stderr.
         pid: its process id (the process group's id too).
+        timed_out: it ran past ``timeout_s`` and was stopped.
     """
 
     returncode: int
@@ -39,6 +46,7 @@ class ProgramResult:
     seconds: float = 0.0
     log: Path | None = None
     pid: int = 0
+    timed_out: bool = False
 
     def tail(self, n: int = 20) -> str:
         """The last ``n`` lines of the log."""
@@ -79,18 +87,23 @@ def run_program(
     cwd: Path | None = None,
     poll_s: float = 0.5,
     grace_s: float = 10.0,
+    timeout_s: float | None = None,
 ) -> ProgramResult:
-    """Run ``argv`` until it exits or ``on_value(index, value)`` returns True (module docstring)."""
+    """Run ``argv`` until it exits, ``on_value(index, value)`` returns True, or ``timeout_s``
+    seconds passed (module docstring)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(log, "wb") as out:
         proc = subprocess.Popen(list(argv), env=dict(env), cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     seen: list[float] = []
-    pruned = False
+    pruned = timed_out = False
     try:
         while True:
             rc = proc.poll()
+            if rc is None and timeout_s is not None and time.perf_counter() - t0 > timeout_s:
+                timed_out = True
+                break
             values = metric_values(client, run_id, metric)
             for i in range(len(seen), len(values)):
                 seen.append(values[i])
@@ -103,7 +116,8 @@ def run_program(
     finally:
         if proc.poll() is None:
             stop_group(proc, grace_s)
-    return ProgramResult(int(proc.returncode), seen, pruned, time.perf_counter() - t0, log, proc.pid)
+    return ProgramResult(int(proc.returncode), seen, pruned, time.perf_counter() - t0, log, proc.pid,
+                         timed_out)
 
 
 __all__ = ["ProgramResult", "metric_values", "stop_group", "run_program"]

@@ -8,11 +8,21 @@ questions the executor asks the shared study (how many trials finished, who writ
   id in any seed).
 * ``early_terminate: hyperband`` -> ``HyperbandPruner`` (``min_resource = min_iter``,
   ``reduction_factor = eta``, ``max_resource = max_iter`` or "auto").
+* **No configuration twice**: a trial whose sampled parameters equal an evaluated trial's
+  (:func:`twin_of`; random and TPE samplers re-propose points of a small categorical space) runs
+  nothing and spends no budget: it is closed with the earlier result (a COMPLETE twin's value, so
+  the sampler learns from the point as Optuna's FAQ recommends; PRUNED as pruned; a twin still
+  RUNNING elsewhere as failed) and user attribute ``duplicate_of``, and, in a finite space, a point
+  not yet evaluated is queued for the next trial (:func:`unevaluated_point`), so the sweep neither
+  stalls nor evaluates fewer configurations than asked. The budget is at most the space's size.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import math
+import random
 import time
 import warnings
 from collections.abc import Iterator
@@ -161,17 +171,74 @@ def wait_for_parent(study: Any, timeout_s: float = 300.0) -> tuple[Any, str]:
                                   sampler=study.sampler, pruner=study.pruner)
 
 
+DUPLICATE_ATTR = "duplicate_of"
+"""Trial user attribute: the number of the evaluated trial whose parameters it re-proposed."""
+SPACE_LIMIT = 100_000
+"""Largest search space enumerated to find points not yet evaluated (larger ones rarely repeat)."""
+
+
+def is_duplicate(trial: Any) -> bool:
+    return trial.user_attrs.get(DUPLICATE_ATTR) is not None
+
+
 def counts(study: Any) -> tuple[int, int]:
-    """(COMPLETE + PRUNED, RUNNING) trials of the study."""
-    states = [t.state.name for t in study.get_trials(deepcopy=False)]
+    """(COMPLETE + PRUNED, RUNNING) trials of the study, re-proposed configurations not counted."""
+    states = [t.state.name for t in study.get_trials(deepcopy=False) if not is_duplicate(t)]
     return sum(s in FINISHED_STATES for s in states), states.count("RUNNING")
+
+
+def space_size(spec: SweepSpec) -> int | None:
+    """Points in the search space (``None`` when a parameter is continuous)."""
+    n = 1
+    for p in spec.params:
+        if p.kind == "categorical":
+            n *= len(p.values)
+        elif p.kind == "int_uniform":
+            n *= int(p.high) - int(p.low) + 1
+        elif p.kind != "constant":
+            return None
+    return n
+
+
+def twin_of(study: Any, trial: Any) -> Any:
+    """The earliest other trial with ``trial``'s parameters that is evaluated or being evaluated
+    (COMPLETE, PRUNED, RUNNING; not itself a duplicate nor a surplus), or ``None``. A failed
+    trial's parameters may run again (a retry)."""
+    for t in study.get_trials(deepcopy=False):
+        if (t.number != trial.number and t.state.name in (*FINISHED_STATES, "RUNNING")
+                and not is_duplicate(t) and not t.user_attrs.get("surplus") and t.params == trial.params):
+            return t
+    return None
+
+
+def unevaluated_point(study: Any, spec: SweepSpec, seed: int) -> dict[str, Any] | None:
+    """A point of a finite search space that no trial has evaluated, runs or waits for (drawn with
+    ``seed``), as ``study.enqueue_trial`` takes it; ``None`` when every point is taken or the space
+    is continuous or larger than :data:`SPACE_LIMIT`."""
+    size = space_size(spec)
+    if size is None or size > SPACE_LIMIT:
+        return None
+    axes = {p.name: (list(p.values) if p.kind == "categorical" else list(range(int(p.low), int(p.high) + 1)))
+            for p in spec.params if p.kind in ("categorical", "int_uniform")}
+    taken = [
+        t.params for t in study.get_trials(deepcopy=False)
+        if t.state.name in (*FINISHED_STATES, "RUNNING", "WAITING") and not is_duplicate(t)
+    ]
+    free = [dict(zip(axes, values, strict=True)) for values in itertools.product(*axes.values())]
+    free = [p for p in free if not any(_same(p, t) for t in taken)]
+    return random.Random(seed).choice(free) if free else None
+
+
+def _same(point: dict[str, Any], params: dict[str, Any]) -> bool:
+    return all(k in params and (params[k] == v or (isinstance(v, float) and math.isclose(params[k], v)))
+               for k, v in point.items())
 
 
 def summary_writer(study: Any) -> str | None:
     """The worker of the highest-numbered finished trial (``None`` when none finished)."""
     finished = [
         t for t in study.get_trials(deepcopy=False)
-        if t.state.name in FINISHED_STATES and not t.user_attrs.get("surplus")
+        if t.state.name in FINISHED_STATES and not t.user_attrs.get("surplus") and not is_duplicate(t)
     ]
     return max(finished, key=lambda t: t.number).user_attrs.get("worker") if finished else None
 
@@ -184,13 +251,19 @@ def last_trial_of(study: Any, worker: str) -> Any:
 
 def failed_trials(study: Any) -> set[str]:
     """Numbers (as text, as the child runs' ``fp8track.trial`` tag) of the study's failed trials."""
+    return {str(t.number) for t in failed(study)}
+
+
+def failed(study: Any) -> list[Any]:
+    """The study's failed trials (surplus and re-proposed ones left out), by number."""
     optuna = require("optuna", "fp8track sweep")
-    return {
-        str(t.number)
-        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,))
-    }
+    return [
+        t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,))
+        if not t.user_attrs.get("surplus") and not is_duplicate(t)
+    ]
 
 
-__all__ = ["PARENT_ATTR", "FINISHED_STATES", "Surplus", "experimental_ok", "trial_seed", "seeded_sampler",
-           "pruner", "suggest", "open_study", "wait_for_parent", "counts", "summary_writer",
-           "last_trial_of", "failed_trials"]
+__all__ = ["PARENT_ATTR", "FINISHED_STATES", "DUPLICATE_ATTR", "Surplus", "experimental_ok", "trial_seed",
+           "seeded_sampler", "pruner", "suggest", "open_study", "wait_for_parent", "counts", "space_size",
+           "twin_of", "unevaluated_point", "is_duplicate", "summary_writer", "last_trial_of",
+           "failed_trials", "failed"]

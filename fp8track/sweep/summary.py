@@ -57,6 +57,8 @@ class TrialRow:
         step_time_s: seconds per optimizer step when the program logged it.
         run_id: the MLflow child run.
         params: the trial's varying parameters as written (name -> text).
+        error: why it failed (``fp8track.error`` tag of its run, or the trial's reason when it
+            failed before its run existed, e.g. its control failed).
     """
 
     trial: int
@@ -71,6 +73,7 @@ class TrialRow:
     step_time_s: float = math.nan
     run_id: str = ""
     params: Mapping[str, str] = field(default_factory=dict)
+    error: str = ""
 
     @property
     def recipe_rank(self) -> int:
@@ -299,6 +302,7 @@ TABLE_COLUMNS = (
     "n_bf16",
     "value",
     "run_id",
+    "error",
 )
 
 
@@ -339,14 +343,6 @@ def pareto_figure(rows: Sequence[TrialRow], rec: Recommendation) -> Any:
     front = pareto_front(rows)
     if len(front) > 1:
         ax.plot([x(r) for r in front], [r.gap for r in front], "k--", lw=1, label="Pareto front", zorder=2)
-    for r in done + pruned:
-        ax.annotate(
-            f"{r.trial}: {r.bf16_layers}",
-            (x(r), r.gap),
-            textcoords="offset points",
-            xytext=(4, 4),
-            fontsize=7,
-        )
     if rec.trial is not None:
         ax.scatter(
             [x(rec.trial)],
@@ -364,10 +360,92 @@ def pareto_figure(rows: Sequence[TrialRow], rec: Recommendation) -> Any:
         ax.set_xlabel("layers kept in BF16")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("gap to BF16 control (metric units, + = worse)")
-    ax.set_title("FP8 sweep: accuracy cost vs FP8 share")
+    ax.set_title("FP8 sweep: accuracy cost vs FP8 share (labels: trial: bf16_layers)")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
-    fig.tight_layout()
+    ax.margins(0.2)  # room for the labels inside the axes
+    fig.tight_layout()  # before the labels: their places are measured on the final layout
+    label_points(fig, ax, _labels([(x(r), r.gap, r) for r in done + pruned]))
     return fig
+
+
+def _labels(points: Sequence[tuple[float, float, TrialRow]]) -> list[tuple[float, float, str]]:
+    """One label per drawn position: trials at the same point share it (``"2, 5: last:1"``)."""
+    at: dict[tuple[float, float], list[TrialRow]] = {}
+    for px, py, r in points:
+        at.setdefault((round(px, 9), round(py, 9)), []).append(r)
+    out = []
+    for (px, py), rs in at.items():
+        by_spec: dict[str, list[str]] = {}
+        for r in sorted(rs, key=lambda r: r.trial):
+            by_spec.setdefault(r.bf16_layers, []).append(str(r.trial))
+        out.append((px, py, " / ".join(f"{', '.join(ts)}: {spec}" for spec, ts in by_spec.items())))
+    return out
+
+
+LABEL_RADII = (5, 11, 18, 27, 38, 52, 70, 92)
+"""Distances (points) tried for a label from its point, nearest first."""
+LABEL_ANGLES = (0, 180, 30, -30, 150, -150, 60, -60, 120, -120, 90, -90)
+"""Directions tried (degrees): level with the point first, so a label reads as its point's."""
+
+
+def label_points(fig: Any, ax: Any, labels: Sequence[tuple[float, float, str]]) -> list[Any]:
+    """Annotate each ``(x, y, text)`` where its text overlaps no other label, no drawn point and
+    stays inside the axes: offsets tried nearest first (:data:`LABEL_RADII` x
+    :data:`LABEL_ANGLES`), measured with the renderer; a label set away from its point gets a thin
+    leader line. Where nothing fits, the place overlapping least. Hand-written with matplotlib
+    alone: the usual helper (``adjustText``) is another dependency for one figure."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.transforms import Bbox
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    axbox = ax.get_window_extent(renderer)
+    px_per_pt = fig.dpi / 72.0
+    centres = [ax.transData.transform((lx, ly)) for lx, ly, _ in labels]
+    taken = [Bbox.from_bounds(cx - 4 * px_per_pt, cy - 4 * px_per_pt, 8 * px_per_pt, 8 * px_per_pt)
+             for cx, cy in centres]
+    placed = []
+    for (lx, ly, text), _ in sorted(zip(labels, centres, strict=True), key=lambda lc: -lc[1][1]):
+        best: tuple[float, Any] | None = None
+        for radius in LABEL_RADII:
+            for angle in LABEL_ANGLES:
+                ann = _annotation(ax, lx, ly, text, radius, angle)
+                box = ann.get_window_extent(renderer).padded(1.5)
+                cost = sum(_overlap(box, o) for o in taken) + _outside(box, axbox)
+                if best is not None and cost >= best[0]:
+                    ann.remove()
+                    continue
+                if best is not None:
+                    best[1].remove()
+                best = (cost, ann)
+                if cost == 0:
+                    break
+            if best is not None and best[0] == 0:
+                break
+        assert best is not None
+        taken.append(best[1].get_window_extent(renderer).padded(1.5))
+        placed.append(best[1])
+    return placed
+
+
+def _annotation(ax: Any, x: float, y: float, text: str, radius: float, angle: float) -> Any:
+    dx, dy = radius * math.cos(math.radians(angle)), radius * math.sin(math.radians(angle))
+    ha = "left" if dx > 1e-6 else "right" if dx < -1e-6 else "center"
+    va = "bottom" if dy > 1e-6 else "top" if dy < -1e-6 else "center"
+    arrow = {"arrowstyle": "-", "color": "0.5", "lw": 0.5, "shrinkA": 0, "shrinkB": 3}
+    arrow = arrow if radius > 12 else None
+    return ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points", ha=ha, va=va, fontsize=7,
+                       arrowprops=arrow, zorder=5)
+
+
+def _overlap(a: Any, b: Any) -> float:
+    w = min(a.x1, b.x1) - max(a.x0, b.x0)
+    h = min(a.y1, b.y1) - max(a.y0, b.y0)
+    return w * h if w > 0 and h > 0 else 0.0
+
+
+def _outside(box: Any, frame: Any) -> float:
+    """Area of ``box`` outside ``frame`` (display units)."""
+    return box.width * box.height - _overlap(box, frame)
 
 
 def format_text(rows: Sequence[TrialRow], rec: Recommendation) -> str:
@@ -384,6 +462,13 @@ def format_text(rows: Sequence[TrialRow], rec: Recommendation) -> str:
     lines = [line, "-" * len(line)]
     lines += ["  ".join(v.ljust(w) for v, w in zip(b, widths, strict=True)).rstrip() for b in body]
     lines.append("")
+    failed = [r for r in sorted(rows, key=lambda r: r.trial) if r.state == "FAIL"]
+    if failed:
+        lines.append("Failed trials:")
+        for r in failed:
+            why = " ".join(r.error.split()) or "see its run"
+            lines.append(f"  trial {r.trial}: {why[:200]}{' ...' if len(why) > 200 else ''}")
+        lines.append("")
     if rec.finalists:
         lines.append("Finalists (paired gaps on the control's seeds):")
         for j in rec.finalists:
@@ -408,4 +493,4 @@ def format_text(rows: Sequence[TrialRow], rec: Recommendation) -> str:
 
 __all__ = ["RECIPE_SPEED_ORDER", "VERDICTS", "TrialRow", "Judged", "Recommendation", "signed_gap", "spread",
            "tolerance", "pick_finalists", "judge", "torchao_small", "apply_call", "recommend", "pareto_front",
-           "summary_table", "pareto_figure", "format_text"]
+           "summary_table", "pareto_figure", "label_points", "format_text"]

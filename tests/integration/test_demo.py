@@ -1,6 +1,7 @@
 """The README's main job, end to end: `fp8track demo` on a short budget, with W&B offline."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -56,8 +57,16 @@ def test_demo_trains_three_runs_diagnoses_and_keeps_wandb_runs_apart(tmp_path):
         "fp8-planted",
     )
     uri = f"sqlite:///{out / 'mlflow.db'}"
-    assert f"mlflow ui --backend-store-uri {uri}" in proc.stdout
-    url = re.search(r"Compare the runs: +(\S+)", proc.stdout).group(1)
+    # the printed command runs as printed (the venv's own mlflow: nobody activated it), and the
+    # runs link opens the demo's experiment on its runs table (MLflow 3's route, not GenAI's overview)
+    look = re.search(r"Look at it: +(.+)", proc.stdout).group(1).split()
+    assert look[1:] == ["ui", "--backend-store-uri", uri], look
+    assert Path(look[0]).is_file() and os.access(look[0], os.X_OK), look[0]
+    assert subprocess.run([look[0], "ui", "--help"], capture_output=True, timeout=300).returncode == 0
+    exp_id = MlflowClient(uri).get_experiment_by_name("fp8track-demo").experiment_id
+    runs_url = re.search(r"then open the runs: +(\S+)", proc.stdout).group(1)
+    assert runs_url == f"http://127.0.0.1:5000/#/experiments/{exp_id}/runs?workflowType=machine_learning"
+    url = re.search(r"and compare them: +(\S+)", proc.stdout).group(1)
     assert all(r["mlflow_run_id"] in url for r in summary["runs"]) and "#/compare-runs?runs=" in url
     # the console carries fp8track's answers, not library chatter
     assert "Top-ranked layer:" in proc.stdout and "Report:" in proc.stdout
@@ -140,3 +149,20 @@ def test_demo_trains_three_runs_diagnoses_and_keeps_wandb_runs_apart(tmp_path):
             )
             for r in rows
         ), rows[-1]
+
+
+def test_a_second_demo_into_the_same_folder_leaves_one_run_per_name(tmp_path):
+    """The demo deletes (MLflow's soft delete) its earlier runs of the same names in its store
+    before training again; other runs of the experiment stay."""
+    from fp8track.demo import DEMO_EXPERIMENT, retire_previous_runs
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    names = ["bf16-control", "fp8-delayed", "fp8-planted"]
+    assert retire_previous_runs(uri, names) == 0  # no store yet: nothing created either
+    assert not (tmp_path / "mlflow.db").exists()
+    client = MlflowClient(uri)
+    exp = client.create_experiment(DEMO_EXPERIMENT)
+    for name in [*names, "mine"]:
+        client.set_terminated(client.create_run(exp, run_name=name).info.run_id)
+    assert retire_previous_runs(uri, names) == 3
+    assert [r.info.run_name for r in client.search_runs([exp])] == ["mine"]

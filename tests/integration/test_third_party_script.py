@@ -2,7 +2,8 @@
 ``--key=value`` flags, gradient accumulation, ``torchrun`` DDP), with fp8track added by the lines the
 README shows: statistics for every linear, one record per optimizer step (not per micro-step), the
 loss in the monitor and in the MLflow run the script opened itself, rank 0 alone writing under
-torchrun, and ``fp8track diagnose`` against its BF16 control."""
+torchrun, ``fp8track diagnose`` against its BF16 control, and ``fp8track sweep`` over its
+``--key=value`` flags (recipes x BF16 layers) ending with a recommendation."""
 
 from __future__ import annotations
 
@@ -91,3 +92,57 @@ def test_diagnose_against_the_scripts_own_control(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     diagnosis = json.loads((tmp_path / "diag" / "diagnosis.json").read_text())
     assert [f["kind"] for f in diagnosis["findings"]] == ["healthy"]
+
+
+SWEEP_YAML = """\
+name: gpt-flags
+program: {program}
+command:
+  - ${{env}}
+  - ${{interpreter}}
+  - ${{program}}
+  - ${{args}}
+  - --mlflow_uri=${{envvar:MLFLOW_TRACKING_URI}}
+method: grid
+metric: {{name: val/loss, goal: minimize}}
+parameters:
+  recipe: {{values: [current, delayed]}}
+  bf16_layers: {{values: [none, last:1]}}
+  max_iters: {{value: 6}}
+  eval_interval: {{value: 5}}
+  eval_iters: {{value: 2}}
+  every_n_steps: {{value: 3}}
+  seed: {{value: 1337}}
+"""
+
+
+def test_sweep_over_the_scripts_flags_recommends(tmp_path):
+    """``fp8track sweep`` runs the script as ``wandb agent`` would (``--key=value`` flags, its
+    MLflow run opened by the script itself through ``MLFLOW_RUN_ID``, the tracking URI passed by
+    ``${envvar:...}``): four trials (2 recipes x 2 fallback specs), one BF16 control, a
+    recommendation naming a recipe and the ``apply_fp8`` line; the monitor's own tags give the
+    BF16 layers although the script never calls ``trial_settings``.
+    Long (about 1 min here): five runs of the script, each a process importing torch and MLflow."""
+    (tmp_path / "sweep.yaml").write_text(SWEEP_YAML.format(program=SCRIPT))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FP8TRACK_STATS_KERNEL": "eager"}
+    done = subprocess.run(
+        [sys.executable, "-m", "fp8track.cli", "sweep", "sweep.yaml", "--trials", "4", "--control-seeds", "1",
+         "--finalists", "1", "--no-progress"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Recommendation: recipe " in done.stdout, done.stdout
+    assert "apply_fp8(model, " in done.stdout
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'fp8track-sweep' / 'gpt-flags' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("gpt-flags")
+    trials = client.search_runs([exp.experiment_id], "tags.`fp8track.role` = 'trial'")
+    assert sorted((r.data.params["recipe"], r.data.params["bf16_layers"]) for r in trials) == [
+        ("current", "last:1"), ("current", "none"), ("delayed", "last:1"), ("delayed", "none")]
+    for r in trials:
+        assert r.info.run_name.startswith("trial-")  # the script's run_name does not stick
+        assert LOSS_METRIC in r.data.metrics and "gap_vs_bf16" in r.data.metrics
+        kept = r.data.tags["fp8.bf16_layers"]  # last:1 = the last block of the stack h.0, h.1
+        block = ",".join(f"h.1.{m}" for m in ("attn.c_attn", "attn.c_proj", "mlp.0", "mlp.2"))
+        assert kept == (block if r.data.params["bf16_layers"] == "last:1" else "none")

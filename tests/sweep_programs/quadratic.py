@@ -6,6 +6,8 @@ Final value of ``--metric`` (default ``val/loss``) = ``2 + penalty(recipe) * fp8
 improves with steps. ``--hang`` ignores SIGTERM (a pruned run must then be SIGKILLed);
 ``--metric none`` logs nothing (a program that never logs the sweep's metric). It writes its pid
 to ``<MLFLOW_RUN_ID>.pid`` in ``--pid_dir`` so a test can check the process is gone.
+``--fail_on``, ``--hang_on``, ``--silent_on``: comma lists of ``recipe`` or ``recipe@seed``; a run
+matching one exits 1 at once, sleeps for an hour (a hung trial), or logs no ``--metric``.
 """
 
 from __future__ import annotations
@@ -39,7 +41,14 @@ def main() -> None:
     p.add_argument("--metric", default="val/loss")
     p.add_argument("--hang", default="False")
     p.add_argument("--pid_dir", default="")
+    p.add_argument("--fail_on", default="")
+    p.add_argument("--hang_on", default="")
+    p.add_argument("--silent_on", default="")
     args, _ = p.parse_known_args()
+
+    def matches(option: str) -> bool:
+        return bool({args.recipe, f"{args.recipe}@{args.seed}"} & set(option.split(",")))
+
     from mlflow.entities import Metric, RunTag
     from mlflow.tracking import MlflowClient
 
@@ -49,6 +58,12 @@ def main() -> None:
         Path(args.pid_dir, f"{rid}.pid").write_text(str(os.getpid()))
     if args.hang == "True":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if matches(args.fail_on):
+        raise SystemExit(f"planted failure for {args.recipe}@{args.seed}")
+    if matches(args.hang_on):
+        time.sleep(3600)
+    if matches(args.silent_on):
+        args.metric = "none"
     kept = [] if args.recipe == "bf16" else KEEP[args.bf16_layers]
     fp8 = [k for k in LAYERS if k not in kept] if args.recipe != "bf16" else []
     now = int(time.time() * 1000)

@@ -128,7 +128,9 @@ def test_pareto_plot_is_readable() -> None:
     assert any(lab.startswith("pruned (1)") for lab in labels) and any(
         "recommended: trial 3" in lab for lab in labels
     )
-    assert len(ax.texts) == 7  # one label per plotted trial (6 finished + 1 pruned)
+    # one label per drawn point: trials 3 and 6 (same parameters, same point) share theirs
+    assert sorted(t.get_text() for t in ax.texts) == [
+        "0: none", "1: first:1", "2: auto:1", "3, 6: auto:1", "4: auto:2", "5: none"]
     # right edge of the legend inside the figure: nothing cut off
     assert legend.x1 <= fig.bbox.x1 + 1
     rows = [
@@ -140,6 +142,44 @@ def test_pareto_plot_is_readable() -> None:
     fig2.canvas.draw()
     ticks = [t for t in ax2.get_xticks() if ax2.get_xlim()[0] <= t <= ax2.get_xlim()[1]]
     assert ticks and all(float(t).is_integer() for t in ticks)
+
+
+def _boxes(fig):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    return [t.get_window_extent(renderer) for t in fig.axes[0].texts], fig.axes[0].get_window_extent(renderer)
+
+
+def test_pareto_labels_never_overprint() -> None:
+    """Twelve trials crowded on three FLOP shares with gaps 0.0005 apart (the sweep's usual picture):
+    every label is drawn, no two labels' boxes overlap, none covers another trial's point, all
+    stay inside the axes. A fixed offset (the old drawing) stacks them on each other."""
+    specs = ["none", "first:1", "last:1", "first_last", "auto:1", "auto:2", "re:h\\.0\\..*", "head"]
+    rows = [_row(i, ("current", "mxfp8", "delayed")[i % 3], specs[i % len(specs)], (1.0, 0.9, 0.8)[i % 3],
+                 0.001 + 0.0005 * i) for i in range(12)]
+    fig = pareto_figure(rows, recommend([judge(rows[0], {0: 0.001}, 0.01)], 0.01))
+    boxes, axes_box = _boxes(fig)
+    assert len(boxes) == 12
+    assert {t.get_text().split(":")[0] for t in fig.axes[0].texts} == {str(i) for i in range(12)}
+    for i, a in enumerate(boxes):
+        assert axes_box.x0 - 1 <= a.x0 and a.x1 <= axes_box.x1 + 1 and axes_box.y0 - 1 <= a.y0
+        assert a.y1 <= axes_box.y1 + 1
+        for b in boxes[i + 1:]:
+            assert not a.overlaps(b), (a, b)
+    ax = fig.axes[0]
+    for r in rows:
+        px, py = ax.transData.transform((100 * r.fp8_flop_share, r.gap))
+        assert not any(b.x0 < px < b.x1 and b.y0 < py < b.y1 for b in boxes), r.trial
+
+
+def test_failed_trials_are_listed_with_their_reason() -> None:
+    failed = TrialRow(7, "FAIL", "current", "last:1", -1, math.nan, error="exit status 1: boom\nline 2")
+    rows = [*ROWS, failed]
+    text = format_text(rows, recommend([], 0.01))
+    assert "Failed trials:\n  trial 7: exit status 1: boom line 2" in text
+    assert summary_table(rows)["error"][-1].startswith("exit status 1")
 
 
 def test_summary_text_columns_fit_their_contents() -> None:
