@@ -18,8 +18,6 @@ from typing import Any
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from fp8track.sweep.executor import SweepOptions, run_sweep, signals_interrupt
-    from fp8track.sweep.finish import read_summary
-    from fp8track.sweep.mlflow_runs import find_parent
     from fp8track.sweep.options import default_out
     from fp8track.sweep.spec import load_sweep
     from fp8track.sweep.summary import format_text
@@ -44,21 +42,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         auto_from=args.auto_from, trial_timeout_s=args.trial_timeout,
     )
     if args.summary:
-        from mlflow.tracking import MlflowClient
-
-        from fp8track.errors import ConfigError
-
-        store = options.mlflow_uri.removeprefix("sqlite:///")
-        if store != options.mlflow_uri and not Path(store).is_file():  # MLflow would create an empty one
-            raise ConfigError(
-                f"no sweep store at {options.mlflow_uri}: sweep {spec.name!r} has not run there "
-                "(run it first, or pass the --tracking-uri and --out it used)"
-            )
-        client = MlflowClient(options.mlflow_uri)
-        _exp_id, parent = find_parent(client, spec.name)
-        print(f"sweep {spec.name!r}: parent run {parent} at {options.mlflow_uri}")
-        print(read_summary(client, parent) or "the sweep has not finished: no summary yet")
-        return 0
+        return _print_summary(spec.name, options.mlflow_uri)
     t0 = time.perf_counter()
     try:
         with signals_interrupt():
@@ -98,6 +82,27 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
             f"W&B offline runs: {options.out / 'wandb'}  "
             f"(upload: wandb sync {options.out / 'wandb'}/offline-run-*)"
         )
+    return 0
+
+
+def _print_summary(name: str, mlflow_uri: str) -> int:
+    """``--summary``: the finished sweep's table and recommendation, read from its parent run."""
+    from mlflow.tracking import MlflowClient
+
+    from fp8track.errors import ConfigError
+    from fp8track.sweep.finish import read_summary
+    from fp8track.sweep.mlflow_runs import find_parent
+
+    store = mlflow_uri.removeprefix("sqlite:///")
+    if store != mlflow_uri and not Path(store).is_file():  # MLflow would create an empty one
+        raise ConfigError(
+            f"no sweep store at {mlflow_uri}: sweep {name!r} has not run there "
+            "(run it first, or pass the --tracking-uri and --out it used)"
+        )
+    client = MlflowClient(mlflow_uri)
+    _exp_id, parent = find_parent(client, name)
+    print(f"sweep {name!r}: parent run {parent} at {mlflow_uri}")
+    print(read_summary(client, parent) or "the sweep has not finished: no summary yet")
     return 0
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fp8track.analysis.causality import CONSEQUENCE
@@ -102,15 +102,7 @@ def rule_layer_outlier(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
                 conf,
                 f"Layer {r.layer} ({r.tensor}) stands out" + (f" from step {own['step']}" if own else "")
                 + (f", downstream of {role.downstream_of}" if consequence and role else ""),
-                f"Risk score {r.score:.1f}, {sep:.1f}x the next layer's, against comparable {r.tensor} "
-                f"tensors "
-                f"({r.fmt}) of the other layers, as excess over {base}; worst signal {worst_sig} "
-                f"(z {r.z[worst_sig]:.1f}): SQNR {st.get('sqnr_db', math.nan):.1f} dB (without its largest "
-                f"element "
-                f"{st.get('bulk_sqnr_db', math.nan):.1f} dB), underflow "
-                f"{st.get('underflow_pct', math.nan):.2f}%, "
-                f"cos {st.get('cos', math.nan):.5f}, |drift| {st.get('abs_drift_log2', math.nan):.2f} "
-                f"binades."
+                _outlier_numbers(r, sep, base, worst_sig, st)
                 + (
                     f" Against its own history, {own['signal']} worsened from step {own['step']} (z "
                     f"{own['z']:.1f})."
@@ -155,6 +147,18 @@ def rule_layer_outlier(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
             )
         )
     return out
+
+
+def _outlier_numbers(r: LayerRisk, sep: float, base: str, worst_sig: str, st: Mapping[str, Any]) -> str:
+    """The sentence of numbers behind a layer outlier: its score against its peers and its statistics."""
+    return (
+        f"Risk score {r.score:.1f}, {sep:.1f}x the next layer's, against comparable {r.tensor} tensors "
+        f"({r.fmt}) of the other layers, as excess over {base}; worst signal {worst_sig} "
+        f"(z {r.z[worst_sig]:.1f}): SQNR {st.get('sqnr_db', math.nan):.1f} dB (without its largest "
+        f"element {st.get('bulk_sqnr_db', math.nan):.1f} dB), underflow "
+        f"{st.get('underflow_pct', math.nan):.2f}%, cos {st.get('cos', math.nan):.5f}, "
+        f"|drift| {st.get('abs_drift_log2', math.nan):.2f} binades."
+    )
 
 
 def _destroyed_dict(d: Destroyed) -> dict[str, Any]:
