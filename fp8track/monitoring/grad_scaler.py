@@ -107,7 +107,8 @@ class ScalerWatch:
                 self.history.append((p.step, scale))
             if scale < before:
                 out.skipped.add(p.step)
-                out.events.append(EventRecord("scaler_skip", p.step, {"scale": scale, "previous_scale": before}))
+                data = {"scale": scale, "previous_scale": before}
+                out.events.append(EventRecord("scaler_skip", p.step, data))
                 if scale < self.min_scale and not self.collapsed:
                     self.collapsed = True
                     out.collapse = (
@@ -115,8 +116,8 @@ class ScalerWatch:
                         "the scaler skips step after step, gradients overflow at any scale)"
                     )
                     history = [[s, v] for s, v in self.history]
-                    data = {"scale": scale, "min_scale": self.min_scale, "history": history}
-                    out.events.append(EventRecord("scaler_collapse", p.step, data))
+                    info: dict[str, Any] = {"scale": scale, "min_scale": self.min_scale, "history": history}
+                    out.events.append(EventRecord("scaler_collapse", p.step, info))
         return out
 
 

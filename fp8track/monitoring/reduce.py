@@ -59,7 +59,7 @@ def detached(v: torch.Tensor | float | None) -> torch.Tensor | None:
     return torch.tensor(float(v), dtype=torch.float32)
 
 
-def pending_state(pending: Sequence[PendingStep]) -> list[tuple[int, float | None, float | None, float | None]]:
+def pending_state(pending: Sequence[PendingStep]) -> list[tuple[Any, ...]]:
     """Plain data of the buffered steps, for a checkpoint (one host copy per value: a save waits)."""
     return [(p.step, _to_float(p.loss), _to_float(p.grad_norm), _to_float(p.scale)) for p in pending]
 

@@ -95,7 +95,8 @@ def test_plain_fp16_loop_with_skips_is_not_halted(tmp_path, fp8, every):
         assert "fp8/grad_norm" not in metrics.get(i, {})
     sampled = [i for i in range(STEPS) if i % every == 0 and i not in skipped]
     assert all(math.isfinite(metrics[i]["fp8/grad_norm"]) for i in sampled)
-    assert metrics[STEPS - 1 - (STEPS - 1) % every]["fp8/loss_scale"] == scales[STEPS - 1 - (STEPS - 1) % every][1]
+    last = STEPS - 1 - (STEPS - 1) % every  # the last sampled step
+    assert metrics[last]["fp8/loss_scale"] == scales[last][1]
     assert losses[-1] < 0.5 * losses[len(skipped)]  # it trained once the scale fitted
 
 
@@ -127,7 +128,8 @@ def test_nan_loss_under_the_scaler_halts(tmp_path):
     # the scale multiplies the loss after it is computed: a non-finite loss is never the scaler's
     model = _mlp()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    plant(model, replace(Fault("nan_output"), windows=((12, 13),)), ["2"], clock=lambda: mon.global_step)
+    fault = replace(Fault("nan_output"), windows=((12, 13),))
+    plant(model, fault, ["2"], clock=lambda: mon.global_step)
     mon = Monitor(model, {"every_n_steps": 10}, trackers="none", log_dir=tmp_path, grad_scaler=scaler)
     scales, _ = _fp16_loop(model, mon, scaler, steps=13, close=False)
     assert scales[12][1] < scales[12][0]  # the scaler skipped the NaN step (weights untouched) ...
@@ -159,9 +161,8 @@ def test_min_loss_scale_is_configurable_and_validated(tmp_path):
     model = _mlp()
     model[2].weight.register_hook(lambda g: g * math.inf)
     scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
-    mon = Monitor(
-        model, {"every_n_steps": 1, "min_loss_scale": 0.1}, trackers="none", log_dir=tmp_path, grad_scaler=scaler
-    )
+    config = {"every_n_steps": 1, "min_loss_scale": 0.1}
+    mon = Monitor(model, config, trackers="none", log_dir=tmp_path, grad_scaler=scaler)
     _fp16_loop(model, mon, scaler, steps=5)
     assert [e.step for e in _events(mon, "scaler_collapse")] == [3]  # 0.0625 < 0.1
     with pytest.raises(ConfigError, match="min_loss_scale must be a number > 0"):
@@ -194,7 +195,8 @@ class Net(pl.LightningModule):
         self.body = _mlp()
         if nan_at is not None:
             window = ((nan_at, nan_at + 1),)
-            plant(self, replace(Fault("nan_output"), windows=window), ["body.2"], clock=lambda: self.global_step)
+            fault = replace(Fault("nan_output"), windows=window)
+            plant(self, fault, ["body.2"], clock=lambda: self.global_step)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -212,7 +214,9 @@ def _fit(tmp_path, net, every=10):
     plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}")
     monitor = FP8Monitor(every_n_steps=every, trackers="none", log_dir=str(tmp_path / "fp8"))
-    trainer = quiet_trainer(tmp_path, [ckpt, monitor], max_epochs=1, enable_checkpointing=True, plugins=[plugin])
+    trainer = quiet_trainer(
+        tmp_path, [ckpt, monitor], max_epochs=1, enable_checkpointing=True, plugins=[plugin]
+    )
     return trainer, monitor, scaler
 
 
@@ -239,6 +243,7 @@ def test_lightning_16_mixed_nan_loss_still_halts(tmp_path):
     k = 13
     net = Net(nan_at=k)
     trainer, monitor, _ = _fit(tmp_path, net)
-    with pytest.raises(TrainingHalted, match=rf"before saving the checkpoint of step {k + 1}: non-finite loss"):
+    why = rf"before saving the checkpoint of step {k + 1}: non-finite loss"
+    with pytest.raises(TrainingHalted, match=why):
         trainer.fit(net)
     assert _saved_steps(tmp_path) == list(range(1, k + 1))

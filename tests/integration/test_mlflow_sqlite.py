@@ -293,10 +293,8 @@ def test_retrying_client_outlasts_a_write_lock_held_past_mlflows_busy_timeout(tm
 
 
 def _drift(step: int, severity: float) -> EventRecord:
-    return EventRecord(
-        "drift", step,
-        {"layer": "blocks.0.proj", "tensor": "activation", "direction": "overflow_risk", "severity": severity},
-    )  # fmt: skip
+    data = {"layer": "blocks.0.proj", "tensor": "activation", "direction": "overflow_risk"}
+    return EventRecord("drift", step, {**data, "severity": severity})
 
 
 @pytest.mark.parametrize(
