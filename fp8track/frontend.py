@@ -221,6 +221,8 @@ class Monitor(core.MonitorCore):
         tracking_uri: the MLflow tracking URI of an ``mlflow:`` baseline.
         analyzers: replace the default analyzers (the config's thresholds then do not apply).
         log_dir: parent of the run directory (default ``./fp8track-runs``, :data:`DEFAULT_LOG_DIR`).
+        grad_scaler: the ``torch.amp.GradScaler`` of an fp16 loop: the steps it skips are
+            ``scaler_skip`` events, never a halt (docs/monitoring.md, "The checkpoint guard").
 
     A context manager: ``with fp8track.Monitor(model) as mon:`` attaches on entry and closes on exit
     (the losses not yet flushed are written), without a collective when the block raised.
@@ -243,6 +245,7 @@ class Monitor(core.MonitorCore):
         sharding: ShardSpec | None = None,
         apply_report: ApplyReport | None = None,
         data_fingerprint: Mapping[str, Any] | None = None,
+        grad_scaler: Any = None,
     ) -> None:
         cfg = MonitorConfig.load(config)
         check_frontend_args(layers, "auto")
@@ -266,6 +269,7 @@ class Monitor(core.MonitorCore):
             sharding=sharding,
             apply_report=apply_report,
             data_fingerprint=data_fingerprint,
+            grad_scaler=grad_scaler,
         )
 
     def __enter__(self) -> Monitor:

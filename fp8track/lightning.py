@@ -191,6 +191,7 @@ class FP8Monitor(Callback, FrontendResults):
             self.monitor.load_state_dict(self._restored)
             self._restored = None
         self._describe_precision(trainer, pl_module)
+        self.monitor.watch_grad_scaler(_grad_scaler_of(trainer))
         self._loss_sum, self._micro_batches, self._grad_norm = None, 0, None
         self.monitor.attach()
         self.monitor.begin_step(trainer.global_step)
@@ -348,6 +349,15 @@ class FP8Monitor(Callback, FrontendResults):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Lightning restores callbacks after setup and before on_fit_start: keep it for attach time.
         self._restored = dict(state_dict)
+
+
+def _grad_scaler_of(trainer: pl.Trainer) -> Any:
+    """The loss scaler of the precision plugin (``MixedPrecision`` and ``FSDPPrecision`` under
+    ``"16-mixed"`` hold it as ``scaler``), or None: its skipped steps are no halt."""
+    import torch
+
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return scaler if isinstance(scaler, torch.amp.GradScaler) else None
 
 
 def _sharding_for(trainer: pl.Trainer) -> ShardSpec | None:

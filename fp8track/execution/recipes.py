@@ -345,6 +345,18 @@ def _parse_token(tok: str, text: str) -> dict[str, Any]:
     raise ConfigError(f"cannot parse token {tok!r} in recipe string {text!r}; {grammar}")
 
 
+def scale_warmup_steps(recipe: Mapping[str, Any] | None) -> int:
+    """Steps the recipe's scales need before they follow the tensors (a recipe as
+    :meth:`Recipe.to_dict` writes it, or None): delayed scaling fills its amax history first, its
+    ``amax_history_len`` steps (TE's ``DelayedScaling`` default 1024); current and block scaling
+    compute each scale from the tensor itself and need none. Scale drift inside this window is
+    the warm-up, not a problem of the run."""
+    if not recipe or recipe.get("name") != "delayed":
+        return 0
+    n = recipe.get("amax_history_len", Recipe.amax_history_len)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else Recipe.amax_history_len
+
+
 def recipe_choices() -> tuple[str, ...]:
     """Every name :meth:`Recipe.from_string` accepts as the first token."""
     return RECIPE_NAMES + tuple(ALIASES)

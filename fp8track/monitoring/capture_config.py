@@ -87,6 +87,9 @@ class CaptureConfig:
         on_nonfinite: ``"stop"`` (default: a non-finite loss or gradient stops training before a
             checkpoint of that step is saved, :meth:`MonitorCore.guard`) or ``"log"``.
         on_divergence: ``"log"`` (default) or ``"stop"`` (a divergence onset stops training too).
+        min_loss_scale: under fp16 with a ``GradScaler``, a loss scale that skipped steps drive
+            below this (default 1e-4, fairseq's) is a collapse: a ``scaler_collapse`` event, and a
+            halt with ``on_nonfinite="stop"`` (:mod:`fp8track.monitoring.grad_scaler`).
         fp8_share_warn_below: with an FP8 recipe, warn at the first fully sampled step when less
             than this share of the GEMM FLOPs ran in FP8, naming the layers that did not and why.
     """
@@ -112,6 +115,7 @@ class CaptureConfig:
     max_dump_bytes: int = 256 * 2**20
     on_nonfinite: str = "stop"
     on_divergence: str = "log"
+    min_loss_scale: float = 1e-4
     fp8_share_warn_below: float = 0.5
 
     def __post_init__(self) -> None:
@@ -128,6 +132,7 @@ class CaptureConfig:
             if getattr(self, name) not in GUARD_ACTIONS:
                 raise invalid_choice(name, getattr(self, name), GUARD_ACTIONS)
         check_float("fp8_share_warn_below", self.fp8_share_warn_below, 0.0)
+        check_float("min_loss_scale", self.min_loss_scale, 0.0, strict=True)
         if self.fp8_share_warn_below > 1:
             raise ConfigError(f"fp8_share_warn_below is a share in [0, 1], got {self.fp8_share_warn_below!r}")
         check_float("collective_timeout_s", self.collective_timeout_s, 0.0, strict=True)

@@ -24,15 +24,17 @@ from fp8track.monitoring.emit import (
     step_metrics,
 )
 from fp8track.monitoring.flop_share import FlopShare
+from fp8track.monitoring.grad_scaler import ScalerVerdict, ScalerWatch, without_skipped
 from fp8track.monitoring.guard import CheckpointGuard
+from fp8track.monitoring.naming import run_metric
 from fp8track.monitoring.records import EventRecord
 from fp8track.monitoring.reduce import DeviceTake, HostCopy, PendingStep
 from fp8track.monitoring.schedule import Sampler
 
 
 class FlushWriter:
-    """Holds what outlives a flush on the writer: the tensor dumps, the checkpoint guard, the FP8
-    share, the analyzers that already failed once, the last flush's events.
+    """Holds what outlives a flush on the writer: the tensor dumps, the checkpoint guard and the
+    loss scaler's watch, the FP8 share, the analyzers that already failed once, the last flush's events.
 
     Args:
         config: the capture configuration (scalars, guard actions, dump bounds, share warning).
@@ -55,6 +57,7 @@ class FlushWriter:
         self.config, self.captures, self.sampler, self.out = config, captures, sampler, out
         self.dumps = DumpControl(config.dump_policy())
         self.guard = CheckpointGuard(config.on_nonfinite, config.on_divergence)
+        self.scaler = ScalerWatch(config.min_loss_scale)
         self.share = FlopShare(config.fp8_share_warn_below, apply_report, is_writer)
         self.last_events: list[EventRecord] = []
         self._warned: set[str] = set()  # analyzer types that failed once (warned once)
@@ -73,14 +76,19 @@ class FlushWriter:
         then one emission (the buffered steps' losses under their own steps)."""
         ranges = dict(zip(take.range_keys, host.ranges, strict=True))
         rows = stats_rows(step, take.keys, host.partials, ranges, self.captures)
-        series = loss_series(pending, host.losses, host.gnorms)
+        scaler = self.scaler.observe(pending, host.scales or [float("nan")] * len(pending))
+        # A step the loss scaler skipped: its overflowed gradients are no grad norm, spike or halt.
+        pending, gnorms = without_skipped(pending, host.gnorms, scaler.skipped)
+        series = loss_series(pending, host.losses, gnorms)
         metrics, events = run_analyzers(analyzers, step, series, rows, self._warned)
-        events.extend(self._react(step, pending, host, events, with_stats))
+        events.extend(self._react(step, pending, host.losses, gnorms, events, with_stats, scaler))
         if with_stats:
             metrics.update(self.share.measure(step, self.captures, self.sampler.full, events))
         metrics.update(router_metrics)
         self.last_events = events
-        own = step_metrics(pending, host.losses, host.gnorms)
+        own = step_metrics(pending, host.losses, gnorms)
+        if host.scales and host.scales[-1] == host.scales[-1]:  # not NaN: a scaler is watched
+            own[run_metric("loss_scale")] = host.scales[-1]
         scalars = {**own, **scalar_metrics(rows, self.config, self.captures), **metrics}
         self.out.emit(step, scalars, rows, events, earlier=earlier_metrics(series, step))
 
@@ -88,13 +96,16 @@ class FlushWriter:
         self,
         step: int,
         pending: Sequence[PendingStep],
-        host: HostCopy,
+        losses: Sequence[float],
+        gnorms: Sequence[float],
         events: Sequence[EventRecord],
         with_stats: bool,
+        scaler: ScalerVerdict,
     ) -> list[EventRecord]:
         """The events the flush adds: why the step was sampled (a burst step), its tensor dump, the
-        burst an event opens (and the dump it asks for), the guard's decision."""
-        out: list[EventRecord] = []
+        burst an event opens (and the dump it asks for), the loss scaler's skips and collapse, the
+        guard's decision."""
+        out: list[EventRecord] = list(scaler.events)
         burst = self.sampler.burst
         if self.sampler.why == "burst" and with_stats:
             out.append(EventRecord("sampled", step, burst.reason(step)))
@@ -106,5 +117,5 @@ class FlushWriter:
             # one dump per new burst (never one spent on an extension), so dumps spread over events
             if opened.data.get("new") and self.out.writer is not None:
                 self.dumps.request(burst.layers)
-        out.extend(self.guard.after_flush(step, pending, host.losses, host.gnorms, events))
+        out.extend(self.guard.after_flush(step, pending, losses, gnorms, events, scaler.collapse))
         return out

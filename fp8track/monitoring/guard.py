@@ -25,7 +25,8 @@ class CheckpointGuard:
     """Holds the first reason to stop (:attr:`reason`) and the ``halt`` event announcing it.
 
     Args:
-        on_nonfinite: ``"stop"``: a non-finite loss or gradient norm stops training; ``"log"``: no.
+        on_nonfinite: ``"stop"``: a non-finite loss, gradient norm (of a step the loss scaler did
+            not skip) or parameter, or a collapsing loss scale stops training; ``"log"``: no.
         on_divergence: ``"stop"``: a ``divergence`` event stops training; ``"log"``: no.
     """
 
@@ -42,10 +43,15 @@ class CheckpointGuard:
         losses: Sequence[float],
         gnorms: Sequence[float],
         events: Sequence[EventRecord],
+        scale_collapse: str | None = None,
     ) -> list[EventRecord]:
         """Judge a flush (its pending steps' reduced losses and grad norms, the analyzers'
-        events); returns the ``halt`` events to write at ``step`` (also one :meth:`check` found)."""
+        events, a loss-scale collapse the scaler's watch found); returns the ``halt`` events to
+        write at ``step`` (also one :meth:`check` found). The steps a loss scaler skipped come
+        without grad norm (:func:`fp8track.monitoring.grad_scaler.without_skipped`)."""
         reason = self._halt_for(pending, losses, gnorms, events)
+        if reason is None and scale_collapse is not None and self.on_nonfinite == "stop":
+            reason = scale_collapse
         if reason is not None and self.reason is None:
             self._halt(step, reason)
         out, self._events = self._events, []

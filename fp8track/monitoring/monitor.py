@@ -50,6 +50,7 @@ from fp8track.monitoring.capture_config import (  # re-exported: they lived here
 from fp8track.monitoring.emit import RunOutput, eval_metrics
 from fp8track.monitoring.flop_share import FP8_SHARE_METRIC
 from fp8track.monitoring.flush_writer import FlushWriter
+from fp8track.monitoring.grad_scaler import check_grad_scaler, current_scale
 from fp8track.monitoring.records import EventRecord, RunMeta, TensorStatsRow
 from fp8track.monitoring.reduce import (
     DeviceTake,
@@ -106,6 +107,9 @@ class MonitorCore:
         data_fingerprint: what data the run saw, from :func:`data_fingerprint` (data seed, batch
             order hash); recorded as ``meta.config["data"]`` so the diagnosis compares two runs
             that saw the same batches step by step (:meth:`record_data` sets it later).
+        grad_scaler: the ``torch.amp.GradScaler`` of an fp16 loop (:meth:`watch_grad_scaler`): a
+            step it skipped (overflowed gradients, scale lowered, weights untouched) is a
+            ``scaler_skip`` event, not a halt (:mod:`fp8track.monitoring.grad_scaler`).
 
     Logged metrics (per sampled step):
         ``fp8/loss`` (the un-normalised training loss, every step); ``fp8/<layer>/<tensor>/<stat>``
@@ -131,6 +135,7 @@ class MonitorCore:
         sharding: ShardSpec | None = None,
         apply_report: ApplyReport | None = None,
         data_fingerprint: Mapping[str, Any] | None = None,
+        grad_scaler: Any = None,
     ) -> None:
         self.model = model
         self.config = cfg = config or CaptureConfig()
@@ -151,6 +156,8 @@ class MonitorCore:
         self._post = FlushWriter(
             cfg, self.captures, self._sampler, self._out, self.apply_report, self.is_writer
         )
+        self.grad_scaler: Any = None
+        self.watch_grad_scaler(grad_scaler)
         if data_fingerprint is not None:
             self.record_data(data_fingerprint)
 
@@ -198,6 +205,19 @@ class MonitorCore:
         for cap in self.captures.values():
             cap.detach()
         self._attached = False
+
+    def watch_grad_scaler(self, scaler: Any) -> None:
+        """Read the loss scale of ``scaler`` (a ``torch.amp.GradScaler``, or None) after every step,
+        so steps it skipped are told from poison. The Lightning callback passes its precision
+        plugin's scaler.
+
+        Raises:
+            ConfigError: for anything but a ``GradScaler`` or None.
+        """
+        self.grad_scaler = check_grad_scaler(scaler)
+        start = current_scale(self.grad_scaler)
+        if start is not None and self._post.scaler.last is None:  # a resumed run keeps its own
+            self._post.scaler.last = float(start)  # the scale before the first step (one host copy)
 
     def record_data(self, fingerprint: Mapping[str, Any]) -> None:
         """Record the data fingerprint (:func:`data_fingerprint`) in the run metadata, as
@@ -247,7 +267,8 @@ class MonitorCore:
         if sampled and self.config.track_grad_norm and grad_norm is None:
             grad_norm = total_grad_norm(self.model)
         gnorm = detached(grad_norm) if sampled else None  # an unsampled step keeps no grad norm
-        self._pending.append(PendingStep(self.global_step, detached(loss), gnorm))
+        scale = current_scale(self.grad_scaler)  # every step: a skip on an unsampled step is one too
+        self._pending.append(PendingStep(self.global_step, detached(loss), gnorm, scale))
         if sampled:
             self.flush()
             self._sampler.end(self.captures)
@@ -335,6 +356,7 @@ class MonitorCore:
         """Plain data: step counter, losses not yet flushed, analyzer states, the burst."""
         return {
             "burst": self._sampler.burst.state_dict(),
+            "scaler": self._post.scaler.state_dict(),
             "global_step": self.global_step,
             "pending": pending_state(self._pending),
             "run_id": self.meta.run_id,
@@ -357,6 +379,8 @@ class MonitorCore:
             a.load_state_dict(s)
         if "burst" in state:
             self._sampler.burst.load_state_dict(state["burst"])
+        if "scaler" in state:
+            self._post.scaler.load_state_dict(state["scaler"])
 
 
 __all__ = [

@@ -41,11 +41,13 @@ def dist_rank() -> int:
 @dataclass
 class PendingStep:
     """An optimizer step whose loss (and, on a sampled step, grad norm) waits on the device for
-    the next flush; ``None``: not given."""
+    the next flush; ``None``: not given. ``scale``: the loss scaler's scale after the step (a
+    device clone, :func:`fp8track.monitoring.grad_scaler.current_scale`), None without one."""
 
     step: int
     loss: torch.Tensor | None
     grad_norm: torch.Tensor | None
+    scale: torch.Tensor | None = None
 
 
 def detached(v: torch.Tensor | float | None) -> torch.Tensor | None:
@@ -57,14 +59,21 @@ def detached(v: torch.Tensor | float | None) -> torch.Tensor | None:
     return torch.tensor(float(v), dtype=torch.float32)
 
 
-def pending_state(pending: Sequence[PendingStep]) -> list[tuple[int, float | None, float | None]]:
+def pending_state(pending: Sequence[PendingStep]) -> list[tuple[Any, ...]]:
     """Plain data of the buffered steps, for a checkpoint (one host copy per value: a save waits)."""
-    return [(p.step, _to_float(p.loss), _to_float(p.grad_norm)) for p in pending]
+    return [(p.step, _to_float(p.loss), _to_float(p.grad_norm), _to_float(p.scale)) for p in pending]
 
 
 def pending_from_state(state: Sequence[Sequence[Any]]) -> list[PendingStep]:
-    """The inverse of :func:`pending_state`."""
-    return [PendingStep(int(s), _tensor_or_none(loss), _tensor_or_none(g)) for s, loss, g in state]
+    """The inverse of :func:`pending_state` (checkpoints written before scales were kept included)."""
+    return [
+        PendingStep(int(s[0]), _tensor_or_none(s[1]), _tensor_or_none(s[2]), _tensor_or_none(_at(s, 3)))
+        for s in state
+    ]
+
+
+def _at(seq: Sequence[Any], i: int) -> Any:
+    return seq[i] if len(seq) > i else None
 
 
 def _to_float(v: torch.Tensor | None) -> float | None:
@@ -117,20 +126,25 @@ def take_partials(captures: Mapping[str, Any], device: torch.device) -> DeviceTa
 class HostCopy:
     """A flush's numbers on the writer, reduced over ranks: the partials' fields (``[n, 13]``
     flattened), the pending steps' losses (mean over ranks) and grad norms (root mean square),
-    the block rows' dynamic ranges, then the extra sums and maxima."""
+    the block rows' dynamic ranges, the extra sums and maxima, then the pending steps' loss scales
+    (the writer's own: NaN without a scaler)."""
 
     partials: Sequence[float]
     losses: Sequence[float]
     gnorms: Sequence[float]
     ranges: Sequence[float]
     extra: Sequence[float]
+    scales: Sequence[float] = ()
 
 
 def host_slices(host: Sequence[float], n_keys: int, n_pending: int, n_extra: int) -> HostCopy:
     """The one host copy cut as :func:`reduce_to_host` lays it out."""
     n, m = n_keys * PARTIAL_SIZE, n_pending
-    end = len(host) - n_extra
-    return HostCopy(host[:n], host[n : n + m], host[n + m : n + 2 * m], host[n + 2 * m : end], host[end:])
+    end = len(host) - n_extra - m
+    return HostCopy(
+        host[:n], host[n : n + m], host[n + m : n + 2 * m], host[n + 2 * m : end], host[end : end + n_extra],
+        host[end + n_extra :],
+    )
 
 
 def stack_or_nan(values: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
@@ -179,7 +193,9 @@ def reduce_to_host(
         return None
     # The one host copy of this logging step.
     tail = [t for t in (extra_sums, extra_max) if t is not None]
-    host = torch.cat([stacked.reshape(-1), losses, gnorms, ranges, *tail]).cpu().tolist()
+    # The loss scales are not reduced: every rank's scaler saw the same reduced gradients.
+    scales = stack_or_nan([p.scale for p in pending], device).to(torch.float64)
+    host = torch.cat([stacked.reshape(-1), losses, gnorms, ranges, *tail, scales]).cpu().tolist()
     return host_slices(host, len(take.keys), len(pending), take.n_extra)
 
 

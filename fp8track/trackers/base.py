@@ -138,9 +138,25 @@ def event_row(event: EventRecord) -> list[Any]:
         str(d.get("layer", "")),
         str(d.get("tensor", "")),
         float(severity) if isinstance(severity, (int, float)) and not isinstance(severity, bool) else None,
-        redact(str(d.get("title", ""))),
+        redact(event_title(event)),
         redact(json.dumps(dict(d), default=str, sort_keys=True)),
     ]
+
+
+def event_title(event: EventRecord) -> str:
+    """The event's ``data["title"]``, else one built from its kind, layer, tensor, what it is
+    (direction, status or reason) and step: ``"drift in fc1.activation (overflow_risk) at step 210"``."""
+    d = event.data
+    if d.get("title"):
+        return str(d["title"])
+    where = ".".join(str(d[k]) for k in ("layer", "tensor") if d.get(k))
+    what = next((str(d[k]) for k in ("direction", "status", "reason") if d.get(k)), "")
+    words = [event.kind.replace("_", " ")]
+    if where:
+        words.append(f"in {where}")
+    if what:
+        words.append(f"({what})")
+    return " ".join([*words, f"at step {event.step}"])
 
 
 def event_severity(event: EventRecord) -> float:

@@ -290,3 +290,44 @@ def test_retrying_client_outlasts_a_write_lock_held_past_mlflows_busy_timeout(tm
     t.join()
     assert client.retries >= 1 and waited >= 20.0  # MLflow gave up once; the retry waited the lock out
     assert MlflowClient(f"sqlite:///{db}").get_run(run_id).data.tags["attempt"] == "retried"
+
+
+def _drift(step: int, severity: float) -> EventRecord:
+    data = {"layer": "blocks.0.proj", "tensor": "activation", "direction": "overflow_risk"}
+    return EventRecord("drift", step, {**data, "severity": severity})
+
+
+@pytest.mark.parametrize(
+    "recipe, events, worst",
+    [
+        # delayed scaling's amax-history fill (the first 64 steps here): its drift is the recipe
+        # settling; the later, milder drift is the run's problem
+        ({"name": "delayed", "amax_history_len": 64}, [_drift(20, 28.5), _drift(210, 4.0)], (210, "false")),
+        # the same events under current scaling, which needs no warm-up: the worse one wins
+        ({"name": "current"}, [_drift(20, 28.5), _drift(210, 4.0)], (20, "false")),
+        # TE's default history (1024) when the recipe does not say; only warm-up events: tagged so
+        ({"name": "delayed"}, [_drift(20, 28.5), _drift(210, 4.0)], (20, "true")),
+        # a spike inside the window is no scale warm-up: severity decides
+        ({"name": "delayed", "amax_history_len": 64},
+         [EventRecord("spike", 30, {"severity": 40.0, "status": "open"}), _drift(210, 4.0)], (30, "false")),
+    ],
+    ids=["delayed-h64", "current", "delayed-default-1024", "spike-in-window"],
+)
+def test_worst_event_skips_the_recipes_scale_warmup(store, tmp_path, recipe, events, worst):
+    uri, client, exp = store
+    run_id = client.create_run(exp).info.run_id
+    fan = TrackerFanout([MLflowTracker(client=client, run_id=run_id, heatmap=False)], tmp_path / "run")
+    fan.start(RunMeta(recipe=recipe))
+    for ev in events:
+        fan.log(StepBatch(step=ev.step, metrics={"loss": 1.0}, events=[ev]))
+    fan.finish()
+    tags = client.get_run(run_id).data.tags
+    step, in_warmup = worst
+    assert (tags["fp8.worst_event.step"], tags["fp8.worst_event.in_warmup"]) == (str(step), in_warmup)
+    expected = {
+        20: "drift in blocks.0.proj.activation (overflow_risk) at step 20",
+        210: "drift in blocks.0.proj.activation (overflow_risk) at step 210",
+        30: "spike (open) at step 30",
+    }[step]
+    assert tags["fp8.worst_event.title"] == expected  # built when the event carries none
+    assert tags["fp8.worst_event.kind"] == ("spike" if step == 30 else "drift")

@@ -255,3 +255,17 @@ def test_first_last_on_t5_counts_each_stack_and_refuses_a_short_one():
     )
     with pytest.raises(ConfigError, match="asks for 3 blocks but stack 'encoder.block' has 2"):
         resolve_fallback(m, "last:3")
+
+
+def test_a_misspelt_keyword_lists_the_layers_and_every_spec_keyword():
+    from fp8track import apply_fp8
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    with pytest.raises(ConfigError) as err:
+        apply_fp8(model, "current", bf16_layers="first_and_last", backend="emulated")
+    text = str(err.value)
+    assert "'first_and_last'" in text and "linear layers: 0, 2" in text
+    keywords = text.split("spec keywords: ", 1)[1].split(", ")
+    expected = {"none", "first_last", "first:N", "last:N", "re:PATTERN"}
+    expected |= {"experts", "router", "shared_experts"}
+    assert expected <= set(keywords)

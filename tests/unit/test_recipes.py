@@ -164,3 +164,14 @@ def test_derived_properties():
     assert Recipe.parse("current:e4m3") == Recipe("current", "e4m3")
     with pytest.raises(ConfigError):
         Recipe.parse(3)
+
+
+def test_scale_warmup_steps_follow_the_recipe():
+    from fp8track.execution.recipes import Recipe, scale_warmup_steps
+
+    assert scale_warmup_steps(Recipe("delayed").to_dict()) == 1024  # TE's DelayedScaling default
+    assert scale_warmup_steps(Recipe.parse("delayed:h16").to_dict()) == 16
+    assert scale_warmup_steps({"name": "delayed"}) == 1024
+    for name in ("current", "mxfp8", "block", "nvfp4", "bf16"):
+        assert scale_warmup_steps(Recipe(name).to_dict()) == 0
+    assert scale_warmup_steps(None) == 0

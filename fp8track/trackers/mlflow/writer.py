@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fp8track.errors import ConfigError, check_int, redacted_output
+from fp8track.execution.recipes import scale_warmup_steps
 from fp8track.monitoring import naming
 from fp8track.monitoring.naming import sanitize_key
 from fp8track.monitoring.records import EventRecord, RunMeta, TensorStatsRow, redact
@@ -39,6 +40,7 @@ from fp8track.trackers.base import (
     TablesNotWritten,
     event_row,
     event_severity,
+    event_title,
     scalar_metrics,
     tensor_stat_columns,
 )
@@ -172,6 +174,7 @@ class MLflowTracker(QueuedTracker):
         self._logged_steps: frozenset[int] = frozenset()  # an existing run's steps (set by start)
         self._steps_since_tables = 0
         self.worst_event: EventRecord | None = None
+        self._warmup = 0  # the recipe's scale warm-up (steps), set by start from the run metadata
 
     def _transient(self, exc: BaseException) -> bool:
         return transient_mlflow_error(exc)  # covers the base's connection and time-out errors
@@ -193,6 +196,7 @@ class MLflowTracker(QueuedTracker):
         from mlflow.entities import Param, RunTag
 
         run_id = self._ensure_run()
+        self._warmup = scale_warmup_steps(meta.recipe)
         if not self.own_run:
             self._logged_steps = self._steps_in_run(run_id)
         p = [Param(sanitize_key(k), redact(v)[:MAX_PARAM_VALUE_LEN]) for k, v in run_params(meta).items()]
@@ -258,7 +262,7 @@ class MLflowTracker(QueuedTracker):
             if key is not None:
                 self._event_tables[key].add([event_row(ev)])
             if event_severity(ev) > -math.inf and (
-                self.worst_event is None or event_severity(ev) > event_severity(self.worst_event)
+                self.worst_event is None or self._rank(ev) > self._rank(self.worst_event)
             ):
                 self.worst_event = new_worst = ev
         self._steps_since_tables += 1
@@ -277,14 +281,24 @@ class MLflowTracker(QueuedTracker):
                 "rows stay buffered"
             )
 
+    def _in_warmup(self, ev: EventRecord) -> bool:
+        """A drift event inside the recipe's scale warm-up (delayed scaling filling its amax
+        history, :func:`fp8track.execution.recipes.scale_warmup_steps`): the recipe settling."""
+        return ev.kind == "drift" and ev.step < self._warmup
+
+    def _rank(self, ev: EventRecord) -> tuple[bool, float]:
+        """Worst first: any event after the warm-up above every warm-up one, then by severity."""
+        return (not self._in_warmup(ev), event_severity(ev))
+
     def _tag_worst(self, ev: EventRecord) -> None:
         d = ev.data
         tags = {
             "fp8.worst_event.kind": ev.kind,
             "fp8.worst_event.step": str(ev.step),
             "fp8.worst_event.severity": repr(event_severity(ev)),
-            "fp8.worst_event.title": str(d.get("title", "")),
+            "fp8.worst_event.title": event_title(ev),
             "fp8.worst_event.layer": str(d.get("layer", "")),
+            "fp8.worst_event.in_warmup": str(self._in_warmup(ev)).lower(),
         }
         from mlflow.entities import RunTag
 
