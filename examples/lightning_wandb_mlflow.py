@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
                          artifact_location=(out / "mlartifacts").resolve().as_uri()),
         ]
         monitor = fp8track.FP8Monitor(
-            every_n_steps=args.every_n_steps, baseline=args.baseline, apply_report=report
+            every_n_steps=args.every_n_steps, control=args.baseline, apply_report=report
         )
         trainer = L.Trainer(
             max_steps=args.steps, accelerator="cpu", devices=1, precision="bf16-mixed", logger=loggers,

@@ -142,7 +142,7 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
     from fp8track.report.run import diagnose_runs
 
     # Unusable input raises ConfigError: main() prints it as one line and exits 2.
-    res = diagnose_runs(args.fp8_run, args.baseline, args.out, tracking_uri=args.tracking_uri)
+    res = diagnose_runs(args.fp8_run, args.control, args.out, tracking_uri=args.tracking_uri)
     print_diagnosis(res.diagnosis, res.html_path, runs=(run_label(res.fp8), run_label(res.control)))
     for what, run in (("FP8 run", res.fp8), ("control", res.control)):
         if run.problems:
@@ -287,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "fp8_run", metavar="FP8_RUN", help="run directory, mlflow:<run_id> or W&B offline run directory"
     )
-    p.add_argument("--baseline", required=True, metavar="BF16_RUN", help="the BF16 control, same forms")
+    p.add_argument("--control", "--baseline", dest="control", required=True, metavar="BF16_RUN",
+                   help="the BF16 control, same forms (--baseline: its former name)")
     p.add_argument("--out", default="fp8track-diagnosis", help="output folder (default ./fp8track-diagnosis)")
     p.add_argument(
         "--tracking-uri", default=None, help="MLflow tracking URI for mlflow: runs (else MLFLOW_TRACKING_URI)"

@@ -45,8 +45,26 @@ BaselineSpec = Baseline | str | Path | None
 W&B offline run directory (the forms of :func:`fp8track.analysis.baseline.load_run`)."""
 
 
+def control_arg(control: BaselineSpec, baseline: BaselineSpec) -> BaselineSpec:
+    """The control run given to a frontend: ``control=``, or the older keyword ``baseline=`` (the
+    same thing under its former name, kept for one release with a ``DeprecationWarning``).
+
+    Raises:
+        ConfigError: both given.
+    """
+    if baseline is None:
+        return control
+    if control is not None:
+        raise ConfigError("pass the BF16 control once: control= (baseline= is its former name), not both")
+    import warnings
+
+    warnings.warn("baseline= is now control= (the BF16 control run); baseline= goes in the next release",
+                  DeprecationWarning, stacklevel=3)
+    return baseline
+
+
 def load_control(spec: BaselineSpec, tracking_uri: str | None = None) -> Baseline | None:
-    """The control run of a frontend's ``baseline=`` argument, loaded before training.
+    """The control run of a frontend's ``control=`` argument, loaded before training.
 
     Raises:
         ConfigError: a reference in none of the forms (naming them), a run that does not exist or
@@ -56,7 +74,7 @@ def load_control(spec: BaselineSpec, tracking_uri: str | None = None) -> Baselin
         return spec
     if not isinstance(spec, (str, Path)):
         raise ConfigError(
-            f"baseline must be a run directory, 'mlflow:<run_id>', a W&B offline run directory or a "
+            f"control must be a run directory, 'mlflow:<run_id>', a W&B offline run directory or a "
             f"loaded fp8track Baseline, got {type(spec).__name__} {spec!r}"
         )
     from fp8track.analysis.baseline import load_baseline
@@ -214,7 +232,8 @@ class Monitor(core.MonitorCore):
             those names and :class:`fp8track.trackers.Tracker` objects (used as given). The
             runs found stay the user's: the monitor never ends them.
             (:func:`fp8track.trackers.loop_trackers`).
-        baseline: the BF16 control for the default loss analyzer: a local run directory,
+        control: the BF16 control for the default loss analyzer (``baseline``: its former name):
+            a local run directory,
             ``"mlflow:<run_id>"`` (resolved against ``tracking_uri``, else ``MLFLOW_TRACKING_URI``), a
             W&B offline run directory, or a loaded :class:`fp8track.analysis.baseline.Baseline`. Loaded
             here, on the writer rank: a bad reference is a :class:`ConfigError` before training.
@@ -246,7 +265,9 @@ class Monitor(core.MonitorCore):
         apply_report: ApplyReport | None = None,
         data_fingerprint: Mapping[str, Any] | None = None,
         grad_scaler: Any = None,
+        control: BaselineSpec = None,
     ) -> None:
+        baseline = control_arg(control, baseline)
         cfg = MonitorConfig.load(config)
         check_frontend_args(layers, "auto")
         validate_tracker_spec(trackers)

@@ -51,7 +51,14 @@ from typing_extensions import override
 from fp8track.config import DEFAULT_LOG_DIR, MonitorConfig
 from fp8track.errors import ConfigError
 from fp8track.execution.apply import ApplyReport
-from fp8track.frontend import BaselineSpec, FrontendResults, Monitor, check_frontend_args, unwrap_model
+from fp8track.frontend import (
+    BaselineSpec,
+    FrontendResults,
+    Monitor,
+    check_frontend_args,
+    control_arg,
+    unwrap_model,
+)
 from fp8track.monitoring.capture import LayerFilter
 from fp8track.monitoring.capture_config import StepAnalyzer
 from fp8track.monitoring.reduce import total_grad_norm
@@ -79,7 +86,8 @@ class FP8TrainerCallback(TrainerCallback, FrontendResults):
             ``"wandb"``, the run HF's ``WandbCallback`` opened; ``"mlflow"``, the active run HF's
             ``MLflowCallback`` started; others get nothing from fp8track), ``"none"``, or a list of
             :class:`fp8track.trackers.Tracker` objects.
-        baseline: the BF16 control: a run directory, ``"mlflow:<run_id>"`` (``tracking_uri``, else
+        control: the BF16 control (``baseline``: its former name):
+            a run directory, ``"mlflow:<run_id>"`` (``tracking_uri``, else
             ``MLFLOW_TRACKING_URI``), a W&B offline run directory or a loaded Baseline.
         log_dir: parent of the run directory (default ``<TrainingArguments.output_dir>/fp8track-runs``).
         config: a :class:`fp8track.MonitorConfig`, a mapping or a YAML path (the rest: tensors,
@@ -123,7 +131,9 @@ class FP8TrainerCallback(TrainerCallback, FrontendResults):
         tracking_uri: str | None = None,
         eval_metrics: str | Sequence[str] = "auto",
         apply_report: ApplyReport | None = None,
+        control: BaselineSpec = None,
     ) -> None:
+        baseline = control_arg(control, baseline)
         cfg = MonitorConfig.load(config)
         self.config = cfg.replace(every_n_steps=every_n_steps) if every_n_steps is not None else cfg
         check_frontend_args(layers, eval_metrics)

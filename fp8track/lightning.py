@@ -15,7 +15,7 @@ from fp8track.analysis.spikes import SPIKE_ACTIONS
 from fp8track.config import DEFAULT_LOG_DIR, MonitorConfig
 from fp8track.errors import invalid_choice
 from fp8track.execution.apply import ApplyReport
-from fp8track.frontend import FrontendResults, Monitor, check_frontend_args, load_control
+from fp8track.frontend import FrontendResults, Monitor, check_frontend_args, control_arg, load_control
 from fp8track.monitoring.capture import LayerFilter
 from fp8track.monitoring.capture_config import StepAnalyzer
 from fp8track.monitoring.reduce import total_grad_norm
@@ -43,7 +43,8 @@ class FP8Monitor(Callback, FrontendResults):
             views with tables and figures, any other logger the scalar metrics through
             ``log_metrics``), ``"none"``, or a list of tracker names (``"wandb"``, ``"mlflow"``) /
             :class:`fp8track.trackers.Tracker` objects.
-        baseline: the BF16 control: a local run directory, ``"mlflow:<run_id>"`` (resolved against
+        control: the BF16 control (``baseline``: its former name):
+            a local run directory, ``"mlflow:<run_id>"`` (resolved against
             the trainer's MLFlowLogger tracking URI, else ``MLFLOW_TRACKING_URI``) or a W&B
             offline run directory. Adds ``fp8/loss_gap_vs_baseline`` and shared / FP8-only spikes.
         on_spike: ``"log"`` (never interferes), ``"stop"`` (stop training when a spike or a
@@ -100,7 +101,9 @@ class FP8Monitor(Callback, FrontendResults):
         eval_metrics: str | Sequence[str] = "auto",
         apply_report: ApplyReport | None = None,
         on_nonfinite: str | None = None,
+        control: str | None = None,
     ) -> None:
+        baseline = control_arg(control, baseline)
         cfg = MonitorConfig.load(config)
         changes: dict[str, Any] = {}
         if on_nonfinite is not None:
