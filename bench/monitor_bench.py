@@ -377,57 +377,64 @@ def host_us_per_tensor(layers: int = 32, steps: int = 30, rounds: int = 3) -> di
     one thread; the BF16 control (shadow statistics, current scaling) and emulated FP8 with
     current scaling. Per (layer, tensor): the capture, ``(forward + backward monitored every step
     - unmonitored) / (layers * 3)``, and the flush, ``monitor.step / (layers * 3)``, in CPU time of
-    this thread (``time.thread_time``: waiting for a loaded machine's cores does not count), and
-    the whole step's difference in wall time; medians over steps, the two interleaved."""
+    this thread (``time.thread_time``: waiting for a loaded machine's cores does not count);
+    medians over steps. Three configurations interleaved (rotating order): unmonitored, the
+    grouped pass per hook phase (``batched``) and each tensor on its own (``per_tensor``: the
+    monitor's batch switched off, the path before grouping), so the two compare under one load."""
     from fp8track.execution.apply import apply_fp8
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    out = {}
+    out: dict = {}
+    med = statistics.median
     for run, recipe in (("bf16_control", None), ("fp8_current", "current")):
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(layers)])
         if recipe is not None:
             apply_fp8(model, recipe, backend="emulated")
         x = torch.randn(16, 16)
-        mon = Monitor(model, MonitorConfig(every_n_steps=1), log_dir=tempfile.mkdtemp())
-        # CPU time of forward + backward (the capture) and of monitor.step (the flush), and wall time
-        cpu: dict[bool, list[float]] = {False: [], True: []}
-        flush: list[float] = []
-        wall: dict[bool, list[float]] = {False: [], True: []}
+        mons = {
+            "none": None,
+            "batched": Monitor(model, MonitorConfig(every_n_steps=1), log_dir=tempfile.mkdtemp()),
+            "per_tensor": Monitor(model, MonitorConfig(every_n_steps=1), log_dir=tempfile.mkdtemp()),
+        }
+        for cap in mons["per_tensor"].captures.values():
+            cap.batch = None
+        capture: dict[str, list[float]] = {k: [] for k in mons}
+        flush: dict[str, list[float]] = {k: [] for k in mons}
+        names = list(mons)
         for r in range(rounds + 1):
-            for monitored in (False, True) if r % 2 else (True, False):
-                if monitored:
+            for name in names[r % 3:] + names[: r % 3]:
+                mon = mons[name]
+                if mon is not None:
                     mon.attach()
                 for _ in range(steps):
-                    c0, w0 = time.thread_time(), time.perf_counter()
+                    c0 = time.thread_time()
                     loss = model(x).square().mean()
                     loss.backward()
                     c1 = time.thread_time()
-                    if monitored:
+                    if mon is not None:
                         mon.step(loss=loss)
                     c2 = time.thread_time()
                     model.zero_grad(set_to_none=True)
                     if r:  # round 0: warm-up
-                        cpu[monitored].append(c1 - c0)
-                        wall[monitored].append(time.perf_counter() - w0)
-                        if monitored:
-                            flush.append(c2 - c1)
-                if monitored:
+                        capture[name].append(c1 - c0)
+                        flush[name].append(c2 - c1)
+                if mon is not None:
                     mon.detach()
-        mon.close()
         n = layers * 3
-        med = statistics.median
-        capture_us = 1e6 * (med(cpu[True]) - med(cpu[False])) / n
-        out[run] = {
-            "layers": layers, "tensors_per_layer": 3,
-            "host_us_per_tensor_capture": capture_us,  # hooks + statistics, CPU time
-            "host_us_per_tensor_flush": 1e6 * med(flush) / n,  # monitor.step: rows, analyzers, records
-            "host_us_per_tensor_total": capture_us + 1e6 * med(flush) / n,
-            "host_us_per_tensor_wall": 1e6 * (med(wall[True]) - med(wall[False])) / n,
-            "step_ms_unmonitored": 1e3 * med(wall[False]),
-            "step_ms_every_step": 1e3 * med(wall[True]),
-        }
+        out[run] = {"layers": layers, "tensors_per_layer": 3,
+                    "step_cpu_ms_unmonitored": 1e3 * med(capture["none"])}
+        for name in ("batched", "per_tensor"):
+            mons[name].close()
+            cap_us = 1e6 * (med(capture[name]) - med(capture["none"])) / n
+            out[run][name] = {
+                "host_us_per_tensor_capture": cap_us,  # hooks + statistics
+                "host_us_per_tensor_flush": 1e6 * med(flush[name]) / n,  # monitor.step: rows, analyzers
+                "host_us_per_tensor_total": cap_us + 1e6 * med(flush[name]) / n,
+            }
+        key = "host_us_per_tensor_capture"
+        out[run]["capture_speedup"] = out[run]["per_tensor"][key] / out[run]["batched"][key]
     torch.set_num_threads(threads)
     return out
 

@@ -381,6 +381,7 @@ class LayerCapture:
         # The monitor's batch: per-tensor observations computed together at the end of each hook
         # phase (fp8track.monitoring.stats_batch); None computes each at once.
         self.batch: StatsBatch | None = None
+        self._range_rows: dict[str, list[tuple[str, RangeSpec]]] = {}
         # The forward hook stays registered while attached, sampled step or not: a compiled model
         # guards on a module's hooks, so adding one per sampled step would recompile.
         self._attached = False
@@ -435,8 +436,12 @@ class LayerCapture:
     def take_ranges(self, device: torch.device) -> list[torch.Tensor]:
         """The step's ``max_blockwise_dynamic_range`` per :meth:`range_keys` (``-inf`` where nothing
         was seen); resets."""
+        keys = self.range_keys()
+        if not keys:  # per-tensor rows only: no tensor made
+            self.ranges.clear()
+            return []
         none = torch.full((), -math.inf, dtype=torch.float64, device=device)
-        out = [none if (r := self.ranges.get(k)) is None else r.to(device) for k in self.range_keys()]
+        out = [none if (r := self.ranges.get(k)) is None else r.to(device) for k in keys]
         self.ranges.clear()
         return out
 
@@ -508,7 +513,10 @@ class LayerCapture:
             fn = self.plan.scale_fns.get(tensor) if self.plan.scaling == "per_tensor" else None
             self.recorder(tensor, share.local, fn() if fn is not None else None)
         partials, plan, batch = self.partials, self.plan, self.batch
-        if batch is not None and not (actual is None and share.trivial and batch.accepts(x)) or is_dtensor(x):
+        # (a dumped observation is recomputed from the dump by the per-tensor path: it takes it here)
+        if batch is not None and not (actual is None and share.trivial and batch.accepts(x)) or (
+            is_dtensor(x) or self.recorder is not None
+        ):
             batch = None
         for variant, scaling in self._observation_list():
             key = (tensor, variant)
@@ -532,11 +540,13 @@ class LayerCapture:
         prepared once, each block shape reduced once:
         :func:`~fp8track.numerics.nvfp4.blockwise_dynamic_ranges`). Under sharding each rank
         measures its local tensor and the flush's MAX collective takes the largest."""
-        if x.dim() < 1 or x.shape[-1] == 0:
-            return
-        rows = [(v, spec) for v, sc in self._observation_list()
-                if (spec := block_range_spec(self.plan, tensor, v, sc)) is not None]
-        if not rows:
+        rows = self._range_rows.get(tensor)
+        if rows is None:  # once per tensor kind (the plan is fixed once resolved)
+            rows = self._range_rows[tensor] = [
+                (v, spec) for v, sc in self._observation_list()
+                if (spec := block_range_spec(self.plan, tensor, v, sc)) is not None
+            ]
+        if not rows or x.dim() < 1 or x.shape[-1] == 0:
             return
         values = blockwise_dynamic_ranges(x, [spec for _, spec in rows])
         for (variant, _), value in zip(rows, values, strict=True):
@@ -550,10 +560,12 @@ class LayerCapture:
         # of the hook, and one that breaks into :meth:`_capture` here, and switches between them
         # without recompiling. Evaluation passes (no grad) between steps are not observed.
         if self.active and torch.is_grad_enabled():
-            self._capture(module, args, output)
+            if torch.compiler.is_compiling():
+                self._capture(module, args, output)  # traced: a graph break into the eager capture
+            else:  # eager: without the disabled wrapper's cost per layer
+                self._capture_eager(module, args, output)
 
-    @torch.compiler.disable
-    def _capture(self, module: nn.Module, args: tuple, output: object) -> None:
+    def _capture_eager(self, module: nn.Module, args: tuple, output: object) -> None:
         """The forward's observations, run outside any compiled graph (the statistics kernel is
         compiled on its own); a recompute of an already observed forward is skipped."""
         if self._is_recompute():
@@ -570,6 +582,8 @@ class LayerCapture:
                 output.register_hook(self._gradient_hook)
             elif self.batch is not None:  # the backward's start ends the forward's batch
                 output.register_hook(self._phase_hook)
+
+    _capture = torch.compiler.disable(_capture_eager)
 
     def _is_recompute(self) -> bool:
         """Whether this forward recomputes one already observed this step (activation checkpointing).
