@@ -10,8 +10,10 @@ For every chosen layer, on sampled steps only, the hooks see:
   before the layer's own backward in every case).
 
 Each observation becomes a device-side partial (``fp8track.numerics.stats``) merged into the layer's
-accumulator for the step: micro-batches combine exactly, nothing waits for the device, and no
-tensor is kept. The scale a tensor is judged with comes from the layer's :class:`LayerPlan`:
+accumulator for the step: micro-batches combine exactly and nothing waits for the device.
+Per-tensor observations wait in the monitor's :class:`~fp8track.monitoring.stats_batch.StatsBatch`
+until their hook phase ends and are computed together (one grouped pass per phase); no tensor is
+kept past its phase. The scale a tensor is judged with comes from the layer's :class:`LayerPlan`:
 the backend's own scale where it exposes one (delayed scaling), else the recipe's rule applied to
 the tensor itself (current or block scaling), or current scaling for BF16 layers (shadow mode:
 what FP8 would do to them).
@@ -559,13 +561,13 @@ class LayerCapture:
         # (a constant to it), so a compiled model holds one graph for unsampled steps, with no trace
         # of the hook, and one that breaks into :meth:`_capture` here, and switches between them
         # without recompiling. Evaluation passes (no grad) between steps are not observed.
+        # (Always through the disabled wrapper: under torch.compile, a hook run eagerly after a graph
+        # break is still a frame dynamo would compile.)
         if self.active and torch.is_grad_enabled():
-            if torch.compiler.is_compiling():
-                self._capture(module, args, output)  # traced: a graph break into the eager capture
-            else:  # eager: without the disabled wrapper's cost per layer
-                self._capture_eager(module, args, output)
+            self._capture(module, args, output)
 
-    def _capture_eager(self, module: nn.Module, args: tuple, output: object) -> None:
+    @torch.compiler.disable
+    def _capture(self, module: nn.Module, args: tuple, output: object) -> None:
         """The forward's observations, run outside any compiled graph (the statistics kernel is
         compiled on its own); a recompute of an already observed forward is skipped."""
         if self._is_recompute():
@@ -582,8 +584,6 @@ class LayerCapture:
                 output.register_hook(self._gradient_hook)
             elif self.batch is not None:  # the backward's start ends the forward's batch
                 output.register_hook(self._phase_hook)
-
-    _capture = torch.compiler.disable(_capture_eager)
 
     def _is_recompute(self) -> bool:
         """Whether this forward recomputes one already observed this step (activation checkpointing).

@@ -188,13 +188,20 @@ def _layout(
     hit = _LAYOUTS.get(key)
     if hit is None:
         rows = [-(-n // width) for n in sizes]
-        seg = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(rows)).to(device)
+        seg = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(rows))
         pad = torch.tensor([r * width - n for r, n in zip(rows, sizes, strict=True)], dtype=torch.float64)
-        mask = None if current is None else torch.tensor(current, device=device)
+        mask = None if current is None else _to_device(torch.tensor(current), device)
         if len(_LAYOUTS) >= _MAX_LAYOUTS:
             _LAYOUTS.clear()
-        hit = _LAYOUTS[key] = (seg, pad.to(device), mask)
+        hit = _LAYOUTS[key] = (_to_device(seg, device), _to_device(pad, device), mask)
     return hit
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``; to a GPU from pinned memory, without waiting for the copy."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _zeros(device: torch.device, dtype: torch.dtype, n: int) -> torch.Tensor:
