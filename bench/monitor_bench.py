@@ -79,13 +79,13 @@ def build(recipe: str, model_name: str = "small", seed: int = 0):
     return model, opt, batches
 
 
-def train_steps(model, opt, batches, n, monitor, times, sampled=None):
+def train_steps(model, opt, batches, n, monitor, times, sampled=None, loss_fn=None):
     for i in range(n):
         b = batches[i % len(batches)]
         if sampled is not None:
             sampled.append(monitor is not None and monitor.config.samples(monitor.global_step))
         t0 = time.perf_counter()
-        loss = model.loss(b[:, :-1], b[:, 1:])
+        loss = (loss_fn or model.loss)(b[:, :-1], b[:, 1:])
         loss.backward()
         opt.step()
         if monitor is not None:
@@ -334,16 +334,7 @@ def sampling_costs(model_name: str, run: str, rounds: int, per_round: int) -> di
         mon = monitors[c]
         if mon is not None:
             mon.attach()
-        for i in range(n):
-            b = batches[i % len(batches)]
-            t0 = time.perf_counter()
-            loss = loss_fn(b[:, :-1], b[:, 1:])
-            loss.backward()
-            opt.step()
-            if mon is not None:
-                mon.step(loss=loss)
-            opt.zero_grad(set_to_none=True)
-            sink.append(time.perf_counter() - t0)
+        train_steps(model, opt, batches, n, mon, sink, loss_fn=loss_fn)
         if mon is not None:
             mon.detach()
 
