@@ -35,6 +35,17 @@ def _segment_reduce(
     return out.scatter_reduce(0, seg, values, reduce=reduce, include_self=True)[:groups]
 
 
+def _group_scales(
+    amax_g: torch.Tensor, fconst: torch.Tensor, scale: torch.Tensor | None, current: torch.Tensor | None
+) -> torch.Tensor:
+    """Each group's scale: ``scale``'s entry, or current scaling where ``scale`` is None or
+    ``current`` is set (``M / amax_g / 2**margin`` with Transformer Engine's guards)."""
+    if scale is None:
+        return scale_from_amax(amax_g, fconst[0], fconst[1])
+    s_g = scale.to(device=amax_g.device, dtype=torch.float32).reshape(amax_g.shape)
+    return s_g if current is None else torch.where(current, scale_from_amax(amax_g, fconst[0], fconst[1]), s_g)
+
+
 @torch.no_grad()
 def segment_partial_stats(
     x2d: torch.Tensor,
@@ -59,8 +70,7 @@ def segment_partial_stats(
         margin: current scaling's margin.
         row_scale: ``[R]`` float32 scales, one per row (block recipes: each row one block), used
             instead of the group's; the group's scale range is then that of its rows.
-        current: ``[G]`` bool, with ``scale``: the groups judged with current scaling instead of
-            their entry of ``scale`` (which is then ignored).
+        current: ``[G]`` bool, with ``scale``: these groups take current scaling instead.
     """
     fmt = get_format(fmt)
     x2d = x2d.detach()
@@ -77,10 +87,7 @@ def segment_partial_stats(
         row_amin = x32.new_full((rows,), math.inf)
     amax_g = _segment_reduce(row_amax, seg, groups, "amax", 0.0)
     amin_g = _segment_reduce(row_amin, seg, groups, "amin", math.inf)
-    s_cur = scale_from_amax(amax_g, fconst[0], fconst[1])
-    s_g = s_cur if scale is None else scale.to(device=dev, dtype=torch.float32).reshape(groups)
-    if scale is not None and current is not None:
-        s_g = torch.where(current, s_cur, s_g)
+    s_g = _group_scales(amax_g, fconst, scale, current)
     p_g = _pow2_normaliser(amax_g)
     pad = torch.ones(1, dtype=torch.float32, device=dev)
     if row_scale is not None:
