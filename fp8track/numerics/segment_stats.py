@@ -43,7 +43,9 @@ def _group_scales(
     if scale is None:
         return scale_from_amax(amax_g, fconst[0], fconst[1])
     s_g = scale.to(device=amax_g.device, dtype=torch.float32).reshape(amax_g.shape)
-    return s_g if current is None else torch.where(current, scale_from_amax(amax_g, fconst[0], fconst[1]), s_g)
+    if current is None:
+        return s_g
+    return torch.where(current, scale_from_amax(amax_g, fconst[0], fconst[1]), s_g)
 
 
 @torch.no_grad()
