@@ -1,4 +1,15 @@
-"""Training overhead of the monitor on the example GPT (CPU): step time and peak memory.
+"""Training overhead of the monitor (CPU): the sampling-cost report (default) and the older
+step-time / peak-memory report (``--models``).
+
+Sampling-cost report (JSON on stdout, and ``--out FILE``): for the example GPT and a Hugging Face
+Llama built from a tiny config, the emulated FP8 run (current scaling) unsampled (every 1000) /
+every 10 / every step and the BF16 control (shadow statistics) every 10 / every step, each as a
+ratio over the same model and run without the monitor, interleaved in rounds (the order rotating
+each round), with per-step medians and spreads; plus the host-time proxy: microseconds of host
+time per sampled (layer, tensor) on 16x16 tensors. ``os.getloadavg()`` at start and end: the
+numbers mean something only on an idle machine.
+
+Older report (``--models``):
 
 Prints JSON. Configurations are measured side by side, interleaved in rounds (in an order that
 rotates each round) so machine noise hits all of them alike: no monitor, sampling every 1000
@@ -16,7 +27,8 @@ Peak memory: bytes allocated through malloc (glibc ``mallinfo2``, which torch's 
 uses) at the peaks of each step, maximum over 30 steps, in a fresh subprocess per configuration
 (CPU has no counter like CUDA's ``max_memory_allocated``).
 
-Usage: python bench/monitor_bench.py [--rounds 6] [--steps-per-round 20] [--models small/bf16,small/delayed]
+Usage: python bench/monitor_bench.py [--rounds 6] [--steps-per-round 20] [--out results.json]
+       python bench/monitor_bench.py --models small/bf16,small/delayed  (the older report)
 """
 
 from __future__ import annotations
@@ -67,13 +79,13 @@ def build(recipe: str, model_name: str = "small", seed: int = 0):
     return model, opt, batches
 
 
-def train_steps(model, opt, batches, n, monitor, times, sampled=None):
+def train_steps(model, opt, batches, n, monitor, times, sampled=None, loss_fn=None):
     for i in range(n):
         b = batches[i % len(batches)]
         if sampled is not None:
             sampled.append(monitor is not None and monitor.config.samples(monitor.global_step))
         t0 = time.perf_counter()
-        loss = model.loss(b[:, :-1], b[:, 1:])
+        loss = (loss_fn or model.loss)(b[:, :-1], b[:, 1:])
         loss.backward()
         opt.step()
         if monitor is not None:
@@ -252,11 +264,197 @@ def peak_memory(recipe: str, model_name: str, steps: int) -> dict:
     return out
 
 
+# --- the sampling-cost report: every-step sampling, the BF16 control, host time per tensor ----------
+
+SAMPLING_RUNS = {  # run: (FP8 recipe or None for the BF16 control, the configurations measured)
+    "fp8_current": ("current", ("none", "every_1000", "every_10", "every_1")),
+    "bf16_control": (None, ("none", "every_10", "every_1")),
+}
+SAMPLING_EVERY = {"none": None, "every_1000": 1000, "every_10": 10, "every_1": 1}
+
+
+def _tiny_llama():
+    """A Hugging Face Llama from a config (random weights, no download): 2 layers, width 64."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=256, max_position_embeddings=128,
+    )
+    model = transformers.LlamaForCausalLM(cfg)
+
+    def loss(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = model(input_ids=idx).logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    return model, loss, (8, 64)
+
+
+def _example_gpt():
+    model = GPT(GPTConfig())
+    return model, model.loss, (16, model.config.block_size)
+
+
+SAMPLING_MODELS = {"gpt": _example_gpt, "llama": _tiny_llama}
+
+
+def _spread(ts: list[float]) -> dict:
+    """Median, interquartile range and median absolute deviation (ms; spreads also in % of the median)."""
+    q = statistics.quantiles(ts, n=4) if len(ts) >= 2 else [ts[0]] * 3
+    med = statistics.median(ts)
+    mad = statistics.median([abs(t - med) for t in ts])
+    return {
+        "median_ms": 1e3 * med, "iqr_ms": 1e3 * (q[2] - q[0]), "mad_pct": 100 * mad / med,
+        "mean_ms": 1e3 * statistics.fmean(ts), "steps": len(ts),
+    }
+
+
+def sampling_costs(model_name: str, run: str, rounds: int, per_round: int) -> dict:
+    """Step times of one (model, run) under each sampling configuration, interleaved in rounds
+    (the order rotating each round), as ratios over the same model and run without the monitor:
+    the median step ratio, the mean ratio (amortised, sampled steps included) and the spread of the
+    per-round median ratios."""
+    from fp8track.execution.apply import apply_fp8
+
+    recipe, configs = SAMPLING_RUNS[run]
+    torch.manual_seed(0)
+    model, loss_fn, (batch, seq) = SAMPLING_MODELS[model_name]()
+    if recipe is not None:
+        apply_fp8(model, recipe, backend="emulated")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 256, (batch, seq + 1), generator=g) for _ in range(8)]
+    tmp = tempfile.mkdtemp()
+    monitors = {c: None if (every := SAMPLING_EVERY[c]) is None else Monitor(
+        model, MonitorConfig(every_n_steps=every), log_dir=tmp) for c in configs}
+    times: dict[str, list[float]] = {c: [] for c in configs}
+    round_medians: dict[str, list[float]] = {c: [] for c in configs}
+
+    def go(c: str, n: int, sink: list[float]) -> None:
+        mon = monitors[c]
+        if mon is not None:
+            mon.attach()
+        train_steps(model, opt, batches, n, mon, sink, loss_fn=loss_fn)
+        if mon is not None:
+            mon.detach()
+
+    for c in configs:  # warm-up: every path once (the statistics kernels compiled)
+        go(c, 4, [])
+    for r in range(rounds):
+        for c in configs[r % len(configs):] + configs[: r % len(configs)]:
+            ts: list[float] = []
+            go(c, per_round, ts)
+            times[c].extend(ts)
+            round_medians[c].append(statistics.median(ts))
+    for mon in monitors.values():
+        if mon is not None:
+            mon.close()
+    base, base_mean = statistics.median(times["none"]), statistics.fmean(times["none"])
+    out = {}
+    for c in configs:
+        ratios = [m / b for m, b in zip(round_medians[c], round_medians["none"], strict=True)]
+        out[c] = {
+            **_spread(times[c]),
+            "median_ratio": statistics.median(times[c]) / base,
+            "mean_ratio": statistics.fmean(times[c]) / base_mean,
+            "round_ratio_min": min(ratios), "round_ratio_max": max(ratios),
+        }
+    return out
+
+
+def host_us_per_tensor(layers: int = 32, steps: int = 30, rounds: int = 3) -> dict:
+    """Host time per sampled (layer, tensor) on tiny tensors (host work dominates): a stack of
+    ``layers`` ``nn.Linear(16, 16)`` on 16 tokens (activation, weight and gradient all 16x16),
+    one thread; the BF16 control (shadow statistics, current scaling) and emulated FP8 with
+    current scaling. Per (layer, tensor): the capture, ``(forward + backward monitored every step
+    - unmonitored) / (layers * 3)``, and the flush, ``monitor.step / (layers * 3)``, in CPU time of
+    this thread (``time.thread_time``: waiting for a loaded machine's cores does not count);
+    medians over steps. Three configurations interleaved (rotating order): unmonitored, the
+    grouped pass per hook phase (``batched``) and each tensor on its own (``per_tensor``: the
+    monitor's batch switched off, the path before grouping), so the two compare under one load."""
+    from fp8track.execution.apply import apply_fp8
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out: dict = {}
+    med = statistics.median
+    for run, recipe in (("bf16_control", None), ("fp8_current", "current")):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(layers)])
+        if recipe is not None:
+            apply_fp8(model, recipe, backend="emulated")
+        x = torch.randn(16, 16)
+        mons = {
+            "none": None,
+            "batched": Monitor(model, MonitorConfig(every_n_steps=1), log_dir=tempfile.mkdtemp()),
+            "per_tensor": Monitor(model, MonitorConfig(every_n_steps=1), log_dir=tempfile.mkdtemp()),
+        }
+        for cap in mons["per_tensor"].captures.values():
+            cap.batch = None
+        capture: dict[str, list[float]] = {k: [] for k in mons}
+        flush: dict[str, list[float]] = {k: [] for k in mons}
+        names = list(mons)
+        for r in range(rounds + 1):
+            for name in names[r % 3:] + names[: r % 3]:
+                mon = mons[name]
+                if mon is not None:
+                    mon.attach()
+                for _ in range(steps):
+                    c0 = time.thread_time()
+                    loss = model(x).square().mean()
+                    loss.backward()
+                    c1 = time.thread_time()
+                    if mon is not None:
+                        mon.step(loss=loss)
+                    c2 = time.thread_time()
+                    model.zero_grad(set_to_none=True)
+                    if r:  # round 0: warm-up
+                        capture[name].append(c1 - c0)
+                        flush[name].append(c2 - c1)
+                if mon is not None:
+                    mon.detach()
+        n = layers * 3
+        out[run] = {"layers": layers, "tensors_per_layer": 3,
+                    "step_cpu_ms_unmonitored": 1e3 * med(capture["none"])}
+        for name in ("batched", "per_tensor"):
+            mons[name].close()
+            cap_us = 1e6 * (med(capture[name]) - med(capture["none"])) / n
+            out[run][name] = {
+                "host_us_per_tensor_capture": cap_us,  # hooks + statistics
+                "host_us_per_tensor_flush": 1e6 * med(flush[name]) / n,  # monitor.step: rows, analyzers
+                "host_us_per_tensor_total": cap_us + 1e6 * med(flush[name]) / n,
+            }
+        key = "host_us_per_tensor_capture"
+        out[run]["capture_speedup"] = out[run]["per_tensor"][key] / out[run]["batched"][key]
+    torch.set_num_threads(threads)
+    return out
+
+
+def sampling_report(args: argparse.Namespace) -> dict:
+    result: dict = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "loadavg_at_start": [round(v, 2) for v in os.getloadavg()],
+        "rounds": args.rounds, "steps_per_round": args.steps_per_round,
+        "host_proxy": host_us_per_tensor(rounds=max(1, args.rounds // 2)),
+    }
+    for model_name in args.sampling_models.split(","):
+        for run in SAMPLING_RUNS:
+            result[f"{model_name}/{run}"] = sampling_costs(model_name, run, args.rounds, args.steps_per_round)
+    result["loadavg_at_end"] = [round(v, 2) for v in os.getloadavg()]
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps-per-round", type=int, default=20)
-    parser.add_argument("--models", default="small/bf16,small/delayed,wide/bf16")
+    parser.add_argument(
+        "--models", default=None,
+        help="the older report (step time and peak memory per compile mode), e.g. small/bf16,small/delayed",
+    )
+    parser.add_argument("--sampling-models", default="gpt,llama", help="models of the sampling-cost report")
+    parser.add_argument("--out", default=None, help="also write the JSON here")
     parser.add_argument("--no-memory", action="store_true", help="step times only")
     parser.add_argument(
         "--positions", action="store_true", help="also: step time at each position after a sampled step"
@@ -267,6 +465,15 @@ def main() -> None:
         recipe, model_name, every, steps, mode = args.memory_child
         _memory_child(recipe, model_name, int(every), int(steps), mode)
         return
+    result = sampling_report(args) if args.models is None else legacy_report(args)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+def legacy_report(args: argparse.Namespace) -> dict:
     result = {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -282,7 +489,7 @@ def main() -> None:
         if args.positions:
             result[key]["steps_after_a_sampled_step"] = steps_after_a_sampled_step(recipe, model_name)
     result["load_average_1min_at_end"] = round(os.getloadavg()[0], 2)
-    print(json.dumps(result, indent=2))
+    return result
 
 
 if __name__ == "__main__":

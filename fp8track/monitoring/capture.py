@@ -10,8 +10,10 @@ For every chosen layer, on sampled steps only, the hooks see:
   before the layer's own backward in every case).
 
 Each observation becomes a device-side partial (``fp8track.numerics.stats``) merged into the layer's
-accumulator for the step: micro-batches combine exactly, nothing waits for the device, and no
-tensor is kept. The scale a tensor is judged with comes from the layer's :class:`LayerPlan`:
+accumulator for the step: micro-batches combine exactly and nothing waits for the device.
+Per-tensor observations wait in the monitor's :class:`~fp8track.monitoring.stats_batch.StatsBatch`
+until their hook phase ends and are computed together (one grouped pass per phase); no tensor is
+kept past its phase. The scale a tensor is judged with comes from the layer's :class:`LayerPlan`:
 the backend's own scale where it exposes one (delayed scaling), else the recipe's rule applied to
 the tensor itself (current or block scaling), or current scaling for BF16 layers (shadow mode:
 what FP8 would do to them).
@@ -54,7 +56,8 @@ from fp8track.execution.layers import (
     preview_names,
 )
 from fp8track.monitoring.naming import canonical_layer_names
-from fp8track.monitoring.sharding import ShardSpec, Share, observed_weight, share_of
+from fp8track.monitoring.sharding import ShardSpec, Share, is_dtensor, observed_weight, share_of
+from fp8track.monitoring.stats_batch import StatsBatch
 from fp8track.numerics.formats import TENSOR_KINDS, get_format_pair
 from fp8track.numerics.nvfp4 import NVFP4_BLOCK, NVFP4Recipe, blockwise_dynamic_ranges, new_generator
 from fp8track.numerics.scaling import BLOCK_LAYOUTS, BLOCK_SCALINGS, amax, block_layout, current_scale
@@ -377,6 +380,10 @@ class LayerCapture:
         # monitor's tensor dumps (fp8track.monitoring.dumps).
         self.recorder: Callable[[str, torch.Tensor, torch.Tensor | None], None] | None = None
         self._observations: list[tuple[str, str | None]] | None = None  # after the plan resolves
+        # The monitor's batch: per-tensor observations computed together at the end of each hook
+        # phase (fp8track.monitoring.stats_batch); None computes each at once.
+        self.batch: StatsBatch | None = None
+        self._range_rows: dict[str, list[tuple[str, RangeSpec]]] = {}
         # The forward hook stays registered while attached, sampled step or not: a compiled model
         # guards on a module's hooks, so adding one per sampled step would recompile.
         self._attached = False
@@ -431,8 +438,12 @@ class LayerCapture:
     def take_ranges(self, device: torch.device) -> list[torch.Tensor]:
         """The step's ``max_blockwise_dynamic_range`` per :meth:`range_keys` (``-inf`` where nothing
         was seen); resets."""
+        keys = self.range_keys()
+        if not keys:  # per-tensor rows only: no tensor made
+            self.ranges.clear()
+            return []
         none = torch.full((), -math.inf, dtype=torch.float64, device=device)
-        out = [none if (r := self.ranges.get(k)) is None else r.to(device) for k in self.range_keys()]
+        out = [none if (r := self.ranges.get(k)) is None else r.to(device) for k in keys]
         self.ranges.clear()
         return out
 
@@ -468,6 +479,8 @@ class LayerCapture:
 
     def take(self, device: torch.device) -> list[torch.Tensor]:
         """The step's partials in :meth:`keys` order (empty partials where nothing was seen); resets."""
+        if self.batch is not None:
+            self.batch.flush()
         empty = identity_partial(device)  # shared and read only: the flush stacks (copies) these
         out = [empty if (p := self.partials.get(k)) is None else p.to(device) for k in self.keys()]
         self.partials.clear()
@@ -501,15 +514,26 @@ class LayerCapture:
         if self.recorder is not None and actual is None:
             fn = self.plan.scale_fns.get(tensor) if self.plan.scaling == "per_tensor" else None
             self.recorder(tensor, share.local, fn() if fn is not None else None)
-        partials = self.partials
+        partials, plan, batch = self.partials, self.plan, self.batch
+        # (a dumped observation is recomputed from the dump by the per-tensor path: it takes it here)
+        if batch is not None and not (actual is None and share.trivial and batch.accepts(x)) or (
+            is_dtensor(x) or self.recorder is not None
+        ):
+            batch = None
         for variant, scaling in self._observation_list():
             key = (tensor, variant)
-            if actual is not None and variant == self.plan.variant:
+            if actual is not None and variant == plan.variant:
                 prev = partials.get(key)
                 partials[key] = actual if prev is None else merge_partials([prev, actual])
                 continue
+            per_tensor = (scaling or plan.scaling) in ("per_tensor", "current") and not plan.power_2_scales
+            if batch is not None and per_tensor:
+                fn = plan.scale_fns.get(tensor) if scaling is None else None
+                fmt = _fp8_format(plan, tensor)
+                batch.add(partials, key, share.local, fmt, fn() if fn else None, plan.margin)
+                continue
             partials[key] = tensor_partial(
-                share.local, self.plan, tensor, scaling, share, into=partials.get(key)
+                share.local, plan, tensor, scaling, share, into=partials.get(key)
             )
         self._add_ranges(tensor, share.local)
 
@@ -518,11 +542,13 @@ class LayerCapture:
         prepared once, each block shape reduced once:
         :func:`~fp8track.numerics.nvfp4.blockwise_dynamic_ranges`). Under sharding each rank
         measures its local tensor and the flush's MAX collective takes the largest."""
-        if x.dim() < 1 or x.shape[-1] == 0:
-            return
-        rows = [(v, spec) for v, sc in self._observation_list()
-                if (spec := block_range_spec(self.plan, tensor, v, sc)) is not None]
-        if not rows:
+        rows = self._range_rows.get(tensor)
+        if rows is None:  # once per tensor kind (the plan is fixed once resolved)
+            rows = self._range_rows[tensor] = [
+                (v, spec) for v, sc in self._observation_list()
+                if (spec := block_range_spec(self.plan, tensor, v, sc)) is not None
+            ]
+        if not rows or x.dim() < 1 or x.shape[-1] == 0:
             return
         values = blockwise_dynamic_ranges(x, [spec for _, spec in rows])
         for (variant, _), value in zip(rows, values, strict=True):
@@ -535,6 +561,8 @@ class LayerCapture:
         # (a constant to it), so a compiled model holds one graph for unsampled steps, with no trace
         # of the hook, and one that breaks into :meth:`_capture` here, and switches between them
         # without recompiling. Evaluation passes (no grad) between steps are not observed.
+        # (Always through the disabled wrapper: under torch.compile, a hook run eagerly after a graph
+        # break is still a frame dynamo would compile.)
         if self.active and torch.is_grad_enabled():
             self._capture(module, args, output)
 
@@ -551,8 +579,11 @@ class LayerCapture:
         x = args[0] if args else None
         if isinstance(x, torch.Tensor) and isinstance(output, torch.Tensor) and x.dim() and output.dim():
             self.flops += 6 * x.numel() * output.shape[-1]  # tokens * in = numel
-        if "gradient" in self.tensors and isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(self._gradient_hook)
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            if "gradient" in self.tensors:
+                output.register_hook(self._gradient_hook)
+            elif self.batch is not None:  # the backward's start ends the forward's batch
+                output.register_hook(self._phase_hook)
 
     def _is_recompute(self) -> bool:
         """Whether this forward recomputes one already observed this step (activation checkpointing).
@@ -586,7 +617,13 @@ class LayerCapture:
 
     @torch.no_grad()
     def _gradient_hook(self, grad: torch.Tensor) -> None:
+        if self.batch is not None:
+            self.batch.backward_started()
         self._add("gradient", grad)
+
+    def _phase_hook(self, grad: torch.Tensor) -> None:
+        if self.batch is not None:
+            self.batch.backward_started()
 
 
 def plan_for(fqn: str, module: nn.Module, shadow_format: str = "hybrid") -> LayerPlan:

@@ -17,6 +17,7 @@ from fp8track.monitoring.capture_config import CaptureConfig
 from fp8track.monitoring.expert_capture import ExpertRowCapture, moe_captures
 from fp8track.monitoring.router_capture import RouterCapture
 from fp8track.monitoring.sharding import ShardSpec
+from fp8track.monitoring.stats_batch import StatsBatch
 
 Capture = LayerCapture | ExpertRowCapture | RouterCapture
 
@@ -39,6 +40,7 @@ def build_captures(
     te_bound: list[tuple[str, nn.Module, dict[str, Any]]] = []
     te_unseen: list[str] = []
     backends = {fqn: backend_of(m) for fqn, m in chosen}
+    batch = StatsBatch()  # one grouped statistics pass per hook phase for all hook-based layers
     te_live = any(b is not None and b.debug_api for b in backends.values()) and te_capture.capture_live()
     for fqn, module in chosen:
         backend = backends[fqn]
@@ -52,9 +54,11 @@ def build_captures(
             continue
         # Plans resolve at the first observation: backends build their state (TE's fp8_meta) lazily.
         plan = plans.get(fqn) or (lambda f=fqn, m=module: plan_for(f, m, cfg.shadow_format))
-        captures[fqn] = LayerCapture(
+        layer_capture = LayerCapture(
             module, plan, cfg.tensors, cfg.whatif, sharding, collective_timeout_s=cfg.collective_timeout_s
         )
+        layer_capture.batch = batch
+        captures[fqn] = layer_capture
     captures.update(moe.captures)
     for fqn in moe.token_layers:  # MoE: module-list experts' rows carry their tokens
         if isinstance(cap := captures.get(fqn), LayerCapture):

@@ -197,9 +197,14 @@ def _is_split(placement: Any) -> bool:
 
 def is_dtensor(x: torch.Tensor) -> TypeGuard[DTensor]:
     """Whether ``x`` is a ``torch.distributed.tensor.DTensor``."""
+    if type(x) in _PLAIN:  # the hooks' common case, without the import's cost per call
+        return False
     from torch.distributed.tensor import DTensor
 
     return isinstance(x, DTensor)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Statistics partials of many tensors at once: the row groups of one 2-D tensor.
+"""Statistics partials of many tensors at once: the row groups of one 2-D tensor, or a list of
+tensors laid out as such groups (:func:`tensors_partial_stats`: every tensor a hook phase observed).
 
 A grouped GEMM's operand holds every expert's rows (the routed tokens sorted by expert, or the
 experts' weights stacked); :func:`segment_partial_stats` returns one partial per group in one pass
@@ -12,6 +13,7 @@ equals :func:`fp8track.numerics.stats.partial_stats` of that group alone up to f
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -34,6 +36,19 @@ def _segment_reduce(
     return out.scatter_reduce(0, seg, values, reduce=reduce, include_self=True)[:groups]
 
 
+def _group_scales(
+    amax_g: torch.Tensor, fconst: torch.Tensor, scale: torch.Tensor | None, current: torch.Tensor | None
+) -> torch.Tensor:
+    """Each group's scale: ``scale``'s entry, or current scaling where ``scale`` is None or
+    ``current`` is set (``M / amax_g / 2**margin`` with Transformer Engine's guards)."""
+    if scale is None:
+        return scale_from_amax(amax_g, fconst[0], fconst[1])
+    s_g = scale.to(device=amax_g.device, dtype=torch.float32).reshape(amax_g.shape)
+    if current is None:
+        return s_g
+    return torch.where(current, scale_from_amax(amax_g, fconst[0], fconst[1]), s_g)
+
+
 @torch.no_grad()
 def segment_partial_stats(
     x2d: torch.Tensor,
@@ -43,6 +58,7 @@ def segment_partial_stats(
     scale: torch.Tensor | None = None,
     margin: int = 0,
     row_scale: torch.Tensor | None = None,
+    current: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Partials ``[groups, PARTIAL_SIZE]`` (float64, on ``x2d``'s device) of the row groups of ``x2d``.
 
@@ -57,6 +73,7 @@ def segment_partial_stats(
         margin: current scaling's margin.
         row_scale: ``[R]`` float32 scales, one per row (block recipes: each row one block), used
             instead of the group's; the group's scale range is then that of its rows.
+        current: ``[G]`` bool, with ``scale``: these groups take current scaling instead.
     """
     fmt = get_format(fmt)
     x2d = x2d.detach()
@@ -73,10 +90,7 @@ def segment_partial_stats(
         row_amin = x32.new_full((rows,), math.inf)
     amax_g = _segment_reduce(row_amax, seg, groups, "amax", 0.0)
     amin_g = _segment_reduce(row_amin, seg, groups, "amin", math.inf)
-    if scale is None:
-        s_g = scale_from_amax(amax_g, fconst[0], fconst[1])
-    else:
-        s_g = scale.to(device=dev, dtype=torch.float32).reshape(groups)
+    s_g = _group_scales(amax_g, fconst, scale, current)
     p_g = _pow2_normaliser(amax_g)
     pad = torch.ones(1, dtype=torch.float32, device=dev)
     if row_scale is not None:
@@ -170,3 +184,91 @@ def merge_group_partials(partials: torch.Tensor) -> torch.Tensor:
     """One partial of all groups ``[G, PARTIAL_SIZE] -> [PARTIAL_SIZE]``: sums add, maxima take the
     max (the aggregate row of an expert group, merged as shards of one tensor are)."""
     return torch.cat([partials[:, :NUM_SUM].sum(dim=0), partials[:, NUM_SUM:].amax(dim=0)])
+
+
+_LAYOUTS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+_ZEROS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+_MAX_LAYOUTS = 64
+
+
+def _layout(
+    device: torch.device, width: int, sizes: tuple[int, ...], current: tuple[bool, ...] | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Group index per row, padding zeros per group (float64) and the current-scaling mask of one
+    layout, built on the host once and cached: a model observes the same shapes every sampled step,
+    so the device never waits for a host-to-device copy after the first."""
+    key = (device, width, sizes, current)
+    hit = _LAYOUTS.get(key)
+    if hit is None:
+        rows = [-(-n // width) for n in sizes]
+        seg = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(rows))
+        pad = torch.tensor([r * width - n for r, n in zip(rows, sizes, strict=True)], dtype=torch.float64)
+        mask = None if current is None else _to_device(torch.tensor(current), device)
+        if len(_LAYOUTS) >= _MAX_LAYOUTS:
+            _LAYOUTS.clear()
+        hit = _LAYOUTS[key] = (_to_device(seg, device), _to_device(pad, device), mask)
+    return hit
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``; to a GPU from pinned memory, without waiting for the copy."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _zeros(device: torch.device, dtype: torch.dtype, n: int) -> torch.Tensor:
+    z = _ZEROS.get((device, dtype))
+    if z is None or z.numel() < n:
+        z = _ZEROS[(device, dtype)] = torch.zeros(max(n, 1024), dtype=dtype, device=device)
+    return z[:n]
+
+
+def row_width(sizes: Sequence[int]) -> int:
+    """The row length :func:`tensors_partial_stats` lays tensors out with: 1024 (the compiled
+    kernel's rows), or the next power of two above the largest tensor when all are smaller (tiny
+    tensors are not padded to 1024)."""
+    largest = max(sizes, default=1)
+    return 1024 if largest >= 1024 else 1 << max(largest - 1, 0).bit_length()
+
+
+@torch.no_grad()
+def tensors_partial_stats(
+    xs: Sequence[torch.Tensor],
+    fmt: str | FP8Format,
+    scales: Sequence[torch.Tensor | None] | None = None,
+    margin: int = 0,
+) -> torch.Tensor:
+    """Partials ``[len(xs), PARTIAL_SIZE]`` of many tensors in one pass, each judged on its own, as
+    :func:`fp8track.numerics.stats.partial_stats` judges it: with its entry of ``scales`` (a 0-d
+    float32 tensor) or, where that is ``None`` (or ``scales`` is), current scaling from its own amax.
+
+    The tensors (non-empty, floating point, on one device) are flattened and laid out as rows of
+    :func:`row_width` elements, each tensor zero-padded to whole rows (the padding out of the
+    counts), and reduced as the row groups of :func:`segment_partial_stats`: one launch of each
+    operation for the whole list, no host synchronisation. Per-element maths and float64
+    accumulation are the eager kernel's: a tensor of one row equals its eager partial bit for bit;
+    longer ones to float64 summation order (and the compiled kernel's float32 row sums to float32
+    rounding, as the eager and compiled paths always differed).
+    """
+    dev = xs[0].device
+    sizes = tuple(x.numel() for x in xs)
+    width = row_width(sizes)
+    parts: list[torch.Tensor] = []
+    for x, n in zip(xs, sizes, strict=True):
+        parts.append(x.reshape(-1))
+        if n % width:
+            parts.append(_zeros(dev, x.dtype, width - n % width))
+    flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+    given = None if scales is None or all(s is None for s in scales) else scales
+    current = None if given is None else tuple(s is None for s in given)
+    seg, pad, mask = _layout(dev, width, sizes, current)
+    stacked = None
+    if given is not None:
+        one = torch.ones((), dtype=torch.float32, device=dev)
+        stacked = torch.stack([one if s is None else s.reshape(()).to(torch.float32) for s in given])
+    out = segment_partial_stats(
+        flat.view(-1, width), seg, len(xs), fmt, stacked, margin, current=mask
+    )
+    out[:, :2] -= pad.unsqueeze(1)
+    return out

@@ -65,3 +65,31 @@ def test_statistics_kernel_is_compiled_for_cuda_and_matches_eager():
     assert c.device.type == "cuda"
     assert torch.equal(c[:5], e[:5])
     assert torch.allclose(c, e, rtol=1e-6)
+
+
+def test_grouped_pass_matches_per_tensor_partials_on_cuda_without_syncs():
+    """The batch's grouped pass (every tensor of a hook phase in one set of launches) gives each
+    tensor's eager partial on the device (counts and maxima exact, sums to float64 rounding; the
+    float64 atomics of index_add order them differently) and, its layout cached, never waits."""
+    from fp8track.numerics.segment_stats import tensors_partial_stats
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shapes = ((16, 16), (64, 1024), (333,))
+    xs = [torch.randn(s, device="cuda", generator=g, dtype=torch.bfloat16) for s in shapes]
+    scales = [None, torch.tensor(4.0, device="cuda"), None]
+    tensors_partial_stats(xs, "e4m3", scales)  # the layout's host-to-device copy, once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = tensors_partial_stats(xs, "e4m3", scales)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    mode = stats.get_compile()
+    stats.set_compile("eager")
+    try:
+        for x, s, row in zip(xs, scales, out, strict=True):
+            ref = stats.partial_stats(x, "e4m3", s)
+            assert torch.equal(row[:5], ref[:5]) and torch.equal(row[9:], ref[9:])
+            torch.testing.assert_close(row[5:9], ref[5:9], rtol=1e-13, atol=0)
+    finally:
+        stats.set_compile(mode)

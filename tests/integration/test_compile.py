@@ -117,7 +117,9 @@ def test_plain_loop_over_a_compiled_model(tmp_path):
     _check_no_recompiles(compiles)
     assert losses == pytest.approx(eager_losses, rel=1e-4)
     assert stats.get_compile() == "auto" and not stats._POLICY.failed
-    assert len(stats._POLICY.kernels) >= max(kernels_before, 1)  # the kernel itself is compiled
+    # The statistics run outside the model's graph: these small tensors in the monitor's grouped pass
+    # per hook phase (fp8track.monitoring.stats_batch), larger ones through the compiled kernel.
+    assert len(stats._POLICY.kernels) >= kernels_before
 
 
 class Net(pl.LightningModule):

@@ -1,0 +1,132 @@
+"""One statistics pass per hook phase: the observations of a forward, then of a backward, computed
+together.
+
+A sampled step observes every monitored layer's activation and weight in the forward and its dY
+in the backward. Computing each observation on its own costs a call chain per (layer, tensor):
+dozens of small launches, and on a GPU the host's launch path, not the device, sets the step time.
+The layers' hooks instead hand a per-tensor (current or given scale) observation to the
+monitor's :class:`StatsBatch`, which keeps a reference to the tensor and computes all of them in
+grouped launches (:func:`fp8track.numerics.segment_stats.tensors_partial_stats`, one per element
+format and margin) at the end of the phase, merging each result into its layer's accumulator.
+
+Phase ends (where the batch is computed):
+
+* the first dY hook of a backward (the forward's activations and weights: before any optimizer
+  step can change a weight in place), and the end of that backward
+  (``Variable._execution_engine.queue_callback``, as FSDP marks it) for the dY;
+* the monitor's flush (anything still waiting), and a bound on the elements waiting
+  (:data:`MAX_PENDING_NUMEL`), so the batch never holds more than that beyond what training holds.
+
+What the batch holds is what training holds anyway (activations are saved for the backward,
+weights are parameters), except dY, kept until the end of the backward (bounded as above). Tensors
+too large to gain from grouping (:data:`DIRECT_NUMEL`), sharded ones, what-if block variants and
+observations with a tensor dump take the per-tensor path at once.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from fp8track.numerics.segment_stats import tensors_partial_stats
+from fp8track.numerics.stats import merge_partials
+
+MAX_PENDING_NUMEL = 1 << 22
+"""Elements waiting before the batch is computed early (the grouped pass's float32 temporaries are
+a few times this many)."""
+
+DIRECT_NUMEL = {"cpu": 1 << 13}
+"""Per device type, tensors of at least this many elements skip the batch (absent: only
+:data:`MAX_PENDING_NUMEL` bounds them). On CPU the compiled per-tensor kernel processes large
+tensors faster than the grouped eager pass, and its fixed cost per call is small next to theirs;
+on a GPU the launch path costs more than any tensor's pass, so everything is grouped."""
+
+Accumulators = dict[tuple[str, str], torch.Tensor]
+_Item = tuple[Accumulators, tuple[str, str], torch.Tensor, int, str, "torch.Tensor | None", int]
+"""(accumulators, key, tensor, its version counter at observation, format, scale or None, margin)"""
+
+
+class StatsBatch:
+    """Observations waiting for one grouped statistics pass (one per monitor, shared by its layers)."""
+
+    def __init__(self, max_pending_numel: int = MAX_PENDING_NUMEL) -> None:
+        self.max_pending_numel = max_pending_numel
+        self._items: list[_Item] = []
+        self._numel = 0
+        self._in_backward = False
+        self._warned = False
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def accepts(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is grouped (non-empty floating point, below the device's direct size)."""
+        n = x.numel()
+        limit = DIRECT_NUMEL.get(x.device.type, self.max_pending_numel)
+        return 0 < n < limit and x.is_floating_point()
+
+    def add(
+        self, into: Accumulators, key: tuple[str, str], x: torch.Tensor, fmt: str,
+        scale: torch.Tensor | None, margin: int,
+    ) -> None:
+        """Queue ``x``'s partial (``fmt``; ``scale`` None: current scaling) for ``into[key]``.
+
+        A given scale is copied now (a backend updates its scale tensor in place later)."""
+        if scale is not None:
+            scale = scale.detach().to(torch.float32, copy=True)
+        self._items.append((into, key, x, x._version, fmt, scale, margin))
+        self._numel += x.numel()
+        if self._numel >= self.max_pending_numel:
+            self.flush()
+
+    def backward_started(self) -> None:
+        """Called by every dY hook: at the first of a backward, compute the forward's batch and
+        arrange for the backward's to be computed when it ends."""
+        if self._in_backward:
+            return
+        self.flush()
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        except RuntimeError:  # not inside the autograd engine (a hook called directly): stay per phase
+            return
+        self._in_backward = True
+
+    def _backward_done(self) -> None:
+        self._in_backward = False
+        self.flush()
+
+    def flush(self) -> None:
+        """Compute every waiting observation, grouped by (device, format, margin), and merge each
+        partial into its accumulator (in the order they were observed)."""
+        if not self._items:
+            return
+        items, self._items, self._numel = self._items, [], 0
+        groups: dict[tuple[torch.device, str, int], list[int]] = {}
+        for i, item in enumerate(items):
+            groups.setdefault((item[2].device, item[4], item[6]), []).append(i)
+        rows: dict[int, torch.Tensor] = {}
+        for (_, fmt, margin), idx in groups.items():
+            scales = [items[i][5] for i in idx]
+            out = tensors_partial_stats(
+                [items[i][2] for i in idx], fmt, scales if any(s is not None for s in scales) else None,
+                margin,
+            )
+            for i, row in zip(idx, out.unbind(0), strict=True):
+                rows[i] = row
+        for i, (into, key, x, version, *_) in enumerate(items):
+            row = rows[i]
+            prev = into.get(key)
+            into[key] = row if prev is None else merge_partials([prev, row])
+            if x._version != version:
+                self._warn_modified()
+
+    def _warn_modified(self) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                "fp8track: a tensor observed by the monitor was modified in place before its "
+                "statistics were computed (at the end of its forward or backward phase); they "
+                "describe the modified values",
+                stacklevel=3,
+            )

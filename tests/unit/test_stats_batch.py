@@ -1,0 +1,143 @@
+"""One statistics pass per hook phase: the grouped partials equal the per-tensor ones, and the
+batch ends its phases where the tensors still hold the values the hooks saw."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from fp8track import Monitor, MonitorConfig
+from fp8track.execution.apply import apply_fp8
+from fp8track.monitoring.reduce import take_partials
+from fp8track.monitoring.stats_batch import StatsBatch
+from fp8track.numerics.segment_stats import row_width, tensors_partial_stats
+from fp8track.numerics.stats import finalize, get_compile, partial_stats, set_compile
+
+
+@pytest.fixture(autouse=True)
+def _eager_stats():
+    """The per-tensor reference is the eager kernel (float64 sums, the real FP8 cast), which the
+    grouped pass reproduces; the compiled kernel's float32 row sums differ from both by rounding."""
+    mode = get_compile()
+    set_compile("eager")
+    yield
+    set_compile(mode)
+
+
+def _tensors() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    xs = [
+        torch.randn(16, 16, generator=g),
+        torch.randn(16, 16, generator=g) * 1e-4,  # deep in the subnormals of e4m3 under a given scale
+        torch.randn(3, 5, generator=g).to(torch.bfloat16),  # mixed dtypes in one group
+        torch.randn(100, generator=g) * 300,
+        torch.zeros(7),  # all zero: current scale 1, no nonzero element
+    ]
+    xs[3][5], xs[3][9], xs[0][2, 3] = math.nan, math.inf, 1e6
+    return xs
+
+
+def test_one_row_tensors_are_bit_equal_to_their_own_partials():
+    xs = _tensors()
+    assert row_width([x.numel() for x in xs]) == 256  # every tensor a single row
+    for fmt, margin in (("e4m3", 0), ("e5m2", 1)):
+        out = tensors_partial_stats(xs, fmt, None, margin)
+        for x, row in zip(xs, out, strict=True):
+            assert torch.equal(row, partial_stats(x, fmt, None, margin))
+
+
+def test_given_and_current_scales_mix_in_one_pass():
+    xs = _tensors()
+    scales = [torch.tensor(2.0), torch.tensor(0.25), None, torch.tensor(4.0), None]
+    out = tensors_partial_stats(xs, "e4m3", scales)
+    for x, s, row in zip(xs, scales, out, strict=True):
+        assert torch.equal(row, partial_stats(x, "e4m3", s))
+    assert finalize(out[1], "e4m3")["underflow_pct"] > 50  # the small tensor under scale 0.25
+
+
+def test_multi_row_tensors_equal_their_partials_to_float64_rounding():
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(64, 64, generator=g), torch.randn(1000, generator=g), torch.randn(300, 70, generator=g)]
+    out = tensors_partial_stats(xs, "e4m3")
+    for x, row in zip(xs, out, strict=True):
+        ref = partial_stats(x, "e4m3")
+        assert torch.equal(row[:5], ref[:5])  # counts: exact
+        assert torch.equal(row[9:], ref[9:])  # maxima and scales: exact
+        torch.testing.assert_close(row[5:9], ref[5:9], rtol=1e-14, atol=0)  # sums: summation order
+
+
+def _model(recipe: str | None) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.Linear(16, 8))
+    if recipe is not None:
+        apply_fp8(model, recipe, backend="emulated")
+    return model
+
+
+def _partials(recipe: str | None, batched: bool, tmp_path, micro_batches: int = 1, tensors=None):
+    model = _model(recipe)
+    cfg = MonitorConfig(every_n_steps=1, **({"tensors": tensors} if tensors else {}))
+    mon = Monitor(model, cfg, log_dir=tmp_path / f"{recipe}-{batched}").attach()
+    batches = {cap.batch for cap in mon.captures.values()}
+    assert len(batches) == 1 and None not in batches  # one batch shared by the monitor's layers
+    if not batched:
+        for cap in mon.captures.values():
+            cap.batch = None
+    g = torch.Generator().manual_seed(2)
+    batch = next(iter(batches))
+    for i in range(micro_batches):
+        loss = model(torch.randn(12, 16, generator=g)).square().mean()
+        if batched:
+            assert len(batch) == (6 if i == 0 else 3)  # the forward's activations (and weights) wait
+        loss.backward()
+        if batched:
+            assert len(batch) == 0  # both phases computed by the end of the backward
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1000.0)  # an optimizer step: the weights' rows must be the forward's weights
+    take = take_partials(mon.captures, torch.device("cpu"))
+    mon.close(reduce=False)
+    return take
+
+
+@pytest.mark.parametrize("recipe", [None, "current", "delayed"])
+def test_monitor_rows_equal_the_per_tensor_path(recipe, tmp_path):
+    got = _partials(recipe, True, tmp_path, micro_batches=2)
+    want = _partials(recipe, False, tmp_path, micro_batches=2)
+    assert got.keys == want.keys and len(got.keys) == 3 * 3
+    for key, a, b in zip(got.keys, got.parts, want.parts, strict=True):
+        assert torch.equal(a, b), key
+    assert {v for _, _, v in got.keys} == {"shadow" if recipe is None else "actual"}
+
+
+def test_forward_batch_ends_at_the_backward_without_gradient_rows(tmp_path):
+    got = _partials("current", True, tmp_path, tensors=("activation", "weight"))
+    want = _partials("current", False, tmp_path, tensors=("activation", "weight"))
+    assert len(got.keys) == 3 * 2
+    for a, b in zip(got.parts, want.parts, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_tensor_changed_in_place_before_its_phase_ends_is_named():
+    batch = StatsBatch()
+    x = torch.ones(4, 4)
+    acc: dict = {}
+    batch.add(acc, ("activation", "shadow"), x, "e4m3", None, 0)
+    x.mul_(2)
+    with pytest.warns(UserWarning, match="modified in place"):
+        batch.flush()
+    assert finalize(acc[("activation", "shadow")])["amax"] == 2.0
+
+
+def test_the_pending_bound_computes_early_and_large_tensors_go_direct():
+    batch = StatsBatch(max_pending_numel=40)
+    acc: dict = {}
+    batch.add(acc, ("a", "v"), torch.ones(16), "e4m3", None, 0)
+    assert len(batch) == 1 and not acc
+    batch.add(acc, ("b", "v"), torch.ones(32), "e4m3", None, 0)
+    assert len(batch) == 0 and set(acc) == {("a", "v"), ("b", "v")}
+    assert not batch.accepts(torch.ones(1 << 13)) and batch.accepts(torch.ones(1 << 12))
+    assert not batch.accepts(torch.ones(0)) and not batch.accepts(torch.ones(4, dtype=torch.int32))
