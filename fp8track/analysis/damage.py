@@ -77,18 +77,32 @@ def destroyed_on(stats: Mapping[str, float]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _initial_scale(stats: Mapping[str, float]) -> bool:
+    """A delayed scale before its history held an amax: Transformer Engine starts every FP8 scale
+    at 1.0 (``init_fp8_meta_tensors`` in ``transformer_engine/pytorch/module/base.py``: ``torch.ones``)
+    and the first step quantises with it, so gradients of 1e-5 flush in E5M2 on that one step by
+    construction. Not a quantisation decision: never "destroyed"."""
+    return float(stats.get("scale", math.nan)) == 1.0 and float(stats.get("current_scale", 1.0)) != 1.0
+
+
 def destroyed_layers(rows: Iterable[object]) -> list[Destroyed]:
-    """Layer tensors destroyed on at least one sampled step (``actual`` rows only), the earliest
-    onset first."""
+    """Layer tensors destroyed on at least one sampled step (``actual`` rows only, a tensor's first
+    sampled step at the initial scale 1.0 left out: :func:`_initial_scale`), the earliest onset
+    first."""
     sampled: dict[tuple[str, str], set[int]] = defaultdict(set)
     hits: dict[tuple[str, str], dict[int, tuple[str, ...]]] = defaultdict(dict)
     worst: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
-    for r in rows:
-        if getattr(r, "variant", "actual") != "actual":
-            continue
+    actual = [r for r in rows if getattr(r, "variant", "actual") == "actual"]
+    first: dict[tuple[str, str], int] = {}
+    for r in actual:
+        key = (r.layer, r.tensor)  # type: ignore[attr-defined]
+        first[key] = min(first.get(key, int(r.step)), int(r.step))  # type: ignore[attr-defined]
+    for r in actual:
         key = (r.layer, r.tensor)  # type: ignore[attr-defined]
         step = int(r.step)  # type: ignore[attr-defined]
         sampled[key].add(step)
+        if step == first[key] and _initial_scale(r.stats):  # type: ignore[attr-defined]
+            continue
         how = destroyed_on(r.stats)  # type: ignore[attr-defined]
         if not how:
             continue

@@ -52,6 +52,18 @@ def test_destroyed_criteria_and_layers():
     (d,) = destroyed_layers(rows)
     assert (d.layer, d.onset, d.steps, d.sampled) == ("fc", 20, (20, 25, 30, 35, 40, 45), 10)
     assert d.share == pytest.approx(0.6)
+    # delayed scaling's first step quantises with the initial scale 1.0 (gradients of 1e-5 flush in
+    # E5M2 by construction): left out; the same flush at a later step, or at a real scale, counts
+    flushed = {**healthy, "underflow_pct": 99.0}
+    first = {**flushed, "scale": 1.0, "current_scale": 2.0**20}
+    assert destroyed_layers([TensorStatsRow(0, "fc", "gradient", first),
+                             TensorStatsRow(5, "fc", "gradient", {**healthy, "scale": 2.0**20})]) == []
+    (late,) = destroyed_layers([TensorStatsRow(0, "fc", "gradient", {**healthy, "scale": 2.0**20}),
+                                TensorStatsRow(5, "fc", "gradient", first)])
+    assert late.steps == (5,)
+    (real,) = destroyed_layers([TensorStatsRow(0, "fc", "gradient", {**flushed, "scale": 4.0,
+                                                                     "current_scale": 2.0**20})])
+    assert real.steps == (0,)
 
 
 def test_loss_excursion_after_an_onset():
