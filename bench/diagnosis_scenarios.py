@@ -771,6 +771,8 @@ def ground_truth(sc: Scenario, fp8: Mapping[str, Any], control: Mapping[str, Any
             r["fp8"] >= DATA_SPIKE_MIN and r["control"] >= DATA_SPIKE_MIN for r in rises
         )
         checks["no_lasting_gap"] = out["ratio_tail"] < GAP_MIN
+        # the pair is healthy: its verdict's ``healthy`` finding leads, the shared spikes a note
+        out["accepted_kinds"] = [kind, "healthy"]
     elif kind == "divergence_from_start":
         early = _median(ratio[5: int(0.2 * n)])
         out.update(early_ratio=early, late_ratio=_median(tail))

@@ -2,16 +2,20 @@ import pytest
 
 
 @pytest.fixture(autouse=True)
-def _run_in_tmp_path(tmp_path, monkeypatch):
+def _run_in_tmp_path(tmp_path):
     """Every test runs in its own directory, so library defaults that write to the working
     directory (MLflow's ./mlruns artifact root, wandb/, lightning_logs/) stay out of the checkout.
     The environment is restored afterwards: ``mlflow.set_tracking_uri`` (called by Lightning's
-    MLFlowLogger) exports ``MLFLOW_TRACKING_URI``, which a later test's subprocess would inherit."""
+    MLFlowLogger) exports ``MLFLOW_TRACKING_URI``, which a later test's subprocess would inherit.
+    No ``monkeypatch`` here: a test's own monkeypatch is then undone before this restore, not
+    after it (its undo would put back a value a fixture had exported)."""
     import os
 
-    monkeypatch.chdir(tmp_path)
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
     saved = dict(os.environ)
     yield
+    os.chdir(cwd)
     os.environ.clear()
     os.environ.update(saved)
 

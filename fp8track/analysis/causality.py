@@ -90,8 +90,22 @@ def causal_order(
     first_layer = min(onsets, key=lambda n: (onsets[n], -_score(ranking, n)))
     ref = reference if reference is not None else earliest
     cut = max(ref, earliest) + resolution
+    # A destroyed layer is downstream only of an earlier destroyed layer: a statistical anomaly
+    # elsewhere (drift, a z-score) cannot wreck a GEMM's output, so it never demotes one.
+    first_wrecked = min(destroyed, key=lambda n: (onsets[n], -_score(ranking, n))) if destroyed else None
     roles = {}
     for layer, onset in onsets.items():
+        if layer in destroyed and first_wrecked is not None:
+            wrecked_cut = max(ref, onsets[first_wrecked]) + resolution
+            if layer != first_wrecked and onset > wrecked_cut:
+                roles[layer] = Role(layer, CONSEQUENCE, onset, first_wrecked,
+                                    f"destroyed from step {onset}, more than {resolution} steps after "
+                                    f"{first_wrecked} was destroyed (step {onsets[first_wrecked]}): "
+                                    f"downstream of {first_wrecked}")
+            else:
+                roles[layer] = Role(layer, CAUSE, onset, None,
+                                    f"destroyed from step {onset}; no layer was destroyed before it")
+            continue
         if onset > cut:
             after = (f"the loss departed from the control at step {reference}"
                      if reference is not None else f"{first_layer}'s anomaly at step {onsets[first_layer]}")

@@ -18,7 +18,7 @@ pytest.importorskip("mlflow")
 
 pytestmark = pytest.mark.slow
 README = Path(__file__).resolve().parents[2] / "README.md"
-ANCHOR = "A plain PyTorch loop sweeps the same way"
+ANCHOR = "A plain PyTorch loop sweeps too"
 
 
 def readme_blocks() -> tuple[str, str]:

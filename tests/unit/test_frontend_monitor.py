@@ -63,7 +63,7 @@ def test_baseline_from_mlflow_with_the_tracking_uri(tmp_path, mlflow_store):
 
 
 def test_a_bad_baseline_is_refused_before_any_hook_or_file(tmp_path):
-    with pytest.raises(fp8track.ConfigError, match="baseline must be a run directory"):
+    with pytest.raises(fp8track.ConfigError, match="control must be a run directory"):
         fp8track.Monitor(mlp(4, 8, 1), log_dir=tmp_path, baseline=42)
     with pytest.raises(fp8track.ConfigError, match="does not exist"):
         fp8track.Monitor(mlp(4, 8, 1), log_dir=tmp_path, baseline=tmp_path / "missing")
