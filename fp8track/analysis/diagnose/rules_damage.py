@@ -10,8 +10,9 @@ recovers makes the damage latent, not harmless. Each destroyed layer that is a c
 * **severity** from the loss's response (:func:`fp8track.analysis.damage.loss_excursion` over the
   destroyed span plus the onsets' resolution): ``high`` when the FP8/control loss ratio rose beyond
   its own noise (at least :data:`FELT_K` standard errors of the 3-step median and
-  :data:`FELT_MIN` relative) or a lasting gap names the layer first, else ``medium``; never lower:
-  a destroyed FP8 layer is never ``healthy``;
+  :data:`FELT_MIN` relative) or a lasting gap names the layer first, else ``medium``; ``low`` only
+  for clipping alone on one sampled step that the loss did not feel (delayed scaling's one-step
+  lag behind an amax jump);
 * **confidence** from how often it was seen: :data:`CONFIDENCE_ONE` on one sampled step (a single
   observation), :data:`CONFIDENCE_MANY` on two or more.
 """
@@ -62,7 +63,10 @@ def rule_latent_damage(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
         window = steps[-1] - onset + ev.resolution + 1
         ex = loss_excursion(fl, cl, onset, window)
         felt = _felt(ex["rise"], ev.loss.noise)
-        sev = "high" if felt or gap_first == layer else "medium"
+        # Clipping alone on one sampled step, unfelt, is delayed scaling's one-step lag behind an
+        # amax jump (the history catches up at the next step): a note, not a destroyed GEMM.
+        lag_only = len(steps) == 1 and all(set(h) == {"clipped"} for d in ds for h in d.how.values())
+        sev = "high" if felt or gap_first == layer else ("low" if lag_only else "medium")
         conf = CONFIDENCE_MANY if len(steps) >= 2 else CONFIDENCE_ONE
         after = downstream_of(ev, layer)
         tensors = tuple(dict.fromkeys(d.tensor for d in ds))

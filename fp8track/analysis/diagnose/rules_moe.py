@@ -210,6 +210,9 @@ def router_departures(fp8: Mapping[str, Mapping[int, float]],
     return sorted(out, key=lambda d: -d["z"])
 
 
+CLEAR_ROUTER_CONFIDENCE = 0.5
+
+
 def rule_router_divergence(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
     """Routing statistics that depart from the control's beyond its noise and lastingly."""
     dep = router_departures(ev.fp8.metrics, ev.control.metrics)
@@ -221,8 +224,12 @@ def rule_router_divergence(ev: Evidence, found: Sequence[Finding]) -> list[Findi
     words = "; ".join(
         f"{d['stat']} {d['level']:+.3g} ({unit[d['stat']]}) from step {d['onset']}" for d in dep
     )
+    conf = confidence(top["z"], ROUTER_K)
+    # With the loss in trouble routing is a lead; without, only a clear departure (confidence >= 0.5:
+    # z at least 1.7x the cut) is a problem of its own, a marginal one a note to watch.
+    severity = "high" if trouble else ("medium" if conf >= CLEAR_ROUTER_CONFIDENCE else "low")
     return [Finding(
-        "router_divergence", "high" if trouble else "medium", confidence(top["z"], ROUTER_K),
+        "router_divergence", severity, conf,
         f"Routing departs from the control from step {top['onset']} ({top['stat']})",
         f"Router statistics against the control at the same steps: {words}; each beyond "
         f"{ROUTER_K:.0f}x the control's own step-to-step noise and its floor, on most steps to the end.",
