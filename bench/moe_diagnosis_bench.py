@@ -223,7 +223,8 @@ def score(sc: Scenario, fp8_ref: str, control_ref: str) -> dict[str, Any]:
     f, c = load_run(fp8_ref), load_run(control_ref)
     d = diagnose(f, c)
     kinds = d.kinds()
-    out: dict[str, Any] = {"kinds": kinds, "top": kinds[0]}
+    out: dict[str, Any] = {"kinds": kinds, "top": kinds[0], "verdict": d.verdict.verdict,
+                           "verdict_layers": list(d.verdict.layers)[:2]}
     if sc.plant == "expert_scale":
         target = f"model.layers.{sc.layer}.mlp.experts.gate_up_proj.expert_{sc.expert}"
         experts = [x for x in d.findings if x.kind == "expert_outlier"]
@@ -231,11 +232,14 @@ def score(sc: Scenario, fp8_ref: str, control_ref: str) -> dict[str, Any]:
         out["naive_overflow_first"] = _naive(f.tensor_rows, "overflow_pct", max) == target
         out["naive_sqnr_first"] = _naive(f.tensor_rows, "sqnr_db", min) == target
         out["expert_onset"] = experts[0].steps[0] if experts else None
+        out["verdict_names_expert"] = d.verdict.verdict == "fp8_problem" and d.verdict.layers[:1] == (target,)
     elif sc.plant == "router_underflow":
         out["router_divergence"] = "router_divergence" in kinds
     else:
-        out["false_alarm_moe"] = any(k in MOE_KINDS for k in kinds)
-        out["healthy_verdict"] = kinds == ["healthy"]
+        # a false alarm is an MoE finding the verdict acts on (medium or high); low ones are notes
+        out["false_alarm_moe"] = any(x.kind in MOE_KINDS and x.severity in ("high", "medium")
+                                     for x in d.findings)
+        out["healthy_verdict"] = d.verdict.verdict == "healthy"
     return out
 
 
@@ -272,6 +276,8 @@ def main() -> None:
         "routing plants verified": f"{len(router)}/{sum('router_divergence' in r for r in results)}",
         "router_divergence raised": f"{sum(r['router_divergence'] for r in router)}/{len(router)}",
         "healthy pairs verified": f"{len(healthy)}/{sum('false_alarm_moe' in r for r in results)}",
+        "verdict names the planted expert":
+            f"{sum(r.get('verdict_names_expert', False) for r in expert)}/{len(expert)}",
         "MoE false alarms on healthy pairs": f"{sum(r['false_alarm_moe'] for r in healthy)}/{len(healthy)}",
         "healthy verdicts": f"{sum(r['healthy_verdict'] for r in healthy)}/{len(healthy)}",
         "wall_s": round(time.time() - t0, 1),
