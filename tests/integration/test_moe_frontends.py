@@ -47,7 +47,9 @@ def _fit(tmp_path, name: str, recipe: str | None, uri: str, experiment: str) -> 
     ml = MLFlowLogger(experiment_name=experiment, run_name=name, tracking_uri=uri)
     wb_dir = tmp_path / f"wandb_{name}"
     wb_dir.mkdir()
-    wb = WandbLogger(project="moe", name=name, save_dir=str(wb_dir), offline=True)
+    # mode="offline" goes to wandb.init itself: offline=True alone only exports WANDB_MODE, which an
+    # earlier test's wandb settings in this process can override (then wandb asks for an API key)
+    wb = WandbLogger(project="moe", name=name, save_dir=str(wb_dir), offline=True, mode="offline")
     monitor = fp8track.FP8Monitor(every_n_steps=2, apply_report=module.report)
     trainer = quiet_trainer(tmp_path, [monitor], max_epochs=1, logger=[ml, wb])
     trainer.fit(module)
