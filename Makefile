@@ -38,10 +38,12 @@ demo: $(STAMP)
 # --durations=25: the slowest tests in every run's output (CI's too), so a slow test shows at once.
 # -n 2 --dist loadfile (pytest-xdist): two workers, one test file per worker at a time, so a
 # module's shared trained fixtures are built once; most tests are single-threaded Python, so two
-# workers keep both cores busy (timings in docs/benchmarks.md).
+# workers keep both cores busy. Tests marked `serial` measure the process's own memory: they run
+# alone afterwards.
 PYTEST_WORKERS ?= 2
 test: $(STAMP) system-deps check docs
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile --durations=25
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile --durations=25 -m "not serial"
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=5 -m serial
 
 HAS_CUDA = $(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
 

@@ -22,6 +22,7 @@ from fp8track.monitoring.records import TensorStatsRow as Row
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # beside another worker's load the trackers' queues back up and hold memory
 def test_memory_flat_and_run_directory_linear_over_a_long_run(tmp_path, monkeypatch):
     """Long (about 2 min on 2 cores): growth per logged step or per table write stands out of the warm-up
     (SQLite cache, the heatmap summary filling its columns) only after 2,000 logged steps and 20 table
