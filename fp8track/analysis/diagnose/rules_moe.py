@@ -225,9 +225,11 @@ def rule_router_divergence(ev: Evidence, found: Sequence[Finding]) -> list[Findi
         f"{d['stat']} {d['level']:+.3g} ({unit[d['stat']]}) from step {d['onset']}" for d in dep
     )
     conf = confidence(top["z"], ROUTER_K)
-    # With the loss in trouble routing is a lead; without, only a clear departure (confidence >= 0.5:
-    # z at least 1.7x the cut) is a problem of its own, a marginal one a note to watch.
-    severity = "high" if trouble else ("medium" if conf >= CLEAR_ROUTER_CONFIDENCE else "low")
+    # With the loss in trouble routing is a lead; without, a problem of its own when the load
+    # balance or the routing decisions themselves departed (collapse) or the departure is clear
+    # (confidence >= 0.5: z at least 1.7x the cut); a marginal aux-loss shift alone is a note.
+    collapse = any(d["stat"] in ("worst_load_cv", "flip_pct") for d in dep)
+    severity = "high" if trouble else ("medium" if collapse or conf >= CLEAR_ROUTER_CONFIDENCE else "low")
     return [Finding(
         "router_divergence", severity, conf,
         f"Routing departs from the control from step {top['onset']} ({top['stat']})",
