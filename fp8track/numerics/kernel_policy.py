@@ -197,12 +197,15 @@ def compiled_partial(
     try:
         return _POLICY.run(main, tail, acc, *args), tail_pad
     except Exception as exc:  # compiler missing or broken: warn once, stay eager
-        _POLICY.failed = True
-        warnings.warn(
-            f"fp8track: torch.compile of the statistics kernel failed ({exc!r}); using eager",
-            stacklevel=3,
-        )
+        _compile_failed(exc)
         return None
+
+
+def _compile_failed(exc: Exception) -> None:
+    """Compilation failed (no C++ compiler, a broken toolchain): warn once, eager from then on."""
+    _POLICY.failed = True
+    warnings.warn(f"fp8track: torch.compile of the statistics kernel failed ({exc!r}); using eager",
+                  stacklevel=4)
 
 
 def _row_sums_graph(
@@ -232,11 +235,7 @@ def compiled_row_sums(
             )
         return kernel(x32, s_rows, p_rows, fconst)
     except Exception as exc:  # compiler missing or broken: warn once, stay eager
-        _POLICY.failed = True
-        warnings.warn(
-            f"fp8track: torch.compile of the statistics kernel failed ({exc!r}); using eager",
-            stacklevel=3,
-        )
+        _compile_failed(exc)
         return None
 
 
