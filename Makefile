@@ -42,7 +42,7 @@ demo: $(STAMP)
 # alone afterwards.
 PYTEST_WORKERS ?= 2
 test: $(STAMP) system-deps check docs
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile --durations=25 -m "not serial"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 -m "not serial"
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=5 -m serial
 
 HAS_CUDA = $(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"

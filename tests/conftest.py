@@ -1,4 +1,21 @@
+import os
+from pathlib import Path
+
 import pytest
+
+from helpers import file_order
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    out = os.environ.get("FP8TRACK_RECORD_FILE_DURATIONS")
+    if out:
+        config.pluginmanager.register(file_order.DurationRecorder(Path(out)), "fp8track-file-durations")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Longest files first (helpers/file_order.py): with ``--no-loadscope-reorder`` the xdist
+    workers take them in this order and finish together."""
+    items[:] = file_order.longest_files_first(items, file_order.read_durations())
 
 
 @pytest.fixture(autouse=True)
