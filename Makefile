@@ -38,12 +38,11 @@ demo: $(STAMP)
 # --durations=25: the slowest tests in every run's output (CI's too), so a slow test shows at once.
 # -n 2 --dist loadfile (pytest-xdist): two workers, one test file per worker at a time, so a
 # module's shared trained fixtures are built once; most tests are single-threaded Python, so two
-# workers keep both cores busy. Tests marked `serial` measure the process's own memory: they run
-# alone afterwards.
+# workers keep both cores busy; --no-loadscope-reorder keeps tests/conftest.py's order, longest
+# files first (tests/helpers/file_order.py), so both workers finish together.
 PYTEST_WORKERS ?= 2
 test: $(STAMP) system-deps check docs
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 -m "not serial"
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=5 -m serial
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 HAS_CUDA = $(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
 

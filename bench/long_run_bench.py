@@ -3,8 +3,9 @@
 A two-layer model is trained for real on the sampled steps (forward, backward, hooks, statistics)
 and the other steps only report a loss, as a week-long run with ``every_n_steps`` would. The
 trackers are MLflow (SQLite store, heatmap on) and W&B (offline). Prints one JSON object: RSS
-(resident set size, MiB) at each checkpoint, the run directory's size and bytes per logged step,
-and what the trackers missed.
+(resident set size, MiB) at each checkpoint (the trackers' queues drained first; with
+tracemalloc on, also the traced Python heap, ``traced_mib``), the run directory's size and bytes
+per logged step, and what the trackers missed.
 
     python bench/long_run_bench.py [--steps 1000000] [--every-n-steps 100] [--no-wandb] [--no-mlflow]
         [--tracemalloc N]
@@ -22,6 +23,7 @@ import json
 import os
 import tempfile
 import time
+import tracemalloc
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -49,10 +51,18 @@ def long_run(
     use_mlflow: bool = True,
     table_every_n_steps: int = 1000,
     on_checkpoint: Callable[[int], None] | None = None,
+    trace_from: int | None = None,
 ) -> dict[str, Any]:
     """Run ``steps`` optimizer steps; measure RSS and run-directory size at each checkpoint step
     (after which ``on_checkpoint(step)`` is called, e.g. to take a tracemalloc snapshot). Both
-    trackers write their tables every ``table_every_n_steps`` logged steps."""
+    trackers write their tables every ``table_every_n_steps`` logged steps.
+
+    ``trace_from`` (a checkpoint step): tracemalloc (one frame) starts there, so each later
+    checkpoint's ``traced_mib`` is the Python memory allocated since then and still alive, the
+    trackers' queues drained: the growth itself, free of the allocator's and SQLite's page reuse
+    that make RSS noisy. Tracing slows the traced steps about tenfold."""
+    if trace_from is not None and trace_from not in checkpoints:
+        raise ValueError(f"trace_from={trace_from} must be one of the checkpoints {checkpoints}")
     import torch
 
     from fp8track import MonitorConfig
@@ -95,6 +105,8 @@ def long_run(
             else:
                 monitor.step(loss=1.0 + 1e-3 * (step % 13))
             if step + 1 in marks:
+                for t in trackers:  # what is still queued is backlog, not growth
+                    t.flush(timeout_s=60)
                 gc.collect()
                 logged = (step + 1 + every_n_steps - 1) // every_n_steps
                 size = dir_bytes(monitor.run_dir)
@@ -104,8 +116,15 @@ def long_run(
                     "bytes_per_step": round(size / (step + 1), 2),
                     "seconds": round(time.perf_counter() - t0, 1),
                 })  # fmt: skip
+                if tracemalloc.is_tracing():  # Python objects alive now, the tracker queues drained
+                    points[-1]["traced_mib"] = round(tracemalloc.get_traced_memory()[0] / 2**20, 3)
+                if step + 1 == trace_from and not tracemalloc.is_tracing():
+                    tracemalloc.start(1)
+                    points[-1]["traced_mib"] = 0.0
                 if on_checkpoint is not None:
                     on_checkpoint(step + 1)
+        if trace_from is not None:
+            tracemalloc.stop()
         monitor.close()
     return {
         "steps": steps,
@@ -137,8 +156,6 @@ def main() -> None:
     snapshots: dict[int, Any] = {}
     on_checkpoint = None
     if args.tracemalloc:
-        import tracemalloc
-
         tracemalloc.start(12)
         on_checkpoint = lambda step: snapshots.__setitem__(step, tracemalloc.take_snapshot())  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:
