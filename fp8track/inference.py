@@ -40,7 +40,7 @@ from torch import nn
 from fp8track.analysis.risk_signals import SIGNAL_FLOORS, robust_z
 from fp8track.errors import ConfigError
 from fp8track.execution.backends import is_fp8_linear
-from fp8track.execution.backends.emulated import EmulatedFP8Linear
+from fp8track.execution.emulated_linear import EmulatedFP8Linear
 from fp8track.execution.recipes import Recipe
 from fp8track.numerics.scaling import amax, current_scale
 
