@@ -14,8 +14,9 @@ from torch import nn
 from fp8track.errors import ConfigError
 from fp8track.execution.attention import linearize_attention
 from fp8track.execution.backends import Backend, backend_of, get_backend
+from fp8track.execution.blocks import linear_names
 from fp8track.execution.experts import ROUTER_REASON, find_moe
-from fp8track.execution.fallback import FallbackSpec, linear_names
+from fp8track.execution.fallback import FallbackSpec
 from fp8track.execution.layers import is_convertible, preview_names
 from fp8track.execution.recipes import Recipe
 

@@ -14,7 +14,7 @@ from torch import nn
 from fp8track.errors import ConfigError
 from fp8track.execution.backends import backend_of
 from fp8track.execution.experts import MOE_KEYWORDS
-from fp8track.execution.fallback import moe_keyword_layers
+from fp8track.execution.fallback_resolve import moe_keyword_layers
 from fp8track.execution.layers import GEMM_LAYER_KINDS, gemm_layers, hidden_gemms, match_layers, preview_names
 from fp8track.monitoring import te_capture
 from fp8track.monitoring.capture import LayerCapture
