@@ -26,7 +26,8 @@ from fp8track.monitoring.records import EventRecord, RunMeta, RunReader
 from fp8track.monitoring.selection import LayerFilter
 from fp8track.monitoring.sharding import ShardSpec
 from fp8track.trackers import loop_trackers, validate_tracker_spec
-from fp8track.trackers.base import Tracker, TrackerFanout
+from fp8track.trackers.base import Tracker
+from fp8track.trackers.fanout import TrackerFanout
 
 
 def default_analyzers(
