@@ -142,7 +142,6 @@ def tied(a: float, b: float) -> bool:
     return abs(a - b) <= max(TIE_ABS, TIE_REL * max(abs(a), abs(b)))
 
 
-
 # --- the ranking -----------------------------------------------------------------------------------
 
 

@@ -31,7 +31,6 @@ forwards this step, so non-reentrant checkpointing counts the original forward a
 checkpointing (whose first forward runs without grad) the recompute: each GEMM once per step.
 """
 
-
 from __future__ import annotations
 
 import math
@@ -72,7 +71,6 @@ def guard_module_hooks() -> None:
     if getattr(config, "skip_nnmodule_hook_guards", False):
         config.skip_nnmodule_hook_guards = False
         getattr(torch._dynamo, "reset_code_caches", torch._dynamo.reset)()
-
 
 
 class LayerCapture:

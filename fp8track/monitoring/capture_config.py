@@ -69,7 +69,6 @@ def validate_whatif(whatif: Iterable[str]) -> tuple[str, ...]:
     return whatif
 
 
-
 @dataclass(frozen=True)
 class CaptureConfig:
     """What to capture and how often. Validated at construction. The frontends take

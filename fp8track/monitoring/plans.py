@@ -195,7 +195,6 @@ def shadow_plan(fqn: str, fmt_pair: str = "hybrid") -> LayerPlan:
     return LayerPlan(fqn=fqn, fp8=False, formats=formats)
 
 
-
 def plan_for(fqn: str, module: nn.Module, shadow_format: str = "hybrid") -> LayerPlan:
     """The :class:`LayerPlan` for one layer, asking the backend that owns it
     (:func:`fp8track.execution.backends.backend_of`) how it quantises.

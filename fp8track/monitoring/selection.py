@@ -93,7 +93,6 @@ def select_layers(
     return [(canonical[fqn], m) for fqn, m in candidates if canonical[fqn] in picked]
 
 
-
 def build_captures(
     model: nn.Module,
     cfg: CaptureConfig,
