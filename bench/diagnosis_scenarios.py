@@ -266,7 +266,7 @@ def attach_plant(model: nn.Module, plant: Plant, layers: Sequence[str]) -> Plant
 @contextlib.contextmanager
 def broken_inference(model: nn.Module, log2: float) -> Iterator[None]:
     """Evaluation through a wrong weight scale (``2**-log2`` too small) in every FP8 layer."""
-    from fp8track.execution.backends.emulated import EmulatedFP8Layer
+    from fp8track.execution.emulated_linear import EmulatedFP8Layer
 
     layers = [n for n, m in model.named_modules() if isinstance(m, EmulatedFP8Layer)]
     handle = faults.plant(model, Fault("scale", "weight", log2=log2, in_eval=True), layers, strict=False)
@@ -281,7 +281,7 @@ def broken_inference(model: nn.Module, log2: float) -> Iterator[None]:
 
 def _weight_out_in(layer: nn.Module) -> torch.Tensor:
     """The layer's weight as ``[out, in]`` (Hugging Face's ``Conv1D`` stores ``[in, out]``)."""
-    from fp8track.execution.backends.emulated import EmulatedFP8Conv1D
+    from fp8track.execution.emulated_linear import EmulatedFP8Conv1D
 
     w = layer.weight
     return w.t() if isinstance(layer, EmulatedFP8Conv1D) or type(layer).__name__ == "Conv1D" else w

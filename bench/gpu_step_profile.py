@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_bench import DRY, FULL, _Clock, _fwd_bwd, build_gpt  # noqa: E402
 
 from fp8track import Monitor, MonitorConfig  # noqa: E402
-from fp8track.monitoring import capture  # noqa: E402
+from fp8track.monitoring import plans  # noqa: E402
 
 
 def _device_ms(prof: Any, steps: int) -> dict[str, float]:
@@ -63,7 +63,7 @@ def run(dry_run: bool) -> dict[str, Any]:
     clock = _Clock(device)
     mon = Monitor(model, MonitorConfig(every_n_steps=1), log_dir=tempfile.mkdtemp())
     calls: list[float] = []
-    real = capture.partial_stats
+    real = plans.partial_stats
 
     def timed(*args: Any, **kwargs: Any) -> torch.Tensor:
         t = time.perf_counter()
@@ -112,14 +112,14 @@ def run(dry_run: bool) -> dict[str, Any]:
             if k == "every_1":
                 mon.detach()
             out["device_ms_per_step"][k] = _device_ms(prof, n)
-    capture.partial_stats = timed
+    plans.partial_stats = timed
     try:
         mon.attach()
         for i in range(3):
             step(True, i)
         mon.detach()
     finally:
-        capture.partial_stats = real
+        plans.partial_stats = real
     mon.close()
     out["host"] = {
         "partial_stats_calls_per_step": len(calls) // 3,

@@ -67,7 +67,7 @@ def long_run(
 
     from fp8track import MonitorConfig
     from fp8track.frontend import Monitor
-    from fp8track.trackers.base import read_missed
+    from fp8track.trackers.fanout import read_missed
     from fp8track.trackers.mlflow import MLflowTracker
 
     torch.manual_seed(0)

@@ -19,13 +19,15 @@ from fp8track.errors import ConfigError
 from fp8track.execution.apply import ApplyReport
 from fp8track.execution.layers import compile_selector
 from fp8track.monitoring import monitor as core
-from fp8track.monitoring.capture import LayerFilter, LayerPlan
 from fp8track.monitoring.flop_share import FP8_SHARE_METRIC
 from fp8track.monitoring.naming import LOSS_METRIC, run_metric
+from fp8track.monitoring.plans import LayerPlan
 from fp8track.monitoring.records import EventRecord, RunMeta, RunReader
+from fp8track.monitoring.selection import LayerFilter
 from fp8track.monitoring.sharding import ShardSpec
 from fp8track.trackers import loop_trackers, validate_tracker_spec
-from fp8track.trackers.base import Tracker, TrackerFanout
+from fp8track.trackers.base import Tracker
+from fp8track.trackers.fanout import TrackerFanout
 
 
 def default_analyzers(

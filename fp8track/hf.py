@@ -59,10 +59,10 @@ from fp8track.frontend import (
     control_arg,
     unwrap_model,
 )
-from fp8track.monitoring.capture import LayerFilter
 from fp8track.monitoring.capture_config import StepAnalyzer
 from fp8track.monitoring.reduce import total_grad_norm
 from fp8track.monitoring.run_meta import run_meta_for, select_eval_metrics
+from fp8track.monitoring.selection import LayerFilter
 from fp8track.optional import require
 from fp8track.trackers import Tracker, active_mlflow_tracker, active_wandb_tracker
 

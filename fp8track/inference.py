@@ -12,7 +12,7 @@ For every linear layer it reports the output error of each FP8 variant against B
 cosine, SQNR) and, per variant, the downstream metric. A scale that training got wrong or that
 was loaded wrong shows up twice: the trained-scale variant is worse than the fresh-scale one at
 that layer first, and the layer's trained scale sits far from its tensor's current scale compared
-with the other layers (robust z, :func:`fp8track.analysis.ranking.robust_z`; no fixed threshold).
+with the other layers (robust z, :func:`fp8track.analysis.risk_signals.robust_z`; no fixed threshold).
 
 Checkpoints (:func:`save_checkpoint`, :func:`load_checkpoint`) hold plain tensors and data only and
 are read with ``torch.load(weights_only=True)``. :func:`compare_states` checks that a model holds
@@ -37,10 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8track.analysis.ranking import SIGNAL_FLOORS, robust_z
+from fp8track.analysis.risk_signals import SIGNAL_FLOORS, robust_z
 from fp8track.errors import ConfigError
 from fp8track.execution.backends import is_fp8_linear
-from fp8track.execution.backends.emulated import EmulatedFP8Linear
+from fp8track.execution.emulated_linear import EmulatedFP8Linear
 from fp8track.execution.recipes import Recipe
 from fp8track.numerics.scaling import amax, current_scale
 

@@ -16,10 +16,10 @@ from fp8track.config import DEFAULT_LOG_DIR, MonitorConfig
 from fp8track.errors import invalid_choice
 from fp8track.execution.apply import ApplyReport
 from fp8track.frontend import FrontendResults, Monitor, check_frontend_args, control_arg, load_control
-from fp8track.monitoring.capture import LayerFilter
 from fp8track.monitoring.capture_config import StepAnalyzer
 from fp8track.monitoring.reduce import total_grad_norm
 from fp8track.monitoring.run_meta import run_meta_for
+from fp8track.monitoring.selection import LayerFilter
 from fp8track.monitoring.sharding import ShardSpec
 from fp8track.trackers import Tracker
 

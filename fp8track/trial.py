@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp8track.analysis.ranking import SIGNALS, LayerRisk
+from fp8track.analysis.ranking import LayerRisk
+from fp8track.analysis.risk_signals import SIGNALS
 from fp8track.errors import ConfigError, invalid_choice
 from fp8track.execution.fallback import FallbackSpec
 from fp8track.execution.recipes import Recipe

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fp8track.analysis.ranking import bulk_sqnr_db
+from fp8track.analysis.risk_signals import bulk_sqnr_db
 
 FLUSH_PCT = 50.0
 DESTROYED_SQNR_DB = 3.0

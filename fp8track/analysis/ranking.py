@@ -5,19 +5,20 @@ No statistic has a universal threshold (an underflow share that is alarming in o
 in another), so each layer is judged against its peers, like with like:
 
 1. **Per-row signals.** Every main row (``actual``, or ``shadow`` for a BF16 layer) gives seven
-   larger-is-worse signals (:data:`SIGNALS`):
+   larger-is-worse signals (:data:`~fp8track.analysis.risk_signals.SIGNALS`):
 
    ========================  =====================================================================
    ``rel_error_db``          ``-min(sqnr_db, bulk_sqnr_db)``: quantisation error relative to the
                              tensor's energy, and to the energy *without its largest element*
-                             (:func:`bulk_sqnr_db`), so one outlier that carries the energy cannot
-                             hide that the ordinary elements were flushed
+                             (:func:`~.risk_signals.bulk_sqnr_db`), so one outlier that carries
+                             the energy cannot hide that the ordinary elements were flushed
    ``cos_loss``              ``log10(1 - cos)``
    ``underflow_pct``         share of the finite elements flushed to zero, percent
    ``overflow_pct``          share of elements saturated, percent
    ``abs_drift_log2``        ``|scale_drift_log2|``: recipe scale vs the tensor's own, binades
    ``own_shift``             the (layer, tensor)'s strongest lasting worsening against its own
-                             history (:func:`history_shifts`, a z in its own noise unit; 0 if none)
+                             history (:func:`~.layer_history.history_shifts`, a z in its own
+                             noise unit; 0 if none)
    ``drift_events``          the largest severity of the run's ``drift`` events naming it (0 if none)
    ========================  =====================================================================
 
@@ -33,9 +34,10 @@ in another), so each layer is judged against its peers, like with like:
    peak in the control over the same steps, when every layer of the group has such rows in the same
    format: a layer hard to quantise in every run is the model's property, not this FP8 run's.
 4. **Robust z.** Within the group, ``z = (v - median) / max(1.4826 * MAD, floor)`` (floors in
-   :data:`SIGNAL_FLOORS`, in the signal's units, so a signal on which every layer agrees cannot
-   turn tiny differences into huge scores). A (layer, tensor) scores ``sum(max(z, 0))``; a layer's
-   risk is the maximum over its tensors, and the tensor that gives it is named.
+   :data:`~.risk_signals.SIGNAL_FLOORS`, in the signal's units, so a signal on which every layer
+   agrees cannot turn tiny differences into huge scores). A (layer, tensor) scores
+   ``sum(max(z, 0))``; a layer's risk is the maximum over its tensors, and the tensor that gives it
+   is named.
 5. **Ties.** Layers are ordered by score, equal scores in model order (never by name); scores
    within :func:`tied` of each other share a rank and are reported as tied.
 
@@ -56,38 +58,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
-import torch
 
-from fp8track.analysis.windows import MAD_TO_SIGMA
-from fp8track.errors import ConfigError
-from fp8track.numerics.formats import get_format
-from fp8track.numerics.nvfp4 import BLOCK_RANGE_STAT
-
-SIGNALS: tuple[str, ...] = (
-    "rel_error_db",
-    "cos_loss",
-    "underflow_pct",
-    "overflow_pct",
-    "abs_drift_log2",
-    "own_shift",
-    "drift_events",
+from fp8track.analysis.layer_history import HistoryShift, Key, Point, best_shift, layer_series
+from fp8track.analysis.risk_signals import (
+    ROW_SIGNALS,
+    SIGNAL_FLOORS,
+    SIGNALS,
+    bulk_sqnr_db,
+    peak,
+    robust_z,
 )
-"""The per-tensor signals of the risk score, each larger-is-worse (module docstring)."""
-
-ROW_SIGNALS: tuple[str, ...] = SIGNALS[:5]
-"""The signals one row's statistics give (the others come from the row series and the events)."""
-
-SIGNAL_FLOORS: Mapping[str, float] = {
-    "rel_error_db": 1.0,  # dB: SQNR differences under ~1 dB are within sampling noise
-    "cos_loss": 0.25,  # decades of (1 - cos)
-    "underflow_pct": 0.5,  # percentage points
-    # percentage points, as underflow: delayed scaling saturates a few elements routinely
-    "overflow_pct": 0.5,
-    "abs_drift_log2": 0.5,  # half a binade
-    "own_shift": 2.0,  # a history z: shifts of a few own-noise units are ordinary training drift
-    "drift_events": 1.0,  # severity is |peak drift| / threshold (>= 1 when an event fired)
-}
-"""Lower bound of the robust scale per signal, in the signal's units (step 4 of the docstring)."""
+from fp8track.numerics.nvfp4 import BLOCK_RANGE_STAT
 
 MATERIAL_MARGINS: Mapping[str, float] = {
     "rel_error_db": 6.0,  # dB: four times the error power of comparable tensors
@@ -99,22 +80,11 @@ MATERIAL_MARGINS: Mapping[str, float] = {
 an outlier (:func:`material`): the error signals only (drift and history shifts matter through the
 error they cause)."""
 
-MAIN_VARIANTS = ("actual", "shadow")
-# The column-wise copies of block recipes (the dgrad/wgrad operands, TE's ``_columnwise``
-# statistics) are ranked as tensors of their own, ``<tensor>_columnwise``, beside the row-wise ones.
-COLUMNWISE_VARIANTS = tuple(f"{v}_columnwise" for v in MAIN_VARIANTS)
 HISTORY_Z = 4.0
 """An own-history shift above this z sets the layer's window (step 2 of the docstring)."""
 
-PEAK_MIN_SAMPLES = 5
-"""From this many samples on, the peak is the second-largest sample (step 2 of the docstring)."""
-
 TIE_ABS, TIE_REL = 0.5, 0.1
 """Scores within ``max(TIE_ABS, TIE_REL * larger)`` of each other are tied."""
-
-E5M2_MIN_LOG2 = 12.0
-"""``log2(current_scale * amax)`` is log2(448) = 8.8 for E4M3 and log2(57344) = 15.8 for E5M2 (less
-the margin); the midpoint tells them apart."""
 
 
 @dataclass(frozen=True)
@@ -167,225 +137,9 @@ class LayerRisk:
         }
 
 
-# --- per-row signals -------------------------------------------------------------------------------
-
-
-def element_format(stats: Mapping[str, float]) -> str:
-    """``"e4m3"`` or ``"e5m2"`` from a row's ``current_scale * amax`` (the format's maximum less
-    the margin, :data:`E5M2_MIN_LOG2`), ``"?"`` when either is missing or zero."""
-    cur, amax = float(stats.get("current_scale", math.nan)), float(stats.get("amax", math.nan))
-    if not (math.isfinite(cur) and math.isfinite(amax)) or cur <= 0 or amax <= 0:
-        return "?"
-    if abs(math.log2(cur * amax) - math.log2(6.0)) < 1e-3:  # NVFP4's E2M1
-        return "e2m1"
-    return "e5m2" if math.log2(cur * amax) >= E5M2_MIN_LOG2 else "e4m3"
-
-
-BULK_MIN_SHARE = 1e-5
-"""The energy without the largest element is trusted from this share of the total on: the kernel
-sums rows of squares in float32 (~1e-7 relative), so a smaller remainder is rounding."""
-
-FLUSHED_MAJORITY_PCT = 50.0
-"""From this underflow share on, the tensor's median element is flushed (:func:`bulk_sqnr_db`)."""
-
-
-def largest_element_error(stats: Mapping[str, float]) -> float:
-    """Squared quantisation error of the tensor's largest element, ``(amax - q(amax))^2``, from the
-    row's ``amax``, ``scale`` and element format alone: the largest element *is* ``+-amax``, so its
-    rounding (saturating at the format's maximum, as the kernel does) can be redone exactly. NaN when
-    the row lacks one of them, and for NVFP4 rows (E2M1): their ``scale`` is the extreme block scale,
-    not the one of the largest element's block (and torch cannot cast to its packed dtype)."""
-    amax, scale = float(stats.get("amax", math.nan)), float(stats.get("scale", math.nan))
-    fmt = element_format(stats)
-    if fmt in ("?", "e2m1") or not (math.isfinite(amax) and math.isfinite(scale)) or scale <= 0:
-        return math.nan
-    f = get_format(fmt)
-    v = torch.tensor(amax, dtype=torch.float32) * torch.tensor(scale, dtype=torch.float32)
-    q = float(v.clamp(max=f.max).to(f.dtype).to(torch.float32)) / scale
-    return (amax - q) ** 2
-
-
-def bulk_sqnr_db(stats: Mapping[str, float]) -> float:
-    """SQNR of the tensor's ordinary elements, those besides its largest one, in dB; NaN when the
-    row does not tell.
-
-    * From the energies: ``10 log10((E - amax^2) / (err - e_max))``, with ``E = sum x^2`` and
-      ``err = sum (x - q(x))^2`` recovered from the row's ``mse`` (``err / n``), ``sqnr_db`` and
-      ``numel`` (``n`` = finite elements), and ``e_max`` the largest element's own error
-      (:func:`largest_element_error`; 0 when the row lacks its scale, which charges all of the
-      error to the others: pessimistic). Only when both remainders are at least
-      :data:`BULK_MIN_SHARE` of their totals (below, they are float32 rounding of the kernel's sums).
-    * When at least half of the elements are flushed (``underflow_pct >= 50``) the ordinary
-      element itself is gone, whatever an outlier does to the energies: ``10 log10(100 / u)`` dB,
-      the SQNR the ordinary elements have if the flushed share ``u`` carried its share of their
-      energy (3 dB at 50 %, 0.07 dB at 98.5 %).
-
-    The smaller of the two applies.
-    """
-    mse, sqnr, amax = (float(stats.get(k, math.nan)) for k in ("mse", "sqnr_db", "amax"))
-    numel, under = float(stats.get("numel", math.nan)), float(stats.get("underflow_pct", math.nan))
-    flushed = (
-        10.0 * math.log10(100.0 / under)
-        if math.isfinite(under) and under >= FLUSHED_MAJORITY_PCT
-        else math.nan
-    )
-    energy = math.nan
-    if all(math.isfinite(v) for v in (mse, amax, numel, sqnr)) and numel > 1 and mse > 0:
-        n = numel * (1.0 - float(stats.get("nonfinite_pct", 0.0) or 0.0) / 100.0)
-        err = mse * n
-        total = err * 10.0 ** (sqnr / 10.0)
-        own = largest_element_error(stats)
-        bulk, bulk_err = total - amax * amax, err - (own if math.isfinite(own) else 0.0)
-        if bulk >= BULK_MIN_SHARE * total and bulk_err >= BULK_MIN_SHARE * err:
-            energy = 10.0 * math.log10(bulk / bulk_err)
-    vals = [v for v in (energy, flushed) if not math.isnan(v)]
-    return min(vals) if vals else math.nan
-
-
-def row_signals(stats: Mapping[str, float]) -> dict[str, float]:
-    """The :data:`ROW_SIGNALS` of one step's statistics (one :class:`TensorStatsRow`'s ``stats``)."""
-    sqnr = float(stats.get("sqnr_db", math.nan))
-    bulk = bulk_sqnr_db(stats)
-    worst = min(sqnr, bulk) if not math.isnan(bulk) else sqnr
-    cos = float(stats.get("cos", math.nan))
-    one_minus_cos = 1.0 - cos if math.isfinite(cos) else math.nan
-    return {
-        # An exact quantisation (sqnr = inf) is the best possible: -inf, clipped by robust_z.
-        "rel_error_db": -worst if not math.isnan(worst) else math.nan,
-        "cos_loss": math.log10(max(one_minus_cos, 1e-12)) if math.isfinite(one_minus_cos) else math.nan,
-        "underflow_pct": float(stats.get("underflow_pct", math.nan)),
-        "overflow_pct": float(stats.get("overflow_pct", math.nan)),
-        "abs_drift_log2": abs(float(stats.get("scale_drift_log2", math.nan))),
-    }
-
-
-def robust_z(values: Sequence[float], floor: float) -> list[float]:
-    """``(v - median) / max(1.4826 * MAD, floor)`` over the finite values; NaN stays NaN, +-inf
-    is clipped to the finite range's extremes (an exact tensor is simply the best)."""
-    if floor <= 0:
-        raise ConfigError(f"floor must be > 0, got {floor!r}")
-    finite = np.array([v for v in values if math.isfinite(v)], dtype=np.float64)
-    if finite.size == 0:
-        return [math.nan] * len(values)
-    lo, hi = float(finite.min()), float(finite.max())
-    med = float(np.median(finite))
-    scale = max(MAD_TO_SIGMA * float(np.median(np.abs(finite - med))), floor)
-    return [math.nan if math.isnan(v) else (min(max(v, lo), hi) - med) / scale for v in values]
-
-
-def peak(values: Sequence[float]) -> float:
-    """The second-largest finite value (the largest with fewer than :data:`PEAK_MIN_SAMPLES`);
-    ``+inf`` counts as the largest finite value's ceiling, NaN is skipped."""
-    v = sorted(x for x in values if not math.isnan(x))
-    if not v:
-        return math.nan
-    return v[-2] if len(v) >= PEAK_MIN_SAMPLES else v[-1]
-
-
 def tied(a: float, b: float) -> bool:
     """Two scores are tied within ``max(TIE_ABS, TIE_REL * max(a, b))``."""
     return abs(a - b) <= max(TIE_ABS, TIE_REL * max(abs(a), abs(b)))
-
-
-# --- series and own history ------------------------------------------------------------------------
-
-Key = tuple[str, str]
-
-
-@dataclass(frozen=True)
-class _Point:
-    step: int
-    sig: Mapping[str, float]
-    stats: Mapping[str, float]
-    fmt: str
-    variant: str
-
-
-def _series(rows: Iterable[Any], variant: str | None = None) -> dict[Key, list[_Point]]:
-    """Main rows per (layer, tensor), sorted by step, in first-seen (model) order; with ``variant``
-    that what-if variant's rows (and its ``_columnwise`` rows) instead, and no others."""
-    main = MAIN_VARIANTS if variant is None else (variant,)
-    columnwise = COLUMNWISE_VARIANTS if variant is None else (f"{variant}_columnwise",)
-    out: dict[Key, list[_Point]] = {}
-    for r in rows:
-        if r.variant in main:
-            out.setdefault((r.layer, r.tensor), []).append(
-                _Point(int(r.step), row_signals(r.stats), r.stats, element_format(r.stats), r.variant))
-        elif r.variant in columnwise:  # a tensor of its own
-            out.setdefault((r.layer, f"{r.tensor}_columnwise"), []).append(_Point(
-                int(r.step), row_signals(r.stats), r.stats, element_format(r.stats),
-                r.variant.removesuffix("_columnwise")))
-    for pts in out.values():
-        pts.sort(key=lambda p: p.step)
-    return out
-
-
-@dataclass(frozen=True)
-class HistoryShift:
-    """A lasting change in one layer's statistics against its own history.
-
-    Attributes:
-        layer, tensor: where.
-        signal: which of :data:`ROW_SIGNALS` changed.
-        step: first sampled step of the changed segment (the onset).
-        before, after: the signal's median before / from the onset on (signal units).
-        z: ``(after - before) / max(1.4826 * pooled MAD, floor)``, larger is worse.
-    """
-
-    layer: str
-    tensor: str
-    signal: str
-    step: int
-    before: float
-    after: float
-    z: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"layer": self.layer, "tensor": self.tensor, "signal": self.signal, "step": self.step,
-                "before": self.before, "after": self.after, "z": self.z}
-
-
-def _best_shift(key: Key, points: Sequence[_Point], min_segment: int) -> HistoryShift | None:
-    if len(points) < 2 * min_segment:
-        return None
-    steps = [p.step for p in points]
-    best: HistoryShift | None = None
-    for sig in ROW_SIGNALS:
-        v = np.array([p.sig[sig] for p in points], dtype=np.float64)
-        if not np.isfinite(v).all():
-            finite = v[np.isfinite(v)]
-            if finite.size == 0:
-                continue
-            v = np.clip(np.nan_to_num(v, nan=float(np.median(finite))), finite.min(), finite.max())
-        # The split is where the two segments fit their medians best (least absolute residual, the
-        # L1 change point); the z of the difference is judged there.
-        fits = []
-        for k in range(min_segment, len(v) - min_segment + 1):
-            a, b = v[:k], v[k:]
-            ma, mb = float(np.median(a)), float(np.median(b))
-            resid = np.concatenate([a - ma, b - mb])
-            fits.append((float(np.abs(resid).sum()), k, ma, mb, resid))
-        _, k, ma, mb, resid = min(fits, key=lambda f: (f[0], f[1]))
-        scale = max(MAD_TO_SIGMA * float(np.median(np.abs(resid))), SIGNAL_FLOORS[sig])
-        z = (mb - ma) / scale
-        if best is None or z > best.z:
-            best = HistoryShift(key[0], key[1], sig, steps[k], ma, mb, z)
-    return best
-
-
-def history_shifts(rows: Iterable[Any], min_segment: int = 3) -> list[HistoryShift]:
-    """Per (layer, tensor), the strongest lasting worsening of a signal against its own history.
-
-    For each of :data:`ROW_SIGNALS`' per-step series (main rows, sorted by step) the split leaving
-    at least ``min_segment`` samples on each side where the two segments fit their medians best
-    (least total absolute residual; the earliest among equals) is the change point; its z is the
-    difference of the segment medians over the pooled robust scale of the residuals around them
-    (floored by :data:`SIGNAL_FLOORS`, so a flat series cannot yield a huge z). The signal with
-    the largest z per (layer, tensor) is returned, strongest first (equal z in model order);
-    series shorter than ``2 * min_segment`` are skipped.
-    """
-    out = [h for key, pts in _series(rows).items() if (h := _best_shift(key, pts, min_segment)) is not None]
-    return sorted(out, key=lambda h: -h.z)
 
 
 # --- the ranking -----------------------------------------------------------------------------------
@@ -400,7 +154,7 @@ class _Summary:
     onset: int | None
 
 
-def _summarise(points: Sequence[_Point], shift: HistoryShift | None, history_z: float,
+def _summarise(points: Sequence[Point], shift: HistoryShift | None, history_z: float,
                start: int | None, drift: Mapping[Key, Sequence[tuple[int, float]]], key: Key) -> _Summary:
     """Peaks of the signals and median statistics over the window from ``start`` (or the own onset)."""
     onset = (
@@ -471,22 +225,22 @@ def rank_layers(
             ``nvfp4_columnwise`` rows, e.g. of a BF16 control recorded with ``whatif=["nvfp4"]``);
             the main rows (``actual``/``shadow``) are then ignored, never mixed in.
     """
-    series = _series(rows, variant)
+    series = layer_series(rows, variant)
     if tensors is not None:
         series = {k: v for k, v in series.items() if k[1] in tensors}
     if not series:
         return []
     drift = _drift_by_key(events)
     summ = {
-        k: _summarise(pts, _best_shift(k, pts, 3), history_z, start, drift, k) for k, pts in series.items()
+        k: _summarise(pts, best_shift(k, pts, 3), history_z, start, drift, k) for k, pts in series.items()
     }
-    ctl_series = _series(control) if control is not None else {}
+    ctl_series = layer_series(control) if control is not None else {}
     ctl_summ: dict[Key, _Summary] = {}
     for k, s in summ.items():
         pts = ctl_series.get(k)
         if pts:
             # The control over the same steps as this layer's window, and its own shifts there.
-            ctl_summ[k] = _summarise(pts, _best_shift(k, pts, 3), math.inf, s.onset, {}, k)
+            ctl_summ[k] = _summarise(pts, best_shift(k, pts, 3), math.inf, s.onset, {}, k)
 
     groups: dict[tuple[str, str, str], list[Key]] = {}
     for k, s in summ.items():
@@ -589,22 +343,12 @@ def separation(risk: LayerRisk, ranking: Sequence[LayerRisk], others: Sequence[L
 
 
 __all__ = [
-    "SIGNALS",
-    "ROW_SIGNALS",
-    "SIGNAL_FLOORS",
     "MATERIAL_MARGINS",
+    "HISTORY_Z",
     "LayerRisk",
-    "HistoryShift",
-    "element_format",
-    "bulk_sqnr_db",
-    "largest_element_error",
-    "row_signals",
-    "robust_z",
-    "peak",
     "tied",
     "rank_layers",
     "outliers",
     "material",
     "separation",
-    "history_shifts",
 ]

@@ -13,9 +13,10 @@ from torch import nn
 
 from fp8track.errors import ConfigError
 from fp8track.execution.attention import linearize_attention
-from fp8track.execution.backends import Backend, backend_of, get_backend
+from fp8track.execution.backends import Backend, Converted, backend_of, get_backend
+from fp8track.execution.blocks import linear_names
 from fp8track.execution.experts import ROUTER_REASON, find_moe
-from fp8track.execution.fallback import FallbackSpec, linear_names
+from fp8track.execution.fallback import FallbackSpec
 from fp8track.execution.layers import is_convertible, preview_names
 from fp8track.execution.recipes import Recipe
 
@@ -140,24 +141,38 @@ def apply_fp8(
         for name, original in rebuilt:
             model.set_submodule(name, original)
         raise
+    if rebuilt:
+        notes = (*notes, "nn.MultiheadAttention rebuilt on q_proj/k_proj/v_proj/out_proj linears: "
+                 + ", ".join(n for n, _ in rebuilt))
+    report = _report(model, chosen.name, recipe, plan, converted, keep, notes, refused_attention)
+    _REPORTS[model] = report
+    return report
+
+
+def _report(
+    model: nn.Module,
+    backend: str,
+    recipe: Recipe,
+    plan: _Plan,
+    converted: Converted,
+    keep: Mapping[str, str],
+    notes: Sequence[str],
+    refused_attention: Mapping[str, str],
+) -> ApplyReport:
+    """The report of a conversion; warns about the modules left unconverted (under an FP8 recipe)."""
     keep = {**keep, **converted.refused}  # layers the backend would refuse at run time stay BF16
     unconverted = {**dict(refused_attention), **plan.unconverted, **converted.unconverted}
     unconverted.update(_left_out(model, plan, unconverted, list(refused_attention)))
     if unconverted and recipe.quantizes:
         _warn_unconverted(unconverted)
-    if rebuilt:
-        notes = (*notes, "nn.MultiheadAttention rebuilt on q_proj/k_proj/v_proj/out_proj linears: "
-                 + ", ".join(n for n, _ in rebuilt))
-    report = ApplyReport(
-        backend=chosen.name,
+    return ApplyReport(
+        backend=backend,
         recipe=recipe,
         fp8_layers=converted.fp8,
         bf16_layers=_bf16_layers(plan, keep, converted.fp8, unconverted),
         unconverted=tuple(unconverted.items()),
         notes=tuple(notes),
     )
-    _REPORTS[model] = report
-    return report
 
 
 def _refuse_converted(model: nn.Module) -> None:

@@ -147,14 +147,41 @@ class LinearMultiheadAttention(nn.Module):
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
             if key_padding_mask is not None:
                 key_padding_mask = key_padding_mask.unsqueeze(0)
-        tgt_len, bsz, embed_dim = query.shape
-        heads, head_dim = self.num_heads, self.head_dim
         if is_causal and attn_mask is None:
             raise RuntimeError("Need attn_mask if specifying the is_causal hint.")
         if is_causal and key_padding_mask is None and not need_weights:
             attn_mask = None
         elif key_padding_mask is not None:
             is_causal = False
+        q, k, v, attn_mask = self._heads(query, key, value, key_padding_mask, attn_mask)
+        tgt_len, bsz, _ = query.shape
+        dropout_p = self.dropout if self.training else 0.0
+        if need_weights:
+            if is_causal and attn_mask is None:
+                raise RuntimeError("is_causal without attn_mask is not implemented for need_weights")
+            out, w = self._weighted(q, k, v, attn_mask, dropout_p, tgt_len, bsz)
+            weights = w.view(bsz, self.num_heads, tgt_len, k.size(1))
+            if average_attn_weights:
+                weights = weights.mean(dim=1)
+            if not is_batched:
+                return out.squeeze(1), weights.squeeze(0)
+            return out, weights
+        out = self._sdpa(q, k, v, attn_mask, dropout_p, is_causal, tgt_len, bsz)
+        return (out if is_batched else out.squeeze(1)), None
+
+    def _heads(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+        attn_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The in-projections split into heads (``[bsz * heads, len, head_dim]``), ``bias_k`` /
+        ``bias_v`` and ``add_zero_attn`` applied, and the attention mask with the key padding mask
+        merged in (additive, ``[bsz * heads, tgt_len, src_len]`` or broadcastable)."""
+        tgt_len, bsz, _ = query.shape
+        heads, head_dim = self.num_heads, self.head_dim
         q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
         src_len = key.shape[0]
         if attn_mask is not None and attn_mask.dim() == 2:
@@ -184,26 +211,46 @@ class LinearMultiheadAttention(nn.Module):
                 .reshape(bsz * heads, 1, src_len)
             )
             attn_mask = kpm if attn_mask is None else attn_mask + kpm
-        dropout_p = self.dropout if self.training else 0.0
-        if need_weights:
-            if is_causal and attn_mask is None:
-                raise RuntimeError("is_causal without attn_mask is not implemented for need_weights")
-            q_scaled = q * math.sqrt(1.0 / float(head_dim))
-            if attn_mask is not None:
-                w = torch.baddbmm(attn_mask, q_scaled, k.transpose(-2, -1))
-            else:
-                w = torch.bmm(q_scaled, k.transpose(-2, -1))
-            w = F.softmax(w, dim=-1)
-            if dropout_p > 0.0:
-                w = F.dropout(w, p=dropout_p)
-            out = torch.bmm(w, v).transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
-            out = self.out_proj(out).view(tgt_len, bsz, -1)
-            weights = w.view(bsz, heads, tgt_len, src_len)
-            if average_attn_weights:
-                weights = weights.mean(dim=1)
-            if not is_batched:
-                return out.squeeze(1), weights.squeeze(0)
-            return out, weights
+        return q, k, v, attn_mask
+
+    def _weighted(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        dropout_p: float,
+        tgt_len: int,
+        bsz: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention with its weights materialised (``need_weights``): ``(output [tgt_len, bsz,
+        embed_dim], weights [bsz * heads, tgt_len, src_len])``."""
+        q_scaled = q * math.sqrt(1.0 / float(self.head_dim))
+        if attn_mask is not None:
+            w = torch.baddbmm(attn_mask, q_scaled, k.transpose(-2, -1))
+        else:
+            w = torch.bmm(q_scaled, k.transpose(-2, -1))
+        w = F.softmax(w, dim=-1)
+        if dropout_p > 0.0:
+            w = F.dropout(w, p=dropout_p)
+        out = torch.bmm(w, v).transpose(0, 1).reshape(tgt_len * bsz, self.embed_dim)
+        return self.out_proj(out).view(tgt_len, bsz, -1), w
+
+    def _sdpa(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        dropout_p: float,
+        is_causal: bool,
+        tgt_len: int,
+        bsz: int,
+    ) -> torch.Tensor:
+        """Attention through ``F.scaled_dot_product_attention``, no weights: the output
+        ``[tgt_len, bsz, embed_dim]``."""
+        heads, head_dim = self.num_heads, self.head_dim
+        src_len = k.size(1)
         if attn_mask is not None:
             attn_mask = (
                 attn_mask.unsqueeze(0)
@@ -214,9 +261,8 @@ class LinearMultiheadAttention(nn.Module):
         k = k.view(bsz, heads, src_len, head_dim)
         v = v.view(bsz, heads, src_len, head_dim)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)
-        out = out.permute(2, 0, 1, 3).reshape(bsz * tgt_len, embed_dim)
-        out = self.out_proj(out).view(tgt_len, bsz, -1)
-        return (out if is_batched else out.squeeze(1)), None
+        out = out.permute(2, 0, 1, 3).reshape(bsz * tgt_len, self.embed_dim)
+        return self.out_proj(out).view(tgt_len, bsz, -1)
 
     def extra_repr(self) -> str:
         return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}"

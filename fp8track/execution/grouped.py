@@ -100,7 +100,7 @@ class GroupQuantizers:
     def begin_forward(self, update: bool) -> tuple[ForwardScales | None, bool]:
         """``(record, replay)``: a training forward inside backward while an earlier forward waits
         for its backward is its recompute and replays that forward's scales (as
-        :class:`~fp8track.execution.backends.emulated.EmulatedFP8Linear` and TE do)."""
+        :class:`~fp8track.execution.emulated_linear.EmulatedFP8Linear` and TE do)."""
         if not (self.delayed and update):
             return None, False
         return self._recompute.begin_forward()

@@ -6,13 +6,13 @@ each logging step goes after the run directory has it). The frontends take
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from fp8track.errors import ConfigError, as_names, check_float, check_int, invalid_choice
-from fp8track.monitoring.capture import validate_tensors, validate_whatif
 from fp8track.monitoring.dumps import DumpPolicy
+from fp8track.monitoring.plans import WHATIF_VARIANTS
 from fp8track.monitoring.records import EventRecord, RunMeta, StepBatch, TensorStatsRow
 from fp8track.monitoring.schedule import (
     BURST_LAYERS,
@@ -49,6 +49,24 @@ DEFAULT_BURST_STEPS = 8
 example GPT (bench/results_burst.json), so a burst of 8 adds about 2.4 unsampled steps' worth of
 time per event; 8 covers the spike detector's confirmation and recovery checks (2 + 3 steps) with
 room for an intermittent fault to recur."""
+
+
+def validate_tensors(tensors: Iterable[str]) -> tuple[str, ...]:
+    tensors = as_names(tensors)  # "activation" is ("activation",), not its letters
+    if not tensors:
+        raise ConfigError(f"tensors must name at least one of {TENSOR_KINDS}")
+    for t in tensors:
+        if t not in TENSOR_KINDS:
+            raise invalid_choice("tensor kind", t, TENSOR_KINDS)
+    return tensors
+
+
+def validate_whatif(whatif: Iterable[str]) -> tuple[str, ...]:
+    whatif = as_names(whatif)  # "mxfp8" is ("mxfp8",)
+    for v in whatif:
+        if v not in WHATIF_VARIANTS:
+            raise invalid_choice("what-if variant", v, WHATIF_VARIANTS)
+    return whatif
 
 
 @dataclass(frozen=True)

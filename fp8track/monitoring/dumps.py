@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from fp8track.errors import ConfigError, check_int
-from fp8track.monitoring.capture import LayerCapture, LayerPlan, tensor_partial
+from fp8track.monitoring.capture import LayerCapture
+from fp8track.monitoring.plans import LayerPlan, tensor_partial
 from fp8track.monitoring.records import EventRecord
 from fp8track.numerics.scaling import quantize
 from fp8track.numerics.stats import finalize
@@ -97,7 +98,7 @@ class LayerDump:
 
 
 def plan_dict(plan: Any) -> dict[str, Any]:
-    """The parts of a :class:`fp8track.monitoring.capture.LayerPlan` a dump needs (plain data)."""
+    """The parts of a :class:`fp8track.monitoring.plans.LayerPlan` a dump needs (plain data)."""
     return {
         "fp8": bool(plan.fp8),
         "formats": dict(plan.formats),

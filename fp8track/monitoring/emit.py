@@ -10,9 +10,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fp8track.monitoring.capture import variant_format
 from fp8track.monitoring.capture_config import WORST_MAX, WORST_MIN, CaptureConfig, StepAnalyzer, StepSink
 from fp8track.monitoring.naming import LOSS_METRIC, metric_name, run_metric, worst_metric
+from fp8track.monitoring.plans import variant_format
 from fp8track.monitoring.records import (
     EventRecord,
     MetricsRecord,

@@ -50,7 +50,8 @@ from fp8track.execution.experts import (
 )
 from fp8track.execution.fp8_experts import EmulatedFP8Experts
 from fp8track.execution.grouped import equal_offsets, segment_ids
-from fp8track.monitoring.capture import LayerPlan, guard_module_hooks, shadow_plan
+from fp8track.monitoring.capture import guard_module_hooks
+from fp8track.monitoring.plans import LayerPlan, shadow_plan
 from fp8track.numerics.formats import TENSOR_KINDS
 from fp8track.numerics.scaling import BLOCK_SCALINGS, block_layout
 from fp8track.numerics.segment_stats import (

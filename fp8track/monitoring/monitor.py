@@ -36,7 +36,6 @@ from torch import nn
 
 from fp8track.errors import ConfigError
 from fp8track.execution.apply import ApplyReport, applied_report
-from fp8track.monitoring.capture import LayerFilter, LayerPlan
 from fp8track.monitoring.capture_config import (  # re-exported: they lived here before
     DEFAULT_BURST_STEPS,
     DEFAULT_SCALAR_STATS,
@@ -51,6 +50,7 @@ from fp8track.monitoring.emit import RunOutput, eval_metrics
 from fp8track.monitoring.flop_share import FP8_SHARE_METRIC
 from fp8track.monitoring.flush_writer import FlushWriter
 from fp8track.monitoring.grad_scaler import check_grad_scaler, current_scale
+from fp8track.monitoring.plans import LayerPlan
 from fp8track.monitoring.records import EventRecord, RunMeta, TensorStatsRow
 from fp8track.monitoring.reduce import (
     DeviceTake,
@@ -76,7 +76,7 @@ from fp8track.monitoring.run_meta import (  # re-exported: the run metadata live
     with_data,
 )
 from fp8track.monitoring.schedule import Sampler
-from fp8track.monitoring.selection import Capture, build_captures
+from fp8track.monitoring.selection import Capture, LayerFilter, build_captures
 from fp8track.monitoring.sharding import ShardSpec
 
 
@@ -86,9 +86,9 @@ class MonitorCore:
     Args:
         model: the model (hooks go on its linear-like layers).
         config: :class:`CaptureConfig`.
-        layers: which layers (see :func:`fp8track.monitoring.capture.select_layers`).
+        layers: which layers (see :func:`fp8track.monitoring.selection.select_layers`).
         plans: per-layer :class:`LayerPlan` overrides keyed by fqn; other layers get
-            :func:`fp8track.monitoring.capture.plan_for` (their backend's scales, or shadow mode
+            :func:`fp8track.monitoring.plans.plan_for` (their backend's scales, or shadow mode
             for BF16 layers).
         log_dir: parent of the run directory (rank 0 writes ``<log_dir>/<run_id>``).
         sink: factory called with the run directory once it exists, returning the

@@ -45,8 +45,8 @@ from torch import nn
 
 from fp8track.execution.checkpointing import in_backward
 from fp8track.execution.experts import MoEBlock
-from fp8track.monitoring.capture import LayerPlan, shadow_plan
 from fp8track.monitoring.naming import run_metric
+from fp8track.monitoring.plans import LayerPlan, shadow_plan
 
 ROUTER_STATS = (
     "logit_amax", "logit_std", "entropy", "topk_margin", "flip_pct", "load_cv", "load_max_over_mean",

@@ -51,7 +51,8 @@ from torch import nn
 
 from fp8track.errors import ConfigError, invalid_choice
 from fp8track.execution.backends import te as te_backend
-from fp8track.monitoring.capture import LayerCapture, LayerPlan, plan_for, pow2_current_scale
+from fp8track.monitoring.capture import LayerCapture
+from fp8track.monitoring.plans import LayerPlan, plan_for, pow2_current_scale
 from fp8track.numerics.formats import TENSOR_KINDS
 from fp8track.numerics.stats import block_partial_stats, partial_stats
 

@@ -2,7 +2,8 @@
 
 Public surface:
 
-- :class:`StepBatch`, :class:`Tracker`, :class:`QueuedTracker`, :class:`TrackerFanout` (base)
+- :class:`StepBatch`, :class:`Tracker` (``base``), :class:`QueuedTracker` (``queued``),
+  :class:`TrackerFanout` (``fanout``)
 - :func:`trackers_from_loggers`, :func:`make_trackers` (discovery from Lightning loggers),
   :func:`loop_trackers`, :func:`active_run_trackers` (a plain loop: the MLflow / W&B runs it has open),
   :func:`logger_kind`, :func:`mlflow_tracking_uri`, :class:`LoggerTracker` (any other logger)
@@ -22,8 +23,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from fp8track.errors import ConfigError, invalid_choice
-from fp8track.trackers.base import QueuedTracker, StepBatch, Tracker, TrackerFanout
+from fp8track.trackers.base import StepBatch, Tracker
+from fp8track.trackers.fanout import TrackerFanout
 from fp8track.trackers.loggers import LoggerTracker, logger_kind, mlflow_tracking_uri
+from fp8track.trackers.queued import QueuedTracker
 
 # Imported eagerly: the function must shadow the submodule of the same name.
 from fp8track.trackers.replay import replay  # noqa: E402

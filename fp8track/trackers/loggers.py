@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from fp8track.monitoring.records import StepBatch
-from fp8track.trackers.base import QueuedTracker, scalar_metrics
+from fp8track.trackers.base import scalar_metrics
+from fp8track.trackers.queued import QueuedTracker
 
 _LOGGER_MODULES = ("lightning.pytorch.loggers", "pytorch_lightning.loggers")
 _NATIVE = {"WandbLogger": "wandb", "MLFlowLogger": "mlflow"}

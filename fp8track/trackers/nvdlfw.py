@@ -43,7 +43,8 @@ from fp8track.errors import ConfigError
 from fp8track.monitoring import naming
 from fp8track.monitoring.records import MetricsRecord, RunWriter, TensorStatsRow
 from fp8track.numerics.formats import TENSOR_KINDS
-from fp8track.trackers.base import StepBatch, TrackerFanout
+from fp8track.trackers.base import StepBatch
+from fp8track.trackers.fanout import TrackerFanout
 
 try:
     from nvdlfw_inspect.logging import BaseLogger

@@ -32,7 +32,9 @@ from typing import Any
 
 from fp8track.errors import ConfigError, dataclass_from_dict
 from fp8track.monitoring.records import RunMeta, RunReader, redact
-from fp8track.trackers.base import QueuedTracker, StepBatch, Tracker, missed_path, read_missed
+from fp8track.trackers.base import StepBatch, Tracker
+from fp8track.trackers.fanout import missed_path, read_missed
+from fp8track.trackers.queued import QueuedTracker
 
 
 def step_batches(run_dir: str | os.PathLike[str]) -> dict[int, StepBatch]:

@@ -34,7 +34,6 @@ from fp8track.trackers.base import (
     EVENT_COLUMNS,
     EVENT_TABLES,
     TENSOR_KEY_COLUMNS,
-    QueuedTracker,
     ScalarsNotWritten,
     StepBatch,
     StoredRun,
@@ -50,6 +49,7 @@ from fp8track.trackers.expert_views import (
     ExpertHeatmap,
     figure_image,
 )
+from fp8track.trackers.queued import QueuedTracker
 
 if TYPE_CHECKING:
     import wandb
@@ -82,7 +82,7 @@ class WandbTracker(QueuedTracker):
             ``run.alert`` as ``wait_duration``).
         own_run: finish the run in :meth:`finish` (True when :meth:`create` opened it).
         name: tracker name (missed-step file name); change it to run two W&B trackers.
-        background, max_queue, finish_timeout_s: see :class:`~fp8track.trackers.base.QueuedTracker`.
+        background, max_queue, finish_timeout_s: see :class:`~fp8track.trackers.queued.QueuedTracker`.
 
     Raises:
         ConfigError: bad ``summaries``, ``table_every_n_steps`` or ``alert_wait_s``.

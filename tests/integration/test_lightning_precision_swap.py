@@ -7,7 +7,7 @@ from lightning.pytorch.plugins.precision import Precision
 from torch.utils.data import DataLoader, TensorDataset
 
 from fp8track.execution.apply import apply_fp8
-from fp8track.execution.backends.emulated import EmulatedFP8Linear
+from fp8track.execution.emulated_linear import EmulatedFP8Linear
 from fp8track.lightning import FP8Monitor
 from fp8track.monitoring.records import RunReader
 

@@ -12,7 +12,8 @@ from mlflow import MlflowClient  # noqa: E402
 from fp8track.monitoring import naming  # noqa: E402
 from fp8track.monitoring.records import MetricsRecord, RunMeta, RunWriter, TensorStatsRow  # noqa: E402
 from fp8track.trackers import TrackerFanout, replay  # noqa: E402
-from fp8track.trackers.base import StepBatch, read_missed  # noqa: E402
+from fp8track.trackers.base import StepBatch  # noqa: E402
+from fp8track.trackers.fanout import read_missed  # noqa: E402
 from fp8track.trackers.mlflow import MLflowTracker  # noqa: E402
 from fp8track.trackers.replay import missed_steps  # noqa: E402
 from fp8track.trackers.retry import Backoff  # noqa: E402

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fp8track.monitoring.records import MetricsRecord, RunMeta, RunWriter
-from fp8track.trackers.base import missed_path
+from fp8track.trackers.fanout import missed_path
 from fp8track.trackers.replay import main as sync_main
 
 pytestmark = pytest.mark.slow

@@ -20,7 +20,7 @@ import torch
 from fp8track import MonitorConfig
 from fp8track.frontend import Monitor
 from fp8track.monitoring.records import RunMeta, RunReader
-from fp8track.trackers.base import read_missed
+from fp8track.trackers.fanout import read_missed
 from fp8track.trackers.replay import replay
 
 from helpers.models import mlp

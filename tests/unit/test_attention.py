@@ -15,7 +15,7 @@ from torch import nn
 import fp8track
 from fp8track.execution.apply import apply_fp8
 from fp8track.execution.attention import LinearMultiheadAttention, linearize_attention
-from fp8track.execution.backends.emulated import EmulatedFP8Linear
+from fp8track.execution.emulated_linear import EmulatedFP8Linear
 from fp8track.monitoring.records import RunReader
 from fp8track.numerics.stats import get_compile, set_compile
 

@@ -23,7 +23,7 @@ from fp8track.execution.backends import (
 from fp8track.execution.backends import base as backend_base
 from fp8track.execution.backends.base import Backend, Converted, ScaleRule, register
 from fp8track.execution.recipes import Recipe
-from fp8track.monitoring.capture import plan_for, tensor_partial
+from fp8track.monitoring.plans import plan_for, tensor_partial
 from fp8track.monitoring.records import RunReader
 from fp8track.numerics.stats import finalize, get_compile, set_compile
 

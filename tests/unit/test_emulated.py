@@ -7,7 +7,7 @@ from torch import nn
 from fp8track.errors import ConfigError
 from fp8track.execution.apply import apply_fp8
 from fp8track.execution.backends import fp8_format_for, is_fp8_linear, used_scales
-from fp8track.execution.backends.emulated import EmulatedFP8Linear
+from fp8track.execution.emulated_linear import EmulatedFP8Linear
 from fp8track.execution.recipes import Recipe
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8track.execution.backends.emulated import _fp8_mm
+from fp8track.execution.emulated_gemm import fp8_mm
 
 
 def test_cpu_fp8_gemm_matches_scaled_mm() -> None:
@@ -16,7 +16,7 @@ def test_cpu_fp8_gemm_matches_scaled_mm() -> None:
     ref = torch._scaled_mm(
         a, b_t.t(), scale_a=sa.reciprocal(), scale_b=sb.reciprocal(), out_dtype=torch.float32
     )
-    out = _fp8_mm(a, sa, b_t, sb, torch.float32)
+    out = fp8_mm(a, sa, b_t, sb, torch.float32)
     # Independent float64 reference of the same formula.
     exact = (a.double() @ b_t.double().t()) / (3.7 * 0.45)
     torch.testing.assert_close(out, ref, rtol=2e-6, atol=1e-5)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from fp8track import Monitor, apply_fp8
-from fp8track.monitoring.capture import LayerPlan, plan_for, tensor_partial, variant_format
+from fp8track.monitoring.plans import LayerPlan, plan_for, tensor_partial, variant_format
 from fp8track.numerics.nvfp4 import NVFP4Options, columnwise_operand, nvfp4_quantize
 from fp8track.numerics.stats import block_quant_stats, finalize, nvfp4_quant_stats
 

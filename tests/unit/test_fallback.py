@@ -4,13 +4,9 @@ from torch import nn
 
 from fp8track.errors import ConfigError
 from fp8track.examples.gpt import GPT, GPTConfig
-from fp8track.execution.fallback import (
-    HEAD_REASON,
-    FallbackSpec,
-    block_stacks,
-    repeated_blocks,
-    resolve_fallback,
-)
+from fp8track.execution.blocks import block_stacks, repeated_blocks
+from fp8track.execution.fallback import FallbackSpec, resolve_fallback
+from fp8track.execution.fallback_resolve import HEAD_REASON
 
 
 @pytest.fixture(scope="module")

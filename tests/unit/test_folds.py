@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from fp8track.analysis import drift
-from fp8track.execution.backends.emulated import block_fake_quantize
 from fp8track.monitoring import naming
 from fp8track.numerics import scaling
 from fp8track.numerics.formats import get_format
+from fp8track.numerics.scaling import block_fake_quantize
 from fp8track.numerics.stats import BLOCK_RECIPES, block_quant_stats, quant_stats
 
 

@@ -9,7 +9,7 @@ from torch import nn
 
 import fp8track
 from fp8track.errors import ConfigError
-from fp8track.execution.backends.emulated import EmulatedFP8Conv1D, EmulatedFP8Linear
+from fp8track.execution.emulated_linear import EmulatedFP8Conv1D, EmulatedFP8Linear
 from fp8track.monitoring.records import RunReader
 from fp8track.numerics.stats import get_compile, quant_stats, set_compile
 

@@ -5,10 +5,11 @@ import torch
 from torch import nn
 
 from fp8track.errors import ConfigError
-from fp8track.execution.backends.emulated import EmulatedFP8Conv1D, EmulatedFP8Linear
-from fp8track.execution.fallback import linear_names, resolve_fallback
+from fp8track.execution.blocks import linear_names
+from fp8track.execution.emulated_linear import EmulatedFP8Conv1D, EmulatedFP8Linear
+from fp8track.execution.fallback import resolve_fallback
 from fp8track.execution.layers import gemm_layers, gemm_weight, is_convertible, is_gemm_layer, match_layers
-from fp8track.monitoring.capture import select_layers
+from fp8track.monitoring.selection import select_layers
 
 Conv1D = pytest.importorskip("transformers.pytorch_utils").Conv1D
 

@@ -13,7 +13,7 @@ import torch
 
 from fp8track import apply_fp8
 from fp8track.errors import ConfigError
-from fp8track.execution.backends.emulated import EmulatedFP8Linear
+from fp8track.execution.emulated_linear import EmulatedFP8Linear
 from fp8track.execution.experts import ROUTER_REASON, find_moe
 from fp8track.execution.fp8_experts import EmulatedFP8Experts
 from fp8track.execution.grouped import GroupQuantizers, fp8_grouped_linear, grouped_mm

@@ -152,7 +152,7 @@ def test_lightning_holder_and_plain_loop_give_the_same_names():
 
 
 def test_select_layers_records_canonical_names_and_accepts_either_name():
-    from fp8track.monitoring.capture import select_layers
+    from fp8track.monitoring.selection import select_layers
 
     held = torch.compile(_Holder(_Net()))
     assert [n for n, _ in select_layers(held)] == ["blocks.0", "blocks.2", "head"]

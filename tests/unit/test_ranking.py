@@ -13,18 +13,15 @@ import torch
 
 from fp8track.analysis.baseline import RunData
 from fp8track.analysis.diagnose import diagnose
-from fp8track.analysis.ranking import (
+from fp8track.analysis.layer_history import history_shifts
+from fp8track.analysis.ranking import material, outliers, rank_layers, tied
+from fp8track.analysis.risk_signals import (
     SIGNALS,
     bulk_sqnr_db,
     element_format,
-    history_shifts,
     largest_element_error,
-    material,
-    outliers,
     peak,
-    rank_layers,
     robust_z,
-    tied,
 )
 from fp8track.errors import ConfigError
 from fp8track.monitoring.records import TensorStatsRow

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fp8track.errors import ConfigError
-from fp8track.monitoring.capture import shadow_plan, tensor_partial
+from fp8track.monitoring.plans import shadow_plan, tensor_partial
 from fp8track.monitoring.sharding import ShardSpec, Share, share_of
 from fp8track.numerics.stats import STAT_NAMES, finalize, merge_partials, quant_stats
 

@@ -19,7 +19,7 @@ from fp8track.execution.backends import backend_of, get_backend
 from fp8track.execution.backends import te as te_backend
 from fp8track.execution.layers import is_gemm_layer
 from fp8track.execution.recipes import Recipe
-from fp8track.monitoring.capture import plan_for
+from fp8track.monitoring.plans import plan_for
 from fp8track.monitoring.records import RunReader
 from fp8track.numerics.stats import quant_stats
 
@@ -137,7 +137,7 @@ def test_te_current_recipe_margin_warns_and_monitor_uses_te_rule(te, monkeypatch
     plan = plan_for("l", layer)
     assert (plan.margin, plan.power_2_scales) == (0, True)
     x = torch.full((4, 64), 3.0)
-    from fp8track.monitoring.capture import tensor_partial
+    from fp8track.monitoring.plans import tensor_partial
     from fp8track.numerics.stats import finalize
 
     # 448 / 3 = 149.33; TE's compute_scale_from_amax clears the mantissa: 128.

@@ -8,7 +8,7 @@ from torch import nn
 
 from fp8track import Monitor, MonitorConfig
 from fp8track.monitoring import te_capture
-from fp8track.monitoring.capture import shadow_plan
+from fp8track.monitoring.plans import shadow_plan
 from fp8track.monitoring.records import RunReader
 from fp8track.numerics.stats import block_quant_stats, finalize, quant_stats
 

@@ -13,16 +13,15 @@ from fp8track.monitoring.records import EventRecord, MetricsRecord, RunMeta, Run
 from fp8track.trackers import TrackerFanout
 from fp8track.trackers.base import (
     EVENT_COLUMNS,
-    QueuedTracker,
     StepBatch,
     Tracker,
     event_row,
     event_severity,
-    missed_path,
-    read_missed,
     scalar_metrics,
     tensor_stat_columns,
 )
+from fp8track.trackers.fanout import missed_path, read_missed
+from fp8track.trackers.queued import QueuedTracker
 from fp8track.trackers.replay import missed_steps, replay, step_batches
 
 

@@ -114,7 +114,7 @@ def test_no_tracker_library_is_imported_without_its_logger(tmp_path):
         import sys
         from lightning.pytorch.loggers import CSVLogger
         from fp8track.trackers import make_trackers
-        from fp8track.trackers.base import TrackerFanout
+        from fp8track.trackers.fanout import TrackerFanout
         assert [t.name for t in make_trackers("auto", [CSVLogger({str(tmp_path)!r})])] == ["CSVLogger"]
         bad = [m for m in ("wandb", "mlflow", "nvdlfw_inspect") if m in sys.modules]
         assert not bad, bad

@@ -17,14 +17,9 @@ from fp8track.analysis.diagnose.model import (
     LOWER_IS_BETTER,
     DiagnosisConfig,
 )
+from fp8track.analysis.layer_history import HistoryShift, history_shifts
 from fp8track.analysis.loss_gap import GapConfig, GapJudgement, judge_gap, same_batches, step_noise
-from fp8track.analysis.ranking import (
-    HistoryShift,
-    LayerRisk,
-    history_shifts,
-    outliers,
-    rank_layers,
-)
+from fp8track.analysis.ranking import LayerRisk, outliers, rank_layers
 from fp8track.analysis.spikes import SpikeConfig, SpikeEvent, detect_spikes
 
 

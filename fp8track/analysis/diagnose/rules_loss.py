@@ -19,13 +19,8 @@ from fp8track.analysis.diagnose.model import (
     Finding,
     confidence,
 )
-from fp8track.analysis.ranking import (
-    MAIN_VARIANTS,
-    ROW_SIGNALS,
-    SIGNAL_FLOORS,
-    robust_z,
-    row_signals,
-)
+from fp8track.analysis.layer_history import MAIN_VARIANTS
+from fp8track.analysis.risk_signals import ROW_SIGNALS, SIGNAL_FLOORS, robust_z, row_signals
 
 
 def _severity(z: float, cut: float) -> str:

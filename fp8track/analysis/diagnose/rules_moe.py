@@ -32,7 +32,7 @@ import numpy as np
 
 from fp8track.analysis.diagnose.evidence import Evidence, relative_noise
 from fp8track.analysis.diagnose.model import Finding, confidence
-from fp8track.analysis.ranking import MAIN_VARIANTS
+from fp8track.analysis.layer_history import MAIN_VARIANTS
 from fp8track.execution.experts import parse_expert_row
 
 SQNR_MARGIN_DB = 10.0

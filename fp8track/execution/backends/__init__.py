@@ -30,7 +30,7 @@ from fp8track.execution.backends.base import (
     register,
     registered,
 )
-from fp8track.execution.backends.emulated import EmulatedFP8Conv1D, EmulatedFP8Layer, EmulatedFP8Linear
+from fp8track.execution.emulated_linear import EmulatedFP8Conv1D, EmulatedFP8Layer, EmulatedFP8Linear
 from fp8track.execution.recipes import Recipe
 from fp8track.numerics.formats import TENSOR_KINDS
 

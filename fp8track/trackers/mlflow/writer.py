@@ -35,7 +35,6 @@ from fp8track.trackers.base import (
     EVENT_COLUMNS,
     EVENT_TABLES,
     TENSOR_KEY_COLUMNS,
-    QueuedTracker,
     StepBatch,
     TablesNotWritten,
     event_row,
@@ -56,6 +55,7 @@ from fp8track.trackers.mlflow.params import (
     run_tags,
 )
 from fp8track.trackers.mlflow.spool import TableSpool
+from fp8track.trackers.queued import QueuedTracker
 from fp8track.trackers.retry import Backoff
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ class MLflowTracker(QueuedTracker):
         retry: how one step is retried while the server is unreachable
             (:class:`~fp8track.trackers.retry.Backoff`; default :data:`TRACKER_BACKOFF`: 0.5 s doubling
             to 30 s, for up to 15 minutes; the training thread never waits for it).
-        background, max_queue, finish_timeout_s: see :class:`~fp8track.trackers.base.QueuedTracker`.
+        background, max_queue, finish_timeout_s: see :class:`~fp8track.trackers.queued.QueuedTracker`.
 
     Raises:
         ConfigError: bad ``table_every_n_steps``, or a ``file:`` tracking URI (MLflow >= 3.13
