@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from fp8track.cli import main
 from fp8track.monitoring.records import MetricsRecord, RunMeta, RunWriter
 from fp8track.trackers.base import missed_path
-from fp8track.cli import main
 
 pytestmark = pytest.mark.slow
 

@@ -9,11 +9,11 @@ import pytest
 
 wandb = pytest.importorskip("wandb")
 
+from fp8track.cli import main as fp8track_main  # noqa: E402
 from fp8track.monitoring import naming  # noqa: E402
 from fp8track.monitoring.records import EventRecord, MetricsRecord, RunMeta, RunWriter, TensorStatsRow  # noqa: E402
 from fp8track.trackers import TrackerFanout, make_trackers  # noqa: E402
 from fp8track.trackers.base import StepBatch  # noqa: E402
-from fp8track.cli import main as fp8track_main  # noqa: E402
 from fp8track.trackers.replay import missed_steps  # noqa: E402
 from fp8track.trackers.wandb import WandbTracker  # noqa: E402
 

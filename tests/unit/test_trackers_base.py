@@ -1,4 +1,5 @@
-"""TrackerFanout, QueuedTracker and sync_run (``fp8track sync``), with small trackers of our own (no W&B/MLflow needed)."""
+"""TrackerFanout, QueuedTracker and sync_run (``fp8track sync``), with small trackers of our own
+(no W&B/MLflow needed)."""
 
 from __future__ import annotations
 
