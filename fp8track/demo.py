@@ -375,32 +375,24 @@ class DemoOutcome:
     summary_path: Path
 
 
-def run_and_diagnose(
-    out: str | Path = "fp8track-demo",
-    *,
-    steps: int = 300,
-    recipe: str = "delayed:hybrid:h16:max",
-    every_n_steps: int = 10,
-    use_wandb: bool = False,
-    progress: bool = True,
-    plant: bool = True,
-) -> DemoOutcome:
-    """``fp8track demo``: :func:`run_demo`, then each FP8 run diagnosed against the control
-    (:func:`fp8track.report.run.diagnose_runs`, into ``diagnosis-fp8/`` and ``diagnosis-planted/``)
-    with library logs silenced (:func:`quiet_libraries`); the summary written to :data:`SUMMARY_FILE`."""
+def run_and_diagnose(out: str | Path = "fp8track-demo", **train: Any) -> DemoOutcome:
+    """``fp8track demo``: :func:`run_demo` (``train``: its keywords), then each FP8 run diagnosed
+    against the control (:func:`fp8track.report.run.diagnose_runs`, into ``diagnosis-fp8/`` and
+    ``diagnosis-planted/``, published to the run's MLflow run and W&B run) with library logs
+    silenced (:func:`quiet_libraries`); the summary written to :data:`SUMMARY_FILE`."""
     from fp8track.report.run import diagnose_runs
     from fp8track.sweep.links import DEFAULT_UI, experiment_runs_url
 
     out = Path(out).resolve()
     uri = f"sqlite:///{out / 'mlflow.db'}"
     with quiet_libraries():
-        runs = run_demo(out, steps=steps, recipe=recipe, every_n_steps=every_n_steps,
-                        use_wandb=use_wandb, progress=progress, plant=plant)
+        runs = run_demo(out, **train)
         control = runs[0]
         results = {}
         for run in runs[1:]:
             label = "planted" if run.name == "fp8-planted" else "fp8"
-            wandb_run = ("fp8track-demo", run.wandb_run_id, out) if use_wandb and run.wandb_run_id else None
+            # a W&B run id only with use_wandb
+            wandb_run = ("fp8track-demo", run.wandb_run_id, out) if run.wandb_run_id else None
             results[label] = diagnose_runs(
                 run.run_dir,
                 control.run_dir,
