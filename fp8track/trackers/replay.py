@@ -1,4 +1,5 @@
-"""Replay a local run directory into a tracker: the ``fp8track sync`` command.
+"""Send a local run directory to a tracker again: what ``fp8track sync`` does (the command itself:
+:mod:`fp8track.cli.sync`).
 
 The run directory is the source of truth; a tracker that failed during training has its missed
 steps listed in ``<run_dir>/sync/<name>.missed.jsonl``. :func:`sync_run` rebuilds the
