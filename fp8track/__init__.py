@@ -39,7 +39,8 @@ _LAZY = {
     "RunReader": "fp8track.monitoring.records",
     "Tracker": "fp8track.trackers",
     "make_trackers": "fp8track.trackers",
-    "replay": "fp8track.trackers",
+    "sync_run": "fp8track.trackers",
+    "replay": "fp8track.trackers",  # deprecated: sync_run's former name, kept for one release
     "WandbTracker": "fp8track.trackers.wandb",
     "MLflowTracker": "fp8track.trackers.mlflow",
 }
@@ -73,7 +74,7 @@ __all__ = [
     "RunReader",
     "Tracker",
     "make_trackers",
-    "replay",
+    "sync_run",
     "WandbTracker",
     "MLflowTracker",
     # statistics of one tensor (docs/statistics.md)

@@ -27,7 +27,6 @@ causal finding and layer.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
@@ -45,6 +44,8 @@ from fp8track.errors import ConfigError, check_int
 
 DEMO_EXPERIMENT = "fp8track-demo"
 """The demo's MLflow experiment (and W&B project)."""
+SUMMARY_FILE = "demo.json"
+"""The demo's summary (runs, run ids, final losses, finding kinds), written to its output folder."""
 PLANT_LAYER = "blocks.1.mlp.fc"
 PLANT_AMAX = 1e6
 PLANT_FRACTION = 0.6
@@ -359,22 +360,39 @@ def _experiment_id(tracking_uri: str) -> str:
     return exp.experiment_id if exp is not None else "0"
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from fp8track.analysis.pairing import run_label, run_name
-    from fp8track.report.console import print_diagnosis
-    from fp8track.report.run import diagnose_runs
-    from fp8track.sweep.links import DEFAULT_UI, experiment_runs_url, mlflow_ui_command
+@dataclass(frozen=True)
+class DemoOutcome:
+    """What :func:`run_and_diagnose` made: the runs (control first), the diagnosis of each FP8 run
+    against the control (``"fp8"``, ``"planted"``: :class:`fp8track.report.run.DiagnoseResult`), the
+    MLflow store, the UI links to its runs and their compare view, and the summary file."""
 
-    out = Path(args.out).resolve()
+    out: Path
+    tracking_uri: str
+    runs: list[DemoRun]
+    results: dict[str, Any]
+    runs_url: str
+    compare_url: str
+    summary_path: Path
+
+
+def run_and_diagnose(out: str | Path = "fp8track-demo", **train: Any) -> DemoOutcome:
+    """``fp8track demo``: :func:`run_demo` (``train``: its keywords), then each FP8 run diagnosed
+    against the control (:func:`fp8track.report.run.diagnose_runs`, into ``diagnosis-fp8/`` and
+    ``diagnosis-planted/``, published to the run's MLflow run and W&B run) with library logs
+    silenced (:func:`quiet_libraries`); the summary written to :data:`SUMMARY_FILE`."""
+    from fp8track.report.run import diagnose_runs
+    from fp8track.sweep.links import DEFAULT_UI, experiment_runs_url
+
+    out = Path(out).resolve()
     uri = f"sqlite:///{out / 'mlflow.db'}"
     with quiet_libraries():
-        runs = run_demo(out, steps=args.steps, recipe=args.recipe, every_n_steps=args.every_n_steps,
-                        use_wandb=args.wandb, progress=not args.no_progress, plant=not args.no_plant)
+        runs = run_demo(out, **train)
         control = runs[0]
         results = {}
         for run in runs[1:]:
             label = "planted" if run.name == "fp8-planted" else "fp8"
-            wandb_run = ("fp8track-demo", run.wandb_run_id, out) if args.wandb and run.wandb_run_id else None
+            # a W&B run id only with use_wandb
+            wandb_run = ("fp8track-demo", run.wandb_run_id, out) if run.wandb_run_id else None
             results[label] = diagnose_runs(
                 run.run_dir,
                 control.run_dir,
@@ -402,61 +420,5 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         "findings": {k: [f.kind for f in v.diagnosis.findings] for k, v in results.items()},
     }
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
-    print(f"\nfp8track run directories: {out / DEFAULT_LOG_DIR}")
-    print(f"MLflow store:              {uri}")
-    print(f"Look at it:                {mlflow_ui_command(uri)}")
-    print(f"  then open the runs:      {runs_url}")
-    print(f"  and compare them:        {url}")
-    print(f"Inference chain:           fp8track check-inference {out / 'fp8.ckpt'}")
-    if args.wandb:
-        print(
-            f"W&B offline runs:          {out / 'wandb'}  (upload: wandb sync {out / 'wandb'}/offline-run-*)"
-        )
-    print(f"Summary (JSON):            {out / SUMMARY_FILE}")
-    by_name = {r.name: r for r in runs}
-    for label, res in results.items():
-        print(f"\n== {label} run vs the BF16 control ==")
-        if label == "planted":
-            print(
-                f"planted problem: from step {int(PLANT_FRACTION * args.steps)}, "
-                f"an outlier of {PLANT_AMAX:g} "
-                f"enters the activation amax history of {PLANT_LAYER} every step"
-            )
-        print_diagnosis(res.diagnosis, res.html_path, runs=(run_label(res.fp8), run_label(res.control)))
-    print("\n== answers ==")
-    for res in results.values():
-        d = res.diagnosis
-        name = run_name(res.fp8)
-        loss = (
-            f"final loss {by_name[name].final_loss:.3f} vs {control.final_loss:.3f}"
-            if name in by_name
-            else ""
-        )
-        top = f"; top-ranked layer {d.layer_ranking[0].layer}" if d.layer_ranking else ""
-        v = d.verdict
-        what = f"{v.cause} ({d.top.severity})" if v.cause else d.top.kind
-        print(f"{name}: {v.verdict}: {what}: {v.reason} ({loss}{top})")
-    return 0
+    return DemoOutcome(out, uri, runs, results, runs_url, url, out / SUMMARY_FILE)
 
-
-SUMMARY_FILE = "demo.json"
-"""The demo's summary (runs, run ids, final losses, finding kinds), written to its output folder."""
-
-
-def add_subparser(sub: Any) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "demo", help="BF16 control, emulated FP8 and a planted problem on the example GPT, diagnosed"
-    )
-    p.add_argument("--out", default="fp8track-demo", help="output folder (default ./fp8track-demo)")
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default 300)")
-    p.add_argument(
-        "--recipe", default="delayed:hybrid:h16:max", help="FP8 recipe (fp8track.execution.recipes grammar)"
-    )
-    p.add_argument("--every-n-steps", type=int, default=10, help="monitor sampling interval")
-    p.add_argument(
-        "--wandb", action="store_true", help="also log to W&B in offline mode (one run per training run)"
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--no-plant", action="store_true", help="skip the planted-problem run")
-    p.set_defaults(func=_cmd_demo)
-    return p

@@ -1,7 +1,7 @@
 """The sweep's last step: the finalists rerun on the control's seeds, judged in the seed noise, and
 the summary (:mod:`fp8track.sweep.summary`) written to the parent run: ``sweep_summary.json``,
 ``pareto.png``, ``recommendation.json``, ``summary.txt`` and ``fp8track.recommendation.*`` tags;
-:func:`read_summary` reads the text back."""
+:func:`read_summary` reads the text back (:func:`stored_summary`: from a store's URI)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from fp8track.errors import ConfigError
 from fp8track.sweep.controls import Controls
-from fp8track.sweep.mlflow_runs import GAP_METRIC
+from fp8track.sweep.mlflow_runs import GAP_METRIC, find_parent
 from fp8track.sweep.summary import (
     Recommendation,
     TrialRow,
@@ -129,4 +130,21 @@ def read_summary(client: Any, parent_run_id: str) -> str | None:
         return None
 
 
-__all__ = ["finish_sweep", "with_failed", "params_of", "write_summary", "read_summary"]
+def stored_summary(mlflow_uri: str, name: str) -> tuple[str, str | None]:
+    """``(parent_run_id, summary text)`` of the sweep ``name`` in the store at ``mlflow_uri``
+    (:func:`read_summary`; ``None`` before the sweep finished). A store or sweep that does not exist
+    is a :class:`~fp8track.errors.ConfigError`."""
+    from mlflow.tracking import MlflowClient
+
+    store = mlflow_uri.removeprefix("sqlite:///")
+    if store != mlflow_uri and not Path(store).is_file():  # MLflow would create an empty one
+        raise ConfigError(
+            f"no sweep store at {mlflow_uri}: sweep {name!r} has not run there "
+            "(run it first, or pass the --tracking-uri and --out it used)"
+        )
+    client = MlflowClient(mlflow_uri)
+    _exp_id, parent = find_parent(client, name)
+    return parent, read_summary(client, parent)
+
+
+__all__ = ["finish_sweep", "with_failed", "params_of", "write_summary", "read_summary", "stored_summary"]

@@ -73,3 +73,15 @@ def how_to_look(tracking_uri: str, experiment_id: str, trial_run_ids: Sequence[s
     if trial_run_ids:
         lines.append(f"  compare: {compare_url(base, experiment_id, trial_run_ids)}")
     return "\n".join(lines)
+
+
+def sweep_links(tracking_uri: str, name: str) -> str:
+    """:func:`how_to_look` for the sweep ``name`` in the store at ``tracking_uri``: its experiment
+    and its trials, oldest first."""
+    from mlflow.tracking import MlflowClient
+
+    from fp8track.sweep.mlflow_runs import find_parent, trial_run_ids
+
+    client = MlflowClient(tracking_uri)
+    exp_id, parent = find_parent(client, name)
+    return how_to_look(tracking_uri, exp_id, trial_run_ids(client, exp_id, parent))

@@ -305,5 +305,16 @@ def find_parent(client: Any, name: str) -> tuple[str, str]:
     return exp.experiment_id, runs[0].info.run_id
 
 
+def trial_run_ids(client: Any, experiment_id: str, parent_run_id: str) -> list[str]:
+    """The run ids of the sweep's trials (children of ``parent_run_id`` with role ``trial``), by
+    trial number."""
+    trials = client.search_runs(
+        [experiment_id], f"tags.mlflow.parentRunId = '{parent_run_id}' and tags.`fp8track.role` = 'trial'",
+        max_results=1000,
+    )
+    trials.sort(key=lambda r: int(r.data.tags.get("fp8track.trial", 0)))
+    return [r.info.run_id for r in trials]
+
+
 __all__ = ["GAP_METRIC", "EXPERIMENT_KIND", "FP8_PARAMS", "SweepRuns", "row_from_run", "find_parent",
-           "varying", "param_text", "seed_of"]
+           "trial_run_ids", "varying", "param_text", "seed_of"]

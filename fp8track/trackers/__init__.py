@@ -7,7 +7,8 @@ Public surface:
 - :func:`trackers_from_loggers`, :func:`make_trackers` (discovery from Lightning loggers),
   :func:`loop_trackers`, :func:`active_run_trackers` (a plain loop: the MLflow / W&B runs it has open),
   :func:`logger_kind`, :func:`mlflow_tracking_uri`, :class:`LoggerTracker` (any other logger)
-- :func:`replay` (``fp8track sync``)
+- :func:`sync_run` (``fp8track sync``: a run directory's missed steps to a tracker; ``replay``, its
+  former name, is a deprecated alias for one release)
 - ``fp8track.trackers.wandb.WandbTracker``, ``fp8track.trackers.mlflow.MLflowTracker`` and
   ``fp8track.trackers.nvdlfw.TEStatsBridge`` are imported from their modules (they pull in their
   optional dependency on first use only).
@@ -28,8 +29,8 @@ from fp8track.trackers.fanout import TrackerFanout
 from fp8track.trackers.loggers import LoggerTracker, logger_kind, mlflow_tracking_uri
 from fp8track.trackers.queued import QueuedTracker
 
-# Imported eagerly: the function must shadow the submodule of the same name.
-from fp8track.trackers.replay import replay  # noqa: E402
+# Imported eagerly: the deprecated function ``replay`` must shadow the submodule of the same name.
+from fp8track.trackers.replay import replay, sync_run  # noqa: E402, F401 (replay: deprecated, not in __all__)
 
 TRACKER_NAMES = ("wandb", "mlflow")
 """Tracker names accepted by :func:`make_trackers` besides ``"auto"`` and ``"none"``."""
@@ -242,5 +243,5 @@ __all__ = [
     "active_mlflow_tracker",
     "active_wandb_tracker",
     "TRACKER_FORMS",
-    "replay",
+    "sync_run",
 ]

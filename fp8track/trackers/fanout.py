@@ -3,7 +3,7 @@
 The fan-out never lets a tracker stop training: a tracker that raises (or whose background worker
 fails later) is warned about once, and each step it missed is appended to
 ``<run_dir>/sync/<tracker.name>.missed.jsonl`` so ``fp8track sync`` can replay it
-(:func:`fp8track.trackers.replay.replay`).
+(:func:`fp8track.trackers.replay.sync_run`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""Replay a local run directory into a tracker: the ``fp8track sync`` command.
+"""Send a local run directory to a tracker again: what ``fp8track sync`` does (the command itself:
+:mod:`fp8track.cli.sync`).
 
 The run directory is the source of truth; a tracker that failed during training has its missed
-steps listed in ``<run_dir>/sync/<name>.missed.jsonl``. :func:`replay` rebuilds the
+steps listed in ``<run_dir>/sync/<name>.missed.jsonl``. :func:`sync_run` rebuilds the
 :class:`~fp8track.trackers.base.StepBatch` of those steps (or of every step) from the records and
 sends them again; what was delivered is removed from the missed file.
 
@@ -19,14 +20,13 @@ directory's ``fp8track.run_id`` (``fp8track-<run id>``), and a run of that id al
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import queue
 import re
 import time
-from collections.abc import Iterable
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -69,14 +69,15 @@ def run_meta(run_dir: str | os.PathLike[str]) -> RunMeta:
     return dataclass_from_dict(RunMeta, d, strict=False)
 
 
-def replay(run_dir: str | os.PathLike[str], tracker: Tracker, only_missed: bool = True) -> int:
-    """Send the missed (or all) steps of a run directory to ``tracker``.
+def sync_run(run_dir: str | os.PathLike[str], tracker: Tracker, only_missed: bool = True) -> int:
+    """Send the missed (or all) steps of a run directory to ``tracker`` (what ``fp8track sync`` does
+    for each destination).
 
     Calls ``tracker.start(meta)``, ``tracker.log`` for each step in order, then
     ``tracker.finish()``. A step whose only loss was its table rows (``what == "tables"``) is
     sent without its scalars, one that lost only its scalars (``"scalars"``) without its rows
     and events. Failures do not raise: they stay (or are added) in the tracker's missed
-    file. Entries for a failed ``start``/``finish`` are cleared when this replay's own start and
+    file. Entries for a failed ``start``/``finish`` are cleared when this sync's own start and
     finish succeed.
 
     Args:
@@ -121,7 +122,7 @@ def replay(run_dir: str | os.PathLike[str], tracker: Tracker, only_missed: bool 
         try:
             try:
                 tracker.log(batch)
-            except queue.Full:  # replay is not the training thread: wait for the worker instead
+            except queue.Full:  # a sync is not the training thread: wait for the worker instead
                 if not isinstance(tracker, QueuedTracker):
                     raise
                 tracker.flush()
@@ -141,10 +142,20 @@ def replay(run_dir: str | os.PathLike[str], tracker: Tracker, only_missed: bool 
     return len(delivered)
 
 
+def replay(run_dir: str | os.PathLike[str], tracker: Tracker, only_missed: bool = True) -> int:
+    """Deprecated: the former name of :func:`sync_run` (removed in the next release)."""
+    warnings.warn(
+        "fp8track.trackers.replay.replay is deprecated: use sync_run (same arguments)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return sync_run(run_dir, tracker, only_missed=only_missed)
+
+
 def _rewrite_missed(
     run_dir: Path, name: str, old: list[dict[str, Any]], attempted: set[int], failed: dict[int | None, str]
 ) -> None:
-    """Keep old entries not attempted now, plus this replay's failures; remove the file if empty."""
+    """Keep old entries not attempted now, plus this sync's failures; remove the file if empty."""
     keep = [e for e in old if e.get("step") is not None and int(e["step"]) not in attempted]
     now = time.time()
     keep += [
@@ -195,107 +206,81 @@ def find_wandb_run(wandb_dir: str | os.PathLike[str], wandb_run_id: str) -> Path
     return found[0] if found else None
 
 
-def _sync_wandb(run_dir: Path, meta: RunMeta, args: argparse.Namespace) -> dict[str, Any]:
-    """``fp8track sync --wandb-dir``: idempotent. The run's id is derived from the run directory
-    (:func:`wandb_sync_id`) unless ``--wandb-run-id`` names one; when that run already exists (a
-    folder under ``--wandb-dir``, or the named run) only what is still missed is sent, so a second
-    sync sends nothing twice and opens no second run."""
-    from fp8track.trackers.wandb import WandbTracker
+def sync_mlflow(
+    run_dir: str | os.PathLike[str],
+    tracking_uri: str,
+    *,
+    run_id: str | None = None,
+    experiment: str = "fp8track",
+    tracker_name: str = "mlflow",
+    all_steps: bool = False,
+) -> dict[str, Any]:
+    """``fp8track sync --mlflow-uri``: idempotent. Completes ``run_id``, else the run already tagged
+    with the run directory's ``fp8track.run_id`` (:func:`find_mlflow_run`), with what it missed;
+    with neither, a new run in ``experiment`` gets every step. A store that cannot be used (a server
+    that does not answer, a missing database driver) is a :class:`~fp8track.errors.ConfigError`.
 
-    run_id = args.wandb_run_id or wandb_sync_id(meta.run_id)
-    previous = find_wandb_run(args.wandb_dir, run_id)
-    existing = args.wandb_run_id is not None or previous is not None
-    tracker = WandbTracker.create(
-        project=args.wandb_project, name=meta.name, dir=args.wandb_dir, mode=args.wandb_mode,
-        run_id=run_id, resume="must" if args.wandb_run_id else "allow", tracker_name=args.wandb_name,
-        background=False, lazy=True,
-    )  # fmt: skip
-    n = replay(run_dir, tracker, only_missed=existing and not args.all)
-    where = tracker.run.dir if tracker.opened else previous
-    return {"run_id": run_id, "run_dir": str(where), "existing_run": existing, "steps": n,
+    Returns:
+        ``run_id``, ``existing_run``, ``steps`` (delivered) and ``still_missed`` (steps).
+    """
+    from fp8track.optional import require
+    from fp8track.trackers.mlflow import MLflowTracker
+
+    meta = run_meta(run_dir)
+    client = require("mlflow", "fp8track sync --mlflow-uri").MlflowClient(tracking_uri)
+    try:  # one call first: an unreachable or refusing store is one line, not a traceback
+        run_id = run_id or find_mlflow_run(client, meta.run_id)
+        if run_id is not None:
+            client.get_run(run_id)
+    except Exception as exc:  # MLflow's, requests' and SQLAlchemy's errors have many types
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise ConfigError(
+            f"--mlflow-uri {tracking_uri}: the MLflow store cannot be used "
+            f"({type(exc).__name__}: {first}); check that the server runs and the URI is right"
+        ) from None
+    tracker = MLflowTracker(
+        client=client, run_id=run_id, experiment_name=experiment,
+        run_name=meta.name, name=tracker_name, background=False,
+    )
+    # A new run has seen nothing yet, so it gets every step; an existing one (named, or the run
+    # an earlier sync or the training itself logged this run directory to) only what it missed,
+    # so a second sync sends nothing twice.
+    n = sync_run(run_dir, tracker, only_missed=run_id is not None and not all_steps)
+    return {"run_id": tracker.run_id, "existing_run": run_id is not None, "steps": n,
             "still_missed": missed_steps(run_dir, tracker.name)}
 
 
-# -- CLI -------------------------------------------------------------------------------------------
-def _cmd_sync(args: argparse.Namespace) -> int:
-    run_dir = Path(args.run_dir)
-    RunReader(run_dir)  # fails early with a clear message if this is not a run directory
-    if not args.mlflow_uri and not args.wandb_dir:
-        raise ConfigError("nothing to sync to: give --mlflow-uri (with --mlflow-run-id) and/or --wandb-dir")
-    report: dict[str, Any] = {}
+def sync_wandb(
+    run_dir: str | os.PathLike[str],
+    wandb_dir: str | os.PathLike[str],
+    *,
+    run_id: str | None = None,
+    project: str = "fp8track",
+    mode: str = "offline",
+    tracker_name: str = "wandb",
+    all_steps: bool = False,
+) -> dict[str, Any]:
+    """``fp8track sync --wandb-dir``: idempotent. The run's id is derived from the run directory
+    (:func:`wandb_sync_id`) unless ``run_id`` names one (an online run, resumed); when that run
+    already exists (a folder under ``wandb_dir``, or the named run) only what is still missed is
+    sent, so a second sync sends nothing twice and opens no second run.
+
+    Returns:
+        ``run_id``, ``run_dir`` (the W&B run's folder), ``existing_run``, ``steps`` (delivered)
+        and ``still_missed`` (steps).
+    """
+    from fp8track.trackers.wandb import WandbTracker
+
     meta = run_meta(run_dir)
-    if args.mlflow_uri:
-        from fp8track.optional import require
-        from fp8track.trackers.mlflow import MLflowTracker
-
-        client = require("mlflow", "fp8track sync --mlflow-uri").MlflowClient(args.mlflow_uri)
-        try:  # one call first: an unreachable or refusing store is one line, not a traceback
-            run_id = args.mlflow_run_id or find_mlflow_run(client, meta.run_id)
-            if run_id is not None:
-                client.get_run(run_id)
-        except Exception as exc:  # MLflow's, requests' and SQLAlchemy's errors have many types
-            first = (str(exc).strip().splitlines() or [""])[0][:300]
-            raise ConfigError(
-                f"--mlflow-uri {args.mlflow_uri}: the MLflow store cannot be used "
-                f"({type(exc).__name__}: {first}); check that the server runs and the URI is right"
-            ) from None
-        tracker = MLflowTracker(
-            client=client, run_id=run_id, experiment_name=args.mlflow_experiment,
-            run_name=meta.name, name=args.mlflow_name, background=False,
-        )
-        # A new run has seen nothing yet, so it gets every step; an existing one (named, or the run
-        # an earlier sync or the training itself logged this run directory to) only what it missed,
-        # so a second sync sends nothing twice.
-        only_missed = run_id is not None and not args.all
-        n = replay(run_dir, tracker, only_missed=only_missed)
-        report["mlflow"] = {"run_id": tracker.run_id, "existing_run": run_id is not None, "steps": n,
-                            "still_missed": missed_steps(run_dir, tracker.name)}
-    if args.wandb_dir:
-        report["wandb"] = _sync_wandb(run_dir, meta, args)
-    print(json.dumps(report, indent=2))
-    return 0
-
-
-def add_subparser(sub: Any) -> argparse.ArgumentParser:
-    """Register ``fp8track sync`` on an ``argparse`` sub-parsers object."""
-    p = sub.add_parser(
-        "sync",
-        help="replay a run directory's missed (or all) steps into MLflow and/or W&B",
-        description=__doc__.split("\n\n")[0],
-    )
-    p.add_argument("run_dir", help="fp8track run directory (holds meta.json, metrics.jsonl, ...)")
-    p.add_argument("--mlflow-uri", help="MLflow tracking URI, e.g. sqlite:///mlflow.db or http://127.0.0.1:5000")
-    p.add_argument(
-        "--mlflow-run-id",
-        help="existing run to complete (default: the run already tagged with this "
-        "run directory's fp8track.run_id, else a new run with every step)",
-    )
-    p.add_argument("--mlflow-experiment", default="fp8track", help="experiment for a new MLflow run")
-    p.add_argument("--mlflow-name", default="mlflow", help="tracker name whose missed file to read")
-    p.add_argument(
-        "--wandb-dir", help="directory of the W&B run (a folder; upload it later with `wandb sync`)"
-    )
-    p.add_argument(
-        "--wandb-run-id",
-        help="existing online run to resume and complete (default: the run fp8track-<run id> of this run "
-        "directory, every step the first time, what is still missed after)",
-    )
-    p.add_argument("--wandb-project", default="fp8track")
-    p.add_argument("--wandb-mode", default="offline", choices=("online", "offline"))
-    p.add_argument("--wandb-name", default="wandb", help="tracker name whose missed file to read")
-    p.add_argument("--all", action="store_true", help="send every step, not only the missed ones")
-    p.set_defaults(func=_cmd_sync)
-    return p
-
-
-def main(argv: Iterable[str] | None = None) -> int:
-    """``python -m fp8track.trackers.replay RUN_DIR ...`` (same as ``fp8track sync``)."""
-    parser = argparse.ArgumentParser(prog="fp8track")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_subparser(sub)
-    args = parser.parse_args(["sync", *(argv if argv is not None else __import__("sys").argv[1:])])
-    return int(args.func(args))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    wandb_id = run_id or wandb_sync_id(meta.run_id)
+    previous = find_wandb_run(wandb_dir, wandb_id)
+    existing = run_id is not None or previous is not None
+    tracker = WandbTracker.create(
+        project=project, name=meta.name, dir=str(wandb_dir), mode=mode,
+        run_id=wandb_id, resume="must" if run_id else "allow", tracker_name=tracker_name,
+        background=False, lazy=True,
+    )  # fmt: skip
+    n = sync_run(run_dir, tracker, only_missed=existing and not all_steps)
+    where = tracker.run.dir if tracker.opened else previous
+    return {"run_id": wandb_id, "run_dir": str(where), "existing_run": existing, "steps": n,
+            "still_missed": missed_steps(run_dir, tracker.name)}

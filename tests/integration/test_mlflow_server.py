@@ -11,7 +11,7 @@ from mlflow import MlflowClient  # noqa: E402
 
 from fp8track.monitoring import naming  # noqa: E402
 from fp8track.monitoring.records import MetricsRecord, RunMeta, RunWriter, TensorStatsRow  # noqa: E402
-from fp8track.trackers import TrackerFanout, replay  # noqa: E402
+from fp8track.trackers import TrackerFanout, sync_run  # noqa: E402
 from fp8track.trackers.base import StepBatch  # noqa: E402
 from fp8track.trackers.fanout import read_missed  # noqa: E402
 from fp8track.trackers.mlflow import MLflowTracker  # noqa: E402
@@ -71,7 +71,7 @@ def test_server_logging_outage_and_replay(tmp_path, monkeypatch):
 
     with mlflow_server(tmp_path, port) as uri:
         client = MlflowClient(uri)
-        n = replay(run_dir, MLflowTracker(tracking_uri=uri, run_id=run_id))
+        n = sync_run(run_dir, MLflowTracker(tracking_uri=uri, run_id=run_id))
         assert n == 6
         assert missed_steps(run_dir, "mlflow") == [] and read_missed(run_dir, "mlflow") == []
         hist = client.get_metric_history(run_id, "fp8/l2/weight/underflow_pct")

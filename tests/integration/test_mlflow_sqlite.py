@@ -14,7 +14,7 @@ from mlflow import MlflowClient  # noqa: E402
 
 from fp8track.monitoring import naming  # noqa: E402
 from fp8track.monitoring.records import EventRecord, MetricsRecord, RunMeta, RunWriter, TensorStatsRow  # noqa: E402
-from fp8track.trackers import TrackerFanout, replay  # noqa: E402
+from fp8track.trackers import TrackerFanout, sync_run  # noqa: E402
 from fp8track.trackers.base import StepBatch  # noqa: E402
 from fp8track.trackers.mlflow import HEATMAP_FILE, MLflowTracker  # noqa: E402
 from fp8track.trackers.replay import missed_steps, step_batches  # noqa: E402
@@ -245,7 +245,7 @@ def test_failed_steps_are_replayed_into_the_same_run(store, tmp_path):
     assert missed_steps(run_dir, "mlflow") == [0, 1, 2, 3]
     assert len(step_batches(run_dir)) == 4
 
-    n = replay(run_dir, MLflowTracker(client=client, run_id=real_run, heatmap=False))
+    n = sync_run(run_dir, MLflowTracker(client=client, run_id=real_run, heatmap=False))
     assert n == 4
     assert missed_steps(run_dir, "mlflow") == []
     hist = client.get_metric_history(real_run, "loss")

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from fp8track.cli import main
 from fp8track.monitoring.records import MetricsRecord, RunMeta, RunWriter
 from fp8track.trackers.fanout import missed_path
-from fp8track.trackers.replay import main as sync_main
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ def write_steps(run_dir: Path, steps, resume: int | None = None) -> None:
 
 def sync(run_dir: Path, wandb_dir: Path, capsys) -> dict:
     capsys.readouterr()
-    assert sync_main([str(run_dir), "--wandb-dir", str(wandb_dir)]) == 0
+    assert main(["sync", str(run_dir), "--wandb-dir", str(wandb_dir)]) == 0
     return json.loads(capsys.readouterr().out)["wandb"]
 
 

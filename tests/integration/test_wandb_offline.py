@@ -9,11 +9,11 @@ import pytest
 
 wandb = pytest.importorskip("wandb")
 
+from fp8track.cli import main as fp8track_main  # noqa: E402
 from fp8track.monitoring import naming  # noqa: E402
 from fp8track.monitoring.records import EventRecord, MetricsRecord, RunMeta, RunWriter, TensorStatsRow  # noqa: E402
 from fp8track.trackers import TrackerFanout, make_trackers  # noqa: E402
 from fp8track.trackers.base import StepBatch  # noqa: E402
-from fp8track.trackers.replay import main as sync_main  # noqa: E402
 from fp8track.trackers.replay import missed_steps  # noqa: E402
 from fp8track.trackers.wandb import WandbTracker  # noqa: E402
 
@@ -145,7 +145,7 @@ def test_lightning_wandb_logger_and_sync_of_missed_steps(tmp_path):
     assert [h[STEP] for h in first] == [0, 1, 2]
 
     sync_dir = tmp_path / "synced"
-    assert sync_main([str(run_dir), "--wandb-dir", str(sync_dir)]) == 0
+    assert fp8track_main(["sync", str(run_dir), "--wandb-dir", str(sync_dir)]) == 0
     (new_run,) = (sync_dir / "wandb").glob("offline-run-*")
     replayed = history(inspect(new_run))
     assert [h[STEP] for h in replayed] == [0, 1, 2, 3, 4, 5]  # a new run gets every step

@@ -21,7 +21,7 @@ from fp8track import MonitorConfig
 from fp8track.frontend import Monitor
 from fp8track.monitoring.records import RunMeta, RunReader
 from fp8track.trackers.fanout import read_missed
-from fp8track.trackers.replay import replay
+from fp8track.trackers.replay import sync_run
 
 from helpers.models import mlp
 from helpers.servers import MlflowServer, free_port
@@ -132,7 +132,7 @@ def test_wandb_init_failure_leaves_training_running_and_steps_replayable(tmp_pat
     monkeypatch.setattr(wandb, "init", real_init)
     (tmp_path / "second").mkdir()
     again = WandbTracker.create(project="p", dir=str(tmp_path / "second"), mode="offline", background=False)
-    assert replay(monitor.run_dir, again) == 10
+    assert sync_run(monitor.run_dir, again) == 10
     assert read_missed(monitor.run_dir, "wandb") == []
     got = Counter(
         h["trainer/global_step"]

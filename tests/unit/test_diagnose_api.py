@@ -49,7 +49,7 @@ def test_a_mid_training_gap_names_the_planted_layer_and_writes_the_report(tmp_pa
 
 
 def test_a_control_read_from_mlflow_gives_the_same_diagnosis(tmp_path, mlflow_store):
-    from fp8track.trackers import replay
+    from fp8track.trackers import sync_run
     from fp8track.trackers.mlflow import MLflowTracker
 
     _mid_training_pair(tmp_path)
@@ -57,7 +57,7 @@ def test_a_control_read_from_mlflow_gives_the_same_diagnosis(tmp_path, mlflow_st
         tracking_uri=mlflow_store.uri, experiment_name=mlflow_store.experiment(), background=False,
         heatmap=False,
     )
-    assert replay(tmp_path / "control", tracker, only_missed=False) == N
+    assert sync_run(tmp_path / "control", tracker, only_missed=False) == N
     from_dir = fp8track.diagnose(tmp_path / "fp8", tmp_path / "control")
     from_mlflow = fp8track.diagnose(
         tmp_path / "fp8", f"mlflow:{tracker.run_id}", tracking_uri=mlflow_store.uri

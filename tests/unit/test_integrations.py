@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fp8track.cli import integration_files, integrations_root, main
+from fp8track.cli import main
+from fp8track.cli.integrations import integration_files, integrations_root
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = REPO / "integrations"

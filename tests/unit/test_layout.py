@@ -112,7 +112,7 @@ def test_no_import_cycles() -> None:
 
 
 def test_each_subpackage_states_its_job() -> None:
-    for pkg in ("numerics", "execution", "monitoring", "analysis", "trackers"):
+    for pkg in ("numerics", "execution", "monitoring", "analysis", "trackers", "cli"):
         doc = ast.get_docstring(ast.parse((ROOT / pkg / "__init__.py").read_text()))
         assert doc and len(doc.split()) >= 10, f"fp8track/{pkg}/__init__.py needs a docstring saying its job"
 

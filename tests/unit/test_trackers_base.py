@@ -1,4 +1,5 @@
-"""TrackerFanout, QueuedTracker and replay, with small trackers of our own (no W&B/MLflow needed)."""
+"""TrackerFanout, QueuedTracker and sync_run (``fp8track sync``), with small trackers of our own
+(no W&B/MLflow needed)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from fp8track.trackers.base import (
 )
 from fp8track.trackers.fanout import missed_path, read_missed
 from fp8track.trackers.queued import QueuedTracker
-from fp8track.trackers.replay import missed_steps, replay, step_batches
+from fp8track.trackers.replay import missed_steps, step_batches, sync_run
 
 
 class Recorder(QueuedTracker):
@@ -204,7 +205,7 @@ def test_step_batches_merge_records_of_one_step(tmp_path):
     assert dict(batches[99].metrics) == {} and batches[99].events[0].data["title"] == "only an event"
 
 
-def test_replay_sends_only_missed_steps_then_clears_them(tmp_path):
+def test_sync_run_sends_only_missed_steps_then_clears_them(tmp_path):
     _write_run(tmp_path)
     flaky = Recorder(name="trk", fail_steps={1, 3})
     fan = TrackerFanout([flaky], tmp_path)
@@ -215,7 +216,7 @@ def test_replay_sends_only_missed_steps_then_clears_them(tmp_path):
     assert missed_steps(tmp_path, "trk") == [1, 3]
 
     still_flaky = Recorder(name="trk", fail_steps={3})
-    assert replay(tmp_path, still_flaky) == 1
+    assert sync_run(tmp_path, still_flaky) == 1
     assert [b.step for b in still_flaky.got] == [1]
     assert still_flaky.got[0].metrics["loss"] == 9.0
     assert still_flaky.started[0].recipe == {"name": "delayed"} and list(
@@ -224,20 +225,20 @@ def test_replay_sends_only_missed_steps_then_clears_them(tmp_path):
     assert missed_steps(tmp_path, "trk") == [3]
 
     fixed = Recorder(name="trk")
-    assert replay(tmp_path, fixed) == 1
+    assert sync_run(tmp_path, fixed) == 1
     assert [(b.step, b.metrics["fp8/fc1/weight/mse"], len(b.events)) for b in fixed.got] == [(3, 0.03, 1)]
     assert not missed_path(tmp_path, "trk").exists()
-    assert replay(tmp_path, Recorder(name="trk")) == 0  # nothing left
+    assert sync_run(tmp_path, Recorder(name="trk")) == 0  # nothing left
 
 
-def test_replay_all_steps(tmp_path):
+def test_sync_run_all_steps(tmp_path):
     _write_run(tmp_path)
-    rec = Recorder(name="fresh", max_queue=2)  # replay waits for a full queue instead of dropping
-    assert replay(tmp_path, rec, only_missed=False) == 6
+    rec = Recorder(name="fresh", max_queue=2)  # sync_run waits for a full queue instead of dropping
+    assert sync_run(tmp_path, rec, only_missed=False) == 6
     assert [b.step for b in rec.got] == [0, 1, 2, 3, 4, 99]
 
 
-def test_lost_tables_replay_rows_without_scalars(tmp_path):
+def test_lost_tables_sync_rows_without_scalars(tmp_path):
     from fp8track.trackers.base import TablesNotWritten
 
     _write_run(tmp_path)
@@ -254,8 +255,21 @@ def test_lost_tables_replay_rows_without_scalars(tmp_path):
         fan.finish()
     assert {(e["step"], e["what"]) for e in read_missed(tmp_path, "t")} == {(0, "tables"), (1, "tables")}
     rec = Recorder(name="t")
-    assert replay(tmp_path, rec) == 2
+    assert sync_run(tmp_path, rec) == 2
     assert [(b.step, dict(b.metrics), len(b.tensor_rows)) for b in rec.got] == [(0, {}, 1), (1, {}, 1)]
+
+
+def test_replay_is_a_deprecated_alias_of_sync_run(tmp_path):
+    import fp8track
+    from fp8track.trackers import replay
+
+    _write_run(tmp_path)
+    rec = Recorder(name="fresh")
+    with pytest.warns(DeprecationWarning, match="use sync_run"):
+        assert replay(tmp_path, rec, only_missed=False) == 6
+    assert [b.step for b in rec.got] == [0, 1, 2, 3, 4, 99]  # the same steps sync_run sends
+    assert fp8track.replay is replay and fp8track.sync_run is sync_run
+    assert "sync_run" in fp8track.__all__ and "replay" not in fp8track.__all__
 
 
 def test_resumed_run_skips_recorded_steps_only_for_step_ordered_trackers(tmp_path):
