@@ -18,6 +18,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items[:] = file_order.longest_files_first(items, file_order.read_durations())
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _restore_environment_per_module():
+    """What a module-scoped fixture exports (Lightning's MLFlowLogger sets ``MLFLOW_TRACKING_URI``,
+    WandbLogger ``WANDB_MODE``) stays inside its test file: with the files reordered longest first,
+    a later file's subprocess would otherwise inherit it."""
+    import os
+
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(autouse=True)
 def _run_in_tmp_path(tmp_path):
     """Every test runs in its own directory, so library defaults that write to the working

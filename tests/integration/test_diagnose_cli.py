@@ -67,7 +67,8 @@ def test_diagnose_writes_json_and_a_self_contained_report(tmp_path):
     assert "no fixed universal threshold" in d["method"]
 
 
-def test_unusable_input_exits_2_naming_it(tmp_path):
+def test_unusable_input_exits_2_naming_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # "mlflow:abc" with no store configured
     fp8, ctl = _planted(tmp_path)
     proc = _cli("diagnose", tmp_path / "nope", "--baseline", ctl)
     assert proc.returncode == 2

@@ -68,6 +68,7 @@ def moe_pair(tmp_path_factory, _mlflow_db):
         mp.setenv("WANDB_SILENT", "true")
         # WandbLogger(offline=True) exports WANDB_MODE; the context restores it for later tests
         mp.setenv("WANDB_MODE", "offline")
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)  # MLFlowLogger exports it; restored on exit
         mp.chdir(root)  # FP8Monitor's default run directory, MLflow's and W&B's defaults
         refs = {
             name: _fit(root, name, recipe, store.uri, store.experiment("moe"))
