@@ -1,4 +1,6 @@
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -18,17 +20,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items[:] = file_order.longest_files_first(items, file_order.read_durations())
 
 
+@contextmanager
+def _environment_restored() -> Iterator[None]:
+    """``os.environ`` as it was on entry, put back on exit (what the body exported is dropped)."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _restore_environment_per_module():
     """What a module-scoped fixture exports (Lightning's MLFlowLogger sets ``MLFLOW_TRACKING_URI``,
     WandbLogger ``WANDB_MODE``) stays inside its test file: with the files reordered longest first,
     a later file's subprocess would otherwise inherit it."""
-    import os
-
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+    with _environment_restored():
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -39,15 +48,11 @@ def _run_in_tmp_path(tmp_path):
     MLFlowLogger) exports ``MLFLOW_TRACKING_URI``, which a later test's subprocess would inherit.
     No ``monkeypatch`` here: a test's own monkeypatch is then undone before this restore, not
     after it (its undo would put back a value a fixture had exported)."""
-    import os
-
     cwd = os.getcwd()
     os.chdir(tmp_path)
-    saved = dict(os.environ)
-    yield
+    with _environment_restored():
+        yield
     os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def _install_chromium() -> str | None:
