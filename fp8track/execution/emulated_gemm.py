@@ -33,6 +33,7 @@ import torch
 
 from fp8track.execution.checkpointing import ForwardScales, RecomputeQueue
 from fp8track.execution.recipes import Recipe
+from fp8track.numerics.formats import fp8_to_float32
 from fp8track.numerics.scaling import DelayedScaler, amax, current_scale, dequantize, quantize
 
 
@@ -44,7 +45,7 @@ def _fits_scaled_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _fp8_values_mm(a: torch.Tensor, sa: torch.Tensor, b_t: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
     """What ``_scaled_mm`` computes, in float32: exact FP8 x FP8 products, float32 accumulation,
     ``scale_inv`` of both operands applied to the accumulator."""
-    return (a.to(torch.float32) @ b_t.to(torch.float32).t()) * (sa * sb).reciprocal()
+    return (fp8_to_float32(a) @ fp8_to_float32(b_t).t()) * (sa * sb).reciprocal()
 
 
 def fp8_mm(

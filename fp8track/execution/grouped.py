@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from fp8track.execution.checkpointing import ForwardScales, RecomputeQueue
 from fp8track.execution.recipes import Recipe
+from fp8track.numerics.formats import fp8_to_float32
 from fp8track.numerics.scaling import BLOCK_SCALINGS, DelayedScaler, current_scale, dequantize, quantize
 
 GROUPED_SCALINGS = ("delayed", "current", *BLOCK_SCALINGS)
@@ -188,7 +189,7 @@ class FP8GroupedLinearFn(torch.autograd.Function):
             grad_x = grad_x * _gather(sw, seg).reciprocal().unsqueeze(1)
         # wgrad: dY_e^T x_e (reduction over expert e's rows).
         if fp8:
-            grad_w = grouped_mm(qg.to(torch.float32).t(), qx.to(torch.float32), offs)
+            grad_w = grouped_mm(fp8_to_float32(qg).t(), fp8_to_float32(qx), offs)
             grad_w = grad_w * (sg * sx).reciprocal().view(e, 1, 1)
         else:
             gd = dequantize(qg, sg_rows, torch.bfloat16)
@@ -211,8 +212,8 @@ def _gemm(
     ``gemm="fp8"`` the FP8 values' product in float32 divided by ``sa`` (the caller divides by
     ``sb`` per row); under ``gemm="bf16"`` both operands dequantised to BF16 ("FP8 input, BF16 GEMM")."""
     if recipe.gemm_mode == "fp8":
-        b = qb.to(torch.float32)
-        out = grouped_mm(qa.to(torch.float32), b.transpose(-2, -1) if transpose_b else b, offs)
+        b = fp8_to_float32(qb)
+        out = grouped_mm(fp8_to_float32(qa), b.transpose(-2, -1) if transpose_b else b, offs)
         return out * sa_rows.reciprocal()
     a = dequantize(qa, sa_rows, torch.bfloat16)
     b = dequantize(qb, sb, torch.bfloat16)

@@ -134,3 +134,22 @@ def e8m0_decode(code: torch.Tensor) -> torch.Tensor:
     exponent = code.to(torch.int32) - E8M0_BIAS
     value = torch.exp2(exponent.to(torch.float32))
     return torch.where(code == E8M0_NAN, torch.full_like(value, float("nan")), value)
+
+
+_E4M3_VALUES: list[torch.Tensor] = []  # the 256 codes' float32 values, built on first use
+
+
+def fp8_to_float32(q: torch.Tensor) -> torch.Tensor:
+    """The exact float32 values of ``q``, as ``q.to(torch.float32)`` returns them.
+
+    On CPU torch 2.13 converts e4m3fn element by element (about 5 ns per element, 4x an e5m2 or
+    bfloat16 upcast), which made the emulated GEMMs' operand upcasts a fifth of a CPU training
+    step. A one-byte float has 256 codes, so the same values come from a gather out of a
+    256-entry table that torch's own cast filled once: identical results, about twice as fast
+    (e5m2's own cast is faster than the gather, so other dtypes and devices take the plain cast).
+    """
+    if q.device.type != "cpu" or q.dtype != torch.float8_e4m3fn:
+        return q.to(torch.float32)
+    if not _E4M3_VALUES:
+        _E4M3_VALUES.append(torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32))
+    return torch.take(_E4M3_VALUES[0], q.view(torch.uint8).to(torch.int64))

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from fp8track.errors import ConfigError, check_int, invalid_choice, restore_state, save_state
-from fp8track.numerics.formats import FP8Format, get_format
+from fp8track.numerics.formats import FP8Format, fp8_to_float32, get_format
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
@@ -113,7 +113,7 @@ def dequantize(
     q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """``q / scale`` in ``dtype`` (float32 by default)."""
-    return (q.to(torch.float32) / scale).to(dtype)
+    return (fp8_to_float32(q) / scale).to(dtype)
 
 
 def delayed_scaling_update(

@@ -95,3 +95,19 @@ def test_mx_block_scales_round_up_like_te():
 def test_pow2_block_scales_round_down():
     amax = torch.tensor([1.0, 448.0, 500.0, 0.0])
     assert pow2_block_scales(amax, "e4m3").tolist() == [256.0, 1.0, 0.5, 1.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_to_float32_equals_torchs_cast_bit_for_bit(dtype):
+    """Every one of the 256 codes (NaNs, signed zeros, subnormals, max), in a non-contiguous view
+    and in a shape the emulated GEMMs pass: the same float32 bits as ``q.to(torch.float32)``."""
+    from fp8track.numerics.formats import fp8_to_float32
+
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype)
+    got, want = fp8_to_float32(codes), codes.to(torch.float32)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # -0.0 and NaN payloads too
+    grid = codes[torch.randint(0, 256, (48, 16), generator=torch.Generator().manual_seed(0))]
+    for q in (grid, grid.t(), grid[::3, 1:]):
+        assert torch.equal(fp8_to_float32(q).view(torch.int32), q.to(torch.float32).view(torch.int32))
+        assert fp8_to_float32(q).shape == q.shape
