@@ -5,7 +5,23 @@ from pathlib import Path
 
 import pytest
 
-from helpers import file_order
+# The suite runs two xdist workers on two cores (Makefile). Each worker, and every process a test
+# starts, runs one intra-op thread: two workers of two OpenMP threads each oversubscribe the cores,
+# and the waiting threads spin (measured on the whole suite: 1,954 -> 1,762 s of CPU time). Set
+# before torch is imported, which reads it once; an exported value wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from fp8track.numerics import kernel_policy  # noqa: E402
+
+from helpers import file_order, subprocesses  # noqa: E402
+
+# The tests' own processes run the statistics kernel the user chose (default "auto": each worker
+# compiles it once and every test file reuses it). Processes the tests start (trial
+# programs, torchrun ranks, the CLI) run the eager kernel: a fresh process spends about 5 s of CPU
+# compiling it, more than a run of a few dozen sampled steps saves. The compiled and AOT kernels
+# are tested in-process (test_stats*, test_aot_kernels, test_compile); the demo test runs the CLI
+# with the user's default (helpers.subprocesses.user_default_env).
+kernel_policy.set_compile(subprocesses.choose_stats_kernels())
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -16,6 +16,8 @@ from fp8track.demo import PLANT_FRACTION, PLANT_LAYER
 from fp8track.monitoring.naming import canonical_layer_name
 from fp8track.monitoring.records import RunReader
 
+from helpers.subprocesses import user_default_env
+
 STEPS, EVERY = 30, 5
 
 
@@ -42,6 +44,7 @@ def test_demo_trains_three_runs_diagnoses_and_keeps_wandb_runs_apart(tmp_path):
         capture_output=True,
         text=True,
         timeout=1200,
+        env=user_default_env(),  # the statistics kernel a user gets (auto): compiled in this fresh process
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the console ends with the answers; the summary is a file, not a JSON dump on the console
