@@ -308,9 +308,8 @@ def _host_rows(partials: torch.Tensor | Sequence[Sequence[float]], n: int) -> li
     return out.tolist()
 
 
-_ROW_ORDER = ("numel", "n_finite", "nnz_x", "nnz_d", "n_overflow", "sum_x2", "sum_d2", "sum_xd",
-              "sum_err2", "amax", "neg_amin", "scale_max", "neg_scale_min")
-assert PARTIAL_FIELDS == _ROW_ORDER  # _finalize_row unpacks a partial in this order
+assert PARTIAL_FIELDS == ("numel", "n_finite", "nnz_x", "nnz_d", "n_overflow", "sum_x2", "sum_d2", "sum_xd",
+                          "sum_err2", "amax", "neg_amin", "scale_max", "neg_scale_min")  # _finalize_row order
 
 
 def _finalize_row(p: Sequence[float], cur: float) -> dict[str, float]:
