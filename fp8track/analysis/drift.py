@@ -347,18 +347,26 @@ class _FormatBatch:
         return self.index[key]
 
     def observe(self, amaxes: Mapping[tuple[str, str], float]) -> dict[tuple[str, str], WhatIf]:
-        cols = torch.tensor([self.column(k) for k in amaxes], dtype=torch.long)
+        cols = [self.column(k) for k in amaxes]
         a = torch.tensor(list(amaxes.values()), dtype=torch.float32)
-        used = self.scale[cols]
         cur = current_scale(a, self.fmt, self.margin, math.nan)
-        hist = self.history[:, cols]
-        hist[0] = torch.maximum(hist[0], a)
-        hist, new_scale = delayed_scaling_update(hist, used, self.fmt, self.algo, self.margin)
-        self.history[:, cols] = hist
-        self.scale[cols] = new_scale
+        if cols == list(range(len(self.index))):
+            # Every column in column order (each sampled step of a model after its first): the
+            # whole history, without a gather and a scatter of every column (the same values).
+            used = self.scale
+            hist = self.history  # slot 0 updated in place; the update returns a new history
+            hist[0] = torch.maximum(hist[0], a)
+            self.history, self.scale = delayed_scaling_update(hist, used, self.fmt, self.algo, self.margin)
+        else:
+            idx = torch.tensor(cols, dtype=torch.long)
+            used = self.scale[idx]
+            hist = self.history[:, idx]
+            hist[0] = torch.maximum(hist[0], a)
+            hist, new_scale = delayed_scaling_update(hist, used, self.fmt, self.algo, self.margin)
+            self.history[:, idx] = hist
+            self.scale[idx] = new_scale
         out = {}
-        for j, (key, used_j, cur_j) in enumerate(zip(amaxes, used.tolist(), cur.tolist(), strict=True)):
-            i = int(cols[j])
+        for i, key, used_j, cur_j in zip(cols, amaxes, used.tolist(), cur.tolist(), strict=True):
             out[key] = WhatIf(used_j, cur_j, drift_log2(used_j, cur_j) if self.seen[i] > 0 else math.nan)
             self.seen[i] += 1
         return out

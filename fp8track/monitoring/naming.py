@@ -84,6 +84,7 @@ def metric_name(layer: str, tensor: str, stat: str) -> str:
     return _join([layer or "model", tensor, stat])
 
 
+@functools.lru_cache(maxsize=4096)  # every flush names the same run-level metrics again
 def run_metric(*parts: str) -> str:
     """A run-level name, e.g. ``run_metric("spikes", "count") == "fp8/spikes/count"``."""
     if not parts:

@@ -111,7 +111,11 @@ def software_versions() -> dict[str, str]:
 
 
 def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"), default=str)
+    return _ENCODER.encode(obj)
+
+
+# What json.dumps(obj, separators=(",", ":"), default=str) builds on every call, built once.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
 
 
 @dataclass(frozen=True)

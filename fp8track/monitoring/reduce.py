@@ -269,4 +269,6 @@ def total_grad_norm(model: nn.Module) -> torch.Tensor | None:
         sq = grad_sq_share(model)
         return None if sq is None else (sq * dist_world()).sqrt()
     norms = torch._foreach_norm(grads)
+    if all(n.dtype == torch.float32 for n in norms):  # one stack, no conversion per norm
+        return torch.linalg.vector_norm(torch.stack(norms))
     return torch.linalg.vector_norm(torch.stack([n.to(torch.float32) for n in norms]))

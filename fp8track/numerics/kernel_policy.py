@@ -12,6 +12,7 @@ compiled; each row length has its own compiled kernel (its own Dynamo cache and 
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from typing import Any
@@ -79,7 +80,8 @@ class _CompilePolicy:
         self.aot: Any = None  # fp8track.numerics.aot_kernels.AotKernels, made on first use of "aot"
         # (device, dtype, row length, no tail) -> loaded runner, or None once its build failed
         self.aot_runners: dict[tuple[torch.device, torch.dtype, int, bool], Any] = {}
-        self.row_kernels: dict[str, Any] = {}  # device type -> compiled per-row sums (R and C dynamic)
+        # (graph name, device type) -> compiled per-row graph (R and C dynamic)
+        self.row_kernels: dict[tuple[str, str], Any] = {}
 
     def wants(self, x: torch.Tensor) -> bool:
         if self.failed or self.mode == "eager" or x.dtype not in _COMPILE_DTYPES:
@@ -216,6 +218,39 @@ def _row_sums_graph(
     return _row_sums(x32, s_rows, p_rows, fconst, None, torch.float64)
 
 
+def _row_extrema_graph(x32: torch.Tensor) -> torch.Tensor:
+    """What the compiled row-extrema kernel runs: :func:`row_extrema`."""
+    return row_extrema(x32)
+
+
+def row_extrema(x32: torch.Tensor) -> torch.Tensor:
+    """``[R, 2]`` float32: each row's largest finite ``|x|`` (0 when none) and smallest non-zero
+    finite ``|x|`` (``inf`` when none) of ``x32 [R, C]`` (C > 0). Max and min are exact in any
+    order, so the eager and compiled graphs agree bit for bit."""
+    finite_abs = torch.where(torch.isfinite(x32), x32.abs(), 0.0)
+    row_amax = finite_abs.amax(dim=1)
+    row_amin = torch.where(finite_abs > 0, finite_abs, math.inf).amin(dim=1)
+    return torch.stack([row_amax, row_amin], dim=1)
+
+
+def _run_rows(name: str, graph: Any, x32: torch.Tensor, *args: torch.Tensor) -> torch.Tensor | None:
+    """``graph(x32, *args)`` compiled once per device type (R and C dynamic), or ``None`` where the
+    policy keeps ``x32`` eager or compilation failed (then a warning once, eager from then on)."""
+    if not _POLICY.wants(x32):
+        return None
+    try:
+        key = (name, x32.device.type)
+        kernel = _POLICY.row_kernels.get(key)
+        if kernel is None:
+            kernel = _POLICY.row_kernels[key] = torch.compile(
+                _own_code(graph), dynamic=True, options=_inductor_options()
+            )
+        return kernel(x32, *args)
+    except Exception as exc:  # compiler missing or broken: warn once, stay eager
+        _compile_failed(exc)
+        return None
+
+
 def compiled_row_sums(
     x32: torch.Tensor, s_rows: torch.Tensor, p_rows: torch.Tensor, fconst: torch.Tensor
 ) -> torch.Tensor | None:
@@ -225,18 +260,14 @@ def compiled_row_sums(
     ``x32`` eager or compilation failed (then a warning once, eager from then on). Eager, the eight
     sums are eight passes over the tensor plus the elementwise temporaries: several times the
     loop over groups it replaces; fused, a fraction of it."""
-    if not _POLICY.wants(x32):
-        return None
-    try:
-        kernel = _POLICY.row_kernels.get(x32.device.type)
-        if kernel is None:
-            kernel = _POLICY.row_kernels[x32.device.type] = torch.compile(
-                _own_code(_row_sums_graph), dynamic=True, options=_inductor_options()
-            )
-        return kernel(x32, s_rows, p_rows, fconst)
-    except Exception as exc:  # compiler missing or broken: warn once, stay eager
-        _compile_failed(exc)
-        return None
+    return _run_rows("row_sums", _row_sums_graph, x32, s_rows, p_rows, fconst)
+
+
+def compiled_row_extrema(x32: torch.Tensor) -> torch.Tensor | None:
+    """:func:`row_extrema` of ``x32 [R, C]`` in one fused pass (eager it is about nine passes with
+    full-size temporaries: ``isfinite``, ``abs``, two ``where``, a comparison, the reductions), or
+    ``None`` as :func:`compiled_row_sums`."""
+    return _run_rows("row_extrema", _row_extrema_graph, x32)
 
 
 def wants_compiled(x: torch.Tensor) -> bool:
@@ -255,5 +286,7 @@ __all__ = [
     "wait_for_aot_kernels",
     "compiled_partial",
     "compiled_row_sums",
+    "compiled_row_extrema",
+    "row_extrema",
     "wants_compiled",
 ]

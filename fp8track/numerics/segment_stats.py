@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from fp8track.numerics.formats import FP8Format, get_format
-from fp8track.numerics.kernel_policy import compiled_row_sums
+from fp8track.numerics.kernel_policy import compiled_row_extrema, compiled_row_sums, row_extrema
 from fp8track.numerics.scaling import BLOCK_LAYOUTS, block_scales, blockify_rows, scale_from_amax
 from fp8track.numerics.stats_kernel import (
     NUM_SUM,
@@ -81,10 +81,9 @@ def segment_partial_stats(
     rows, width = x2d.shape
     fconst = _fmt_consts(fmt, margin, dev)
     x32 = x2d.to(torch.float32)
-    finite_abs = torch.where(torch.isfinite(x32), x32.abs(), 0.0)
     if width:
-        row_amax = finite_abs.amax(dim=1)
-        row_amin = torch.where(finite_abs > 0, finite_abs, math.inf).amin(dim=1)
+        extrema = compiled_row_extrema(x32)  # one fused pass where the policy compiles
+        row_amax, row_amin = (row_extrema(x32) if extrema is None else extrema).unbind(1)
     else:
         row_amax = x32.new_zeros(rows)
         row_amin = x32.new_full((rows,), math.inf)

@@ -287,23 +287,37 @@ def finalize_many(
     all rows in one call: finalize many rows at once rather than one :func:`finalize` per row.
     """
     formats = [get_format(f) for f in fmts]
-    rows = torch.as_tensor(partials, dtype=torch.float64).detach().cpu().reshape(len(formats), PARTIAL_SIZE)
+    host = _host_rows(partials, len(formats))
     margins = [margin] * len(formats) if isinstance(margin, int) else list(margin)
-    amaxes = rows[:, _IDX["amax"]].clamp(min=0.0).to(torch.float32)
+    amax_col = torch.tensor([row[_IDX["amax"]] for row in host], dtype=torch.float64)
+    amaxes = amax_col.clamp(min=0.0).to(torch.float32)
     fmt_max = torch.tensor([f.max for f in formats], dtype=torch.float32)
     factor = torch.tensor([2.0**-m for m in margins], dtype=torch.float32)
     currents = scale_from_amax(amaxes, fmt_max, factor).tolist()
-    return [_finalize_row(row, cur) for row, cur in zip(rows.tolist(), currents, strict=True)]
+    return [_finalize_row(row, cur) for row, cur in zip(host, currents, strict=True)]
+
+
+def _host_rows(partials: torch.Tensor | Sequence[Sequence[float]], n: int) -> list[list[float]]:
+    """``[n, PARTIAL_SIZE]`` partials as host lists of float64 values: a tensor with one host copy;
+    host lists (a flush's copy) as they are, without building a tensor from nested lists (slow)."""
+    if not isinstance(partials, torch.Tensor) and len(partials) == n:
+        rows = [[float(v) for v in p] for p in partials]
+        if all(len(r) == PARTIAL_SIZE for r in rows):
+            return rows
+    out = torch.as_tensor(partials, dtype=torch.float64).detach().cpu().reshape(n, PARTIAL_SIZE)
+    return out.tolist()
+
+
+assert PARTIAL_FIELDS == ("numel", "n_finite", "nnz_x", "nnz_d", "n_overflow", "sum_x2", "sum_d2", "sum_xd",
+                          "sum_err2", "amax", "neg_amin", "scale_max", "neg_scale_min")  # _finalize_row order
 
 
 def _finalize_row(p: Sequence[float], cur: float) -> dict[str, float]:
-    v = dict(zip(PARTIAL_FIELDS, p, strict=True))
-    numel, n = v["numel"], v["n_finite"]
-    amax_v = max(v["amax"], 0.0)
-    amin_v = -v["neg_amin"]
+    numel, n, nnz_x, nnz_d, n_overflow, sum_x2, sum_d2, sum_xd, sum_err2, amax, neg_amin, _, neg_scale_min = p
+    amax_v = max(amax, 0.0)
+    amin_v = -neg_amin
     if not math.isfinite(amin_v):
         amin_v = 0.0
-    sum_x2, sum_d2, sum_xd, sum_err2 = v["sum_x2"], v["sum_d2"], v["sum_xd"], v["sum_err2"]
     if sum_x2 == 0 and sum_d2 == 0:
         cos = 1.0
     elif sum_x2 == 0 or sum_d2 == 0:
@@ -316,15 +330,15 @@ def _finalize_row(p: Sequence[float], cur: float) -> dict[str, float]:
         sqnr = -math.inf
     else:
         sqnr = 10.0 * math.log10(sum_x2 / sum_err2)
-    scale = -v["neg_scale_min"]
+    scale = -neg_scale_min
     if not math.isfinite(scale) and n == 0:
         scale = cur
     return {
         "amax": amax_v,
         "amin": amin_v,
         "dynamic_range_log2": math.log2(amax_v) - math.log2(amin_v) if amin_v > 0 else 0.0,
-        "underflow_pct": 100.0 * (v["nnz_x"] - v["nnz_d"]) / n if n else 0.0,
-        "overflow_pct": 100.0 * v["n_overflow"] / n if n else 0.0,
+        "underflow_pct": 100.0 * (nnz_x - nnz_d) / n if n else 0.0,
+        "overflow_pct": 100.0 * n_overflow / n if n else 0.0,
         "mse": sum_err2 / n if n else 0.0,
         "cos": cos,
         "sqnr_db": sqnr,
