@@ -241,10 +241,13 @@ def totals(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 # --- running -----------------------------------------------------------------------------------------
 
 
-def _worker_init() -> None:
+def _worker_init(stats_kernel: str) -> None:
     import torch
 
+    from fp8track.numerics.kernel_policy import set_compile
+
     torch.set_num_threads(1)
+    set_compile(stats_kernel)  # the training processes run the statistics kernel their caller runs
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -287,7 +290,10 @@ def train_all(specs: Sequence[ds.RunSpec], cache: Path, jobs: int) -> dict[str, 
             torch.set_num_threads(threads)
     import multiprocessing as mp
 
-    with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init) as pool:
+    from fp8track.numerics.kernel_policy import get_compile
+
+    with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init,
+                             initargs=(get_compile(),)) as pool:
         futs = {k: pool.submit(_run_cached, s, cache) for k, s in unique.items()}
         return {k: f.result() for k, f in futs.items()}
 
