@@ -16,7 +16,6 @@ def python_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 
-
 STATS_KERNEL_ENV = "FP8TRACK_STATS_KERNEL"
 USER_STATS_KERNEL_ENV = "FP8TRACK_TESTS_USER_STATS_KERNEL"
 """What the user exported as ``$FP8TRACK_STATS_KERNEL`` ("" for nothing), recorded by the first
