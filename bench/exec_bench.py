@@ -12,7 +12,7 @@ import statistics
 
 import torch
 
-from fp8track.examples.gpt import build_example, train_loop
+from fp8track.examples.gpt_lightning import build_example, train_loop
 
 RECIPES = ["bf16", "delayed", "current", "mxfp8", "block", "fp8_input_bf16_gemm"]
 

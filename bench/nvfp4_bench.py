@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from fp8track.examples.gpt import CharDataModule, build_example, train_loop
+from fp8track.examples.gpt_lightning import CharDataModule, build_example, train_loop
 
 GPT_RUNS = [("bf16", "none", 0), ("bf16", "none", 1), ("mxfp8", "none", 0), ("nvfp4", "none", 0),
             ("nvfp4", "last:50%,head", 0), ("nvfp4:no_rht:no_sr", "none", 0)]

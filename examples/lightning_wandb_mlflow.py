@@ -23,7 +23,7 @@ from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
 
 import fp8track
 from fp8track.demo import quiet_libraries
-from fp8track.examples.gpt import build_example
+from fp8track.examples.gpt_lightning import build_example
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -16,7 +16,7 @@ import torch
 
 import fp8track
 from fp8track.config import DEFAULT_LOG_DIR
-from fp8track.examples.gpt import GPT, CharDataModule, GPTConfig
+from fp8track.examples.gpt import GPT, CharData, GPTConfig
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"recipe={report.recipe} fp8 layers={len(report.fp8_layers)}")
 
     config = fp8track.MonitorConfig.load(args.config).replace(every_n_steps=args.every_n_steps)
-    data = CharDataModule(block_size=64, batch_size=16, seed=args.seed)
+    data = CharData(block_size=64, batch_size=16, seed=args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95))
     batches = iter(data.train_dataloader())
     # The with-block attaches the hooks and closes the monitor (writing the losses not yet flushed).

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import fp8track
     from fp8track.demo import quiet_libraries
-    from fp8track.examples.gpt import build_example
+    from fp8track.examples.gpt_lightning import build_example
 
     L.seed_everything(0, verbose=False)
     # n_embd and the batch are multiples of 16, as TE's FP8 GEMMs require.

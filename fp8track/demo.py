@@ -162,7 +162,7 @@ def run_one(
     ``baseline`` and logged to the demo's MLflow store (and W&B offline with ``use_wandb``)."""
     import lightning.pytorch as pl
 
-    from fp8track.examples.gpt import build_example
+    from fp8track.examples.gpt_lightning import build_example
     from fp8track.execution import faults
     from fp8track.lightning import FP8Monitor
     from fp8track.monitoring.records import RunReader
@@ -332,7 +332,6 @@ def check_example_checkpoint(path: str | Path, batches: int = 8) -> Any:
     on ``batches`` validation batches (:func:`fp8track.inference.check_inference`)."""
     import itertools
 
-    from fp8track.examples.gpt import build_example
     from fp8track.inference import check_inference, load_checkpoint, read_checkpoint
 
     ckpt = read_checkpoint(path)
@@ -341,6 +340,8 @@ def check_example_checkpoint(path: str | Path, batches: int = 8) -> Any:
         raise ConfigError(
             f"{path}: check-inference rebuilds the example GPT only; this checkpoint names {build!r}"
         )
+    from fp8track.examples.gpt_lightning import build_example  # Lightning: only once the checkpoint is good
+
     module, data, _ = build_example(**build)
     load_checkpoint(module, path)
     data.setup()

@@ -54,7 +54,8 @@ SCALE_Z = 3.5  # robust-z cut for a trained scale far from its tensor's current 
 
 def save_checkpoint(model: nn.Module, path: str | os.PathLike[str], **build: Any) -> Path:
     """Save ``model.state_dict()`` (weights and each FP8 layer's scaling state) with ``build``, the
-    plain-data arguments that rebuild the model (e.g. :func:`fp8track.examples.gpt.build_example`'s)."""
+    plain-data arguments that rebuild the model
+    (e.g. :func:`fp8track.examples.gpt_lightning.build_example`'s)."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"format": CHECKPOINT_FORMAT, "build": dict(build), "state_dict": model.state_dict()}, out)

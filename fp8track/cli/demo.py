@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from fp8track.cli.checks import check_out_dir
+from fp8track.cli.checks import check_count, check_out_dir
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -28,6 +28,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def check(args: argparse.Namespace) -> None:
     check_out_dir("--out", args.out)
+    check_count("--steps", args.steps)
+    check_count("--every-n-steps", args.every_n_steps)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""A small character-level GPT and a data module over text every machine has offline.
+"""A small character-level GPT and its data over text every machine has offline, in plain PyTorch
+(the Lightning wrappers: :mod:`fp8track.examples.gpt_lightning`).
 
 By default the text is the Python standard library's own source: the sorted ``*.py`` files at the
 top of ``sysconfig.get_paths()["stdlib"]``, concatenated up to ``max_bytes``, so the data set is
@@ -16,12 +17,10 @@ from __future__ import annotations
 
 import math
 import sysconfig
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -144,52 +143,6 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-class GPTLightningModule(L.LightningModule):
-    """Lightning wrapper: logs ``train_loss`` (each step) and ``val_loss`` (per epoch), in nats.
-
-    Args:
-        config: a :class:`GPTConfig` or a mapping of its fields.
-        lr: AdamW learning rate.
-        weight_decay: AdamW weight decay.
-        betas: AdamW betas.
-    """
-
-    def __init__(
-        self,
-        config: GPTConfig | Mapping[str, Any] | None = None,
-        lr: float = 3e-3,
-        weight_decay: float = 0.0,
-        betas: Sequence[float] = (0.9, 0.95),
-    ) -> None:
-        super().__init__()
-        cfg = config if isinstance(config, GPTConfig) else GPTConfig(**dict(config or {}))
-        self.save_hyperparameters(
-            {"config": asdict(cfg), "lr": lr, "weight_decay": weight_decay, "betas": list(betas)}
-        )
-        self.model = GPT(cfg)
-        self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.model(idx)
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = self.model.loss(x, y)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = self.model.loss(x, y)
-        self.log("val_loss", loss, prog_bar=True)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(
-            self.parameters(), lr=self.lr, weight_decay=self.weight_decay, betas=self.betas
-        )
-
-
 def stdlib_text(max_bytes: int = 1_000_000) -> bytes:
     """The sorted top-level ``*.py`` files of the standard library, concatenated, cut at ``max_bytes``."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -219,8 +172,10 @@ class _Windows(Dataset):
         return chunk[:-1], chunk[1:]
 
 
-class CharDataModule(L.LightningDataModule):
-    """Byte-level next-token data: the stdlib's source by default, or any text file.
+class CharData:
+    r"""Byte-level next-token data: the stdlib's source by default, or any text file. Plain
+    PyTorch ``DataLoader``\ s; :class:`~fp8track.examples.gpt_lightning.CharDataModule` is the same as
+    a ``LightningDataModule``.
 
     Args:
         data_path: a text file; ``None`` = standard-library source (see the module docstring).
@@ -242,7 +197,6 @@ class CharDataModule(L.LightningDataModule):
         seed: int = 0,
         num_workers: int = 0,
     ) -> None:
-        super().__init__()
         if not 0.0 < val_fraction < 1.0:
             raise ConfigError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
         if data_path is not None and not Path(data_path).is_file():
@@ -299,94 +253,3 @@ class CharDataModule(L.LightningDataModule):
         return DataLoader(
             self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers
         )
-
-
-def build_example(
-    recipe: Any = "bf16",
-    bf16_layers: Any = "none",
-    seed: int = 0,
-    n_layer: int = 2,
-    n_embd: int = 64,
-    n_head: int = 4,
-    block_size: int = 64,
-    batch_size: int = 16,
-    lr: float = 3e-3,
-    data_path: str | Path | None = None,
-    max_bytes: int = 1_000_000,
-    backend: str = "emulated",
-    ranking: Any = None,
-) -> tuple[GPTLightningModule, CharDataModule, Any]:
-    """A seeded :class:`GPTLightningModule` converted by :func:`fp8track.apply_fp8`, its data module,
-    and the :class:`~fp8track.execution.apply.ApplyReport`.
-
-    The same ``seed`` gives the same initial weights for every recipe, so runs compare like for like.
-    """
-    from fp8track.execution.apply import apply_fp8
-
-    torch.manual_seed(seed)
-    cfg = GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=n_head, block_size=block_size)
-    module = GPTLightningModule(cfg, lr=lr)
-    report = apply_fp8(module, recipe, bf16_layers=bf16_layers, backend=backend, ranking=ranking)
-    data = CharDataModule(
-        data_path, block_size=block_size, batch_size=batch_size, max_bytes=max_bytes, seed=seed
-    )
-    return module, data, report
-
-
-def train_loop(
-    module: GPTLightningModule,
-    data: CharDataModule,
-    steps: int,
-    eval_batches: int = 4,
-    bf16_autocast: bool = True,
-) -> dict[str, Any]:
-    """Train without Lightning's loop (plain PyTorch, for tests and benchmarks).
-
-    Runs ``steps`` AdamW steps under CPU BF16 autocast (what ``precision="bf16-mixed"`` does),
-    then evaluates the mean loss over the first ``eval_batches`` validation batches in eval mode.
-
-    Returns:
-        ``{"train_loss": [per-step float], "val_loss": float, "seconds_per_step": float}``.
-    """
-    import time
-
-    data.setup()
-    opt = module.configure_optimizers()
-    module.train()
-    losses: list[float] = []
-    batches = iter(data.train_dataloader())
-    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16_autocast else contextlib_null
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        try:
-            x, y = next(batches)
-        except StopIteration:
-            batches = iter(data.train_dataloader())
-            x, y = next(batches)
-        with ctx():
-            loss = module.model.loss(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    elapsed = time.perf_counter() - t0
-    module.eval()
-    val = []
-    with torch.no_grad():
-        for i, (x, y) in enumerate(data.val_dataloader()):
-            if i >= eval_batches:
-                break
-            with ctx():
-                val.append(float(module.model.loss(x, y)))
-    module.train()
-    return {
-        "train_loss": losses,
-        "val_loss": sum(val) / len(val),
-        "seconds_per_step": elapsed / max(steps, 1),
-    }
-
-
-def contextlib_null() -> Any:
-    import contextlib
-
-    return contextlib.nullcontext()

@@ -36,15 +36,21 @@ import math
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
 from torch import nn
 
-from fp8track.errors import ConfigError, check_float, check_int
+from fp8track.errors import ConfigError
+from fp8track.examples.trial_config import (
+    GAP_BEST_METRIC,
+    GAP_METRIC,
+    VAL_LOSS_METRIC,
+    Evaluation,
+    TrainConfig,
+    TrialResult,
+)
 from fp8track.execution import faults
 from fp8track.execution.faults import OUTLIER_VALUE, Fault
 from fp8track.monitoring.naming import run_metric
@@ -57,124 +63,6 @@ from fp8track.trial import (
     trial_settings,
 )
 
-GAP_METRIC = run_metric("val_loss_gap")
-"""``fp8/val_loss_gap``: held-out loss minus the control's at the same step, nats (the sweep metric)."""
-GAP_BEST_METRIC = run_metric("val_loss_gap_best")
-"""``fp8/val_loss_gap_best``: running minimum of :data:`GAP_METRIC` (MLflow keeps only a run's last value)."""
-VAL_LOSS_METRIC = run_metric("val_loss")
-"""``fp8/val_loss``: held-out loss, nats."""
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything a trial shares with its BF16 control (the control's cache key), validated.
-
-    Attributes:
-        steps: optimizer steps.
-        eval_every: held-out evaluation every N steps (and at the last step); 0 = none.
-        eval_batches: held-out batches per evaluation (the first ones of the validation split).
-        seed: model initialisation and data order.
-        n_layer, n_embd, n_head, block_size, batch_size, lr, max_bytes, data: the example GPT
-            and its data (:func:`fp8track.examples.gpt.build_example`).
-        every_n_steps: monitor sampling interval.
-        precision: Lightning precision (``"bf16-mixed"`` or ``"32-true"``).
-        plant_outlier: a linear's qualified name to make fragile (module docstring), or ``""``.
-        control_seeds: seeds of the BF16 control (``seed``, ``seed + 1``, ...); >= 2 measures
-            the spread the recommendation's tolerance is based on.
-        probe_steps: steps of the ``auto:K`` probe.
-    """
-
-    steps: int = 120
-    eval_every: int = 20
-    eval_batches: int = 8
-    seed: int = 0
-    n_layer: int = 2
-    n_embd: int = 64
-    n_head: int = 4
-    block_size: int = 64
-    batch_size: int = 16
-    lr: float = 3e-3
-    max_bytes: int = 1_000_000
-    data: str = ""
-    every_n_steps: int = 10
-    precision: str = "bf16-mixed"
-    plant_outlier: str = ""
-    control_seeds: int = 2
-    probe_steps: int = 30
-
-    def __post_init__(self) -> None:
-        for name, low in (
-            ("steps", 1),
-            ("eval_every", 0),
-            ("eval_batches", 1),
-            ("seed", 0),
-            ("n_layer", 1),
-            ("n_embd", 16),
-            ("n_head", 1),
-            ("block_size", 1),
-            ("batch_size", 1),
-            ("max_bytes", 1),
-            ("every_n_steps", 1),
-            ("control_seeds", 1),
-            ("probe_steps", 1),
-        ):
-            check_int(name, getattr(self, name), low)
-        check_float("lr", self.lr, 0.0, strict=True)
-        if self.precision not in ("bf16-mixed", "32-true"):
-            raise ConfigError(
-                f"unknown precision {self.precision!r}; valid values are: 'bf16-mixed', '32-true'"
-            )
-
-    def control_key(self) -> dict[str, Any]:
-        """What the control depends on: model, data, seed(s), steps, evaluation schedule."""
-        key = dataclasses.asdict(self)
-        key.pop("probe_steps")
-        key["data_bytes"] = Path(self.data).stat().st_size if self.data else f"stdlib-{sys.version_info[:2]}"
-        return key
-
-
-@dataclass(frozen=True)
-class Evaluation:
-    """One held-out evaluation: optimizer step, held-out loss (nats), gap to the control (nats or NaN)."""
-
-    index: int
-    step: int
-    val_loss: float
-    gap: float
-
-
-@dataclass
-class TrialResult:
-    """What :func:`train` returns.
-
-    Attributes:
-        evals: the evaluations, in order.
-        pruned: the ``on_eval`` hook stopped training early.
-        run_dir: the monitor's run directory.
-        seconds_per_step: training wall time per optimizer step (evaluations excluded), seconds.
-        fp8_layers, bf16_layers: the layer split :func:`fp8track.apply_fp8` made.
-        metrics: run-level metrics (:func:`run_metrics`).
-        ranking: the ``auto:K`` table when the spec needed one.
-    """
-
-    evals: list[Evaluation]
-    pruned: bool
-    run_dir: Path
-    seconds_per_step: float
-    fp8_layers: tuple[str, ...]
-    bf16_layers: tuple[str, ...]
-    metrics: dict[str, float] = field(default_factory=dict)
-    ranking: list[dict[str, Any]] | None = None
-
-    @property
-    def final_gap(self) -> float:
-        return self.evals[-1].gap if self.evals else math.nan
-
-    @property
-    def best_gap(self) -> float:
-        gaps = [e.gap for e in self.evals if math.isfinite(e.gap)]
-        return min(gaps) if gaps else math.nan
-
 
 def plant_outlier(model: nn.Module, layer: str, value: float = OUTLIER_VALUE) -> None:
     """Make ``layer`` fragile under per-tensor FP8 without changing the BF16 model's function:
@@ -185,64 +73,6 @@ def plant_outlier(model: nn.Module, layer: str, value: float = OUTLIER_VALUE) ->
         ConfigError: ``layer`` names no layer of ``model``.
     """
     faults.plant(model, Fault("sink", value=value, channels=(0,), in_eval=True), [layer])
-
-
-class HeldOutEval(L.Callback):
-    """Held-out loss every ``every`` optimizer steps on fixed batches, compared with the control.
-
-    ``on_eval(evaluation) -> bool`` is called after each evaluation; True stops training (pruning).
-    Values go to the trainer's loggers as :data:`VAL_LOSS_METRIC`, :data:`GAP_METRIC`,
-    :data:`GAP_BEST_METRIC` (one row per evaluation).
-    """
-
-    def __init__(self, data: Any, every: int, batches: int, steps: int, control: Mapping[int, float] | None,
-                 precision: str, on_eval: Callable[[Evaluation], bool] | None = None) -> None:
-        self.data, self.every, self.batches, self.steps = data, every, batches, steps
-        self.control = {int(k): float(v) for k, v in (control or {}).items()}
-        self.precision, self.on_eval = precision, on_eval
-        self.evals: list[Evaluation] = []
-        self.pruned = False
-        self.eval_seconds = 0.0
-        self._fixed: list[Any] | None = None
-
-    def due(self, step: int) -> bool:
-        return self.every > 0 and step > 0 and (step % self.every == 0 or step == self.steps)
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        step = trainer.global_step
-        if not self.due(step) or (self.evals and self.evals[-1].step == step):
-            return
-        t0 = time.perf_counter()
-        loss = self.evaluate(pl_module)
-        ref = self.control.get(step)
-        gap = loss - ref if ref is not None else math.nan
-        ev = Evaluation(len(self.evals), step, loss, gap)
-        self.evals.append(ev)
-        best = min((e.gap for e in self.evals if math.isfinite(e.gap)), default=math.nan)
-        row = {VAL_LOSS_METRIC: loss}
-        if math.isfinite(gap):
-            row.update({GAP_METRIC: gap, GAP_BEST_METRIC: best})
-        for lg in trainer.loggers:
-            lg.log_metrics(row, step=step)
-        self.eval_seconds += time.perf_counter() - t0
-        if self.on_eval is not None and self.on_eval(ev):
-            self.pruned = True
-            trainer.should_stop = True
-
-    @torch.no_grad()
-    def evaluate(self, pl_module: L.LightningModule) -> float:
-        if self._fixed is None:
-            self.data.setup()
-            self._fixed = [b for _, b in zip(range(self.batches), self.data.val_dataloader(), strict=False)]
-        was_training = pl_module.training
-        pl_module.eval()
-        total = 0.0
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.precision == "bf16-mixed"):
-            for x, y in self._fixed:
-                total += float(pl_module.model.loss(x.to(pl_module.device), y.to(pl_module.device)))
-        pl_module.train(was_training)
-        return total / len(self._fixed)
 
 
 def train(
@@ -273,7 +103,8 @@ def train(
         settings: a sweep trial's settings: the layer table (FP8 FLOP share, BF16 layer names) is
             recorded in its MLflow run (:meth:`fp8track.trial.TrialSettings.record_layers`).
     """
-    from fp8track.examples.gpt import build_example
+    from fp8track.examples.gpt_lightning import build_example
+    from fp8track.examples.held_out import HeldOutEval
     from fp8track.lightning import FP8Monitor
     from fp8track.monitoring.records import RunReader
 
@@ -296,13 +127,32 @@ def train(
         # The what-if rows the sweep asks of its control (auto:K from what-if rows, no probe run).
         config={"whatif": list(settings.whatif)} if settings is not None and settings.whatif else None,
     )
+    trainer, seconds = _fit(cfg, module, data, [monitor, held_out], loggers, log_dir)
+    elapsed = seconds - held_out.eval_seconds
+    run_dir = monitor.monitor.run_dir if monitor.monitor is not None else None
+    if run_dir is None:
+        raise RuntimeError("the monitor did not open a run directory")
+    fp8 = tuple(report.fp8_layers)
+    bf16 = tuple(n for n, _ in report.bf16_layers)
+    result = TrialResult(
+        held_out.evals, held_out.pruned, Path(run_dir), elapsed / max(trainer.global_step, 1), fp8, bf16
+    )
+    result.metrics = run_metrics(RunReader(run_dir), result)
+    return result
+
+
+def _fit(cfg: TrainConfig, module: Any, data: Any, callbacks: list[Any], loggers: Sequence[Any],
+         log_dir: str | Path) -> tuple[Any, float]:
+    """A quiet CPU Lightning ``Trainer`` fitted on ``module``: ``(trainer, wall seconds of fit)``."""
+    import lightning as L
+
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
         max_steps=cfg.steps,
         precision=cfg.precision,
         logger=list(loggers) or False,
-        callbacks=[monitor, held_out],
+        callbacks=callbacks,
         enable_checkpointing=False,
         enable_model_summary=False,
         enable_progress_bar=False,
@@ -314,17 +164,7 @@ def train(
     L.seed_everything(cfg.seed, verbose=False)
     t0 = time.perf_counter()
     trainer.fit(module, datamodule=data)
-    elapsed = time.perf_counter() - t0 - held_out.eval_seconds
-    run_dir = monitor.monitor.run_dir if monitor.monitor is not None else None
-    if run_dir is None:
-        raise RuntimeError("the monitor did not open a run directory")
-    fp8 = tuple(report.fp8_layers)
-    bf16 = tuple(n for n, _ in report.bf16_layers)
-    result = TrialResult(
-        held_out.evals, held_out.pruned, Path(run_dir), elapsed / max(trainer.global_step, 1), fp8, bf16
-    )
-    result.metrics = run_metrics(RunReader(run_dir), result)
-    return result
+    return trainer, time.perf_counter() - t0
 
 
 def run_metrics(reader: Any, result: TrialResult) -> dict[str, float]:
@@ -444,7 +284,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """One trial. Under ``fp8track sweep`` (``MLFLOW_RUN_ID`` set) it logs into the trial's MLflow
     run, compares with the control the sweep trained (``FP8TRACK_SWEEP_CONTROL``) and takes the
     ``auto:K`` ranking the sweep measured; alone it trains and caches its own control and probe."""
-    from fp8track.errors import ConfigError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)

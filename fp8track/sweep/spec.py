@@ -134,7 +134,7 @@ def schema_violations(config: Mapping[str, Any]) -> list[str] | None:
 def program_options() -> set[str]:
     """What a trial may vary: ``recipe``, ``bf16_layers`` and the example program's
     :class:`fp8track.examples.train.TrainConfig` fields (each a ``--name`` option)."""
-    from fp8track.examples.train import TrainConfig
+    from fp8track.examples.trial_config import TrainConfig
 
     return {"recipe", "bf16_layers"} | {f.name for f in dataclasses.fields(TrainConfig)}
 
@@ -279,7 +279,7 @@ def _check_values(p: Param, where: str, example: bool) -> None:
 
 def _check_program_value(name: str, value: Any, where: str) -> None:
     """A constant for a :class:`fp8track.examples.train.TrainConfig` field must build one."""
-    from fp8track.examples.train import TrainConfig
+    from fp8track.examples.trial_config import TrainConfig
 
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     if name in fields:

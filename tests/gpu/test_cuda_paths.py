@@ -135,7 +135,8 @@ def test_lightning_callback_on_the_device(tmp_path):
     import lightning as L
 
     from fp8track import FP8Monitor
-    from fp8track.examples.gpt import GPTConfig, GPTLightningModule
+    from fp8track.examples.gpt import GPTConfig
+    from fp8track.examples.gpt_lightning import GPTLightningModule
 
     torch.manual_seed(0)
     module = GPTLightningModule(GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=32)).to(DEVICE)

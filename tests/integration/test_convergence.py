@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from fp8track.examples.gpt import build_example, train_loop
+from fp8track.examples.gpt_lightning import build_example, train_loop
 from fp8track.execution.apply import apply_fp8
 
 from helpers.lightning import quiet_trainer
@@ -99,7 +99,8 @@ def test_mlp_regression_fp8_tracks_bf16():
 
 def test_lightning_module_logs_losses_and_data_module_reads_any_file(tmp_path):
 
-    from fp8track.examples.gpt import CharDataModule, stdlib_text
+    from fp8track.examples.gpt import stdlib_text
+    from fp8track.examples.gpt_lightning import CharDataModule
 
     text = stdlib_text(50_000)
     assert len(text) == 50_000 and text == stdlib_text(50_000)  # deterministic, offline

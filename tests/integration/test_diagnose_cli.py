@@ -138,7 +138,7 @@ def test_report_renders_in_headless_chromium(tmp_path, chromium):
 def test_check_inference_cli_on_an_example_checkpoint(tmp_path):
     import torch
 
-    from fp8track.examples.gpt import build_example
+    from fp8track.examples.gpt_lightning import build_example
     from fp8track.inference import save_checkpoint
 
     build = {

@@ -17,7 +17,8 @@ import fp8track
 from fp8track.analysis.baseline import load_run
 from fp8track.analysis.diagnose import diagnose
 from fp8track.analysis.pairing import align_runs, check_pairing, run_label, run_precision
-from fp8track.examples.gpt import GPT, GPTConfig, GPTLightningModule
+from fp8track.examples.gpt import GPT, GPTConfig
+from fp8track.examples.gpt_lightning import GPTLightningModule
 from fp8track.execution.recipes import Recipe
 from fp8track.monitoring.monitor import run_meta_for
 

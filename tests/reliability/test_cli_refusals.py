@@ -39,7 +39,7 @@ def _files(tmp: Path) -> None:
 CASES = [
     (("integrations", "--copy", "a-file"), ["--copy", "a-file", "not a folder"]),
     (("demo", "--out", "a-file"), ["--out", "a-file", "not a folder"]),
-    (("demo", "--every-n-steps", "0"), ["every_n_steps", ">= 1", "0"]),
+    (("demo", "--every-n-steps", "0"), ["--every-n-steps", ">= 1", "0"]),
     (
         ("sweep", SWEEP, "--storage", "bogus://x", "--trials", "1"),
         ["'bogus://x'", "sqlite://", "postgresql://"],

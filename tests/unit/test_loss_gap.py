@@ -140,7 +140,7 @@ def test_config_and_input_errors() -> None:
 def test_example_data_module_fingerprint_is_its_first_epoch_order(tmp_path):
     """The example GPT's data module says what it feeds: the same seed gives the same fingerprint,
     another seed another; the order hashed is the one its DataLoader really draws."""
-    from fp8track.examples.gpt import CharDataModule
+    from fp8track.examples.gpt_lightning import CharDataModule
     from fp8track.monitoring.monitor import data_fingerprint
 
     text = tmp_path / "t.txt"
@@ -159,7 +159,7 @@ def test_fp8monitor_records_the_data_modules_fingerprint(tmp_path):
     the same data are judged as paired."""
 
     from fp8track.analysis.baseline import load_run
-    from fp8track.examples.gpt import build_example
+    from fp8track.examples.gpt_lightning import build_example
     from fp8track.lightning import FP8Monitor
 
     text = tmp_path / "t.txt"
