@@ -39,6 +39,10 @@ class MlflowServer:
                 "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
             ],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            # No job runner: MLflow 3's server otherwise starts seven Huey consumer processes for
+            # its GenAI jobs and periodic tasks, each importing MLflow (about 28 s of CPU per server
+            # here); fp8track logs runs, metrics and artifacts, which the server serves without them.
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
         )  # fmt: skip
         log.close()
         deadline = time.monotonic() + timeout_s
