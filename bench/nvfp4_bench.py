@@ -14,6 +14,7 @@ sampled step of a small MLP (MXFP8 with what-if NVFP4, every step sampled) with 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -21,7 +22,8 @@ from typing import Any
 
 import torch
 
-from fp8track.examples.gpt_lightning import CharDataModule, build_example, train_loop
+from fp8track.examples.gpt import CharData
+from fp8track.examples.gpt_lightning import build_example, train_loop
 
 GPT_RUNS = [("bf16", "none", 0), ("bf16", "none", 1), ("mxfp8", "none", 0), ("nvfp4", "none", 0),
             ("nvfp4", "last:50%,head", 0), ("nvfp4:no_rht:no_sr", "none", 0)]
@@ -39,17 +41,11 @@ def _llama(recipe: str, bf16_layers: str, seed: int, steps: int) -> dict[str, An
                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
     model = LlamaForCausalLM(cfg)
     apply_fp8(model, recipe, bf16_layers=bf16_layers, backend="emulated")
-    data = CharDataModule(None, block_size=64, batch_size=16, seed=seed)
+    data = CharData(None, block_size=64, batch_size=16, seed=seed)
     data.setup()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    batches = iter(data.train_dataloader())
     t0 = time.perf_counter()
-    for _ in range(steps):
-        try:
-            x, _ = next(batches)
-        except StopIteration:
-            batches = iter(data.train_dataloader())
-            x, _ = next(batches)
+    for x, _y in itertools.islice(data.endless_batches(), steps):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(input_ids=x, labels=x).loss
         loss.backward()

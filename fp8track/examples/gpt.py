@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -227,6 +228,18 @@ class CharData:
         gen = torch.Generator().manual_seed(self.seed)
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, generator=gen,
                           drop_last=True, num_workers=self.num_workers)
+
+    def endless_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Training batches epoch after epoch (each epoch :meth:`train_dataloader`'s order), for
+        loops that count steps rather than epochs."""
+        while True:
+            empty = True
+            for batch in self.train_dataloader():
+                empty = False
+                yield batch
+            if empty:
+                raise ConfigError(f"batch_size {self.batch_size} exceeds the {len(self.train_set or ())} "
+                                  "training windows: no full batch")
 
     def data_fingerprint(self) -> dict[str, Any]:
         """What this data module feeds (:func:`fp8track.monitoring.monitor.data_fingerprint`): the

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -122,15 +123,9 @@ def train_loop(
     opt = module.configure_optimizers()
     module.train()
     losses: list[float] = []
-    batches = iter(data.train_dataloader())
     ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16_autocast else contextlib_null
     t0 = time.perf_counter()
-    for _ in range(steps):
-        try:
-            x, y = next(batches)
-        except StopIteration:
-            batches = iter(data.train_dataloader())
-            x, y = next(batches)
+    for x, y in itertools.islice(data.endless_batches(), steps):
         with ctx():
             loss = module.model.loss(x, y)
         opt.zero_grad(set_to_none=True)

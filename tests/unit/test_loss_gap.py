@@ -153,6 +153,28 @@ def test_example_data_module_fingerprint_is_its_first_epoch_order(tmp_path):
     assert fa["n_order"] == len(drawn)
 
 
+def test_example_data_batches_without_end_repeat_each_epochs_order(tmp_path):
+    """``CharData.endless_batches``: epoch after epoch of the loader's own (seeded) order; a batch
+    larger than the training set is refused rather than looping on nothing."""
+    import itertools
+
+    import torch
+
+    from fp8track.errors import ConfigError
+    from fp8track.examples.gpt import CharData
+
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(range(256)) * 8)  # 2,048 bytes: the first 90 % train
+    data = CharData(text, block_size=16, batch_size=4, seed=3)
+    epoch = [x for x, _ in data.train_dataloader()]
+    assert len(epoch) == (int(2048 * 0.9) - 1) // 16 // 4  # drop_last: full batches only
+    got = [x for x, _ in itertools.islice(data.endless_batches(), 2 * len(epoch) + 1)]
+    want = epoch + epoch + epoch[:1]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    with pytest.raises(ConfigError, match="batch_size 500"):
+        next(CharData(text, block_size=16, batch_size=500).endless_batches())
+
+
 @pytest.mark.slow
 def test_fp8monitor_records_the_data_modules_fingerprint(tmp_path):
     """Lightning: FP8Monitor puts the data module's fingerprint in the run metadata, so two runs on
