@@ -5,15 +5,9 @@ from pathlib import Path
 
 import pytest
 
-# The suite runs two xdist workers on two cores (Makefile). Each worker, and every process a test
-# starts, runs one intra-op thread: two workers of two OpenMP threads each oversubscribe the cores,
-# and the waiting threads spin on tensors this small (measured on the whole suite: 1,954 -> 1,762 s
-# of CPU time). Set before torch is imported, which reads it once; an exported value wins.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+from fp8track.numerics import kernel_policy
 
-from fp8track.numerics import kernel_policy  # noqa: E402
-
-from helpers import file_order, subprocesses  # noqa: E402
+from helpers import file_order, subprocesses
 
 # The tests' own processes run the statistics kernel the user chose (default "auto": each worker
 # compiles it once and every test file reuses it). Processes the tests start (trial
