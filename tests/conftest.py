@@ -7,7 +7,9 @@ import pytest
 
 from fp8track.numerics import kernel_policy
 
-from helpers import file_order, subprocesses
+from helpers import allocator, file_order, subprocesses
+
+allocator.keep_freed_heap()  # before any test allocates: see helpers/allocator.py
 
 # The tests' own processes run the statistics kernel the user chose (default "auto": each worker
 # compiles it once and every test file reuses it). Processes the tests start (trial

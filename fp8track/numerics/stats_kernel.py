@@ -125,8 +125,8 @@ _CONST_CACHE: dict[tuple[str, int, torch.device], torch.Tensor] = {}
 
 
 def _finite_abs(x: torch.Tensor) -> torch.Tensor:
-    xf = x.to(torch.float32)
-    return torch.where(torch.isfinite(xf), xf.abs(), 0.0)
+    """``|x|`` in float32 with non-finite elements as 0."""
+    return x.to(torch.float32).abs().nan_to_num(0.0, 0.0, 0.0)
 
 
 def _row_sums(
@@ -145,9 +145,11 @@ def _row_sums(
     fmt_max = fconst[_F_MAX]
     x = x2.to(torch.float32)
     finite = torch.isfinite(x)
-    xf = torch.where(finite, x, 0.0)
-    # x == 0 must stay 0 even for an infinite scale (0 * inf is NaN).
-    xs = torch.where(xf == 0, 0.0, xf * scale)
+    xf = x.nan_to_num(0.0, 0.0, 0.0)
+    # x == 0 must stay 0 even for an infinite scale: 0 * inf is the only NaN here (xf is finite).
+    # nan_to_num rather than where(): the same values, and eager where() is a slow
+    # unvectorised op on CPU (4-5 ns per element against 0.3).
+    xs = (xf * scale).nan_to_num(0.0, math.inf, -math.inf)
     # The tolerance absorbs float32 rounding of scale * amax (a current scale M / amax can give
     # amax * scale = M + 1 ulp); such an element rounds to M in FP8 and loses nothing to clipping.
     overflow = xs.abs() > fmt_max * OVERFLOW_RTOL
@@ -156,13 +158,15 @@ def _row_sums(
         q = round_to_fp8_grid(clipped, fconst)
     else:
         q = clipped.to(fp8_dtype).to(torch.float32)
-    # q == 0 must dequantise to 0 even for a zero scale (0 / 0 is NaN).
-    d = torch.where(q == 0, 0.0, q / scale)
+    # q == 0 must dequantise to 0 even for a zero scale: 0 / 0 is the only NaN here.
+    d = (q / scale).nan_to_num(0.0, math.inf, -math.inf)
     xn = xf * p
     dn = d * p
     en = xn - dn
-    terms = (finite, xf != 0, d != 0, overflow, xn * xn, dn * dn, xn * dn, en * en)
-    return torch.stack([t.sum(dim=1, dtype=acc) for t in terms], dim=1)
+    # Counts without a float64 copy of each mask (exact in any order); sums as always.
+    counts = [t.count_nonzero(dim=1).to(acc) for t in (finite, xf, d, overflow)]
+    sums = [t.sum(dim=1, dtype=acc) for t in (xn * xn, dn * dn, xn * dn, en * en)]
+    return torch.stack(counts + sums, dim=1)
 
 
 def _tensor_partial_body(
