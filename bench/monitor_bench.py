@@ -7,7 +7,9 @@ every 10 / every step and the BF16 control (shadow statistics) every 10 / every 
 ratio over the same model and run without the monitor, interleaved in rounds (the order rotating
 each round), with per-step medians and spreads; plus the host-time proxy: microseconds of host
 time per sampled (layer, tensor) on 16x16 tensors. ``os.getloadavg()`` at start and end: the
-numbers mean something only on an idle machine.
+numbers mean something only on an idle machine. ``malloc_env``: the ``MALLOC_*_`` variables glibc
+started with (run it once as is and once with those of tests/helpers/allocator.py exported to see
+what page faults of freed-and-trimmed heap cost a CPU step).
 
 Older report (``--models``):
 
@@ -435,6 +437,9 @@ def sampling_report(args: argparse.Namespace) -> dict:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "loadavg_at_start": [round(v, 2) for v in os.getloadavg()],
+        # glibc's heap settings (tests/helpers/allocator.py): they decide whether each step's large
+        # temporaries fault their pages in again, which the CUDA caching allocator never does.
+        "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
         "rounds": args.rounds, "steps_per_round": args.steps_per_round,
         "host_proxy": host_us_per_tensor(rounds=max(1, args.rounds // 2)),
     }
