@@ -5,9 +5,9 @@ Why: CPU PyTorch allocates each op's output with ``malloc``. With glibc's defaul
 temporaries of one step leaves more than the trim threshold (128 KiB, raised only to twice the
 largest mmapped chunk freed so far) free at the top of the heap, so glibc gives it back to the
 kernel, and the next step faults every page in again. One statistics call on a 65,536-element
-tensor took 712-909 minor page faults and about 2.5 ms of system time; with the thresholds below,
-1-10 faults and half the wall time; a 160-step monitored training of the diagnosis benchmark
-17-27 % less CPU (interleaved runs). Nothing a test asserts depends on the allocator: this is
+tensor took 712-1,052 minor page faults and 2.2-3.6 ms of system time; with the thresholds below,
+0-10 faults and half the wall time; a 160-step monitored training of the diagnosis benchmark
+14-27 % less CPU (interleaved runs). Nothing a test asserts depends on the allocator: this is
 what PyTorch's CPU tuning guide does with jemalloc or tcmalloc, with no extra dependency. GPUs
 never see it (the CUDA caching allocator keeps its blocks).
 """
@@ -15,7 +15,6 @@ never see it (the CUDA caching allocator keeps its blocks).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 TRIM_THRESHOLD = 128 << 20
@@ -32,10 +31,7 @@ def keep_freed_heap() -> None:
     (glibc reads ``MALLOC_*_`` at start-up); a value the user exported is kept. No-op off glibc."""
     trim = int(os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(TRIM_THRESHOLD)))
     mmap = int(os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD)))
-    name = ctypes.util.find_library("c")
-    if not name:
-        return
-    libc = ctypes.CDLL(name)
+    libc = ctypes.CDLL(None)  # the symbols already loaded (no ldconfig subprocess, as find_library runs)
     if hasattr(libc, "mallopt"):  # glibc (macOS's libc has none)
         libc.mallopt(_M_TRIM_THRESHOLD, trim)
         libc.mallopt(_M_MMAP_THRESHOLD, mmap)
