@@ -3,6 +3,7 @@ and a failure of any kind leaves the statistics on torch.compile."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytest
@@ -31,8 +32,19 @@ def _agree(got: torch.Tensor, want: torch.Tensor) -> None:
     assert torch.equal(got[9:], want[9:])  # amax, amin, scale range
 
 
-def test_packages_build_in_the_background_then_replace_the_jit_kernel(aot_mode):
-    """Long (about 50 s): two AOTInductor packages are built; building them is what is tested."""
+def test_packages_build_in_the_background_then_replace_the_jit_kernel(aot_mode, tmp_path):
+    """Long (about 50 s): two AOTInductor packages are built; building them is what is tested.
+
+    The builders wait for a gate file before they start, so no package can appear while the first
+    calls (and another process's look at the cache) are checked: a build is faster than a cold
+    ``torch.compile`` of the same kernel, and used to finish in between."""
+    gate = tmp_path / "go"
+    gated_python = tmp_path / "gated_python.sh"
+    gated_python.write_text(
+        f'#!/bin/sh\nwhile [ ! -e "{gate}" ]; do sleep 0.05; done\nexec "{sys.executable}" "$@"\n'
+    )
+    gated_python.chmod(0o755)
+    stats._POLICY.aot = AotKernels(python=str(gated_python))
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(4 * 1024, generator=gen) * 30).to(torch.bfloat16)  # whole rows: the tail-free graph
     y = torch.exp(3 * torch.randn(5000, generator=gen)).to(torch.bfloat16)  # a padded tail row
@@ -57,6 +69,7 @@ def test_packages_build_in_the_background_then_replace_the_jit_kernel(aot_mode):
     for got, want in zip(first, jit, strict=True):
         assert torch.equal(got, want)
     stats.set_compile("aot")
+    gate.touch()
     loaded = stats.wait_for_aot_kernels(600)
     assert sorted(loaded.values()) == [True, True], loaded
     packaged = run_all()
