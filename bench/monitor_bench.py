@@ -292,12 +292,19 @@ def _tiny_llama():
     return model, loss, (8, 64)
 
 
-def _example_gpt():
-    model = GPT(GPTConfig())
+def _example_gpt(n_embd: int = 64):
+    model = GPT(GPTConfig(n_embd=n_embd, n_head=4 if n_embd == 64 else n_embd // 64))
     return model, model.loss, (16, model.config.block_size)
 
 
-SAMPLING_MODELS = {"gpt": _example_gpt, "llama": _tiny_llama}
+SAMPLING_MODELS = {
+    "gpt": _example_gpt,
+    "llama": _tiny_llama,
+    # The example GPT 4x and 8x wider: the statistics pass costs a fixed amount per element of a
+    # tensor, a GEMM per element about its inner width, so the ratio falls as the width grows.
+    "gpt256": lambda: _example_gpt(256),
+    "gpt512": lambda: _example_gpt(512),
+}
 
 
 def _spread(ts: list[float]) -> dict:
@@ -458,7 +465,10 @@ def main() -> None:
         "--models", default=None,
         help="the older report (step time and peak memory per compile mode), e.g. small/bf16,small/delayed",
     )
-    parser.add_argument("--sampling-models", default="gpt,llama", help="models of the sampling-cost report")
+    parser.add_argument(
+        "--sampling-models", default="gpt,llama",
+        help=f"models of the sampling-cost report, comma-separated, from {', '.join(SAMPLING_MODELS)}",
+    )
     parser.add_argument("--out", default=None, help="also write the JSON here")
     parser.add_argument("--no-memory", action="store_true", help="step times only")
     parser.add_argument(
@@ -466,6 +476,9 @@ def main() -> None:
     )
     parser.add_argument("--memory-child", nargs=5)
     args = parser.parse_args()
+    unknown = [m for m in args.sampling_models.split(",") if m not in SAMPLING_MODELS]
+    if unknown:
+        parser.error(f"--sampling-models: unknown {unknown}; valid: {', '.join(SAMPLING_MODELS)}")
     if args.memory_child:
         recipe, model_name, every, steps, mode = args.memory_child
         _memory_child(recipe, model_name, int(every), int(steps), mode)
