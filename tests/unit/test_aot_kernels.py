@@ -33,7 +33,7 @@ def _agree(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def test_packages_build_in_the_background_then_replace_the_jit_kernel(aot_mode, tmp_path):
-    """Long (about 50 s): two AOTInductor packages are built; building them is what is tested.
+    """Long (about 60-80 s): two AOTInductor packages are built; building them is what is tested.
 
     The builders wait for a gate file before they start, so no package can appear while the first
     calls (and another process's look at the cache) are checked: a build is faster than a cold
