@@ -293,7 +293,7 @@ def _tiny_llama():
 
 
 def _example_gpt(n_embd: int = 64):
-    model = GPT(GPTConfig(n_embd=n_embd, n_head=4 if n_embd == 64 else n_embd // 64))
+    model = GPT(GPTConfig(n_embd=n_embd, n_head=max(4, n_embd // 64)))  # heads of 16-64
     return model, model.loss, (16, model.config.block_size)
 
 

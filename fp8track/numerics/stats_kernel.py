@@ -124,13 +124,13 @@ def _fmt_consts(fmt: FP8Format, margin: int, device: torch.device) -> torch.Tens
 _CONST_CACHE: dict[tuple[str, int, torch.device], torch.Tensor] = {}
 
 
-# The eager pass and the compiled graph spell two things differently, with the same values
-# (checked bit for bit on 959 cases, tests/unit/test_stats.py compares the two paths):
+# The eager pass and the compiled graph spell two things differently, with the same values (the
+# eager spellings were checked bit for bit against these on 959 cases when they were introduced):
 #   zeroing NaN (and 0 * inf, 0 / 0): eager nan_to_num, since torch.where is an unvectorised eager
 #     op on CPU (4-5 ns per element against 0.3); compiled torch.where, since inductor lowers an
 #     expression once per path that reaches it in the one inlined loop (_INDUCTOR_OPTIONS), and
 #     nan_to_num's decomposition reads its input four times: the first compile of a kernel took
-#     42-52 s with it, 13-19 s with where (CPU, empty inductor cache).
+#     42-54 s with it, 13-19 s with where (CPU, empty inductor cache).
 #   counting a mask: eager count_nonzero (no float64 copy of the mask); compiled a sum of the mask,
 #     fused into the loop, where count_nonzero made the kernel 1.3x slower (524,288 elements).
 
@@ -154,7 +154,8 @@ def _row_sums(
     """Per-row ``[R, len(_ROW_FIELDS)]`` sums of the quantisation of ``x2 [R, C]``
     (products normalised by ``p``).
 
-    ``fp8_dtype`` None rounds with :func:`round_to_fp8_grid` (compiled path), else with the real cast.
+    ``fp8_dtype`` None rounds with :func:`round_to_fp8_grid` and takes the compiled spellings (see
+    above), else rounds with the real cast.
     """
     graph = fp8_dtype is None
     fmt_max = fconst[_F_MAX]
