@@ -2,14 +2,18 @@
 step-time / peak-memory report (``--models``).
 
 Sampling-cost report (JSON on stdout, and ``--out FILE``): for the example GPT and a Hugging Face
-Llama built from a tiny config, the emulated FP8 run (current scaling) unsampled (every 1000) /
-every 10 / every step and the BF16 control (shadow statistics) every 10 / every step, each as a
-ratio over the same model and run without the monitor, interleaved in rounds (the order rotating
-each round), with per-step medians and spreads; plus the host-time proxy: microseconds of host
-time per sampled (layer, tensor) on 16x16 tensors. ``os.getloadavg()`` at start and end: the
-numbers mean something only on an idle machine. ``malloc_env``: the ``MALLOC_*_`` variables glibc
-started with (run it once as is and once with those of tests/helpers/allocator.py exported to see
-what page faults of freed-and-trimmed heap cost a CPU step).
+Llama built from a config (width 64; ``gpt256``, ``gpt512`` and ``llama512`` are wider), the
+emulated FP8 run (current scaling) unsampled (every 1000) / every 10 / every step and the BF16
+control (shadow statistics) every 10 / every step, each as a ratio over the same model and run
+without the monitor, interleaved in rounds (the order rotating each round), with per-step medians
+and spreads, and ``statistics_only``: the statistics kernel on that model's observed tensors of one
+step, called back to back (:func:`kernel_only_ms`), as ms and as the step ratio it alone would give
+(about the least every-step sampling can cost with the statistics unchanged); plus the host-time
+proxy: microseconds of host time per sampled (layer, tensor) on 16x16 tensors. ``os.getloadavg()``
+at start and end: the numbers mean something only on an idle machine. ``malloc_env``: the
+``MALLOC_*_`` variables glibc started with (run it once as is and once with those of
+tests/helpers/allocator.py exported to see what page faults of freed-and-trimmed heap cost a CPU
+step).
 
 Older report (``--models``):
 
@@ -275,13 +279,14 @@ SAMPLING_RUNS = {  # run: (FP8 recipe or None for the BF16 control, the configur
 SAMPLING_EVERY = {"none": None, "every_1000": 1000, "every_10": 10, "every_1": 1}
 
 
-def _tiny_llama():
-    """A Hugging Face Llama from a config (random weights, no download): 2 layers, width 64."""
+def _hf_llama(width: int = 64, intermediate: int = 128, tokens: tuple[int, int] = (8, 64)):
+    """A Hugging Face Llama from a config (random weights, no download): 2 layers, heads of 16-64."""
     import transformers
 
+    heads = max(4, width // 64)
     cfg = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=256, max_position_embeddings=128,
+        hidden_size=width, intermediate_size=intermediate, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=heads, vocab_size=256, max_position_embeddings=128,
     )
     model = transformers.LlamaForCausalLM(cfg)
 
@@ -289,7 +294,7 @@ def _tiny_llama():
         logits = model(input_ids=idx).logits
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
-    return model, loss, (8, 64)
+    return model, loss, tokens
 
 
 def _example_gpt(n_embd: int = 64):
@@ -299,11 +304,14 @@ def _example_gpt(n_embd: int = 64):
 
 SAMPLING_MODELS = {
     "gpt": _example_gpt,
-    "llama": _tiny_llama,
+    "llama": _hf_llama,
     # The example GPT 4x and 8x wider: the statistics pass costs a fixed amount per element of a
     # tensor, a GEMM per element about its inner width, so the ratio falls as the width grows.
     "gpt256": lambda: _example_gpt(256),
     "gpt512": lambda: _example_gpt(512),
+    # Llama's SwiGLU width rule (8/3 of the width, rounded up to a multiple of 256), as many tokens
+    # as the GPT's.
+    "llama512": lambda: _hf_llama(512, 1536, (16, 64)),
 }
 
 
@@ -316,6 +324,49 @@ def _spread(ts: list[float]) -> dict:
         "median_ms": 1e3 * med, "iqr_ms": 1e3 * (q[2] - q[0]), "mad_pct": 100 * mad / med,
         "mean_ms": 1e3 * statistics.fmean(ts), "steps": len(ts),
     }
+
+
+def _observed_tensors(
+    model, loss_fn, batch: torch.Tensor, monitor: Monitor
+) -> list[tuple[str, object, torch.Tensor]]:
+    """Copies of what ``monitor`` observes in one training step, as ``(tensor kind, layer plan, tensor)``:
+    each monitored layer's activation, weight and output gradient, collected by hooks of this
+    benchmark's own (the monitor is not attached)."""
+    from fp8track.execution.layers import gemm_weight
+
+    seen: list[tuple[str, object, torch.Tensor]] = []
+    handles = []
+    for cap in monitor.captures.values():
+        def hook(module, args, output, cap=cap):
+            seen.append(("activation", cap, args[0].detach().clone()))
+            seen.append(("weight", cap, gemm_weight(module).detach().clone()))
+            output.register_hook(lambda g, cap=cap: seen.append(("gradient", cap, g.detach().clone())))
+        handles.append(cap.module.register_forward_hook(hook))
+    loss_fn(batch[:, :-1], batch[:, 1:]).backward()
+    model.zero_grad(set_to_none=True)
+    for h in handles:
+        h.remove()
+    return [(t, cap.plan, x) for t, cap, x in seen if t in cap.tensors]
+
+
+def kernel_only_ms(model, loss_fn, batch: torch.Tensor, monitor: Monitor, repeats: int = 10) -> float:
+    """The statistics of one sampled step with nothing around them: the per-tensor partials of the
+    step's observed tensors (copies), computed back to back by the path a lone tensor takes
+    (``plans.tensor_partial``: the compiled kernel, eager below its size), median over ``repeats``.
+    Every monitored step pays at least about this (its tensors are hot in cache when the hooks
+    see them, the copies here are not, so it is not a strict lower bound)."""
+    from fp8track.monitoring.plans import tensor_partial
+
+    observed = _observed_tensors(model, loss_fn, batch, monitor)
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        for tensor, plan, x in observed:
+            tensor_partial(x, plan, tensor)
+        return time.perf_counter() - t0
+
+    once()  # compile what the monitored runs did not (tensors below the batch's size)
+    return 1e3 * statistics.median(once() for _ in range(repeats))
 
 
 def sampling_costs(model_name: str, run: str, rounds: int, per_round: int) -> dict:
@@ -355,11 +406,12 @@ def sampling_costs(model_name: str, run: str, rounds: int, per_round: int) -> di
             go(c, per_round, ts)
             times[c].extend(ts)
             round_medians[c].append(statistics.median(ts))
+    floor_ms = kernel_only_ms(model, loss_fn, batches[0], next(m for m in monitors.values() if m is not None))
     for mon in monitors.values():
         if mon is not None:
             mon.close()
     base, base_mean = statistics.median(times["none"]), statistics.fmean(times["none"])
-    out = {}
+    out: dict = {"statistics_only": {"ms": floor_ms, "ratio": 1 + floor_ms / (1e3 * base)}}
     for c in configs:
         ratios = [m / b for m, b in zip(round_medians[c], round_medians["none"], strict=True)]
         out[c] = {

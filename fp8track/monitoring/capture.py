@@ -255,27 +255,29 @@ class LayerCapture:
         if self.recorder is not None and actual is None:
             fn = self.plan.scale_fns.get(tensor) if self.plan.scaling == "per_tensor" else None
             self.recorder(tensor, share.local, fn() if fn is not None else None)
-        partials, plan, batch = self.partials, self.plan, self.batch
+        partials, plan = self.partials, self.plan
         # (a dumped observation is recomputed from the dump by the per-tensor path: it takes it here)
-        if batch is not None and not (actual is None and share.trivial and batch.accepts(x)) or (
-            is_dtensor(x) or self.recorder is not None
-        ):
-            batch = None
+        shared = self.batch if (
+            actual is None and share.trivial and not is_dtensor(x) and self.recorder is None
+        ) else None
+        batch = shared if shared is not None and shared.accepts(x) else None
         for variant, scaling in self._observation_list():
             key = (tensor, variant)
+            prev = partials.get(key)
             if actual is not None and variant == plan.variant:
-                prev = partials.get(key)
                 partials[key] = actual if prev is None else merge_partials([prev, actual])
                 continue
             per_tensor = (scaling or plan.scaling) in ("per_tensor", "current") and not plan.power_2_scales
+            fn = plan.scale_fns.get(tensor) if per_tensor and scaling is None else None
             if batch is not None and per_tensor:
-                fn = plan.scale_fns.get(tensor) if scaling is None else None
                 fmt = fp8_format(plan, tensor)
                 batch.add(partials, key, share.local, fmt, fn() if fn else None, plan.margin)
                 continue
-            partials[key] = tensor_partial(
-                share.local, plan, tensor, scaling, share, into=partials.get(key)
-            )
+            if shared is not None and per_tensor and fn is None:  # current scaling: once per tensor
+                p = shared.current_partial(share.local, fp8_format(plan, tensor), plan.margin)
+                partials[key] = p if prev is None else merge_partials([prev, p])
+                continue
+            partials[key] = tensor_partial(share.local, plan, tensor, scaling, share, into=prev)
         self._add_ranges(tensor, share.local)
 
     def _add_ranges(self, tensor: str, x: torch.Tensor) -> None:

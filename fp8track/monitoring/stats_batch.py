@@ -21,6 +21,14 @@ What the batch holds is what training holds anyway (activations are saved for th
 weights are parameters), except dY, kept until the end of the backward (bounded as above). Tensors
 too large to gain from grouping (:data:`DIRECT_NUMEL`), sharded ones, what-if block variants and
 observations with a tensor dump take the per-tensor path at once.
+
+One tensor, one pass: layers that read the same input (a transformer's q, k and v projections, an
+MLP's gate and up projections) observe the same tensor, and under current scaling (the scale from
+the tensor's own amax: an FP8 run with current scaling, the BF16 control's shadow statistics, the
+``current`` what-if) its partial does not depend on the layer. Within a phase such an observation is
+computed once, for the first layer, and the others merge the same partial (:func:`same_tensor_key`:
+the same storage, view, dtype and version, the format and margin). A given scale (delayed scaling's
+per-layer history) is the layer's own, so those observations are computed per layer.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import warnings
 import torch
 
 from fp8track.numerics.segment_stats import tensors_partial_stats
-from fp8track.numerics.stats import merge_partials
+from fp8track.numerics.stats import merge_partials, partial_stats
 
 MAX_PENDING_NUMEL = 1 << 22
 """Elements waiting before the batch is computed early (the grouped pass's float32 temporaries are
@@ -43,8 +51,20 @@ tensors faster than the grouped eager pass, and its fixed cost per call is small
 on a GPU the launch path costs more than any tensor's pass, so everything is grouped."""
 
 Accumulators = dict[tuple[str, str], torch.Tensor]
-_Item = tuple[Accumulators, tuple[str, str], torch.Tensor, int, str, "torch.Tensor | None", int]
-"""(accumulators, key, tensor, its version counter at observation, format, scale or None, margin)"""
+_Item = tuple[Accumulators, tuple[str, str], torch.Tensor, int, str, "torch.Tensor | None", int, int]
+"""(accumulators, key, tensor, its version counter at observation, format, scale or None, margin,
+index of the item whose partial it shares: its own index, or that of an earlier observation of the
+same tensor under current scaling)"""
+
+SameTensorKey = tuple[torch.device, int, torch.Size, tuple[int, ...], torch.dtype, int, str, int]
+
+
+def same_tensor_key(x: torch.Tensor, fmt: str, margin: int) -> SameTensorKey:
+    """What makes two current-scaling observations one computation: the device, the first element's
+    address, shape, strides and dtype (the same view of the same memory), the version counter (no
+    in-place change in between), the format and the margin. Only valid while ``x`` is alive (the
+    batch keeps a reference to every tensor it keys, so no other tensor can take its address)."""
+    return (x.device, x.data_ptr(), x.shape, x.stride(), x.dtype, x._version, fmt, margin)
 
 
 class StatsBatch:
@@ -54,6 +74,10 @@ class StatsBatch:
         self.max_pending_numel = max_pending_numel
         self._items: list[_Item] = []
         self._numel = 0
+        # This phase's current-scaling observations: queued (key -> item index), and computed at
+        # once by the per-tensor path (key -> (tensor, kept alive for its address; partial)).
+        self._queued: dict[SameTensorKey, int] = {}
+        self._computed: dict[SameTensorKey, tuple[torch.Tensor, torch.Tensor]] = {}
         self._in_backward = False
         self._warned = False
 
@@ -70,15 +94,32 @@ class StatsBatch:
         self, into: Accumulators, key: tuple[str, str], x: torch.Tensor, fmt: str,
         scale: torch.Tensor | None, margin: int,
     ) -> None:
-        """Queue ``x``'s partial (``fmt``; ``scale`` None: current scaling) for ``into[key]``.
+        """Queue ``x``'s partial (``fmt``; ``scale`` None: current scaling) for ``into[key]``; a
+        current-scaling observation of a tensor already queued in this phase shares its partial.
 
         A given scale is copied now (a backend updates its scale tensor in place later)."""
+        index = len(self._items)
         if scale is not None:
             scale = scale.detach().to(torch.float32, copy=True)
-        self._items.append((into, key, x, x._version, fmt, scale, margin))
+        else:
+            same = self._queued.setdefault(same_tensor_key(x, fmt, margin), index)
+            if same != index:
+                self._items.append((into, key, x, x._version, fmt, None, margin, same))
+                return
+        self._items.append((into, key, x, x._version, fmt, scale, margin, index))
         self._numel += x.numel()
         if self._numel >= self.max_pending_numel:
             self.flush()
+
+    def current_partial(self, x: torch.Tensor, fmt: str, margin: int) -> torch.Tensor:
+        """``x``'s partial under current scaling by the per-tensor path (for tensors the batch does
+        not group), computed once per phase for one tensor (the other layers that read it get the
+        same partial, read only)."""
+        key = same_tensor_key(x, fmt, margin)
+        hit = self._computed.get(key)
+        if hit is None:
+            hit = self._computed[key] = (x, partial_stats(x, fmt, None, margin))
+        return hit[1]
 
     def backward_started(self) -> None:
         """Called by every dY hook: at the first of a backward, compute the forward's batch and
@@ -98,13 +139,17 @@ class StatsBatch:
 
     def flush(self) -> None:
         """Compute every waiting observation, grouped by (device, format, margin), and merge each
-        partial into its accumulator (in the order they were observed)."""
+        partial into its accumulator (in the order they were observed). Ends the phase: no later
+        observation shares a partial computed before."""
+        self._computed.clear()
         if not self._items:
             return
         items, self._items, self._numel = self._items, [], 0
+        self._queued.clear()
         groups: dict[tuple[torch.device, str, int], list[int]] = {}
         for i, item in enumerate(items):
-            groups.setdefault((item[2].device, item[4], item[6]), []).append(i)
+            if item[7] == i:
+                groups.setdefault((item[2].device, item[4], item[6]), []).append(i)
         rows: dict[int, torch.Tensor] = {}
         for (_, fmt, margin), idx in groups.items():
             scales = [items[i][5] for i in idx]
@@ -114,8 +159,8 @@ class StatsBatch:
             )
             for i, row in zip(idx, out.unbind(0), strict=True):
                 rows[i] = row
-        for i, (into, key, x, version, *_) in enumerate(items):
-            row = rows[i]
+        for into, key, x, version, *_, same in items:
+            row = rows[same]
             prev = into.get(key)
             into[key] = row if prev is None else merge_partials([prev, row])
             if x._version != version:

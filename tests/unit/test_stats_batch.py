@@ -141,3 +141,91 @@ def test_the_pending_bound_computes_early_and_large_tensors_go_direct():
     assert len(batch) == 0 and set(acc) == {("a", "v"), ("b", "v")}
     assert not batch.accepts(torch.ones(1 << 13)) and batch.accepts(torch.ones(1 << 12))
     assert not batch.accepts(torch.ones(0)) and not batch.accepts(torch.ones(4, dtype=torch.int32))
+
+
+class _SharedInputs(nn.Module):
+    """Layers that read one input, as in a transformer: q, k and v projections, then an MLP's gate
+    and up projections. ``clone_inputs`` gives each layer its own copy of the input (the same values
+    in separate memory: nothing to share)."""
+
+    def __init__(self, width: int, clone_inputs: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
+        self.gate, self.up = nn.Linear(width, 2 * width), nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+        self.clone_inputs = clone_inputs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        own = (lambda t: t.clone()) if self.clone_inputs else (lambda t: t)
+        h = self.q(own(x)) * self.k(own(x)) + self.v(own(x))
+        return self.down(nn.functional.gelu(self.gate(own(h))) * self.up(own(h)))
+
+
+def _shared_input_run(recipe, clone_inputs, tokens, width, tmp_path, monkeypatch):
+    """The step's partials of :class:`_SharedInputs` over two micro-batches, and the elements the
+    statistics passes read (the grouped pass and the per-tensor path of the batch)."""
+    import fp8track.monitoring.stats_batch as sb
+
+    seen = {"numel": 0}
+
+    def counting(fn, tensors):
+        def wrapped(*args, **kwargs):
+            seen["numel"] += sum(t.numel() for t in tensors(args))
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(sb, "tensors_partial_stats", counting(sb.tensors_partial_stats, lambda a: a[0]))
+    monkeypatch.setattr(sb, "partial_stats", counting(sb.partial_stats, lambda a: a[:1]))
+    model = _SharedInputs(width, clone_inputs)
+    if recipe is not None:
+        apply_fp8(model, recipe, backend="emulated")
+    mon = Monitor(model, MonitorConfig(every_n_steps=1), log_dir=tmp_path / f"{recipe}-{clone_inputs}").attach()
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        model(torch.randn(tokens, width, generator=g)).square().mean().backward()
+    take = take_partials(mon.captures, torch.device("cpu"))
+    mon.close(reduce=False)
+    return take, seen["numel"]
+
+
+@pytest.mark.parametrize("recipe", [None, "current", "delayed"])
+@pytest.mark.parametrize("tokens,width", [(12, 16), (256, 64)])  # grouped; per tensor (>= 8192 elements)
+def test_layers_reading_one_input_compute_its_statistics_once(recipe, tokens, width, tmp_path, monkeypatch):
+    shared, shared_numel = _shared_input_run(recipe, False, tokens, width, tmp_path, monkeypatch)
+    cloned, cloned_numel = _shared_input_run(recipe, True, tokens, width, tmp_path, monkeypatch)
+    assert shared.keys == cloned.keys and len(shared.keys) == 6 * 3
+    for key, a, b in zip(shared.keys, cloned.parts, shared.parts, strict=True):
+        assert torch.equal(a, b), key  # sharing changes no bit
+    # Per micro-batch: the inputs of q, k, v (one tensor) and of gate, up (one tensor) are read once
+    # under current scaling (the control's shadow statistics, an FP8 run's current scaling); delayed
+    # scaling judges each layer's copy with the layer's own scale.
+    activations = tokens * width * 6 + tokens * 2 * width  # q k v gate up: width wide; down: 2x
+    saved = 2 * (2 * tokens * width + tokens * width)  # two micro-batches: k, v; up
+    if recipe == "delayed":
+        assert shared_numel == cloned_numel
+    else:
+        assert cloned_numel - shared_numel == saved
+        assert cloned_numel > activations  # weights and gradients counted too
+
+
+def test_only_the_same_unchanged_tensor_in_one_phase_shares_a_partial():
+    batch = StatsBatch()
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(4))
+    first = batch.current_partial(x, "e4m3", 0)
+    assert batch.current_partial(x.detach(), "e4m3", 0) is first  # another view object, same view
+    assert batch.current_partial(x, "e5m2", 0) is not first  # another format
+    assert batch.current_partial(x, "e4m3", 1) is not first  # another margin
+    x.mul_(4)  # changed in place: its version moved
+    changed = batch.current_partial(x, "e4m3", 0)
+    assert torch.equal(changed, partial_stats(x, "e4m3"))
+    assert finalize(changed)["amax"] == 4 * finalize(first)["amax"]
+    batch.flush()  # the phase ended
+    assert batch.current_partial(x, "e4m3", 0) is not changed
+    acc: dict = {}
+    batch.add(acc, ("a", "v"), x, "e4m3", None, 0)
+    batch.add(acc, ("b", "v"), x, "e4m3", None, 0)  # shares the first's row
+    batch.add(acc, ("c", "v"), x, "e4m3", torch.tensor(0.5), 0)  # a given scale: its own row
+    assert len(batch) == 3 and batch._numel == 2 * x.numel()
+    batch.flush()
+    assert acc[("a", "v")] is acc[("b", "v")] and not torch.equal(acc[("a", "v")], acc[("c", "v")])
