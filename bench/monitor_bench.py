@@ -329,16 +329,22 @@ def _spread(ts: list[float]) -> dict:
 def _observed_tensors(
     model, loss_fn, batch: torch.Tensor, monitor: Monitor
 ) -> list[tuple[str, object, torch.Tensor]]:
-    """Copies of what ``monitor`` observes in one training step, as ``(tensor kind, layer plan, tensor)``:
-    each monitored layer's activation, weight and output gradient, collected by hooks of this
-    benchmark's own (the monitor is not attached)."""
+    """Copies of what ``monitor`` computes statistics of in one training step, as ``(tensor kind,
+    layer plan, tensor)``: each monitored layer's activation, weight and output gradient, collected
+    by hooks of this benchmark's own (the monitor is not attached). An input several layers read
+    (q, k and v projections) is taken once, as the monitor computes it once under current scaling."""
     from fp8track.execution.layers import gemm_weight
 
     seen: list[tuple[str, object, torch.Tensor]] = []
+    inputs: dict[tuple, torch.Tensor] = {}  # holds each input, so no other can take its address
     handles = []
     for cap in monitor.captures.values():
         def hook(module, args, output, cap=cap):
-            seen.append(("activation", cap, args[0].detach().clone()))
+            x = args[0]
+            key = (x.data_ptr(), x.shape, x.stride(), x.dtype, x._version)
+            if key not in inputs:
+                inputs[key] = x
+                seen.append(("activation", cap, x.detach().clone()))
             seen.append(("weight", cap, gemm_weight(module).detach().clone()))
             output.register_hook(lambda g, cap=cap: seen.append(("gradient", cap, g.detach().clone())))
         handles.append(cap.module.register_forward_hook(hook))

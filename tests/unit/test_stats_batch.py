@@ -180,7 +180,8 @@ def _shared_input_run(recipe, clone_inputs, tokens, width, tmp_path, monkeypatch
     model = _SharedInputs(width, clone_inputs)
     if recipe is not None:
         apply_fp8(model, recipe, backend="emulated")
-    mon = Monitor(model, MonitorConfig(every_n_steps=1), log_dir=tmp_path / f"{recipe}-{clone_inputs}").attach()
+    log_dir = tmp_path / f"{recipe}-{clone_inputs}"
+    mon = Monitor(model, MonitorConfig(every_n_steps=1), log_dir=log_dir).attach()
     g = torch.Generator().manual_seed(3)
     for _ in range(2):
         model(torch.randn(tokens, width, generator=g)).square().mean().backward()
