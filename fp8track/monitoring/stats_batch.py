@@ -59,11 +59,14 @@ same tensor under current scaling)"""
 SameTensorKey = tuple[torch.device, int, torch.Size, tuple[int, ...], torch.dtype, int, str, int]
 
 
-def same_tensor_key(x: torch.Tensor, fmt: str, margin: int) -> SameTensorKey:
+def same_tensor_key(x: torch.Tensor, fmt: str, margin: int) -> SameTensorKey | None:
     """What makes two current-scaling observations one computation: the device, the first element's
     address, shape, strides and dtype (the same view of the same memory), the version counter (no
     in-place change in between), the format and the margin. Only valid while ``x`` is alive (the
-    batch keeps a reference to every tensor it keys, so no other tensor can take its address)."""
+    batch keeps a reference to every tensor it keys, so no other tensor can take its address).
+    ``None`` (never shared) for a tensor subclass: a wrapper may have no storage of its own."""
+    if type(x) is not torch.Tensor:
+        return None
     return (x.device, x.data_ptr(), x.shape, x.stride(), x.dtype, x._version, fmt, margin)
 
 
@@ -101,8 +104,8 @@ class StatsBatch:
         index = len(self._items)
         if scale is not None:
             scale = scale.detach().to(torch.float32, copy=True)
-        else:
-            same = self._queued.setdefault(same_tensor_key(x, fmt, margin), index)
+        elif (same_key := same_tensor_key(x, fmt, margin)) is not None:
+            same = self._queued.setdefault(same_key, index)
             if same != index:
                 self._items.append((into, key, x, x._version, fmt, None, margin, same))
                 return
@@ -116,6 +119,8 @@ class StatsBatch:
         not group), computed once per phase for one tensor (the other layers that read it get the
         same partial, read only)."""
         key = same_tensor_key(x, fmt, margin)
+        if key is None:
+            return partial_stats(x, fmt, None, margin)
         hit = self._computed.get(key)
         if hit is None:
             hit = self._computed[key] = (x, partial_stats(x, fmt, None, margin))

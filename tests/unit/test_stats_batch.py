@@ -230,3 +230,20 @@ def test_only_the_same_unchanged_tensor_in_one_phase_shares_a_partial():
     assert len(batch) == 3 and batch._numel == 2 * x.numel()
     batch.flush()
     assert acc[("a", "v")] is acc[("b", "v")] and not torch.equal(acc[("a", "v")], acc[("c", "v")])
+
+
+def test_a_tensor_subclass_is_never_shared():
+    class Wrapped(torch.Tensor):  # a subclass stands for storage it may not have
+        pass
+
+    batch = StatsBatch()
+    x = torch.randn(32, 32, generator=torch.Generator().manual_seed(5)).as_subclass(Wrapped)
+    first = batch.current_partial(x, "e4m3", 0)
+    assert batch.current_partial(x, "e4m3", 0) is not first
+    assert torch.equal(first, partial_stats(x.as_subclass(torch.Tensor), "e4m3"))
+    acc: dict = {}
+    batch.add(acc, ("a", "v"), x, "e4m3", None, 0)
+    batch.add(acc, ("b", "v"), x, "e4m3", None, 0)
+    assert batch._numel == 2 * x.numel()
+    batch.flush()
+    assert torch.equal(acc[("a", "v")], acc[("b", "v")]) and acc[("a", "v")] is not acc[("b", "v")]
