@@ -334,15 +334,17 @@ def _observed_tensors(
     by hooks of this benchmark's own (the monitor is not attached). An input several layers read
     (q, k and v projections) is taken once, as the monitor computes it once under current scaling."""
     from fp8track.execution.layers import gemm_weight
+    from fp8track.monitoring.plans import fp8_format
+    from fp8track.monitoring.stats_batch import same_tensor_key
 
     seen: list[tuple[str, object, torch.Tensor]] = []
-    inputs: dict[tuple, torch.Tensor] = {}  # holds each input, so no other can take its address
+    inputs: dict[object, torch.Tensor] = {}  # holds each input, so no other can take its address
     handles = []
     for cap in monitor.captures.values():
         def hook(module, args, output, cap=cap):
             x = args[0]
-            key = (x.data_ptr(), x.shape, x.stride(), x.dtype, x._version)
-            if key not in inputs:
+            key = same_tensor_key(x, fp8_format(cap.plan, "activation"), cap.plan.margin)
+            if key is None or key not in inputs:
                 inputs[key] = x
                 seen.append(("activation", cap, x.detach().clone()))
             seen.append(("weight", cap, gemm_weight(module).detach().clone()))
