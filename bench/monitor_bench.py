@@ -499,6 +499,59 @@ def host_us_per_tensor(layers: int = 32, steps: int = 30, rounds: int = 3) -> di
     return out
 
 
+def host_us_micro_batches(
+    layers: int = 16, width: int = 128, tokens: int = 128, micro_batches: int = 4, steps: int = 8,
+    rounds: int = 4,
+) -> dict:
+    """Host time per observation of the per-tensor path under gradient accumulation: a stack of
+    ``layers`` ``nn.Linear(width, width)`` on ``tokens`` tokens (every activation and dY of at least
+    :data:`fp8track.monitoring.stats_batch.DIRECT_NUMEL` elements, so none is grouped), BF16
+    control, ``micro_batches`` forwards and backwards per step, one thread, CPU time of this thread.
+    ``batched``: the monitor's batch (each partial computed once, later micro-batches merged in one
+    stacked merge per phase); ``no_batch``: each observation computed at once, the kernel merging it
+    into the accumulator in the same call. Per observation: ``(monitored - unmonitored) / (layers *
+    2 * micro_batches)`` (activation and dY; the weight is observed once per step and grouped)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    x = torch.randn(tokens, width)
+    mons = {"none": None, **{
+        name: Monitor(model, MonitorConfig(every_n_steps=1), log_dir=tempfile.mkdtemp())
+        for name in ("batched", "no_batch")
+    }}
+    for cap in mons["no_batch"].captures.values():
+        cap.batch = None
+    cpu: dict[str, list[float]] = {name: [] for name in mons}
+    names = list(mons)
+    for r in range(rounds + 1):
+        for name in names[r % 3:] + names[: r % 3]:
+            mon = mons[name]
+            if mon is not None:
+                mon.attach()
+            for _ in range(steps):
+                c0 = time.thread_time()
+                for _ in range(micro_batches):
+                    model(x).square().mean().backward()
+                if r:  # round 0: warm-up
+                    cpu[name].append(time.thread_time() - c0)
+                if mon is not None:
+                    mon.step()
+                model.zero_grad(set_to_none=True)
+            if mon is not None:
+                mon.detach()
+    for mon in mons.values():
+        if mon is not None:
+            mon.close()
+    torch.set_num_threads(threads)
+    base = statistics.median(cpu["none"])
+    n = layers * 2 * micro_batches
+    out: dict = {"layers": layers, "width": width, "tokens": tokens, "micro_batches": micro_batches}
+    for name in ("batched", "no_batch"):
+        out[name] = {"host_us_per_observation": 1e6 * (statistics.median(cpu[name]) - base) / n}
+    return out
+
+
 def sampling_report(args: argparse.Namespace) -> dict:
     result: dict = {
         "torch": torch.__version__,
@@ -509,6 +562,7 @@ def sampling_report(args: argparse.Namespace) -> dict:
         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
         "rounds": args.rounds, "steps_per_round": args.steps_per_round,
         "host_proxy": host_us_per_tensor(rounds=max(1, args.rounds // 2)),
+        "host_micro_batches": host_us_micro_batches(rounds=max(1, args.rounds // 2)),
     }
     for model_name in args.sampling_models.split(","):
         for run in SAMPLING_RUNS:

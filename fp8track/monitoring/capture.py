@@ -261,6 +261,8 @@ class LayerCapture:
             actual is None and share.trivial and not is_dtensor(x) and self.recorder is None
         ) else None
         batch = shared if shared is not None and shared.accepts(x) else None
+        if shared is None and self.batch is not None:
+            self.batch.merge_waiting()  # the accumulators below are read now, not at the phase end
         for variant, scaling in self._observation_list():
             key = (tensor, variant)
             prev = partials.get(key)
@@ -274,8 +276,7 @@ class LayerCapture:
                 batch.add(partials, key, share.local, fmt, fn() if fn else None, plan.margin)
                 continue
             if shared is not None and per_tensor and fn is None:  # current scaling: once per tensor
-                p = shared.current_partial(share.local, fp8_format(plan, tensor), plan.margin)
-                partials[key] = p if prev is None else merge_partials([prev, p])
+                shared.merge_current(partials, key, share.local, fp8_format(plan, tensor), plan.margin)
                 continue
             partials[key] = tensor_partial(share.local, plan, tensor, scaling, share, into=prev)
         self._add_ranges(tensor, share.local)

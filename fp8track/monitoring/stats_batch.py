@@ -56,6 +56,9 @@ _Item = tuple[Accumulators, tuple[str, str], torch.Tensor, int, str, "torch.Tens
 index of the item whose partial it shares: its own index, or that of an earlier observation of the
 same tensor under current scaling)"""
 
+_Merge = tuple[Accumulators, tuple[str, str], torch.Tensor]
+"""(accumulators, key, partial waiting to be merged into ``accumulators[key]``)"""
+
 SameTensorKey = tuple[torch.device, int, torch.Size, tuple[int, ...], torch.dtype, int, str, int]
 
 
@@ -81,6 +84,9 @@ class StatsBatch:
         # once by the per-tensor path (key -> (tensor, kept alive for its address; partial)).
         self._queued: dict[SameTensorKey, int] = {}
         self._computed: dict[SameTensorKey, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Partials of the per-tensor path waiting to be merged into an accumulator that already
+        # holds an earlier micro-batch's: (id(accumulators), key) -> (accumulators, key, partial).
+        self._merges: dict[tuple[int, tuple[str, str]], _Merge] = {}
         self._in_backward = False
         self._warned = False
 
@@ -126,6 +132,40 @@ class StatsBatch:
             hit = self._computed[key] = (x, partial_stats(x, fmt, None, margin))
         return hit[1]
 
+    def merge_current(
+        self, into: Accumulators, key: tuple[str, str], x: torch.Tensor, fmt: str, margin: int
+    ) -> None:
+        """Merge ``x``'s current-scaling partial (:meth:`current_partial`) into ``into[key]``.
+
+        The first observation of a step takes the partial as it is. A later one (the next
+        micro-batch) waits for the phase end, where all of them are merged in one stacked operation
+        instead of a few eager ops each (the compiled kernel cannot merge them itself: the partial
+        is shared, so it must stand alone). Bit-equal to merging at once: each row is the same
+        two-operand sum and maximum."""
+        p = self.current_partial(x, fmt, margin)
+        token = (id(into), key)
+        if token in self._merges:  # the same layer twice in one phase: merge in observation order
+            self.merge_waiting()
+        prev = into.get(key)
+        if prev is None:
+            into[key] = p
+        else:
+            self._merges[token] = (into, key, p)
+
+    def merge_waiting(self) -> None:
+        """Merge every waiting partial into its accumulator (one stacked merge per device)."""
+        if not self._merges:
+            return
+        waiting, self._merges = list(self._merges.values()), {}
+        by_device: dict[torch.device, list[_Merge]] = {}
+        for item in waiting:
+            by_device.setdefault(item[2].device, []).append(item)
+        for items in by_device.values():
+            prev = torch.stack([into[key].to(p.device) for into, key, p in items])
+            merged = merge_partials(torch.stack([prev, torch.stack([p for *_, p in items])]))
+            for (into, key, _), row in zip(items, merged.unbind(0), strict=True):
+                into[key] = row
+
     def backward_started(self) -> None:
         """Called by every dY hook: at the first of a backward, compute the forward's batch and
         arrange for the backward's to be computed when it ends."""
@@ -146,6 +186,7 @@ class StatsBatch:
         """Compute every waiting observation, grouped by (device, format, margin), and merge each
         partial into its accumulator (in the order they were observed). Ends the phase: no later
         observation shares a partial computed before."""
+        self.merge_waiting()
         self._computed.clear()
         if not self._items:
             return

@@ -14,7 +14,7 @@ from fp8track.execution.apply import apply_fp8
 from fp8track.monitoring.reduce import take_partials
 from fp8track.monitoring.stats_batch import StatsBatch
 from fp8track.numerics.segment_stats import row_width, tensors_partial_stats
-from fp8track.numerics.stats import finalize, get_compile, partial_stats, set_compile
+from fp8track.numerics.stats import finalize, get_compile, merge_partials, partial_stats, set_compile
 
 
 @pytest.fixture(autouse=True)
@@ -162,9 +162,13 @@ class _SharedInputs(nn.Module):
         return self.down(nn.functional.gelu(self.gate(own(h))) * self.up(own(h)))
 
 
-def _shared_input_run(recipe, clone_inputs, tokens, width, tmp_path, monkeypatch):
-    """The step's partials of :class:`_SharedInputs` over two micro-batches, and the elements the
-    statistics passes read (the grouped pass and the per-tensor path of the batch)."""
+def _shared_input_run(
+    recipe, clone_inputs, tokens, width, tmp_path, monkeypatch, micro_batches=2, batched=True, twice=False
+):
+    """The step's partials of :class:`_SharedInputs` over ``micro_batches``, and the elements the
+    statistics passes read (the grouped pass and the per-tensor path of the batch). ``batched``
+    False: no batch (each observation computed at once and merged by the kernel, the path before
+    batching); ``twice``: the model runs twice per micro-batch (each layer twice in a phase)."""
     import fp8track.monitoring.stats_batch as sb
 
     seen = {"numel": 0}
@@ -180,11 +184,15 @@ def _shared_input_run(recipe, clone_inputs, tokens, width, tmp_path, monkeypatch
     model = _SharedInputs(width, clone_inputs)
     if recipe is not None:
         apply_fp8(model, recipe, backend="emulated")
-    log_dir = tmp_path / f"{recipe}-{clone_inputs}"
+    log_dir = tmp_path / f"{recipe}-{clone_inputs}-{batched}-{twice}"
     mon = Monitor(model, MonitorConfig(every_n_steps=1), log_dir=log_dir).attach()
+    if not batched:
+        for cap in mon.captures.values():
+            cap.batch = None
     g = torch.Generator().manual_seed(3)
-    for _ in range(2):
-        model(torch.randn(tokens, width, generator=g)).square().mean().backward()
+    for _ in range(micro_batches):
+        x = torch.randn(tokens, width, generator=g)
+        (model(model(x)) if twice else model(x)).square().mean().backward()
     take = take_partials(mon.captures, torch.device("cpu"))
     mon.close(reduce=False)
     return take, seen["numel"]
@@ -209,6 +217,41 @@ def test_layers_reading_one_input_compute_its_statistics_once(recipe, tokens, wi
         # 2 x (tokens, 2 width); weights once per step: 3 x width^2 + 3 x 2 width^2.
         assert cloned_numel == 2 * (7 + 8) * tokens * width + 9 * width * width
         assert cloned_numel - shared_numel == saved
+
+
+@pytest.mark.parametrize("recipe", [None, "current"])
+@pytest.mark.parametrize("twice", [False, True])
+def test_later_micro_batches_merge_as_the_unbatched_path(recipe, twice, tmp_path, monkeypatch):
+    # Every tensor of per-tensor size (>= 16,384 elements), three micro-batches: the partials the batch
+    # merges at each phase end equal those the kernel merged at once, one by one, with no batch.
+    run = lambda batched: _shared_input_run(  # noqa: E731
+        recipe, False, 128, 128, tmp_path, monkeypatch, micro_batches=3, batched=batched, twice=twice
+    )[0]
+    merged, direct = run(True), run(False)
+    assert merged.keys == direct.keys and len(merged.keys) == 6 * 3
+    for key, a, b in zip(merged.keys, merged.parts, direct.parts, strict=True):
+        assert torch.equal(a, b), key
+    numel = finalize(merged.parts[merged.keys.index(("q", "activation", merged.keys[0][2]))])["numel"]
+    assert numel == 3 * (2 if twice else 1) * 128 * 128  # every micro-batch (and call) merged once
+
+
+def test_a_later_micro_batch_waits_for_the_phase_end_and_merges_in_observation_order():
+    batch = StatsBatch()
+    g = torch.Generator().manual_seed(6)
+    x1, x2, x3 = (torch.randn(128, 128, generator=g) * s for s in (1.0, 3.0, 0.01))
+    acc: dict = {}
+    batch.merge_current(acc, ("a", "v"), x1, "e4m3", 0)  # the step's first: taken as it is
+    first = acc[("a", "v")]
+    assert torch.equal(first, partial_stats(x1, "e4m3"))
+    batch.merge_current(acc, ("a", "v"), x2, "e4m3", 0)  # a later micro-batch: waits
+    batch.merge_current(acc, ("b", "v"), x2, "e4m3", 0)  # another layer reads the same tensor
+    assert acc[("a", "v")] is first and ("b", "v") in acc
+    batch.merge_current(acc, ("a", "v"), x3, "e4m3", 0)  # the same layer again: the wait ends first
+    batch.flush()
+    p1, p2, p3 = (partial_stats(x, "e4m3") for x in (x1, x2, x3))
+    assert torch.equal(acc[("a", "v")], merge_partials([merge_partials([p1, p2]), p3]))
+    assert torch.equal(acc[("b", "v")], p2)
+    assert finalize(acc[("a", "v")])["amax"] == finalize(p2)["amax"]
 
 
 def test_only_the_same_unchanged_tensor_in_one_phase_shares_a_partial():
