@@ -431,6 +431,49 @@ def sampling_costs(model_name: str, run: str, rounds: int, per_round: int) -> di
     return out
 
 
+def _batched_and_per_tensor(model) -> dict:
+    """No monitor, a monitor with its batch (``batched``) and one without (``per_tensor``: each
+    observation computed at once, the path before grouping), every step sampled."""
+    mons = {"none": None, **{
+        name: Monitor(model, MonitorConfig(every_n_steps=1), log_dir=tempfile.mkdtemp())
+        for name in ("batched", "per_tensor")
+    }}
+    for cap in mons["per_tensor"].captures.values():
+        cap.batch = None
+    return mons
+
+
+def _interleaved_cpu(model, mons: dict, forward_backward, rounds: int, steps: int) -> tuple[dict, dict]:
+    """CPU time of this thread per step under each of ``mons``, in ``forward_backward()`` (the
+    capture: hooks and statistics) and in ``monitor.step`` (the flush), interleaved in rounds
+    (the order rotating each round; round 0 a warm-up); closes the monitors."""
+    capture: dict[str, list[float]] = {k: [] for k in mons}
+    flush: dict[str, list[float]] = {k: [] for k in mons}
+    names = list(mons)
+    for r in range(rounds + 1):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            mon = mons[name]
+            if mon is not None:
+                mon.attach()
+            for _ in range(steps):
+                c0 = time.thread_time()
+                loss = forward_backward()
+                c1 = time.thread_time()
+                if mon is not None:
+                    mon.step(loss=loss)
+                c2 = time.thread_time()
+                model.zero_grad(set_to_none=True)
+                if r:
+                    capture[name].append(c1 - c0)
+                    flush[name].append(c2 - c1)
+            if mon is not None:
+                mon.detach()
+    for mon in mons.values():
+        if mon is not None:
+            mon.close()
+    return capture, flush
+
+
 def host_us_per_tensor(layers: int = 32, steps: int = 30, rounds: int = 3) -> dict:
     """Host time per sampled (layer, tensor) on tiny tensors (host work dominates): a stack of
     ``layers`` ``nn.Linear(16, 16)`` on 16 tokens (activation, weight and gradient all 16x16),
@@ -453,40 +496,18 @@ def host_us_per_tensor(layers: int = 32, steps: int = 30, rounds: int = 3) -> di
         if recipe is not None:
             apply_fp8(model, recipe, backend="emulated")
         x = torch.randn(16, 16)
-        mons = {
-            "none": None,
-            "batched": Monitor(model, MonitorConfig(every_n_steps=1), log_dir=tempfile.mkdtemp()),
-            "per_tensor": Monitor(model, MonitorConfig(every_n_steps=1), log_dir=tempfile.mkdtemp()),
-        }
-        for cap in mons["per_tensor"].captures.values():
-            cap.batch = None
-        capture: dict[str, list[float]] = {k: [] for k in mons}
-        flush: dict[str, list[float]] = {k: [] for k in mons}
-        names = list(mons)
-        for r in range(rounds + 1):
-            for name in names[r % 3:] + names[: r % 3]:
-                mon = mons[name]
-                if mon is not None:
-                    mon.attach()
-                for _ in range(steps):
-                    c0 = time.thread_time()
-                    loss = model(x).square().mean()
-                    loss.backward()
-                    c1 = time.thread_time()
-                    if mon is not None:
-                        mon.step(loss=loss)
-                    c2 = time.thread_time()
-                    model.zero_grad(set_to_none=True)
-                    if r:  # round 0: warm-up
-                        capture[name].append(c1 - c0)
-                        flush[name].append(c2 - c1)
-                if mon is not None:
-                    mon.detach()
+
+        def forward_backward(model=model, x=x) -> torch.Tensor:
+            loss = model(x).square().mean()
+            loss.backward()
+            return loss
+
+        mons = _batched_and_per_tensor(model)
+        capture, flush = _interleaved_cpu(model, mons, forward_backward, rounds, steps)
         n = layers * 3
         out[run] = {"layers": layers, "tensors_per_layer": 3,
                     "step_cpu_ms_unmonitored": 1e3 * med(capture["none"])}
         for name in ("batched", "per_tensor"):
-            mons[name].close()
             cap_us = 1e6 * (med(capture[name]) - med(capture["none"])) / n
             out[run][name] = {
                 "host_us_per_tensor_capture": cap_us,  # hooks + statistics
@@ -508,47 +529,26 @@ def host_us_micro_batches(
     :data:`fp8track.monitoring.stats_batch.DIRECT_NUMEL` elements, so none is grouped), BF16
     control, ``micro_batches`` forwards and backwards per step, one thread, CPU time of this thread.
     ``batched``: the monitor's batch (each partial computed once, later micro-batches merged in one
-    stacked merge per phase); ``no_batch``: each observation computed at once, the kernel merging it
-    into the accumulator in the same call. Per observation: ``(monitored - unmonitored) / (layers *
-    2 * micro_batches)`` (activation and dY; the weight is observed once per step and grouped)."""
+    stacked merge per phase); ``per_tensor``: each observation computed at once, the kernel merging
+    it into the accumulator in the same call. Per observation: ``(monitored - unmonitored) /
+    (layers * 2 * micro_batches)`` (activation and dY; the weight is observed once per step)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
     x = torch.randn(tokens, width)
-    mons = {"none": None, **{
-        name: Monitor(model, MonitorConfig(every_n_steps=1), log_dir=tempfile.mkdtemp())
-        for name in ("batched", "no_batch")
-    }}
-    for cap in mons["no_batch"].captures.values():
-        cap.batch = None
-    cpu: dict[str, list[float]] = {name: [] for name in mons}
-    names = list(mons)
-    for r in range(rounds + 1):
-        for name in names[r % 3:] + names[: r % 3]:
-            mon = mons[name]
-            if mon is not None:
-                mon.attach()
-            for _ in range(steps):
-                c0 = time.thread_time()
-                for _ in range(micro_batches):
-                    model(x).square().mean().backward()
-                if r:  # round 0: warm-up
-                    cpu[name].append(time.thread_time() - c0)
-                if mon is not None:
-                    mon.step()
-                model.zero_grad(set_to_none=True)
-            if mon is not None:
-                mon.detach()
-    for mon in mons.values():
-        if mon is not None:
-            mon.close()
+
+    def forward_backward() -> None:
+        for _ in range(micro_batches):
+            model(x).square().mean().backward()
+
+    capture, _ = _interleaved_cpu(model, _batched_and_per_tensor(model), forward_backward, rounds, steps)
     torch.set_num_threads(threads)
-    base = statistics.median(cpu["none"])
+    base = statistics.median(capture["none"])
     n = layers * 2 * micro_batches
     out: dict = {"layers": layers, "width": width, "tokens": tokens, "micro_batches": micro_batches}
-    for name in ("batched", "no_batch"):
-        out[name] = {"host_us_per_observation": 1e6 * (statistics.median(cpu[name]) - base) / n}
+    for name in ("batched", "per_tensor"):
+        out[name] = {"host_us_per_observation": 1e6 * (statistics.median(capture[name]) - base) / n}
     return out
 
 
