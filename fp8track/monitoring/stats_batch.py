@@ -28,7 +28,9 @@ the tensor's own amax: an FP8 run with current scaling, the BF16 control's shado
 ``current`` what-if) its partial does not depend on the layer. Within a phase such an observation is
 computed once, for the first layer, and the others merge the same partial (:func:`same_tensor_key`:
 the same storage, view, dtype and version, the format and margin). A given scale (delayed scaling's
-per-layer history) is the layer's own, so those observations are computed per layer.
+per-layer history) is the layer's own, so those observations are computed per layer. A shared
+partial must stand alone, so the kernel cannot merge it into an accumulator in the same call: the
+per-tensor path's later micro-batches wait for the phase end and merge in one stacked operation.
 """
 
 from __future__ import annotations
