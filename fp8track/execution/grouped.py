@@ -42,6 +42,20 @@ def _pad_to(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple - n
 
 
+@torch.compiler.disable
+def _eager_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+def _grouped_kernel(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm``; under ``torch.compile`` a non-BF16 call runs eagerly, outside the graph:
+    torch 2.13's meta kernel accepts BF16 operands only (CPU eager also takes the float32 operands
+    of the emulated FP8 GEMMs, whose FP8 products are exact in float32), so tracing it would fail."""
+    if a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16:
+        return torch._grouped_mm(a, b, offs=offs)
+    return _eager_grouped_mm(a, b, offs)
+
+
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm(a, b, offs=offs)`` for any shapes.
 
@@ -56,13 +70,13 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
         pk, pn = _pad_to(k, mult), _pad_to(n, mult)
         a_p = F.pad(a, (0, pk)).contiguous()
         b_p = F.pad(b, (0, pn, 0, pk)).contiguous()
-        out = torch._grouped_mm(a_p, b_p, offs=offs)
+        out = _grouped_kernel(a_p, b_p, offs)
         return out[:, :n] if pn else out
     s, k = b.shape
     ps, pk = _pad_to(s, mult), _pad_to(k, mult)
     a_p = F.pad(a, (0, ps)).contiguous()
     b_p = F.pad(b, (0, pk, 0, ps)).contiguous()
-    out = torch._grouped_mm(a_p, b_p, offs=offs)
+    out = _grouped_kernel(a_p, b_p, offs)
     return out[..., :k] if pk else out
 
 

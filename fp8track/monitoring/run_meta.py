@@ -80,7 +80,9 @@ def precision_setup(
         p.dtype in fp8_dtypes or "float8" in type(p.data).__name__.lower() for p in model.parameters()
     )
     checkpointing = any(
-        "checkpointwrapper" in type(m).__name__.lower() or getattr(m, "is_gradient_checkpointing", False)
+        # Hugging Face layers carry a bool ``gradient_checkpointing`` (the model's own property that
+        # sums it up was renamed in transformers 5 and warns under its old name)
+        "checkpointwrapper" in type(m).__name__.lower() or getattr(m, "gradient_checkpointing", False) is True
         for m in model.modules()
     )
     compiled = any(

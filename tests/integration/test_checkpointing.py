@@ -10,6 +10,8 @@ same (step, layer, tensor) rows with the same element counts and the same statis
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -17,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fp8track import Monitor, apply_fp8
 from fp8track.monitoring.records import RunReader
+from fp8track.monitoring.run_meta import precision_setup
 
 STEPS = 4
 MODES = [None, False, True]  # no checkpointing, non-reentrant, reentrant
@@ -140,7 +143,10 @@ def test_hf_gradient_checkpointing_on_llama(tmp_path, use_reentrant):
 
     losses, rows, history, model = run(None)
     ck_losses, ck_rows, ck_history, ck_model = run(use_reentrant)
-    assert ck_model.is_gradient_checkpointing
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # read without the deprecated model property's warning
+        assert precision_setup(ck_model)["activation_checkpointing"]
+        assert not precision_setup(model)["activation_checkpointing"]
     gemm_layers = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert {k[1] for k in rows} == gemm_layers  # 7 per decoder layer and lm_head
     assert len(gemm_layers) == 2 * 7 + 1

@@ -296,3 +296,32 @@ def test_layer_costs_cover_every_fused_projection(name):
     names = {c.name for c in layer_costs(model)}
     for g in find_moe(model).groups:
         assert {f"{g.fqn}.{p.name}" for p in g.params} <= names
+
+
+def test_compiled_converted_experts_train_as_the_eager_ones():
+    """torch.compile of experts running the emulated FP8 grouped GEMM: torch's meta kernel of
+    ``_grouped_mm`` takes BF16 only, so its float32 calls run outside the graph (a graph break, as
+    the docs allow), with the eager experts' outputs and gradients. ``aot_eager`` traces the graph
+    with fake tensors as inductor does (where the meta kernel failed), without inductor's codegen."""
+    torch._dynamo.reset()
+    experts = []
+    for _ in range(2):
+        model = tiny_moe("mixtral")
+        apply_fp8(model, "current", backend="emulated")
+        experts.append(model.model.layers[0].mlp.experts)
+    torch.manual_seed(4)
+    hidden = torch.randn(12, H)
+    top_k_index = torch.stack([torch.randperm(E)[:K] for _ in range(12)])
+    top_k_weights = torch.softmax(torch.randn(12, K), -1)
+    outs = []
+    runs = (lambda m: m, lambda m: torch.compile(m, backend="aot_eager"))
+    for module, run in zip(experts, runs, strict=True):
+        x = hidden.clone().requires_grad_()
+        out = run(module)(x, top_k_index, top_k_weights)
+        out.square().sum().backward()
+        outs.append((out.detach(), x.grad, module.gate_up_proj.grad))
+    (want, want_dx, want_dw), (got, got_dx, got_dw) = outs
+    assert want_dw.abs().sum() > 0
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-7)
+    assert torch.allclose(got_dx, want_dx, rtol=1e-5, atol=1e-7)
+    assert torch.allclose(got_dw, want_dw, rtol=1e-5, atol=1e-7)
