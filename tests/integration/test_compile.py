@@ -181,11 +181,17 @@ def test_whole_lightning_module_compiled(tmp_path):
     _check_no_recompiles([model.compiles[s] for s in range(STEPS)])
 
 
-def test_model_compiled_and_run_before_attach_and_a_twin_compiled_alongside(tmp_path, monkeypatch):
+def test_model_compiled_and_run_before_attach_and_a_twin_compiled_alongside(tmp_path):
     # Dynamo reuses a graph traced without hooks for any instance of the same class unless it
     # guards on hooks: attaching turns those guards on and drops the graphs traced before.
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "skip_nnmodule_hook_guards", True)  # torch's default
+    # torch's default, set with torch's own patch: pytest's monkeypatch (8.4+) undoes it with a
+    # delattr, which hides the option from dynamo for the rest of the process.
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
+        _twin_compiled_alongside(tmp_path)
+
+
+def _twin_compiled_alongside(tmp_path):
     # Plain linears: the model traces into one graph (emulated FP8 layers break the graph around
     # their autograd Function, and hooks called outside a graph are always seen).
     control, monitored = _body(fp8=False), _body(fp8=False)
