@@ -1,6 +1,5 @@
 """DDP with 2 CPU processes (gloo): one run directory, statistics reduced over both ranks' data."""
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +11,7 @@ from fp8track.numerics.nvfp4 import max_blockwise_dynamic_range
 from fp8track.numerics.stats import finalize, merge_partials, partial_stats
 
 from helpers.dist_sizes import DDP_BATCH, DDP_D_IN
-from helpers.subprocesses import python_env
+from helpers.subprocesses import python_env, run_gloo_program
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_monitor.py"
 
@@ -20,9 +19,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "ddp_monitor.py"
 @pytest.mark.slow
 def test_ddp_two_ranks_reduce_to_single_process_statistics(tmp_path):
     env = python_env(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = run_gloo_program([sys.executable, str(SCRIPT), str(tmp_path)], tmp_path, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dirs = [p.parent for p in tmp_path.rglob("meta.json")]
     assert len(run_dirs) == 1, f"expected one run directory (rank 0 only), got {run_dirs}"

@@ -3,7 +3,6 @@ and Lightning's ModelParallelStrategy. Every logged statistic must equal the sin
 statistics of the same global tensors (gathered by the worker script, recomputed here)."""
 
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from fp8track.monitoring.records import RunReader
 from fp8track.numerics.stats import STAT_NAMES, finalize, merge_partials, partial_stats
 
 from helpers.dist_sizes import SHARDED_BATCH, SHARDED_LAYERS, SHARDED_STEPS
-from helpers.subprocesses import python_env
+from helpers.subprocesses import python_env, run_gloo_program
 
 SCRIPT = Path(__file__).parent / "scripts" / "sharded_monitor.py"
 
@@ -23,7 +22,7 @@ FORMATS = {"activation": "e4m3", "weight": "e4m3", "gradient": "e5m2"}  # shadow
 
 def _run(cmd: list[str], tmp_path: Path) -> None:
     env = python_env(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    proc = run_gloo_program(cmd, tmp_path, env=env, timeout=400, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
