@@ -10,7 +10,9 @@ and spreads, and ``statistics_only``: the statistics kernel on that model's obse
 step, called back to back (:func:`kernel_only_ms`), as ms and as the step ratio it alone would give
 (about the least every-step sampling can cost with the statistics unchanged); plus the host-time
 proxy: microseconds of host time per sampled (layer, tensor) on 16x16 tensors. ``os.getloadavg()``
-at start and end: the numbers mean something only on an idle machine. ``malloc_env``: the
+at start and end: the numbers mean something only on an idle machine. ``--compare-direct`` adds
+every step with the compiled kernel called through ``torch.compile`` (on CPU it is called
+directly: ``kernel_policy.DIRECT_DEVICES``), in the same rounds. ``malloc_env``: the
 ``MALLOC_*_`` variables glibc started with (run it once as is and once with those of
 tests/helpers/allocator.py exported to see what page faults of freed-and-trimmed heap cost a CPU
 step).
@@ -276,7 +278,10 @@ SAMPLING_RUNS = {  # run: (FP8 recipe or None for the BF16 control, the configur
     "fp8_current": ("current", ("none", "every_1000", "every_10", "every_1")),
     "bf16_control": (None, ("none", "every_10", "every_1")),
 }
-SAMPLING_EVERY = {"none": None, "every_1000": 1000, "every_10": 10, "every_1": 1}
+SAMPLING_EVERY = {"none": None, "every_1000": 1000, "every_10": 10, "every_1": 1, "every_1_torch_compile": 1}
+TORCH_COMPILE_CONFIG = "every_1_torch_compile"
+"""Every step with the CPU's compiled kernel called through ``torch.compile`` (Dynamo's wrappers)
+instead of directly (``--compare-direct``): the direct call's gain, measured in the same rounds."""
 
 
 def _hf_llama(width: int = 64, intermediate: int = 128, tokens: tuple[int, int] = (8, 64)):
@@ -377,14 +382,20 @@ def kernel_only_ms(model, loss_fn, batch: torch.Tensor, monitor: Monitor, repeat
     return 1e3 * statistics.median(once() for _ in range(repeats))
 
 
-def sampling_costs(model_name: str, run: str, rounds: int, per_round: int) -> dict:
+def sampling_costs(
+    model_name: str, run: str, rounds: int, per_round: int, compare_direct: bool = False
+) -> dict:
     """Step times of one (model, run) under each sampling configuration, interleaved in rounds
     (the order rotating each round), as ratios over the same model and run without the monitor:
     the median step ratio, the mean ratio (amortised, sampled steps included) and the spread of the
     per-round median ratios."""
     from fp8track.execution.apply import apply_fp8
+    from fp8track.numerics import kernel_policy
 
     recipe, configs = SAMPLING_RUNS[run]
+    if compare_direct:
+        configs = (*configs, TORCH_COMPILE_CONFIG)
+    direct_devices = kernel_policy.DIRECT_DEVICES
     torch.manual_seed(0)
     model, loss_fn, (batch, seq) = SAMPLING_MODELS[model_name]()
     if recipe is not None:
@@ -402,7 +413,11 @@ def sampling_costs(model_name: str, run: str, rounds: int, per_round: int) -> di
         mon = monitors[c]
         if mon is not None:
             mon.attach()
-        train_steps(model, opt, batches, n, mon, sink, loss_fn=loss_fn)
+        kernel_policy.DIRECT_DEVICES = () if c == TORCH_COMPILE_CONFIG else direct_devices
+        try:
+            train_steps(model, opt, batches, n, mon, sink, loss_fn=loss_fn)
+        finally:
+            kernel_policy.DIRECT_DEVICES = direct_devices
         if mon is not None:
             mon.detach()
 
@@ -566,7 +581,9 @@ def sampling_report(args: argparse.Namespace) -> dict:
     }
     for model_name in args.sampling_models.split(","):
         for run in SAMPLING_RUNS:
-            result[f"{model_name}/{run}"] = sampling_costs(model_name, run, args.rounds, args.steps_per_round)
+            result[f"{model_name}/{run}"] = sampling_costs(
+                model_name, run, args.rounds, args.steps_per_round, args.compare_direct
+            )
     result["loadavg_at_end"] = [round(v, 2) for v in os.getloadavg()]
     return result
 
@@ -584,6 +601,10 @@ def main() -> None:
         help=f"models of the sampling-cost report, comma-separated, from {', '.join(SAMPLING_MODELS)}",
     )
     parser.add_argument("--out", default=None, help="also write the JSON here")
+    parser.add_argument(
+        "--compare-direct", action="store_true",
+        help=f"also every step through torch.compile's wrappers ({TORCH_COMPILE_CONFIG})",
+    )
     parser.add_argument("--no-memory", action="store_true", help="step times only")
     parser.add_argument(
         "--positions", action="store_true", help="also: step time at each position after a sampled step"

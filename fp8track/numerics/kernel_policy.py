@@ -46,6 +46,24 @@ def row_length(numel: int, device_type: str) -> int:
     return c
 
 
+_UNBUILT = object()
+
+DIRECT_DEVICES = ("cpu",)
+"""Device types whose compiled kernel is called without Dynamo (:meth:`_CompilePolicy._build_direct`).
+CUDA keeps ``torch.compile`` until the direct path has run on a GPU here."""
+
+
+def _direct_key(inputs: tuple[torch.Tensor, ...]) -> tuple | None:
+    """What a directly called graph assumed: the intra-op thread count (inductor's C++ code fixes
+    its OpenMP team at compile time: a kernel built under ``torch.set_num_threads(1)`` stays on
+    one thread), and of ``inputs`` the device, dtypes, every size but the rows of the first, and
+    contiguity. ``None``: a layout the graph does not take (torch.compile serves it)."""
+    if not all(t.is_contiguous() for t in inputs):
+        return None
+    layout = tuple((t.device, t.dtype, t.shape[1:] if i == 0 else t.shape) for i, t in enumerate(inputs))
+    return (torch.get_num_threads(), *layout)
+
+
 def _own_code(fn: Any) -> Any:
     """``fn`` with a code object of its own. Dynamo caches compiled graphs, and counts recompiles
     against its limit, per code object; a kernel per row length gets its own cache and budget."""
@@ -82,6 +100,9 @@ class _CompilePolicy:
         self.aot_runners: dict[tuple[torch.device, torch.dtype, int, bool], Any] = {}
         # (graph name, device type) -> compiled per-row graph (R and C dynamic)
         self.row_kernels: dict[tuple[str, str], Any] = {}
+        # (input dtypes and sizes, R left out) -> inductor's compiled graph called directly, or
+        # None once its build failed (then torch.compile serves that variant)
+        self.direct: dict[tuple, Any] = {}
 
     def wants(self, x: torch.Tensor) -> bool:
         if self.failed or self.mode == "eager" or x.dtype not in _COMPILE_DTYPES:
@@ -99,16 +120,57 @@ class _CompilePolicy:
 
     def run(self, main: torch.Tensor, tail: torch.Tensor | None, *args: torch.Tensor) -> torch.Tensor:
         """:func:`_compiled_partial` on ``main`` (+ ``tail``): through the ahead-of-time package in
-        ``"aot"`` mode once it is built, else through ``torch.compile`` (R dynamic)."""
+        ``"aot"`` mode once it is built, else (R >= 2) inductor's graph called directly on the
+        :data:`DIRECT_DEVICES`, else ``torch.compile`` (R dynamic)."""
         device, c, rows = main.device, main.shape[1], main.shape[0]
         if self.mode == "aot" and rows >= 2:
             key = (device, main.dtype, c, tail is None)
             runner = self.aot_runners[key] if key in self.aot_runners else self._aot_runner(key)
             if runner is not None:
                 return runner(main, tail, *args)
+        if rows >= 2 and device.type in DIRECT_DEVICES:
+            inputs = (main, *args) if tail is None else (main, tail, *args)
+            if (shapes := _direct_key(inputs)) is not None:
+                kernel = self.direct.get(shapes, _UNBUILT)
+                if kernel is _UNBUILT:
+                    kernel = self._build_direct(shapes, tail is None, inputs)
+                if kernel is not None:
+                    return kernel(*inputs)
         if rows >= 2:
             torch._dynamo.mark_dynamic(main, 0)
         return self.get_kernel(device.type, c)(main, tail, *args)
+
+    def _build_direct(self, key: tuple, no_tail: bool, inputs: tuple[torch.Tensor, ...]) -> Any:
+        """Compile :func:`_compiled_partial` for ``inputs`` (R dynamic) to be called without Dynamo.
+
+        Dynamo's frame evaluation, guards and AOT autograd's runtime wrappers cost about 40 us a
+        call on CPU (35-44 us at 16K-262K elements, docs/performance.md): as much as the kernel
+        itself on tensors of a few thousand elements. Here the graph is traced once with symbolic
+        sizes (``make_fx``) and compiled by inductor with the same options
+        (``torch._inductor.standalone_compile``): the same kernel (bit-equal results, tested),
+        called straight. It has no guards: :func:`_direct_key` (dtypes, every size but R,
+        contiguity) picks the graph instead. A build that fails leaves the variant to
+        ``torch.compile``.
+        """
+        from torch._inductor import standalone_compile
+        from torch.fx.experimental import _config as fx_config
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        def partial(*xs: torch.Tensor) -> torch.Tensor:
+            return _compiled_partial(xs[0], None, *xs[1:]) if no_tail else _compiled_partial(*xs)
+
+        kernel = None
+        try:
+            # No duck sizing (in the trace and in inductor's own shape environment): R must stay
+            # a symbol of its own where it happens to equal another input's size.
+            with fx_config.patch(use_duck_shape=False), torch.no_grad():  # type: ignore[attr-defined]
+                graph = make_fx(partial, tracing_mode="symbolic")(*inputs)
+                with torch._inductor.config.patch(_inductor_options()):
+                    kernel = standalone_compile(graph, list(inputs))
+        except Exception as exc:  # an inductor that cannot: torch.compile serves this variant
+            warnings.warn(f"fp8track: direct build of the statistics kernel failed ({exc!r})", stacklevel=4)
+        self.direct[key] = kernel
+        return kernel
 
     def _aot_runner(self, key: tuple[torch.device, torch.dtype, int, bool]) -> Any:
         """Ask :class:`AotKernels` for the runner of ``key``; remember the answer once it is settled

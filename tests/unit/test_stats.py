@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fp8track.errors import ConfigError
-from fp8track.numerics import stats, stats_kernel
+from fp8track.numerics import kernel_policy, stats, stats_kernel
 from fp8track.numerics.stats import (
     PARTIAL_SIZE,
     STAT_NAMES,
@@ -476,6 +476,7 @@ def test_longer_rows_agree_with_eager_and_get_a_kernel_each(monkeypatch):
     Long (about 1 min on 2 cores): inductor compiles three kernels, with and without a tail: the claim."""
     monkeypatch.setitem(stats.MAX_ROWS, "cpu", 4)
     monkeypatch.setattr(stats._POLICY, "kernels", {})
+    monkeypatch.setattr(kernel_policy, "DIRECT_DEVICES", ())  # torch.compile, as on a GPU
     gen = torch.Generator().manual_seed(11)
     sizes = (3000, 4 * 1024, 4 * 2048, 4 * 4096 + 5, 20_000)  # row lengths 1024, 1024, 2048, 8192, 8192
     try:
@@ -519,7 +520,9 @@ def test_compiled_inside_autograd_hooks_matches_eager():
     assert torch.allclose(seen["grad"], want_grad, rtol=1e-6)
 
 
-def test_failed_compilation_warns_once_and_falls_back():
+def test_failed_compilation_warns_once_and_falls_back(monkeypatch):
+    monkeypatch.setattr(kernel_policy, "DIRECT_DEVICES", ())  # torch.compile, as on a GPU
+
     def broken_backend(gm, example_inputs):
         raise RuntimeError("no C++ compiler here")
 
