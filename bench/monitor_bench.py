@@ -278,10 +278,10 @@ SAMPLING_RUNS = {  # run: (FP8 recipe or None for the BF16 control, the configur
     "fp8_current": ("current", ("none", "every_1000", "every_10", "every_1")),
     "bf16_control": (None, ("none", "every_10", "every_1")),
 }
-SAMPLING_EVERY = {"none": None, "every_1000": 1000, "every_10": 10, "every_1": 1, "every_1_torch_compile": 1}
 TORCH_COMPILE_CONFIG = "every_1_torch_compile"
 """Every step with the CPU's compiled kernel called through ``torch.compile`` (Dynamo's wrappers)
 instead of directly (``--compare-direct``): the direct call's gain, measured in the same rounds."""
+SAMPLING_EVERY = {"none": None, "every_1000": 1000, "every_10": 10, "every_1": 1, TORCH_COMPILE_CONFIG: 1}
 
 
 def _hf_llama(width: int = 64, intermediate: int = 128, tokens: tuple[int, int] = (8, 64)):

@@ -46,8 +46,6 @@ def row_length(numel: int, device_type: str) -> int:
     return c
 
 
-_UNBUILT = object()
-
 DIRECT_DEVICES = ("cpu",)
 """Device types whose compiled kernel is called without Dynamo (:meth:`_CompilePolicy._build_direct`).
 CUDA keeps ``torch.compile`` until the direct path has run on a GPU here."""
@@ -100,8 +98,8 @@ class _CompilePolicy:
         self.aot_runners: dict[tuple[torch.device, torch.dtype, int, bool], Any] = {}
         # (graph name, device type) -> compiled per-row graph (R and C dynamic)
         self.row_kernels: dict[tuple[str, str], Any] = {}
-        # (input dtypes and sizes, R left out) -> inductor's compiled graph called directly, or
-        # None once its build failed (then torch.compile serves that variant)
+        # _direct_key (thread count, input dtypes and sizes, R left out) -> inductor's compiled
+        # graph called directly, or None once its build failed (torch.compile serves that variant)
         self.direct: dict[tuple, Any] = {}
 
     def wants(self, x: torch.Tensor) -> bool:
@@ -131,9 +129,8 @@ class _CompilePolicy:
         if rows >= 2 and device.type in DIRECT_DEVICES:
             inputs = (main, *args) if tail is None else (main, tail, *args)
             if (shapes := _direct_key(inputs)) is not None:
-                kernel = self.direct.get(shapes, _UNBUILT)
-                if kernel is _UNBUILT:
-                    kernel = self._build_direct(shapes, tail is None, inputs)
+                known = shapes in self.direct
+                kernel = self.direct[shapes] if known else self._build_direct(shapes, tail is None, inputs)
                 if kernel is not None:
                     return kernel(*inputs)
         if rows >= 2:
@@ -148,8 +145,8 @@ class _CompilePolicy:
         itself on tensors of a few thousand elements. Here the graph is traced once with symbolic
         sizes (``make_fx``) and compiled by inductor with the same options
         (``torch._inductor.standalone_compile``): the same kernel (bit-equal results, tested),
-        called straight. It has no guards: :func:`_direct_key` (dtypes, every size but R,
-        contiguity) picks the graph instead. A build that fails leaves the variant to
+        called straight. It has no guards: :func:`_direct_key` (thread count, dtypes, every size
+        but R, contiguity) picks the graph instead. A build that fails leaves the variant to
         ``torch.compile``.
         """
         from torch._inductor import standalone_compile
