@@ -49,14 +49,14 @@ and then on a loaded 2-core machine, never with a Python traceback or a wrong nu
 
 def run_gloo_program(cmd: list[str], out: Path, **kwargs: Any) -> subprocess.CompletedProcess[str]:
     """``subprocess.run(cmd, capture_output=True, text=True, **kwargs)``, run once more (with a
-    warning in the test report, and ``out``, the folder it writes, emptied) when it failed only by
-    :data:`GLOO_THREAD_ABORT`; any other failure, or the abort twice, is returned as it is for the
-    test to fail on."""
+    warning in the test report, and ``out``, the folder it writes, emptied if it exists) when it
+    failed only by :data:`GLOO_THREAD_ABORT`; any other failure, or the abort twice, is returned
+    as it is for the test to fail on."""
     proc = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
     before_abort, aborted, _ = proc.stderr.partition(GLOO_THREAD_ABORT)
     if proc.returncode != 0 and aborted and "Traceback" not in before_abort:
         warnings.warn(f"gloo aborted a worker ({GLOO_THREAD_ABORT!r}); ran it once more", stacklevel=2)
-        for entry in out.iterdir():
+        for entry in out.iterdir() if out.exists() else ():
             if entry.is_dir():
                 shutil.rmtree(entry)
             else:

@@ -18,6 +18,8 @@ import pytest
 from fp8track.monitoring.naming import LOSS_METRIC
 from fp8track.monitoring.records import RunReader
 
+from helpers.subprocesses import run_gloo_program
+
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve().parents[1] / "third_party" / "train_gpt.py"
 LINEARS = {f"h.{i}.{m}" for i in range(2) for m in ("attn.c_attn", "attn.c_proj", "mlp.0", "mlp.2")} | {
@@ -33,7 +35,7 @@ def _run(tmp_path: Path, *flags: str, torchrun: int = 0) -> Path:
                *cmd[1:]]
     tmp_path.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    done = run_gloo_program(cmd, tmp_path / "out", cwd=tmp_path, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     runs = sorted((tmp_path / "out" / "fp8track").iterdir())
     assert len(runs) == 1, runs  # one run directory: under torchrun rank 0 alone writes
