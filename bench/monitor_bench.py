@@ -387,8 +387,14 @@ def sampling_costs(
 ) -> dict:
     """Step times of one (model, run) under each sampling configuration, interleaved in rounds
     (the order rotating each round), as ratios over the same model and run without the monitor:
-    the median step ratio, the mean ratio (amortised, sampled steps included) and the spread of the
-    per-round median ratios."""
+    the median step ratio, the mean ratio over all steps, the spread of the per-round median ratios,
+    and ``amortised_ratio`` (:func:`_amortised_ratio` over the unmonitored median step): the cost a
+    long run pays per step, the one to read for every 10 steps, whose median step is an unsampled
+    one; ``amortised_round_min``/``max``: the spread of the rounds' mean step time over the
+    unmonitored round's mean (each round holds whole 10-step periods: ``per_round`` must be a
+    multiple of 10; two sampled steps a round make these noisy)."""
+    if per_round % 10:
+        raise ValueError(f"--steps-per-round must be a multiple of 10 (the every-10 period), got {per_round}")
     from fp8track.execution.apply import apply_fp8
     from fp8track.numerics import kernel_policy
 
@@ -408,11 +414,16 @@ def sampling_costs(
         model, MonitorConfig(every_n_steps=every), log_dir=tmp) for c in configs}
     times: dict[str, list[float]] = {c: [] for c in configs}
     round_medians: dict[str, list[float]] = {c: [] for c in configs}
+    round_means: dict[str, list[float]] = {c: [] for c in configs}
+    # Each step's place in its sampling period (global_step % every; 0 is the sampled step).
+    positions: dict[str, list[int]] = {c: [] for c in configs}
 
     def go(c: str, n: int, sink: list[float]) -> None:
         mon = monitors[c]
         if mon is not None:
             mon.attach()
+            if sink is times[c] and SAMPLING_EVERY[c] <= n:  # every 1000: no sampled step measured
+                positions[c].extend((mon.global_step + i) % SAMPLING_EVERY[c] for i in range(n))
         kernel_policy.DIRECT_DEVICES = () if c == TORCH_COMPILE_CONFIG else direct_devices
         try:
             train_steps(model, opt, batches, n, mon, sink, loss_fn=loss_fn)
@@ -425,10 +436,11 @@ def sampling_costs(
         go(c, 4, [])
     for r in range(rounds):
         for c in configs[r % len(configs):] + configs[: r % len(configs)]:
-            ts: list[float] = []
-            go(c, per_round, ts)
-            times[c].extend(ts)
+            n0 = len(times[c])
+            go(c, per_round, times[c])
+            ts = times[c][n0:]
             round_medians[c].append(statistics.median(ts))
+            round_means[c].append(statistics.fmean(ts))
     floor_ms = kernel_only_ms(model, loss_fn, batches[0], next(m for m in monitors.values() if m is not None))
     for mon in monitors.values():
         if mon is not None:
@@ -437,13 +449,30 @@ def sampling_costs(
     out: dict = {"statistics_only": {"ms": floor_ms, "ratio": 1 + floor_ms / (1e3 * base)}}
     for c in configs:
         ratios = [m / b for m, b in zip(round_medians[c], round_medians["none"], strict=True)]
+        round_amortised = [m / b for m, b in zip(round_means[c], round_means["none"], strict=True)]
         out[c] = {
             **_spread(times[c]),
             "median_ratio": statistics.median(times[c]) / base,
             "mean_ratio": statistics.fmean(times[c]) / base_mean,
             "round_ratio_min": min(ratios), "round_ratio_max": max(ratios),
+            "amortised_ratio": _amortised_ratio(times[c], positions[c]) / base,
+            "amortised_round_min": min(round_amortised), "amortised_round_max": max(round_amortised),
         }
     return out
+
+
+def _amortised_ratio(times: list[float], positions: list[int]) -> float:
+    """The step time a long run pays on average (s): the mean over the positions of a sampling
+    period of the median step time at that position. Robust to outliers as a median is, yet it
+    counts the sampled step and any dearer step after it (a plain median of every-10 steps is
+    an unsampled step's time). No positions (no monitor, or a period longer than a round): the
+    median step."""
+    if not positions:
+        return statistics.median(times)
+    at: dict[int, list[float]] = {}
+    for t, k in zip(times, positions, strict=True):
+        at.setdefault(k, []).append(t)
+    return statistics.fmean(statistics.median(v) for v in at.values())
 
 
 def _batched_and_per_tensor(model) -> dict:
