@@ -422,8 +422,6 @@ def sampling_costs(
         mon = monitors[c]
         if mon is not None:
             mon.attach()
-            if sink is times[c] and SAMPLING_EVERY[c] <= n:  # every 1000: no sampled step measured
-                positions[c].extend((mon.global_step + i) % SAMPLING_EVERY[c] for i in range(n))
         kernel_policy.DIRECT_DEVICES = () if c == TORCH_COMPILE_CONFIG else direct_devices
         try:
             train_steps(model, opt, batches, n, mon, sink, loss_fn=loss_fn)
@@ -437,6 +435,10 @@ def sampling_costs(
     for r in range(rounds):
         for c in configs[r % len(configs):] + configs[: r % len(configs)]:
             n0 = len(times[c])
+            every = SAMPLING_EVERY[c]
+            if every is not None and every <= per_round:  # every 1000: no sampled step measured
+                start = monitors[c].global_step
+                positions[c].extend((start + i) % every for i in range(per_round))
             go(c, per_round, times[c])
             ts = times[c][n0:]
             round_medians[c].append(statistics.median(ts))
