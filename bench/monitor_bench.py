@@ -392,7 +392,10 @@ def sampling_costs(
     long run pays per step, the one to read for every 10 steps, whose median step is an unsampled
     one; ``amortised_round_min``/``max``: the spread of the rounds' mean step time over the
     unmonitored round's mean (each round holds whole 10-step periods: ``per_round`` must be a
-    multiple of 10; two sampled steps a round make these noisy)."""
+    multiple of 10; two sampled steps a round make these noisy); ``paired`` and
+    ``paired_amortised``: the same two measures taken per round, over the same round's unmonitored
+    median, then their median over rounds, with the gap between the even and the odd rounds
+    (:func:`_paired`: the figures to compare across runs)."""
     if per_round % 10:
         raise ValueError(f"--steps-per-round must be a multiple of 10 (the every-10 period), got {per_round}")
     from fp8track.execution.apply import apply_fp8
@@ -415,6 +418,7 @@ def sampling_costs(
     times: dict[str, list[float]] = {c: [] for c in configs}
     round_medians: dict[str, list[float]] = {c: [] for c in configs}
     round_means: dict[str, list[float]] = {c: [] for c in configs}
+    round_amortised: dict[str, list[float]] = {c: [] for c in configs}  # _amortised_ratio per round
     # Each step's place in its sampling period (global_step % every; 0 is the sampled step).
     positions: dict[str, list[int]] = {c: [] for c in configs}
 
@@ -443,6 +447,7 @@ def sampling_costs(
             ts = times[c][n0:]
             round_medians[c].append(statistics.median(ts))
             round_means[c].append(statistics.fmean(ts))
+            round_amortised[c].append(_amortised_ratio(ts, positions[c][n0:]))
     floor_ms = kernel_only_ms(model, loss_fn, batches[0], next(m for m in monitors.values() if m is not None))
     for mon in monitors.values():
         if mon is not None:
@@ -459,8 +464,24 @@ def sampling_costs(
             "round_ratio_min": min(ratios), "round_ratio_max": max(ratios),
             "amortised_ratio": _amortised_ratio(times[c], positions[c]) / base,
             "amortised_round_min": min(round_amortised), "amortised_round_max": max(round_amortised),
+            **_paired("paired", round_medians[c], round_medians["none"]),
+            **_paired("paired_amortised", round_amortised[c], round_medians["none"]),
         }
     return out
+
+
+def _paired(name: str, rounds: list[float], base_rounds: list[float]) -> dict:
+    """Each round's step time over the same round's unmonitored median (the two measured seconds
+    apart, so a load or clock change between rounds cancels), summarised over rounds: ``name``, the
+    median of the rounds' ratios; ``name_halves_pct``, how far the medians of the even and of the
+    odd rounds lie apart, in % of ``name`` (the run's own estimate of how well a second run agrees;
+    ``None`` under two rounds)."""
+    ratios = [t / b for t, b in zip(rounds, base_rounds, strict=True)]
+    med = statistics.median(ratios)
+    halves = None
+    if len(ratios) >= 2:
+        halves = 100 * abs(statistics.median(ratios[0::2]) - statistics.median(ratios[1::2])) / med
+    return {name: med, f"{name}_halves_pct": halves}
 
 
 def _amortised_ratio(times: list[float], positions: list[int]) -> float:

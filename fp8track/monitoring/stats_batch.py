@@ -20,7 +20,9 @@ Phase ends (where the batch is computed):
 What the batch holds is what training holds anyway (activations are saved for the backward,
 weights are parameters), except dY, kept until the end of the backward (bounded as above). Tensors
 too large to gain from grouping (:data:`DIRECT_NUMEL`), sharded ones, what-if block variants and
-observations with a tensor dump take the per-tensor path at once.
+observations with a tensor dump take the per-tensor path at once; on CPU a phase's few tensors
+that the compiled kernel takes are computed one by one at the phase end (:data:`PER_TENSOR_BELOW`:
+there the grouped pass's fixed cost exceeds their calls').
 
 One tensor, one pass: layers that read the same input (a transformer's q, k and v projections, an
 MLP's gate and up projections) observe the same tensor, and under current scaling (the scale from
@@ -39,6 +41,7 @@ import warnings
 
 import torch
 
+from fp8track.numerics.kernel_policy import wants_compiled
 from fp8track.numerics.segment_stats import tensors_partial_stats
 from fp8track.numerics.stats import merge_partials, partial_stats
 
@@ -51,6 +54,17 @@ DIRECT_NUMEL = {"cpu": 1 << 13}
 :data:`MAX_PENDING_NUMEL` bounds them). On CPU the compiled per-tensor kernel processes large
 tensors faster than the grouped eager pass, and its fixed cost per call is small next to theirs;
 on a GPU the launch path costs more than any tensor's pass, so everything is grouped."""
+
+PER_TENSOR_BELOW = {"cpu": 8}
+"""Per device type: a phase's group (one format and margin) of fewer than this many tensors, each
+of which the compile policy gives the compiled kernel (:func:`wants_compiled`), is computed tensor by
+tensor at the phase end instead of in one grouped pass (absent: always grouped). On CPU the grouped
+pass has a fixed cost of 0.55-0.65 ms (about a hundred small eager ops around two compiled calls)
+and a compiled per-tensor call of 2,048-8,191 elements costs 70-110 us after a GEMM, so a few such
+tensors (the example GPT's two 64x64 attention projections per forward) cost less one by one
+(bench: k tensors of 4,096 elements, grouped against per tensor: 2 tensors 0.62 / 0.17 ms, 8 0.71 /
+0.61, 16 0.84 / 1.14; docs/performance.md). A tensor the policy leaves eager keeps its group
+together: its own eager partial costs ~0.3 ms, in the grouped pass a few tens of microseconds."""
 
 Accumulators = dict[tuple[str, str], torch.Tensor]
 _Item = tuple[Accumulators, tuple[str, str], torch.Tensor, int, str, "torch.Tensor | None", int, int]
@@ -199,13 +213,14 @@ class StatsBatch:
             if item[7] == i:
                 groups.setdefault((item[2].device, item[4], item[6]), []).append(i)
         rows: dict[int, torch.Tensor] = {}
-        for (_, fmt, margin), idx in groups.items():
-            scales = [items[i][5] for i in idx]
-            out = tensors_partial_stats(
-                [items[i][2] for i in idx], fmt, scales if any(s is not None for s in scales) else None,
-                margin,
-            )
-            for i, row in zip(idx, out.unbind(0), strict=True):
+        for (device, fmt, margin), idx in groups.items():
+            xs, scales = [items[i][2] for i in idx], [items[i][5] for i in idx]
+            if len(idx) < PER_TENSOR_BELOW.get(device.type, 0) and all(wants_compiled(x) for x in xs):
+                parts = [partial_stats(x, fmt, s, margin) for x, s in zip(xs, scales, strict=True)]
+            else:
+                given = scales if any(s is not None for s in scales) else None
+                parts = list(tensors_partial_stats(xs, fmt, given, margin).unbind(0))
+            for i, row in zip(idx, parts, strict=True):
                 rows[i] = row
         for into, key, x, version, *_, same in items:
             row = rows[same]

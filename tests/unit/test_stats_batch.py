@@ -291,3 +291,33 @@ def test_a_tensor_subclass_is_never_shared():
     assert batch._numel == 2 * x.numel()
     batch.flush()
     assert torch.equal(acc[("a", "v")], acc[("b", "v")]) and acc[("a", "v")] is not acc[("b", "v")]
+
+
+@pytest.mark.parametrize(
+    "count,tiny,grouped", [(2, False, False), (7, False, False), (8, False, True), (2, True, True)]
+)
+def test_a_few_tensors_the_compiled_kernel_takes_skip_the_grouped_pass_on_cpu(
+    count, tiny, grouped, monkeypatch
+):
+    # Under the "auto" policy a CPU phase of fewer than PER_TENSOR_BELOW["cpu"] tensors of compiled
+    # size (2,048-8,191 elements) is computed one by one: each row is that tensor's own partial, bit
+    # for bit. Eight such tensors, or any tensor the policy keeps eager, take the grouped pass.
+    import fp8track.monitoring.stats_batch as sb
+
+    set_compile("auto")
+    calls = []
+    monkeypatch.setattr(sb, "tensors_partial_stats", lambda *a: calls.append(a) or tensors_partial_stats(*a))
+    assert sb.PER_TENSOR_BELOW["cpu"] == 8
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(64, 64, generator=g) * (i + 1) for i in range(count)]
+    xs += [torch.randn(16, 16, generator=g)] if tiny else []
+    scales = [torch.tensor(2.0 ** -i) if i % 2 else None for i in range(len(xs))]  # given and current mixed
+    batch, acc = StatsBatch(), {}
+    for i, (x, s) in enumerate(zip(xs, scales, strict=True)):
+        assert batch.accepts(x)
+        batch.add(acc, (f"t{i}", "v"), x, "e4m3", s, 0)
+    batch.flush()
+    assert len(calls) == (1 if grouped else 0)
+    want = tensors_partial_stats(xs, "e4m3", scales) if grouped else None
+    for i, (x, s) in enumerate(zip(xs, scales, strict=True)):
+        assert torch.equal(acc[(f"t{i}", "v")], want[i] if grouped else partial_stats(x, "e4m3", s))
