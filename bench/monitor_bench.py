@@ -12,7 +12,9 @@ step, called back to back (:func:`kernel_only_ms`), as ms and as the step ratio 
 proxy: microseconds of host time per sampled (layer, tensor) on 16x16 tensors. ``os.getloadavg()``
 at start and end: the numbers mean something only on an idle machine. ``--compare-direct`` adds
 every step with the compiled kernel called through ``torch.compile`` (on CPU it is called
-directly: ``kernel_policy.DIRECT_DEVICES``), in the same rounds. ``malloc_env``: the
+directly: ``kernel_policy.DIRECT_DEVICES``), in the same rounds; ``--compare-grouping`` every step
+with every phase's small tensors in one grouped pass, as before
+``stats_batch.PER_TENSOR_BELOW`` sent a few of compiled size one by one. ``malloc_env``: the
 ``MALLOC_*_`` variables glibc started with (run it once as is and once with those of
 tests/helpers/allocator.py exported to see what page faults of freed-and-trimmed heap cost a CPU
 step).
@@ -281,7 +283,14 @@ SAMPLING_RUNS = {  # run: (FP8 recipe or None for the BF16 control, the configur
 TORCH_COMPILE_CONFIG = "every_1_torch_compile"
 """Every step with the CPU's compiled kernel called through ``torch.compile`` (Dynamo's wrappers)
 instead of directly (``--compare-direct``): the direct call's gain, measured in the same rounds."""
-SAMPLING_EVERY = {"none": None, "every_1000": 1000, "every_10": 10, "every_1": 1, TORCH_COMPILE_CONFIG: 1}
+ALWAYS_GROUPED_CONFIG = "every_1_always_grouped"
+"""Every step with :data:`fp8track.monitoring.stats_batch.PER_TENSOR_BELOW` emptied (every phase's
+small tensors in one grouped pass, the path before it), measured in the same rounds
+(``--compare-grouping``)."""
+SAMPLING_EVERY = {
+    "none": None, "every_1000": 1000, "every_10": 10, "every_1": 1,
+    TORCH_COMPILE_CONFIG: 1, ALWAYS_GROUPED_CONFIG: 1,
+}
 
 
 def _hf_llama(width: int = 64, intermediate: int = 128, tokens: tuple[int, int] = (8, 64)):
@@ -383,7 +392,8 @@ def kernel_only_ms(model, loss_fn, batch: torch.Tensor, monitor: Monitor, repeat
 
 
 def sampling_costs(
-    model_name: str, run: str, rounds: int, per_round: int, compare_direct: bool = False
+    model_name: str, run: str, rounds: int, per_round: int, compare_direct: bool = False,
+    compare_grouping: bool = False,
 ) -> dict:
     """Step times of one (model, run) under each sampling configuration, interleaved in rounds
     (the order rotating each round), as ratios over the same model and run without the monitor:
@@ -404,6 +414,11 @@ def sampling_costs(
     recipe, configs = SAMPLING_RUNS[run]
     if compare_direct:
         configs = (*configs, TORCH_COMPILE_CONFIG)
+    if compare_grouping:
+        configs = (*configs, ALWAYS_GROUPED_CONFIG)
+    from fp8track.monitoring import stats_batch
+
+    per_tensor_below = stats_batch.PER_TENSOR_BELOW
     direct_devices = kernel_policy.DIRECT_DEVICES
     torch.manual_seed(0)
     model, loss_fn, (batch, seq) = SAMPLING_MODELS[model_name]()
@@ -418,7 +433,7 @@ def sampling_costs(
     times: dict[str, list[float]] = {c: [] for c in configs}
     round_medians: dict[str, list[float]] = {c: [] for c in configs}
     round_means: dict[str, list[float]] = {c: [] for c in configs}
-    round_amortised: dict[str, list[float]] = {c: [] for c in configs}  # _amortised_ratio per round
+    round_amortised_s: dict[str, list[float]] = {c: [] for c in configs}  # _amortised_ratio per round
     # Each step's place in its sampling period (global_step % every; 0 is the sampled step).
     positions: dict[str, list[int]] = {c: [] for c in configs}
 
@@ -427,10 +442,12 @@ def sampling_costs(
         if mon is not None:
             mon.attach()
         kernel_policy.DIRECT_DEVICES = () if c == TORCH_COMPILE_CONFIG else direct_devices
+        stats_batch.PER_TENSOR_BELOW = {} if c == ALWAYS_GROUPED_CONFIG else per_tensor_below
         try:
             train_steps(model, opt, batches, n, mon, sink, loss_fn=loss_fn)
         finally:
             kernel_policy.DIRECT_DEVICES = direct_devices
+            stats_batch.PER_TENSOR_BELOW = per_tensor_below
         if mon is not None:
             mon.detach()
 
@@ -447,7 +464,7 @@ def sampling_costs(
             ts = times[c][n0:]
             round_medians[c].append(statistics.median(ts))
             round_means[c].append(statistics.fmean(ts))
-            round_amortised[c].append(_amortised_ratio(ts, positions[c][n0:]))
+            round_amortised_s[c].append(_amortised_ratio(ts, positions[c][n0:]))
     floor_ms = kernel_only_ms(model, loss_fn, batches[0], next(m for m in monitors.values() if m is not None))
     for mon in monitors.values():
         if mon is not None:
@@ -465,7 +482,7 @@ def sampling_costs(
             "amortised_ratio": _amortised_ratio(times[c], positions[c]) / base,
             "amortised_round_min": min(round_amortised), "amortised_round_max": max(round_amortised),
             **_paired("paired", round_medians[c], round_medians["none"]),
-            **_paired("paired_amortised", round_amortised[c], round_medians["none"]),
+            **_paired("paired_amortised", round_amortised_s[c], round_medians["none"]),
         }
     return out
 
@@ -634,7 +651,8 @@ def sampling_report(args: argparse.Namespace) -> dict:
     for model_name in args.sampling_models.split(","):
         for run in SAMPLING_RUNS:
             result[f"{model_name}/{run}"] = sampling_costs(
-                model_name, run, args.rounds, args.steps_per_round, args.compare_direct
+                model_name, run, args.rounds, args.steps_per_round, args.compare_direct,
+                args.compare_grouping,
             )
     result["loadavg_at_end"] = [round(v, 2) for v in os.getloadavg()]
     return result
@@ -656,6 +674,10 @@ def main() -> None:
     parser.add_argument(
         "--compare-direct", action="store_true",
         help=f"also every step through torch.compile's wrappers ({TORCH_COMPILE_CONFIG})",
+    )
+    parser.add_argument(
+        "--compare-grouping", action="store_true",
+        help=f"also every step with every phase's small tensors grouped ({ALWAYS_GROUPED_CONFIG})",
     )
     parser.add_argument("--no-memory", action="store_true", help="step times only")
     parser.add_argument(
