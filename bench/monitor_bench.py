@@ -409,6 +409,7 @@ def sampling_costs(
     if per_round % 10:
         raise ValueError(f"--steps-per-round must be a multiple of 10 (the every-10 period), got {per_round}")
     from fp8track.execution.apply import apply_fp8
+    from fp8track.monitoring import stats_batch
     from fp8track.numerics import kernel_policy
 
     recipe, configs = SAMPLING_RUNS[run]
@@ -416,8 +417,6 @@ def sampling_costs(
         configs = (*configs, TORCH_COMPILE_CONFIG)
     if compare_grouping:
         configs = (*configs, ALWAYS_GROUPED_CONFIG)
-    from fp8track.monitoring import stats_batch
-
     per_tensor_below = stats_batch.PER_TENSOR_BELOW
     direct_devices = kernel_policy.DIRECT_DEVICES
     torch.manual_seed(0)
