@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from fp8track.errors import ConfigError, check_int, redact
 from fp8track.monitoring import writer_lock
 from fp8track.monitoring.naming import LOSS_METRIC
@@ -111,11 +113,29 @@ def software_versions() -> dict[str, str]:
 
 
 def _dumps(obj: Any) -> str:
-    return _ENCODER.encode(obj)
+    """One JSON line holding what ``json.dumps(obj, separators=(",", ":"), default=str)`` holds.
+
+    orjson writes plain data (exact ``str``/``int``/``float``/``bool``/``list``/``dict``) about 20x
+    faster than ``json``, whose float formatting (~0.4 us a value, 13 per statistics row) was the
+    largest part of a sampled step's flush. orjson writes ``NaN``/``Infinity`` as ``null``, so a
+    line holding ``null`` (or data orjson does not take: a subclass, a non-string key, an int over
+    64 bits, a dataclass or a path that ``default=str`` turns into a string) is written by ``json``,
+    which keeps them: every line parses to the same values either way.
+    """
+    try:
+        line = orjson.dumps(obj, option=_ORJSON_PLAIN_DATA_ONLY)
+    except TypeError:  # orjson.JSONEncodeError: a type it does not write as json does
+        return _ENCODER.encode(obj)
+    return _ENCODER.encode(obj) if b"null" in line else line.decode()
 
 
 # What json.dumps(obj, separators=(",", ":"), default=str) builds on every call, built once.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
+# Types orjson would write its own way (dataclasses as objects, datetimes in ISO form, a float or
+# str subclass) go to its ``default``, which is unset: it raises and json writes the line.
+_ORJSON_PLAIN_DATA_ONLY = (
+    orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_SUBCLASS
+)
 
 
 @dataclass(frozen=True)
