@@ -46,6 +46,7 @@ from fp8track.monitoring.capture_config import (  # re-exported: they lived here
     StepAnalyzer,
     StepSink,
 )
+from fp8track.monitoring.collector import collector_paused
 from fp8track.monitoring.emit import RunOutput, eval_metrics
 from fp8track.monitoring.flop_share import FP8_SHARE_METRIC
 from fp8track.monitoring.flush_writer import FlushWriter
@@ -303,6 +304,10 @@ class MonitorCore:
         (:func:`reduce_to_host`: one SUM and one MAX collective, one host copy), then on the writer
         :meth:`FlushWriter.write` (rows, analyzers, reactions, FLOP share, emission).
         """
+        with collector_paused():  # its thousands of short-lived objects never meet a collection
+            self._flush(with_stats, reduce)
+
+    def _flush(self, with_stats: bool, reduce: bool) -> None:
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         take = take_partials(self.captures, device) if with_stats else DeviceTake()
         routers = take_routers(self.captures, device, take) if with_stats else []

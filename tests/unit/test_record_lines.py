@@ -4,6 +4,7 @@ non-finite floats included (orjson alone would write them as ``null``)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -63,8 +64,12 @@ def test_what_orjson_would_write_otherwise_is_written_as_json_writes_it():
     class Half(float):
         pass
 
+    Pair = collections.namedtuple("Pair", "x y")
     for obj, want in [
         ({"a": math.nan, "b": math.inf, "c": -math.inf}, '{"a":NaN,"b":Infinity,"c":-Infinity}'),
+        ({"a": [1.5, (math.nan, None)], "b": "null", "c": {"d": -math.inf}},
+         '{"a":[1.5,[NaN,null]],"b":"null","c":{"d":-Infinity}}'),
+        ({"a": Pair(1, 2.5)}, '{"a":[1,2.5]}'),
         ({"a": Point()}, '{"a":"' + str(Point()) + '"}'),  # default=str, not {"x":1}
         ({"a": pathlib.Path("/tmp/x")}, '{"a":"/tmp/x"}'),
         ({"a": Half(0.5)}, '{"a":0.5}'),
