@@ -10,10 +10,11 @@ import torch
 from fp8track import Monitor, MonitorConfig
 from fp8track.monitoring.collector import collector_paused
 
+from helpers.analyzers import StatelessAnalyzer
 from helpers.models import mlp
 
 
-class _SeesTheCollector:
+class _SeesTheCollector(StatelessAnalyzer):
     """An analyzer that records whether the collector was on when the flush called it."""
 
     def __init__(self) -> None:
@@ -22,15 +23,6 @@ class _SeesTheCollector:
     def observe(self, losses, rows):
         self.enabled.append(gc.isenabled())
         return {}, []
-
-    def close(self, last_step):
-        return []
-
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state):
-        pass
 
 
 @pytest.fixture

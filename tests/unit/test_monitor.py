@@ -11,6 +11,7 @@ from fp8track.errors import ConfigError
 from fp8track.monitoring.records import RunReader
 from fp8track.numerics.stats import finalize, merge_partials, partial_stats, quant_stats
 
+from helpers.analyzers import StatelessAnalyzer
 from helpers.models import mlp
 
 
@@ -128,18 +129,9 @@ def test_state_round_trip_keeps_pending_losses(tmp_path):
 
 
 def test_a_failing_analyzer_warns_once_and_training_goes_on(tmp_path):
-    class Broken:
+    class Broken(StatelessAnalyzer):
         def observe(self, losses, rows):
             raise RuntimeError("boom")
-
-        def close(self, last_step):
-            return []
-
-        def state_dict(self):
-            return {}
-
-        def load_state_dict(self, state):
-            pass
 
     model = mlp(16, 32, 4)
     mon = Monitor(model, MonitorConfig(every_n_steps=1), log_dir=tmp_path, analyzers=[Broken()]).attach()
