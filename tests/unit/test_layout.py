@@ -4,6 +4,7 @@ import cycle exists (function-level imports included, so a lazy import cannot hi
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import fp8track
@@ -123,3 +124,25 @@ def test_readme_imports_keep_working() -> None:
 
     assert FP8Monitor is LightningFP8Monitor
     assert callable(apply_fp8) and isinstance(Monitor, type)
+
+
+def _named_in(rel: str, text: str) -> bool:
+    """``rel`` (a path under fp8track/) is named in ``text``: itself, or a folder holding it, named
+    whole in backquotes (``cli/``, ``te_features/<namespace>/``)."""
+    if rel in text:
+        return True
+    parts = rel.split("/")[:-1]
+    folders = ("/".join(parts[i:k]) + "/" for k in range(1, len(parts) + 1) for i in range(k))
+    return any(re.search(f"`{re.escape(folder)}(<[^>]*>/)*`", text) for folder in folders)
+
+
+def test_every_module_has_a_row_in_the_architecture_doc() -> None:
+    text = (ROOT.parent / "docs" / "ARCHITECTURE.md").read_text()
+    assert _named_in("cli/sync.py", text) and not _named_in("monitoring/no_such_module.py", text)
+    missing = sorted(
+        rel
+        for p in ROOT.rglob("*.py")
+        if p.name not in ("__init__.py", "__main__.py")
+        and not _named_in(rel := p.relative_to(ROOT).as_posix(), text)
+    )
+    assert not missing, "modules docs/ARCHITECTURE.md does not name: " + ", ".join(missing)
