@@ -25,7 +25,9 @@ Where the GEMMs are seen:
   forward on sampled steps by a ``TorchFunctionMode`` that sees its ``torch._grouped_mm`` calls
   (``F.grouped_mm``, the default ``grouped_mm`` implementation) or ``torch.bmm`` calls (Llama 4),
   matched to the parameter by storage. The ``eager`` and ``batched_mm`` implementations loop or
-  gather weights per slot; those groups get no rows, with a warning saying why.
+  gather weights per slot; those groups get no rows, with a warning saying why. Their FLOPs (for
+  the FP8 FLOP share) are counted from the routing the module receives (``top_k_index``: one row
+  per routed slot per projection), whatever the implementation, so the share stays the executed one.
 """
 
 from __future__ import annotations
@@ -146,7 +148,7 @@ class _Spy(TorchFunctionMode):
             offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
             param = self.capture.param_of(args[1])
             if param is not None and offs is not None and args[0].dim() == 2:
-                self.capture.tap(param.name, args[0], offs, out)
+                self.capture.tap(param.name, args[0], offs, out, count_flops=False)  # pre-hook counts
         elif func is torch.bmm and len(args) == 2 and args[0].dim() == 3:
             param = self.capture.param_of(args[1])
             if param is not None:
@@ -217,7 +219,7 @@ class ExpertGroupCapture:
         self._attached = True
         guard_module_hooks()
         self._handles = [
-            self.module.register_forward_pre_hook(self._pre_hook),
+            self.module.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
             self.module.register_forward_hook(self._post_hook),
         ]
 
@@ -242,12 +244,14 @@ class ExpertGroupCapture:
         return counts
 
     # -- hooks -----------------------------------------------------------------------------------
-    def _pre_hook(self, module: nn.Module, args: tuple) -> None:
+    def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not (self.active and torch.is_grad_enabled()) or self._is_recompute():
             return
         if isinstance(module, EmulatedFP8Experts):
             module.fp8track_tap = self.tap
             return
+        if self.group.kind != "dense":
+            self._count_routed_flops(args, kwargs)
         impl = getattr(getattr(module, "config", None), "_experts_implementation", "grouped_mm")
         if self.group.kind != "dense" and impl not in (None, "grouped_mm") and not self._warned:
             self._warned = True
@@ -258,6 +262,23 @@ class ExpertGroupCapture:
             )
         self._spy = _Spy(self)
         self._spy.__enter__()
+
+    def _count_routed_flops(self, args: tuple, kwargs: dict) -> None:
+        """FLOPs of an unconverted routed group from its routing (``top_k_index``, the first integer
+        tensor after the hidden states): every slot is one row of each projection's GEMM, whichever
+        implementation runs them (the spy sees only ``grouped_mm``'s; ``eager`` loops over experts,
+        ``batched_mm`` gathers weights per slot)."""
+        index = next(
+            (a for a in (*args[1:], *kwargs.values())
+             if isinstance(a, torch.Tensor) and not a.is_floating_point() and not a.is_complex()),
+            None,
+        )
+        if index is None:
+            return
+        slots = int(index.numel())  # the shape only: no host synchronisation
+        for p in self.group.params:
+            w = p.weight_oi(self.module)
+            self.rows[expert_row(self.name, p.name)].flops += 6 * slots * int(w.shape[1]) * int(w.shape[2])
 
     def _post_hook(self, module: nn.Module, args: tuple, output: object) -> None:
         if isinstance(module, EmulatedFP8Experts):
@@ -288,14 +309,19 @@ class ExpertGroupCapture:
 
     # -- observations ----------------------------------------------------------------------------
     @torch.no_grad()
-    def tap(self, param: str, rows: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> None:
+    def tap(
+        self, param: str, rows: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, count_flops: bool = True
+    ) -> None:
         """One grouped GEMM of projection ``param``: ``rows [S, K]`` (sorted by expert), ``offs``
-        the cumulative row counts, ``out [S, N]`` its output (dY is read from its gradient)."""
+        the cumulative row counts, ``out [S, N]`` its output (dY is read from its gradient).
+        ``count_flops=False``: the GEMM's FLOPs were counted from the routing already."""
         p = next(x for x in self.group.params if x.name == param)
         e = self.group.num_experts
         seg = segment_ids(offs, rows.shape[0])
         w = p.weight_oi(self.module)
-        self.rows[expert_row(self.name, param)].flops += 6 * rows.shape[0] * int(w.shape[1]) * int(w.shape[2])
+        if count_flops:
+            flops = 6 * rows.shape[0] * int(w.shape[1]) * int(w.shape[2])
+            self.rows[expert_row(self.name, param)].flops += flops
         if param == self.group.params[0].name:
             counts = torch.diff(offs.to(torch.float64), prepend=offs.new_zeros(1, dtype=torch.float64))
             self.counts = counts if self.counts is None else self.counts + counts

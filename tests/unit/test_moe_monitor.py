@@ -232,3 +232,33 @@ def test_models_with_router_subclasses_train_under_the_monitor(tmp_path, name):
     metrics = _metrics(mon.run_dir)[2]
     assert math.isfinite(metrics["fp8/router/aux_loss"])
     assert all(math.isfinite(r["stats"]["sqnr_db"]) or r["stats"]["sqnr_db"] == math.inf for r in rows)
+
+
+@pytest.mark.parametrize("impl", ["eager", "batched_mm"])
+def test_fp8_flop_share_counts_high_precision_experts_of_every_implementation(tmp_path, impl):
+    """Experts kept in BF16 under transformers' ``eager`` / ``batched_mm`` implementations run no
+    ``grouped_mm`` the spy could see; their FLOPs still count (from the routing), so the share is
+    the executed one (it said 0.97 here, and the low-share warning stayed silent)."""
+    ids = batch(5)
+    reference = tiny_moe("mixtral")  # grouped_mm: the independent count sees every expert GEMM
+    owners = {
+        p.untyped_storage().data_ptr(): mod_name
+        for mod_name, module in reference.named_modules()
+        for p_name, p in module.named_parameters(recurse=False)
+        if p.dim() >= 2 and "embed" not in mod_name
+    }
+    counter = _GemmFlops(owners)
+    with counter, torch.no_grad():
+        forward_loss(reference, "mixtral", ids)
+    model = tiny_moe("mixtral")
+    model.set_experts_implementation(impl)
+    report = apply_fp8(model, "current", bf16_layers="experts", backend="emulated")
+    fp8 = sum(f for o, f in counter.flops.items() if o in report.fp8_layers)
+    expected = fp8 / sum(counter.flops.values())
+    with pytest.warns(UserWarning, match="only 24.8% of the GEMM FLOPs ran in FP8"), fp8track.Monitor(
+        model, fp8track.MonitorConfig(every_n_steps=1), log_dir=tmp_path, apply_report=report
+    ) as mon:
+        forward_loss(model, "mixtral", ids).backward()
+        mon.step(loss=torch.tensor(1.0))
+    assert expected == pytest.approx(0.248, abs=1e-3)  # attention and head in FP8, experts and routers not
+    assert mon.fp8_flop_share == pytest.approx(expected, rel=1e-6)
