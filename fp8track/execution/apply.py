@@ -15,7 +15,7 @@ from fp8track.errors import ConfigError
 from fp8track.execution.attention import linearize_attention
 from fp8track.execution.backends import Backend, Converted, backend_of, get_backend
 from fp8track.execution.blocks import linear_names
-from fp8track.execution.experts import ROUTER_REASON, find_moe
+from fp8track.execution.experts import ROUTER_REASON, find_moe, unrecognised_experts
 from fp8track.execution.fallback import FallbackSpec
 from fp8track.execution.layers import is_convertible, preview_names
 from fp8track.execution.recipes import Recipe
@@ -163,6 +163,7 @@ def _report(
     keep = {**keep, **converted.refused}  # layers the backend would refuse at run time stay BF16
     unconverted = {**dict(refused_attention), **plan.unconverted, **converted.unconverted}
     unconverted.update(_left_out(model, plan, unconverted, list(refused_attention)))
+    unconverted.update(unrecognised_experts(model))  # DBRX, JetMoE: listed, never skipped silently
     if unconverted and recipe.quantizes:
         _warn_unconverted(unconverted)
     return ApplyReport(

@@ -285,6 +285,32 @@ def find_moe(model: nn.Module) -> MoEMap:
     return MoEMap(tuple(blocks))
 
 
+def unrecognised_experts(model: nn.Module, moe: MoEMap | None = None) -> dict[str, str]:
+    """``{module name: reason}`` of modules that hold expert weights in a layout none of the kinds
+    above covers (DBRX's ``DbrxExpertGLU``: 2-D ``w1``/``v1``/``w2`` ``[E * F, H]``; JetMoE's
+    ``JetMoeParallelExperts``: a 3-D ``weight``): a class named for experts (not a norm) with its own
+    parameters of two or more dimensions, outside every recognised expert group. No backend
+    converts them and no hook sees their GEMMs, so they must be listed, never skipped silently."""
+    moe = find_moe(model) if moe is None else moe
+    groups = [g.fqn for g in moe.groups]
+    out = {}
+    for fqn, m in model.named_modules():
+        cls = type(m).__name__
+        if "expert" not in cls.lower() or "norm" in cls.lower() or isinstance(m, nn.Linear):
+            continue
+        if is_fused_experts(m) or any(fqn == g or fqn.startswith(g + ".") for g in groups):
+            continue
+        params = [n for n, p in m.named_parameters(recurse=False) if p.dim() >= 2]
+        if params:
+            out[fqn] = (
+                f"{cls} holds expert weights ({', '.join(params)}) in a layout fp8track does not "
+                "recognise (neither fused gate_up_proj/down_proj nor nn.Linear experts): no backend "
+                "converts them, the monitor has no rows for them and the FP8 FLOP share cannot count "
+                "their GEMMs; they run in high precision"
+            )
+    return out
+
+
 def expert_row(group_fqn: str, param: str, expert: int | None = None) -> str:
     """Record name of an expert projection: ``<experts>.<param>`` (the group's aggregate row) or
     ``<experts>.<param>.expert_<e>``.

@@ -210,6 +210,41 @@ def test_block_recipes_and_other_backends_list_experts_with_a_warning():
     assert "rowwise scales only" in dict(report.unconverted)["model.layers.1.mlp.experts"]
 
 
+def _unrecognised_moe(name: str) -> torch.nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if name == "dbrx":  # experts as 2-D w1 / v1 / w2 [E * F, H], run by x.matmul per expert
+            return tf.DbrxForCausalLM(tf.DbrxConfig(
+                vocab_size=64, d_model=H, n_heads=4, n_layers=2, max_seq_len=64,
+                attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                ffn_config={"ffn_hidden_size": 64, "moe_num_experts": E, "moe_top_k": K})).float()
+        return tf.JetMoeForCausalLM(tf.JetMoeConfig(  # 3-D `weight` [E, out, in] in ParallelExperts
+            vocab_size=64, hidden_size=H, num_hidden_layers=2, num_key_value_heads=2, kv_channels=8,
+            intermediate_size=64, num_local_experts=E, num_experts_per_tok=K,
+            max_position_embeddings=64)).float()
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("dbrx", ["transformer.blocks.0.ffn.experts.mlp", "transformer.blocks.1.ffn.experts.mlp"]),
+    ("jetmoe", [f"model.layers.{i}.{m}.{p}" for i in (0, 1) for m in ("mlp", "self_attention.experts")
+                for p in ("input_linear", "output_linear")]),
+])
+def test_expert_weights_of_an_unrecognised_layout_are_listed_not_skipped(name, expected):
+    """DBRX and JetMoE hold their experts in no layout find_moe knows: nothing converts or sees them,
+    so apply_fp8 lists each such module in ``unconverted`` and warns (it said nothing before)."""
+    model = _unrecognised_moe(name)
+    assert find_moe(model).blocks == ()
+    with pytest.warns(UserWarning, match="not converted"):
+        report = apply_fp8(model, "current", backend="emulated")
+    why = dict(report.unconverted)
+    assert sorted(why) == sorted(expected)
+    assert all("layout fp8track does not recognise" in why[n] for n in expected)
+    assert not any(n.startswith(tuple(expected)) for n in report.fp8_layers)
+
+
 def test_inplace_ops_on_a_converted_linear_output():
     torch.manual_seed(4)
     base = torch.nn.Linear(16, 8)
