@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from fp8track.execution.backends import backend_of
 from fp8track.execution.checkpointing import in_backward
 from fp8track.execution.experts import (
     ROUTER_REASON,
@@ -466,8 +467,10 @@ def moe_captures(
             continue
         router, gemm = model.get_submodule(block.router), model.get_submodule(block.router_gemm)
         gemm_name = by_module.get(id(gemm))
-        if gemm_name is not None and type(gemm) is not nn.Linear:
-            out.skip.add(gemm_name)  # an nn.Linear subclass returning a tuple (PhiMoE, Llama 4)
+        if gemm_name is not None and type(gemm) is not nn.Linear and backend_of(gemm) is None:
+            # an nn.Linear subclass returning a tuple (PhiMoE, Llama 4); a router linear an FP8
+            # backend converted (apply_fp8(..., fp8_routers=True)) is an FP8 layer like any other
+            out.skip.add(gemm_name)
             gemm_name = None
         block_name = prefix_of[block.fqn]
         # Real routing from the fused group's GEMM sizes (a dense group runs every expert on every

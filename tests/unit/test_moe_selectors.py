@@ -94,3 +94,29 @@ def test_low_fp8_share_warning_says_why_experts_and_routers_are_not_fp8(tmp_path
     assert f"{L1}.gate_up_proj (kept in BF16: experts (mixture-of-experts keyword))" in text
     assert f"model.layers.1.mlp.gate (kept in BF16: {ROUTER_REASON})" in text
     assert "not an FP8 layer" not in text
+
+
+def test_router_linears_converted_by_fp8_routers_are_monitored_as_fp8_layers(tmp_path):
+    """SwitchTransformers' router ``classifier`` is an exact nn.Linear: ``fp8_routers=True`` makes it
+    an FP8 layer. The monitor must record it as one (rows of the FP8 GEMM, FP8 FLOPs), not leave it
+    out as a tuple-returning router subclass (it did: no rows, and the share said 0.988, not 1.0)."""
+    model = tiny_moe("switch")
+    report = apply_fp8(model, "current", backend="emulated", fp8_routers=True)
+    routers = [n for n in report.fp8_layers if n.endswith("router.classifier")]
+    assert len(routers) == 4 and not report.unconverted  # every GEMM of the model runs FP8
+    seen: dict[str, torch.Tensor] = {}
+    for name in routers:
+        model.get_submodule(name).register_forward_hook(
+            lambda m, a, out, name=name: seen.__setitem__(name, a[0].detach()))
+    with fp8track.Monitor(model, fp8track.MonitorConfig(every_n_steps=1), log_dir=tmp_path,
+                          apply_report=report) as mon:
+        forward_loss(model, "switch", batch(0)).backward()
+        mon.step(loss=torch.tensor(1.0))
+    rows = {(r["layer"], r["tensor"]): r for r in map(json.loads, (mon.run_dir / "tensor_stats.jsonl")
+                                                      .read_text().splitlines())}
+    for name in routers:
+        act = rows[(name, "activation")]
+        assert act["variant"] == "actual"
+        assert act["stats"]["amax"] == pytest.approx(float(seen[name].abs().max()), rel=1e-6)
+        assert (name, "gradient") in rows and (name, "weight") in rows
+    assert mon.fp8_flop_share == 1.0
