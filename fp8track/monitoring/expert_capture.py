@@ -23,7 +23,8 @@ Where the GEMMs are seen:
   capture's tap once per projection with the rows, offsets and output;
 * an unconverted Hugging Face module (a BF16 control, shadow statistics) is watched during its
   forward on sampled steps by a ``TorchFunctionMode`` that sees its ``torch._grouped_mm`` calls
-  (``F.grouped_mm``, the default ``grouped_mm`` implementation) or ``torch.bmm`` calls (Llama 4),
+  (``F.grouped_mm``, the default ``grouped_mm`` implementation, or transformers' fallback op for
+  it, which runs under ``torch.compile`` with float32 weights) or ``torch.bmm`` calls (Llama 4),
   matched to the parameter by storage. The ``eager`` and ``batched_mm`` implementations loop or
   gather weights per slot; those groups get no rows, with a warning saying why. Their FLOPs (for
   the FP8 FLOP share) are counted from the routing the module receives (``top_k_index``: one row
@@ -71,6 +72,14 @@ if TYPE_CHECKING:
 TOKENS_STAT = "tokens"
 """Extra statistic of expert activation and gradient rows: routed (token, expert) slots."""
 _GROUPED_OPS = (torch._grouped_mm, *((F.grouped_mm,) if hasattr(F, "grouped_mm") else ()))
+_HF_GROUPED_FALLBACK = "transformers.grouped_mm_fallback"
+"""transformers' own grouped GEMM custom op (same operands as ``grouped_mm``), which its
+``grouped_mm`` implementation calls where ``torch._grouped_mm`` cannot run: under ``torch.compile``
+with weights other than BF16, and on CPU with torch <= 2.10 for unaligned tensors."""
+
+
+def _is_grouped_op(func: Any) -> bool:
+    return func in _GROUPED_OPS or str(func).removesuffix(".default") == _HF_GROUPED_FALLBACK
 
 
 class ExpertRowCapture:
@@ -145,7 +154,7 @@ class _Spy(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in _GROUPED_OPS and len(args) >= 2:
+        if _is_grouped_op(func) and len(args) >= 2:
             offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
             param = self.capture.param_of(args[1])
             if param is not None and offs is not None and args[0].dim() == 2:

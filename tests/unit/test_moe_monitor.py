@@ -262,3 +262,31 @@ def test_fp8_flop_share_counts_high_precision_experts_of_every_implementation(tm
         mon.step(loss=torch.tensor(1.0))
     assert expected == pytest.approx(0.248, abs=1e-3)  # attention and head in FP8, experts and routers not
     assert mon.fp8_flop_share == pytest.approx(expected, rel=1e-6)
+
+
+def test_unconverted_experts_on_transformers_grouped_mm_fallback_get_their_rows(tmp_path, monkeypatch):
+    """transformers runs its ``grouped_mm`` implementation through its own custom op where
+    ``torch._grouped_mm`` cannot run (under torch.compile with float32 weights, unaligned CPU
+    tensors on torch <= 2.10): the spy must see that op too, or a BF16 control has no expert rows."""
+    import transformers.integrations.moe as hf_moe
+
+    monkeypatch.setattr(hf_moe, "_can_use_grouped_mm", lambda *a: False)
+    model = _Block(tiny_moe("mixtral").model.layers[0].mlp.experts)
+    torch.manual_seed(8)
+    tokens = 10
+    hidden = torch.randn(tokens, H)
+    idx, weights = _routing(tokens)
+    with fp8track.Monitor(model, fp8track.MonitorConfig(every_n_steps=1), log_dir=tmp_path) as mon:
+        model(hidden, idx, weights).sum().backward()
+        mon.step(loss=torch.tensor(1.0))
+    rows = {(r["layer"], r["tensor"]): r for r in _rows(mon.run_dir)}
+    for e in range(3):  # expert 3 gets no token (no row), checked in the grouped_mm test above
+        tok = torch.where((idx == e).any(-1))[0]
+        act = rows[(f"experts.gate_up_proj.expert_{e}", "activation")]
+        assert act["variant"] == "shadow" and act["stats"]["tokens"] == tok.numel()
+        _close(act["stats"], quant_stats(hidden[tok], "e4m3"))
+        slot_w = torch.cat([weights[t][idx[t] == e] for t in tok.tolist()])
+        _close(rows[(f"experts.down_proj.expert_{e}", "gradient")]["stats"],
+               quant_stats(slot_w.unsqueeze(1).expand(-1, H), "e5m2"))
+    assert ("experts.gate_up_proj.expert_3", "activation") not in rows
+    assert mon.fp8_flop_share == 0.0  # nothing in FP8, but the expert GEMMs were counted
