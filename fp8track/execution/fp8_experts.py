@@ -161,4 +161,17 @@ def unconverted_reason(group: ExpertGroup, module: nn.Module, recipe: Recipe) ->
         )
     if getattr(module, "_is_expert_parallel", False):
         return "expert-parallel experts (sentinel slots) are not emulated"
+    if group.kind == "fused" and not _dispatching_forward(module):
+        return (
+            f"{type(module).__name__}.forward runs code of its own around the experts implementation "
+            "(Ergo: one row per route, a per-expert norm, then the routing weights); the FP8 grouped "
+            "forward would replace it and compute another function, so the experts stay in high precision"
+        )
     return None
+
+
+def _dispatching_forward(module: nn.Module) -> bool:
+    """Whether ``module``'s forward is the one ``@use_experts_implementation`` installs (it wraps the
+    class's own forward, ``functools.wraps``), which the FP8 grouped forward stands in for; a
+    subclass overriding it (Ergo's ``ErgoExperts``) does more than the grouped GEMMs."""
+    return hasattr(type(module).forward, "__wrapped__")

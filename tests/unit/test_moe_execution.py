@@ -245,6 +245,32 @@ def test_expert_weights_of_an_unrecognised_layout_are_listed_not_skipped(name, e
     assert not any(n.startswith(tuple(expected)) for n in report.fp8_layers)
 
 
+def test_experts_overriding_the_dispatching_forward_are_listed_not_replaced():
+    """Ergo's ErgoExperts overrides the decorated forward: one row per route, a per-expert RMSNorm,
+    then the routing weights. The FP8 grouped forward would replace all of it (the norm's weight got
+    no gradient, the block computed another function), so the experts stay as they are, listed."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.ErgoForCausalLM(tf.ErgoConfig(
+        vocab_size=64, hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        first_dense_intermediate_size=64, num_dense_blocks=1, moe_intermediate_size=16,
+        shared_intermediate_size=32, num_experts=E, num_experts_per_tok=K, max_position_embeddings=64,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"], head_dim=8)).float()
+    experts = model.model.layers[1].mlp.experts
+    cls = type(experts)
+    with pytest.warns(UserWarning, match="not converted"):
+        report = apply_fp8(model, "current", backend="emulated")
+    why = dict(report.unconverted)["model.layers.1.mlp.experts"]
+    assert "ErgoExperts.forward runs code of its own" in why
+    assert type(experts) is cls and "model.layers.1.mlp.experts" not in report.fp8_layers
+    ids = batch(3)
+    model(ids, labels=ids).loss.backward()
+    assert experts.post_expert_norm.weight.grad is not None  # the model's own forward ran
+    mixtral = tiny_moe("mixtral")  # the decorated forward itself is converted as before
+    assert not apply_fp8(mixtral, "current", backend="emulated").unconverted
+
+
 def test_inplace_ops_on_a_converted_linear_output():
     torch.manual_seed(4)
     base = torch.nn.Linear(16, 8)
