@@ -453,8 +453,9 @@ class MoECaptures:
 def moe_captures(
     model: nn.Module, chosen: Sequence[tuple[str, nn.Module]], tensors: Sequence[str], shadow_format: str
 ) -> MoECaptures:
-    """Expert-row and router captures for the MoE blocks of ``model`` whose experts are among the
-    selected layers ``chosen`` (``(canonical name, module)``)."""
+    """Expert-row and router captures for the MoE blocks of ``model`` holding any of the selected
+    layers ``chosen`` (``(canonical name, module)``): a block with none is left alone, so its router
+    has no metrics and no FLOPs in the share of what the monitor observes."""
     from fp8track.execution.experts import find_moe
     from fp8track.monitoring.router_capture import RouterCapture
 
@@ -463,6 +464,8 @@ def moe_captures(
     moe = find_moe(model)
     prefix_of = {fqn: _canonical_prefix(by_module, model, fqn) for fqn in (b.fqn for b in moe.blocks)}
     for block in moe.blocks:
+        if not any(id(m) in by_module for m in model.get_submodule(block.fqn).modules()):
+            continue  # nothing of this block selected (``layers=``): no router capture, no FLOPs
         experts = model.get_submodule(block.experts.fqn)
         group_capture = None
         name = by_module.get(id(experts))

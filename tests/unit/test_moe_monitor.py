@@ -290,3 +290,27 @@ def test_unconverted_experts_on_transformers_grouped_mm_fallback_get_their_rows(
                quant_stats(slot_w.unsqueeze(1).expand(-1, H), "e5m2"))
     assert ("experts.gate_up_proj.expert_3", "activation") not in rows
     assert mon.fp8_flop_share == 0.0  # nothing in FP8, but the expert GEMMs were counted
+
+
+def test_blocks_outside_the_selected_layers_get_no_router_capture(tmp_path):
+    """``layers=`` naming one MoE block: the other block's router has no metrics, and the share is
+    that of the selected layers' GEMMs alone (its router counted no FLOPs)."""
+    ids = batch(5)
+    model = tiny_moe("mixtral")
+    report = apply_fp8(model, "current", backend="emulated")
+    blocks = find_moe(model).blocks
+    with fp8track.Monitor(
+        model, fp8track.MonitorConfig(every_n_steps=1), log_dir=tmp_path, apply_report=report,
+        layers=f"re:^{blocks[1].fqn.replace('.', '[.]')}[.]",
+    ) as mon:
+        forward_loss(model, "mixtral", ids).backward()
+        mon.step(loss=torch.tensor(1.0))
+    metrics = _metrics(mon.run_dir)[0]
+    routers = {k.split("/")[2] for k in metrics if k.startswith("fp8/router/") and k.count("/") == 3}
+    assert routers == {blocks[1].fqn}
+    # block 1's experts (FP8) and its router (high precision): 6 T K H I per projection pair
+    # against 6 T H E for the router, T tokens, K routed experts each.
+    tokens = ids.numel()
+    experts_flops = 6 * tokens * K * (H * 2 * 64 + 64 * H)
+    router_flops = 6 * tokens * H * E
+    assert mon.fp8_flop_share == pytest.approx(experts_flops / (experts_flops + router_flops), rel=1e-6)
