@@ -60,7 +60,18 @@ def current_scale(scaler: Any) -> torch.Tensor | None:
     scale = scaler._get_scale_async()  # the device tensor behind get_scale(), which would sync
     if scale is None:  # not used yet: the scale it will start from
         return torch.tensor(float(scaler._init_scale), dtype=torch.float32)
-    return scale.detach().reshape(()).to(torch.float32).clone()
+    scale = scale.detach().reshape(()).to(torch.float32).clone()
+    # Called after ``scaler.step(opt)`` but before ``scaler.update()``: the scale has not fallen
+    # yet, but the step's inf checks are recorded. The scale ``update()`` will set on a skip is
+    # what this step ends with, so the skip is this step's, not the next one's.
+    found = [
+        f.to(scale.device, torch.float32)
+        for state in getattr(scaler, "_per_optimizer_states", {}).values()
+        for f in state["found_inf_per_device"].values()
+    ]
+    if found:
+        scale = torch.where(sum(found) > 0, scale * float(scaler._backoff_factor), scale)
+    return scale
 
 
 @dataclass

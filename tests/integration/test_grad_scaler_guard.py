@@ -42,9 +42,11 @@ def _mlp():
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
 
 
-def _fp16_loop(model, monitor, scaler, steps=STEPS, poison=None, close=True):
+def _fp16_loop(model, monitor, scaler, steps=STEPS, poison=None, close=True, monitor_before_update=False):
     """A healthy fp16 regression loop; returns, per step, the scale before and after ``update()``
-    read from the scaler itself (the reference the records are checked against) and the losses."""
+    read from the scaler itself (the reference the records are checked against) and the losses.
+    ``monitor_before_update``: ``monitor.step`` between ``scaler.step(opt)`` and ``scaler.update()``
+    (still after the optimizer step and before ``zero_grad``, as the docs ask)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     x, y = _data()
     scales, losses = [], []
@@ -54,10 +56,13 @@ def _fp16_loop(model, monitor, scaler, steps=STEPS, poison=None, close=True):
             loss = torch.nn.functional.mse_loss(model(x[i * 8 : i * 8 + 8]).float(), y[i * 8 : i * 8 + 8])
         scaler.scale(loss).backward()
         scaler.step(opt)
+        if monitor_before_update:
+            monitor.step(loss=loss)
         scaler.update()
         if poison is not None:
             poison(i)
-        monitor.step(loss=loss)
+        if not monitor_before_update:
+            monitor.step(loss=loss)
         opt.zero_grad()
         scales.append((before, scaler.get_scale()))
         losses.append(float(loss.detach()))
@@ -98,6 +103,27 @@ def test_plain_fp16_loop_with_skips_is_not_halted(tmp_path, fp8, every):
     last = STEPS - 1 - (STEPS - 1) % every  # the last sampled step
     assert metrics[last]["fp8/loss_scale"] == scales[last][1]
     assert losses[-1] < 0.5 * losses[len(skipped)]  # it trained once the scale fitted
+
+
+@pytest.mark.parametrize("every", [1, 10])
+def test_monitor_step_before_scaler_update_records_the_same_skips(tmp_path, every):
+    # monitor.step right after scaler.step(opt), before scaler.update(): the skip is read from the
+    # step's own inf checks, so the records equal those of the update-first order, and no halt
+    runs = {}
+    for before in (False, True):
+        model = _mlp()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+        log_dir = tmp_path / str(before)
+        mon = Monitor(model, {"every_n_steps": every}, trackers="none", log_dir=log_dir, grad_scaler=scaler)
+        scales, _ = _fp16_loop(model, mon, scaler, monitor_before_update=before)
+        skipped = [i for i, (b, a) in enumerate(scales) if a < b]
+        assert skipped[:3] == [0, 1, 2] and len(skipped) >= 8
+        assert mon.halt_reason is None and not _events(mon, "halt")
+        events = _events(mon, "scaler_skip")
+        assert [e.step for e in events] == skipped
+        assert [(e.data["previous_scale"], e.data["scale"]) for e in events] == [scales[i] for i in skipped]
+        runs[before] = [(m.step, m.metrics) for m in RunReader(mon.run_dir).metrics()]
+    assert runs[True] == runs[False]
 
 
 def test_without_the_scaler_the_overflow_halts(tmp_path):
