@@ -64,8 +64,10 @@ class CheckpointGuard:
         first buffered non-finite loss, or (``parameters``) the parameters holding NaN or inf (a
         non-finite gradient on an unsampled step poisons the weights before any loss shows it)."""
         if self.reason is None and self.on_nonfinite == "stop":
-            reason = nonfinite_pending(pending) or (nonfinite_parameters(model) if parameters else None)
-            if reason is not None:
+            bad = first_nonfinite_pending(pending)
+            if bad is not None:  # the halt event at the step whose loss it names
+                self._halt(bad[0], bad[1])
+            elif parameters and (reason := nonfinite_parameters(model)) is not None:
                 self._halt(step, reason)
         return self.reason
 
@@ -95,14 +97,20 @@ class CheckpointGuard:
 
 
 def nonfinite_pending(pending: Sequence[PendingStep]) -> str | None:
-    """The first buffered step whose loss is non-finite (one device wait), or None."""
+    """Why the first buffered step whose loss is non-finite halts (one device wait), or None."""
+    bad = first_nonfinite_pending(pending)
+    return None if bad is None else bad[1]
+
+
+def first_nonfinite_pending(pending: Sequence[PendingStep]) -> tuple[int, str] | None:
+    """The first buffered step whose loss is non-finite and the halt reason (one device wait), or None."""
     given = [p for p in pending if p.loss is not None]
     if not given:
         return None
     ok = torch.isfinite(torch.stack([p.loss.to(given[0].loss.device) for p in given])).tolist()  # type: ignore[union-attr]
     for p, fine in zip(given, ok, strict=True):
         if not fine:
-            return f"non-finite loss ({float(p.loss)}) at step {p.step}"  # type: ignore[arg-type]
+            return p.step, f"non-finite loss ({float(p.loss)}) at step {p.step}"  # type: ignore[arg-type]
     return None
 
 

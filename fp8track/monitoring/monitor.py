@@ -328,7 +328,9 @@ class MonitorCore:
         :meth:`fp8track.monitoring.guard.CheckpointGuard.check`). Call it before saving a checkpoint
         (the Lightning callback does, in ``on_save_checkpoint``). This rank's view only: under DDP
         reduce the decision over ranks before acting on it."""
-        return self._post.guard.check(self._pending, self.model, self.global_step, parameters)
+        # global_step names the next step: the weights checked are those after the last step ended
+        last = max(self.global_step - 1, 0)
+        return self._post.guard.check(self._pending, self.model, last, parameters)
 
     def _emit(
         self,

@@ -215,6 +215,26 @@ def test_guard_sees_a_nonfinite_loss_between_samples(tmp_path):
         assert "non-finite loss (nan) at step 12" in mon.guard()
     halt = [e for e in RunReader(mon.run_dir).events() if e.kind == "halt"]
     assert len(halt) == 1 and "step 12" in halt[0].data["reason"]
+    assert halt[0].step == 12  # the step it names, not the next one (13 was never trained)
+
+
+def test_guard_halt_on_nonfinite_parameters_is_at_the_step_that_poisoned_them(tmp_path):
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Monitor(model, MonitorConfig(every_n_steps=5), log_dir=tmp_path, trackers=[]) as mon:
+        for i in range(8):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            if i == 7:  # optimizer step 7 writes a NaN weight (no sampled step flushes it)
+                with torch.no_grad():
+                    model.weight[0, 0] = math.nan
+            mon.step(loss=1.0)
+            opt.zero_grad()
+            if mon.guard() is not None:
+                break
+    assert i == 7
+    events = [(e.kind, e.step) for e in RunReader(mon.run_dir).events()]
+    assert events == [("halt", 7), ("run_end", 7)]
 
 
 def test_guard_sees_nonfinite_parameters_and_log_mode_ignores(tmp_path):
