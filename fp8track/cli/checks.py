@@ -100,3 +100,28 @@ def check_out_dir(option: str, path: str | None) -> None:
     """Refuse an output folder that exists as something other than a folder (a file)."""
     if path is not None and Path(path).exists() and not Path(path).is_dir():
         raise ConfigError(f"{option} {path!r} exists and is not a folder; give a new or existing folder")
+
+
+SEED_MAX = 2**32 - 1
+"""The largest seed Optuna's samplers take (numpy's ``RandomState``)."""
+
+
+def check_seed(option: str, value: int | None) -> None:
+    """Refuse a sampler seed numpy's ``RandomState`` refuses (outside 0 .. 2**32 - 1)."""
+    if value is not None and not 0 <= value <= SEED_MAX:
+        raise ConfigError(f"{option} must be an integer from 0 to {SEED_MAX} (2**32 - 1), got {value}")
+
+
+def check_sqlite_folder(option: str, uri: str | None) -> None:
+    """Refuse a ``sqlite:///<path>`` whose folder does not exist (Optuna's storage does not create
+    it, and would end in a traceback after the sweep's folder was made)."""
+    if uri is None or not uri.lower().startswith("sqlite:"):
+        return
+    from sqlalchemy.engine import make_url
+
+    path = make_url(uri).database
+    if path and path != ":memory:" and not Path(path).parent.is_dir():
+        raise ConfigError(
+            f"{option} {uri!r}: folder {str(Path(path).parent)!r} does not exist; create it or give "
+            "another sqlite:///<path>"
+        )

@@ -16,7 +16,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fp8track.cli.checks import check_count, check_number, check_out_dir, check_store_uris
+from fp8track.cli.checks import (
+    check_count,
+    check_number,
+    check_out_dir,
+    check_seed,
+    check_sqlite_folder,
+    check_store_uris,
+)
 from fp8track.errors import ConfigError
 
 
@@ -81,6 +88,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def check(args: argparse.Namespace) -> None:
     check_count("--trials", args.trials)
     check_store_uris(args, "tracking_uri", "storage")
+    check_sqlite_folder("--storage", args.storage)
+    check_seed("--seed", args.seed)
     check_out_dir("--out", args.out)
     check_number("--tolerance-factor", args.tolerance_factor, 0.0)
     check_number("--tolerance-floor", args.tolerance_floor, 0.0)

@@ -45,6 +45,12 @@ CASES = [
         ["'bogus://x'", "sqlite://", "postgresql://"],
     ),
     (("sweep", SWEEP, "--summary"), ["no sweep store", "has not run there"]),
+    (("sweep", SWEEP, "--trials", "1", "--seed", "-1"), ["--seed", "2**32 - 1", "-1"]),
+    (("sweep", SWEEP, "--trials", "1", "--seed", str(2**32)), ["--seed", "4294967295", "4294967296"]),
+    (
+        ("sweep", SWEEP, "--trials", "1", "--storage", "sqlite:///no-such-folder/optuna.db"),
+        ["--storage", "'no-such-folder'", "does not exist"],
+    ),
     (("sweep", SWEEP, "--tolerance-factor", "nan"), ["--tolerance-factor", "finite", "nan"]),
     (("sweep", SWEEP, "--tolerance-floor", "-1"), ["--tolerance-floor", ">= 0", "-1"]),
     (("sweep", SWEEP, "--kill-grace", "-1"), ["--kill-grace", ">= 0", "-1"]),
