@@ -6,6 +6,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import warnings
 from abc import abstractmethod
 
 from fp8track.errors import ConfigError, check_float, check_int
@@ -36,7 +37,10 @@ class QueuedTracker(Tracker):
         background: deliver in a worker thread (default); ``False`` delivers inside :meth:`log`
             (no retries: the caller's thread must not sleep).
         max_queue: batches that may wait for the worker before :meth:`log` refuses more.
-        finish_timeout_s: how long :meth:`finish` waits for the worker to drain the queue.
+        finish_timeout_s: the longest :meth:`finish` waits for the worker to drain the queue.
+        stall_timeout_s: :meth:`finish` gives up sooner when no batch was handled for this long (a
+            dead server: a client's own HTTP retries can hold one request for minutes). Either way
+            the batches left are recorded as missed; the run directory holds them all.
         retry: how one batch is retried (:class:`Backoff`; the default ``for_s=0`` fails at once).
     """
 
@@ -46,14 +50,18 @@ class QueuedTracker(Tracker):
         background: bool = True,
         max_queue: int = 10_000,
         finish_timeout_s: float = 600.0,
+        stall_timeout_s: float = 60.0,
         retry: Backoff = NO_RETRY,
     ) -> None:
         check_int("max_queue", max_queue, 1)
         check_float("finish_timeout_s", finish_timeout_s, 0.0, strict=True)
+        check_float("stall_timeout_s", stall_timeout_s, 0.0, strict=True)
         if not isinstance(retry, Backoff):
             raise ConfigError(f"retry must be a fp8track.trackers.retry.Backoff, got {retry!r}")
         self.background = bool(background)
         self.finish_timeout_s = float(finish_timeout_s)
+        self.stall_timeout_s = float(stall_timeout_s)
+        self._handled_at = time.monotonic()  # when the worker last finished a batch
         self.retry = retry
         self.retries = 0  # deliveries retried over the tracker's life
         self._notices: list[str] = []
@@ -127,6 +135,7 @@ class QueuedTracker(Tracker):
                 finally:
                     self._inflight = None
             finally:
+                self._handled_at = time.monotonic()
                 self._queue.task_done()
 
     def _ensure_worker(self) -> None:
@@ -156,18 +165,47 @@ class QueuedTracker(Tracker):
                 self._queue.all_tasks_done.wait(remaining)
         return True
 
+    FINISH_NOTICE_S = 5.0
+    """Seconds :meth:`finish` waits quietly before it says it is waiting, and for what."""
+
+    def _drain_for_finish(self) -> bool:
+        """Wait for the worker to empty the queue: ``False`` once :attr:`finish_timeout_s` passed,
+        or :attr:`stall_timeout_s` passed with no batch handled. Says at once (after
+        :data:`FINISH_NOTICE_S`) that it is waiting, so a closing program never hangs unexplained."""
+        start = time.monotonic()
+        said = False
+        while not self.flush(min(1.0, self.finish_timeout_s)):
+            now = time.monotonic()
+            if not said and now - start >= self.FINISH_NOTICE_S:
+                said = True
+                warnings.warn(
+                    f"fp8track: tracker {self.name!r} still has {self._queue.unfinished_tasks} batch(es) "
+                    f"to deliver; waiting up to {self.finish_timeout_s:g} s, or {self.stall_timeout_s:g} s "
+                    "without progress. Everything is in the run directory; what is not delivered is "
+                    "listed there and `fp8track sync <run dir>` sends it later.",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            stalled = now - max(self._handled_at, start) >= self.stall_timeout_s
+            if stalled or now - start >= self.finish_timeout_s:
+                return False
+        return True
+
     def finish(self) -> None:
         if self._finished:
             return
         self._finished = True
         if self.background and self._thread is not None:
-            drained = self.flush(self.finish_timeout_s)
+            drained = self._drain_for_finish()
             if not drained:
                 # The worker is stuck (e.g. a dead server): report the batch it holds and whatever is
                 # still queued as missed, and leave it behind (it is a daemon thread; _stop ends its
                 # retries).
                 self._stop.set()
-                timeout = TimeoutError(f"not delivered within {self.finish_timeout_s} s")
+                timeout = TimeoutError(
+                    f"not delivered within {self.finish_timeout_s:g} s "
+                    f"(or {self.stall_timeout_s:g} s without progress) at finish"
+                )
                 inflight = self._inflight
                 for step in inflight.steps if inflight is not None else []:
                     self._record_failure(step, timeout)

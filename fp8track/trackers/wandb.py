@@ -82,7 +82,8 @@ class WandbTracker(QueuedTracker):
             ``run.alert`` as ``wait_duration``).
         own_run: finish the run in :meth:`finish` (True when :meth:`create` opened it).
         name: tracker name (missed-step file name); change it to run two W&B trackers.
-        background, max_queue, finish_timeout_s: see :class:`~fp8track.trackers.queued.QueuedTracker`.
+        background, max_queue, finish_timeout_s, stall_timeout_s: see
+            :class:`~fp8track.trackers.queued.QueuedTracker`.
 
     Raises:
         ConfigError: bad ``summaries``, ``table_every_n_steps`` or ``alert_wait_s``.
@@ -103,8 +104,12 @@ class WandbTracker(QueuedTracker):
         background: bool = True,
         max_queue: int = 10_000,
         finish_timeout_s: float = 600.0,
+        stall_timeout_s: float = 60.0,
     ) -> None:
-        super().__init__(background=background, max_queue=max_queue, finish_timeout_s=finish_timeout_s)
+        super().__init__(
+            background=background, max_queue=max_queue, finish_timeout_s=finish_timeout_s,
+            stall_timeout_s=stall_timeout_s,
+        )
         for op in summaries.split(","):
             if op.strip().lower() not in _SUMMARY_OPS:
                 raise invalid_choice("W&B summary op", op, _SUMMARY_OPS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import warnings
 
 import pytest
@@ -173,6 +174,53 @@ def test_finish_timeout_reports_inflight_and_queued_steps(tmp_path):
     entries = read_missed(tmp_path, "stuck")
     assert sorted(e["step"] for e in entries if e["step"] is not None) == [0, 1, 2]
     assert any(e["what"] == "finish" and "TimeoutError" in e["error"] for e in entries)
+
+
+def test_finish_gives_up_on_a_stalled_worker_and_says_so_while_it_waits(tmp_path):
+    """A dead server holds the worker's request for minutes (the client's own HTTP retries): finish
+    says at once that it waits, gives up after ``stall_timeout_s`` without a batch handled (not the
+    whole ``finish_timeout_s``), and every step left is recorded as missed."""
+    gate = threading.Event()
+
+    class Dead(Recorder):
+        FINISH_NOTICE_S = 0.2
+
+        def _deliver(self, b):
+            gate.wait(60)
+
+    t = Dead(name="dead", finish_timeout_s=600, stall_timeout_s=1.0)
+    fan = TrackerFanout([t], tmp_path)
+    for s in range(3):
+        fan.log(batch(s))
+    start = time.monotonic()
+    with pytest.warns(RuntimeWarning) as caught:
+        fan.finish()
+    waited = time.monotonic() - start
+    gate.set()
+    assert 1.0 <= waited < 10.0
+    texts = [str(w.message) for w in caught]
+    assert any("'dead' still has 3 batch(es) to deliver" in m for m in texts)
+    assert sorted(e["step"] for e in read_missed(tmp_path, "dead") if e["step"] is not None) == [0, 1, 2]
+
+
+def test_finish_waits_for_a_slow_worker_that_keeps_delivering(tmp_path):
+    """Progress resets the stall clock: six batches of 0.3 s each (1.8 s in all) are delivered with
+    ``stall_timeout_s=1``; nothing is missed."""
+
+    class Slow(Recorder):
+        def _deliver(self, b):
+            time.sleep(0.3)
+            super()._deliver(b)
+
+    t = Slow(name="slow", stall_timeout_s=1.0)
+    fan = TrackerFanout([t], tmp_path)
+    for s in range(6):
+        fan.log(batch(s))
+    fan.finish()
+    assert [b.step for b in t.got] == list(range(6))
+    assert read_missed(tmp_path, "slow") == []
+    with pytest.raises(ConfigError, match="stall_timeout_s"):
+        Recorder(stall_timeout_s=0)
 
 
 def test_duplicate_names_and_non_trackers_are_config_errors(tmp_path):

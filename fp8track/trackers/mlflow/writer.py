@@ -100,7 +100,8 @@ class MLflowTracker(QueuedTracker):
         retry: how one step is retried while the server is unreachable
             (:class:`~fp8track.trackers.retry.Backoff`; default :data:`TRACKER_BACKOFF`: 0.5 s doubling
             to 30 s, for up to 15 minutes; the training thread never waits for it).
-        background, max_queue, finish_timeout_s: see :class:`~fp8track.trackers.queued.QueuedTracker`.
+        background, max_queue, finish_timeout_s, stall_timeout_s: see
+            :class:`~fp8track.trackers.queued.QueuedTracker`.
 
     Raises:
         ConfigError: bad ``table_every_n_steps``, or a ``file:`` tracking URI (MLflow >= 3.13
@@ -128,10 +129,12 @@ class MLflowTracker(QueuedTracker):
         background: bool = True,
         max_queue: int = 10_000,
         finish_timeout_s: float = 600.0,
+        stall_timeout_s: float = 60.0,
         retry: Backoff = TRACKER_BACKOFF,
     ) -> None:
         super().__init__(
-            background=background, max_queue=max_queue, finish_timeout_s=finish_timeout_s, retry=retry
+            background=background, max_queue=max_queue, finish_timeout_s=finish_timeout_s,
+            stall_timeout_s=stall_timeout_s, retry=retry,
         )
         check_int("max_buffered_rows", max_buffered_rows, 1)
         check_int("table_every_n_steps (0 = at finish only)", table_every_n_steps, 0)
