@@ -26,6 +26,7 @@ tensor dumps (:mod:`~fp8track.monitoring.dumps`) and what is written (:mod:`~fp8
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -152,6 +153,8 @@ class MonitorCore:
         self._pending: list[PendingStep] = []
         self._closed = False
         self._attached = False
+        self._was_attached = False
+        self._told: set[str] = set()  # _warn_once keys already warned about
         self._resume_step: int | None = None  # set by load_state_dict: records from here on are redone
         self._sampler = Sampler(cfg.samples, cfg.burst_policy())
         self._post = FlushWriter(
@@ -195,7 +198,7 @@ class MonitorCore:
             cap.attach()
         if self.is_writer:
             self._out.open(self.meta, self._resume_step)
-        self._attached = True
+        self._attached = self._was_attached = True
         if self._te is not None:
             self._te.start(self.global_step)
         self.begin_step(self.global_step)
@@ -263,10 +266,23 @@ class MonitorCore:
         ``grad_norm`` passed in is dropped), no per-layer work, no device work.
         """
         if not self._attached:
+            first = not self._was_attached
             self.attach()
+            if first and self._sampler.sampled and self.captures:
+                _warn_once(self._told, "late_attach", (
+                    f"monitor.step() attached the monitor at the end of step {self.global_step}, so "
+                    "that step's forward and backward ran unobserved (no statistics rows); call "
+                    "monitor.attach(), or use `with fp8track.Monitor(...) as monitor:`, before the "
+                    "first forward"))  # fmt: skip
         sampled = self._sampler.sampled
         if sampled and self.config.track_grad_norm and grad_norm is None:
             grad_norm = total_grad_norm(self.model)
+            if grad_norm is None and any(p.requires_grad for p in self.model.parameters()):
+                _warn_once(self._told, "no_gradients", (
+                    f"no parameter had a gradient at monitor.step() (step {self.global_step}), so "
+                    "fp8/grad_norm is not recorded and a non-finite gradient shows only later, in the "
+                    "weights; call monitor.step() after optimizer.step() and before "
+                    "optimizer.zero_grad(), or pass grad_norm="))  # fmt: skip
         gnorm = detached(grad_norm) if sampled else None  # an unsampled step keeps no grad norm
         scale = current_scale(self.grad_scaler)  # every step: a skip on an unsampled step is one too
         self._pending.append(PendingStep(self.global_step, detached(loss), gnorm, scale))
@@ -389,6 +405,13 @@ class MonitorCore:
         if "scaler" in state:
             self._post.scaler.load_state_dict(state["scaler"])
 
+
+
+def _warn_once(told: set[str], key: str, message: str) -> None:
+    """A ``UserWarning`` of ``message`` (prefixed ``fp8track:``) the first time ``key`` is told."""
+    if key not in told:
+        told.add(key)
+        warnings.warn(f"fp8track: {message}", UserWarning, stacklevel=4)
 
 __all__ = [
     "MonitorCore",

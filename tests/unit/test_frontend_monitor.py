@@ -99,3 +99,43 @@ def test_unwrap_model_looks_through_fabric_and_peft_wrappers():
     wrapped = _FabricModule(net, strategy=None)
     assert unwrap_model(wrapped) is net and unwrap_model(net) is net
     assert any(n.startswith("_forward_module.") for n, _ in wrapped.named_modules())
+
+
+def _loop(monitor: fp8track.Monitor, steps: int, step_after_zero_grad: bool) -> list[float]:
+    """A plain loop; returns the gradient norm of each step, measured by hand before zero_grad."""
+    opt = torch.optim.SGD(monitor.model.parameters(), lr=0.1)
+    norms = []
+    for i in range(steps):
+        loss = monitor.model(torch.full((2, 4), float(i + 1))).square().mean()
+        loss.backward()
+        grads = [p.grad.norm() for p in monitor.model.parameters()]
+        norms.append(float(torch.linalg.vector_norm(torch.stack(grads))))
+        opt.step()
+        if step_after_zero_grad:
+            opt.zero_grad()
+            monitor.step(loss=loss)
+        else:
+            monitor.step(loss=loss)
+            opt.zero_grad()
+    return norms
+
+
+def test_step_after_zero_grad_is_warned_once_and_records_no_grad_norm(tmp_path):
+    norm_key = run_metric("grad_norm")
+    with fp8track.Monitor(mlp(4, 8, 1), {"every_n_steps": 1}, log_dir=tmp_path) as good:
+        norms = _loop(good, 3, step_after_zero_grad=False)
+    assert list(_metrics(good.run_dir, norm_key).values()) == pytest.approx(norms, rel=1e-6)
+    with pytest.warns(UserWarning, match="no parameter had a gradient") as caught:
+        with fp8track.Monitor(mlp(4, 8, 1), {"every_n_steps": 1}, log_dir=tmp_path) as late:
+            _loop(late, 3, step_after_zero_grad=True)
+    assert sum("no parameter had a gradient" in str(w.message) for w in caught) == 1
+    assert _metrics(late.run_dir, norm_key) == {}
+
+
+def test_a_monitor_never_attached_says_its_first_step_ran_unobserved(tmp_path):
+    mon = fp8track.Monitor(mlp(4, 8, 1), {"every_n_steps": 1}, log_dir=tmp_path)
+    with pytest.warns(UserWarning, match="end of step 0, so that step.s forward and backward ran unobserved"):
+        _loop(mon, 2, step_after_zero_grad=False)
+    mon.close()
+    rows = RunReader(mon.run_dir).tensor_stats()
+    assert {r.step for r in rows} == {1}  # step 0 ran before the hooks existed
