@@ -46,6 +46,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from typing_extensions import override
 
 from fp8track.config import DEFAULT_LOG_DIR, MonitorConfig
@@ -105,7 +106,9 @@ class FP8TrainerCallback(TrainerCallback, FrontendResults):
     ``every_n_steps=10`` samples HF's steps 10, 20, ... ``fp8/loss`` is recorded every optimizer
     step (the loss HF logs, read from the model's output: module docstring), ``fp8/grad_norm`` and
     the tensor statistics on sampled steps. Each ``train()`` writes one run directory, closed at
-    ``on_train_end``. A Trainer whose ``compute_loss`` computes its own loss: add the callback with
+    ``on_train_end``; ``train(resume_from_checkpoint=...)`` goes on in the run directory of the run
+    that wrote the checkpoint (the monitor's state is saved beside it: :data:`STATE_FILE`). A
+    Trainer whose ``compute_loss`` computes its own loss: add the callback with
     ``FP8TrainerCallback(...).attach(trainer)`` (it records what ``training_step`` returns).
 
     Raises:
@@ -249,8 +252,31 @@ class FP8TrainerCallback(TrainerCallback, FrontendResults):
         if self._trainer is None:  # HF's convention, callbacks=[...]: the loss from the model's output
             processes = args.world_size if args.average_tokens_across_devices else 1
             self._outputs.start(trained, processes, check_logged=args.world_size == 1)
+        if state.global_step > 0:  # train(resume_from_checkpoint=...): go on in the same run directory
+            self._resume(args, state.global_step)
         self.monitor.global_step = state.global_step + 1  # the next step, in HF's numbering (from 1)
         self.monitor.attach()
+
+    def _resume(self, args: Any, step: int) -> None:
+        assert self.monitor is not None
+        path = _checkpoint_dir(args, step) / STATE_FILE
+        if path.is_file():
+            self.monitor.load_state_dict(torch.load(path, weights_only=True))
+        else:
+            warnings.warn(
+                f"fp8track: the Trainer resumed at step {step}, but {path} holds no monitor state "
+                "(a checkpoint written without FP8TrainerCallback, or one outside output_dir): this "
+                "train() records into a new run directory",
+                UserWarning, stacklevel=2,
+            )  # fmt: skip
+
+    @override
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # HF calls it after writing checkpoint-<global_step>/: the monitor's state goes beside it,
+        # as Lightning's callback state goes into its checkpoint (one host copy of buffered losses).
+        folder = _checkpoint_dir(args, state.global_step)
+        if self.monitor is not None and state.is_world_process_zero and folder.is_dir():
+            torch.save(self.monitor.state_dict(), folder / STATE_FILE)
 
     @override
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -293,6 +319,20 @@ class FP8TrainerCallback(TrainerCallback, FrontendResults):
         self._outputs.stop()
         if self.monitor is not None:
             self.monitor.close()
+
+
+STATE_FILE = "fp8track_monitor.pt"
+"""The monitor's state (:meth:`fp8track.Monitor.state_dict`) in each HF checkpoint folder: written by
+``on_save``, read when ``train(resume_from_checkpoint=...)`` resumes from that folder, so the
+resumed run appends to the run directory it started (steps after the checkpoint written once)."""
+
+
+def _checkpoint_dir(args: Any, step: int) -> Path:
+    """HF's checkpoint folder of ``step`` (``Trainer._save_checkpoint``:
+    ``<output_dir>/checkpoint-<step>``)."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
 
 
 ATTACH_HINT = "call FP8TrainerCallback(...).attach(trainer) before trainer.train() to record it"

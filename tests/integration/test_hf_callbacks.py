@@ -231,3 +231,50 @@ def test_apply_report_keyword_is_the_same_on_every_frontend():
         assert param.kind is inspect.Parameter.KEYWORD_ONLY and param.default is None
     with pytest.raises(fp8track.ConfigError, match="ApplyReport"):
         FP8TrainerCallback(apply_report="current")
+
+
+class _Crash(transformers.TrainerCallback):
+    """Stops training with an exception at the end of HF step ``at`` (a process dying there)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            raise RuntimeError("crash")
+
+
+def test_resuming_from_a_checkpoint_goes_on_in_the_same_run_directory(tmp_path):
+    """A run dies after step 5 (checkpoints at 2 and 4); ``train(resume_from_checkpoint=True)``
+    resumes from step 4 in the same run directory: steps 1-6 once each, equal to an uninterrupted
+    run's, and the step 5 written by the dead run replaced by the resumed run's."""
+    from transformers import Trainer
+
+    from fp8track.hf import STATE_FILE, FP8TrainerCallback
+
+    def trainer(out, callbacks):
+        args = hf_args(tmp_path / out, steps=6)
+        args.save_strategy, args.save_steps = "steps", 2
+        return Trainer(model=tiny_llama(), args=args, train_dataset=token_data(), callbacks=callbacks)
+
+    whole = FP8TrainerCallback(every_n_steps=3, trackers="none", log_dir=tmp_path / "runs_whole")
+    trainer("whole", [whole]).train()
+
+    first = FP8TrainerCallback(every_n_steps=3, trackers="none", log_dir=tmp_path / "runs")
+    with pytest.raises(RuntimeError, match="crash"):
+        trainer("cut", [first, _Crash(5)]).train()
+    first.monitor.close()  # what the dead process left: steps 1-5
+    assert sorted(recorded(first.run_dir)) == [1, 2, 3, 4, 5]
+    assert (tmp_path / "cut" / "hf" / "checkpoint-4" / STATE_FILE).is_file()
+
+    second = FP8TrainerCallback(every_n_steps=3, trackers="none", log_dir=tmp_path / "runs")
+    resumed = trainer("cut", [second])
+    resumed.train(resume_from_checkpoint=True)
+    assert second.run_dir == first.run_dir
+    assert len(list((tmp_path / "runs").iterdir())) == 1
+    ours, reference = recorded(second.run_dir), recorded(whole.run_dir)
+    assert sorted(ours) == [1, 2, 3, 4, 5, 6]
+    assert ours == pytest.approx(reference, rel=1e-6)
+    assert ours[6] == pytest.approx(hf_losses(resumed)[6], abs=1e-4)
+    sampled = {r.step for r in RunReader(second.run_dir).tensor_stats()}
+    assert sampled == {3, 6}
