@@ -294,7 +294,7 @@ def run_demo(
             f"the planted problem needs a delayed-scaling recipe, got {recipe!r}; or pass --no-plant"
         )
     if steps < 10:
-        raise ConfigError(f"steps must be >= 10, got {steps!r}")
+        raise ConfigError(f"steps (--steps) must be >= 10, got {steps!r}")
     check_int("every_n_steps", every_n_steps, 1)  # before the output folder exists
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)

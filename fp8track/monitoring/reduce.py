@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fp8track.errors import ConfigError
 from fp8track.monitoring.schedule import Burst
 from fp8track.monitoring.sharding import grad_sq_share, is_dtensor
 from fp8track.numerics.stats import NUM_SUM, PARTIAL_SIZE
@@ -55,6 +56,11 @@ def detached(v: torch.Tensor | float | None) -> torch.Tensor | None:
     if v is None:
         return None
     if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            raise ConfigError(
+                f"a loss or grad norm must be one number (a 0-d or one-element tensor, or a float), got "
+                f"a tensor of shape {tuple(v.shape)}; pass the value the step minimised, e.g. loss.mean()"
+            )
         return v.detach().reshape(()).to(torch.float32)
     return torch.tensor(float(v), dtype=torch.float32)
 

@@ -139,3 +139,12 @@ def test_a_monitor_never_attached_says_its_first_step_ran_unobserved(tmp_path):
     mon.close()
     rows = RunReader(mon.run_dir).tensor_stats()
     assert {r.step for r in rows} == {1}  # step 0 ran before the hooks existed
+
+
+def test_a_loss_of_several_elements_is_a_config_error_naming_its_shape(tmp_path):
+    with fp8track.Monitor(mlp(4, 8, 1), {"every_n_steps": 1}, log_dir=tmp_path) as mon:
+        mon.model(torch.ones(2, 4)).sum().backward()
+        with pytest.raises(fp8track.ConfigError, match=r"one number .* shape \(2,\).*loss.mean\(\)"):
+            mon.step(loss=torch.tensor([1.0, 2.0]))
+        mon.step(loss=torch.tensor([[1.5]]))  # one element in any shape is one number
+    assert _metrics(mon.run_dir, LOSS_METRIC) == {0: 1.5}
