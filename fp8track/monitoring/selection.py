@@ -19,7 +19,8 @@ from fp8track.execution.layers import GEMM_LAYER_KINDS, gemm_layers, hidden_gemm
 from fp8track.monitoring import te_capture
 from fp8track.monitoring.capture import LayerCapture
 from fp8track.monitoring.capture_config import CaptureConfig
-from fp8track.monitoring.expert_capture import ExpertRowCapture, moe_captures
+from fp8track.monitoring.expert_capture import ExpertRowCapture
+from fp8track.monitoring.moe_selection import moe_captures
 from fp8track.monitoring.naming import canonical_layer_names
 from fp8track.monitoring.plans import LayerPlan, plan_for
 from fp8track.monitoring.router_capture import RouterCapture
