@@ -292,3 +292,36 @@ def test_a_gap_inside_the_seed_band_needs_a_layer_that_broke_just_before_it(tmp_
     early = diagnose(*synthetic_pair(
         tmp_path / "c", fp8_loss=step_up, fp8_rows=lambda rng: layer_rows(rng, planted_from=30)))
     assert early.loss.corroborated_by is None and not early.loss.lasting
+
+
+def test_a_spike_the_control_took_alike_is_shared_even_when_its_detector_missed_it():
+    """A batch that spikes both losses is no FP8-only spike because the control's detector (a
+    thresholded event) missed its copy by a hair: the control's loss rose over the same steps.
+    (A healthy GPT pair sampled every step read "fp8_only_spikes" at a 3.24 -> 3.44 batch the
+    control took as 3.24 -> 3.43.)"""
+    from fp8track.analysis.baseline import Baseline
+    from fp8track.analysis.diagnose.evidence import classify_spikes, control_rose_alike
+    from fp8track.analysis.loss_gap import GapConfig, judge_gap
+    from fp8track.analysis.spike_events import SpikeEvent
+
+    steps = range(40)
+    base = {s: 4.0 - 0.02 * s for s in steps}
+    fp8 = dict(base)
+    ctl = dict(base)
+    fp8[20] += 0.40
+    ctl[20] += 0.38  # the control took the same batch alike
+    event = SpikeEvent("spike", 20, 20, fp8[20], base[19], 0.01, 40.0, 1, 21, None, "recovered")
+    loss = judge_gap(fp8, ctl, True, GapConfig())
+    no_ctl_spikes = Baseline("ctl", ctl, ())
+    assert control_rose_alike(event, fp8, ctl)
+    shared, only = classify_spikes(loss, (event,), no_ctl_spikes, (), 50, fp8)
+    assert [e.start_step for e, _ in shared] == [20] and only == []
+    # a control that stayed calm at that step: FP8-only, as before
+    calm = Baseline("ctl", base, ())
+    assert not control_rose_alike(event, fp8, base)
+    shared, only = classify_spikes(loss, (event,), calm, (), 50, fp8)
+    assert shared == [] and [e.start_step for e, _ in only] == [20]
+    # a control that rose a little (a third of the FP8 rise): still FP8-only
+    third = dict(base)
+    third[20] += 0.13
+    assert not control_rose_alike(event, fp8, third)

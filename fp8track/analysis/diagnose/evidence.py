@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from fp8track.analysis.baseline import Baseline, RunData, classify_spike
+from fp8track.analysis.spike_events import SpikeClassification
 from fp8track.analysis.causes import known_causes
 from fp8track.analysis.diagnose.causal import LayerOrder, order_layers
 from fp8track.analysis.diagnose.model import (
@@ -268,7 +269,8 @@ def gather_evidence(
         loss = replace(compare_loss(fl, cl, cfg, paired=loss.unit == "paired", seed_band=0.0),
                        corroborated_by=cause)
     paired = paired_spikes(fl, cl, steps, scfg) if loss.unit == "paired" else ()
-    shared, only = classify_spikes(loss, tuple(fp8_spikes), ctl_base, paired, cfg.classify_window)
+    shared, only = classify_spikes(loss, tuple(fp8_spikes), ctl_base, paired, cfg.classify_window,
+                                   {s: fl[s] for s in steps})
     # One order for every rule and view: cause before consequence (diagnose.causal).
     order = order_layers(ranking, outs, fp8_rows, loss, [e for e, _ in only],
                          loss.smooth * spacing + row_spacing, cfg.outlier_min_score, cfg.top_k)
@@ -301,13 +303,15 @@ def gather_evidence(
 
 def classify_spikes(
     loss: GapJudgement, fp8_spikes: Sequence[SpikeEvent], control: Baseline,
-    paired: Sequence[SpikeEvent], classify_window: int,
+    paired: Sequence[SpikeEvent], classify_window: int, fp8_loss: Mapping[int, float] | None = None,
 ) -> tuple[list[tuple[SpikeEvent, Any]], list[tuple[SpikeEvent, Any]]]:
     """FP8 spikes split into (shared with the control, FP8 only), each as ``(event, classification)``
     (:func:`fp8track.analysis.baseline.classify_spike`; ``None`` for an excursion of the paired ratio).
     An FP8 spike that never recovers and starts within one smoothing window of a lasting gap's onset
     is that gap's own step up, judged by the gap rules; excursions of the paired ratio that the raw
-    loss's noise hid are FP8-only (the data cancels in the ratio)."""
+    loss's noise hid are FP8-only (the data cancels in the ratio). An FP8 spike the control's
+    detector did not match is shared all the same when the control's loss (``control.loss``) rose
+    alike over the same steps (:func:`control_rose_alike`, given ``fp8_loss``)."""
     shared: list[tuple[SpikeEvent, Any]] = []
     only: list[tuple[SpikeEvent, Any]] = []
     spacing = _loss_spacing(loss)
@@ -319,6 +323,11 @@ def classify_spikes(
     for e in fp8_spikes:
         if e.kind == "spike" and not gap_step_up(e):
             cls = classify_spike(e, control, classify_window)
+            if cls.label != "shared" and fp8_loss is not None and control_rose_alike(e, fp8_loss, control.loss):
+                # The control's detector did not fire, but its loss took the same excursion at the
+                # same steps (a borderline spike detected on one side only): not FP8's doing.
+                cls = SpikeClassification("shared", classify_window, control_start_step=e.start_step,
+                                          step_offset=0, recover_steps=e.recover_steps)
             (shared if cls.label == "shared" else only).append((e, cls))
     seen = [e.start_step for e, _ in shared + only]
     for e in paired:
@@ -326,6 +335,32 @@ def classify_spikes(
             only.append((e, None))
     only.sort(key=lambda ec: ec[0].start_step)
     return shared, only
+
+
+CONTROL_ALIKE = 0.5
+"""An FP8 spike the control's detector missed is still shared when the control's loss rose over the
+same steps by at least this share of the FP8 run's rise (:func:`control_rose_alike`)."""
+
+
+def control_rose_alike(e: SpikeEvent, fp8: Mapping[int, float], control: Mapping[int, float],
+                       before: int = 5) -> bool:
+    """Whether the control's loss rose like the FP8 spike ``e`` at the same steps: each run's rise
+    from the median of its own ``before`` steps before ``e`` starts to its largest value over
+    ``e``'s start..peak (one step either side), the control's at least :data:`CONTROL_ALIKE` of the
+    FP8 run's. Both runs see the batch at a step, so a batch that spikes both losses is shared even
+    when the control's spike detector, a thresholded event, missed its copy of it by a hair."""
+
+    def rise(series: Mapping[int, float]) -> float:
+        pre = [float(series[s]) for s in sorted(series) if e.start_step - before <= s < e.start_step
+               and math.isfinite(float(series[s]))]
+        span = [float(series[s]) for s in sorted(series) if e.start_step - 1 <= s <= e.peak_step + 1
+                and math.isfinite(float(series[s]))]
+        if not pre or not span:
+            return math.nan
+        return max(span) - float(np.median(pre))
+
+    mine, theirs = rise(fp8), rise(control)
+    return math.isfinite(mine) and mine > 0 and math.isfinite(theirs) and theirs >= CONTROL_ALIKE * mine
 
 
 def paired_spikes(
