@@ -92,19 +92,23 @@ def causal_order(
     cut = max(ref, earliest) + resolution
     # A destroyed layer is downstream only of an earlier destroyed layer: a statistical anomaly
     # elsewhere (drift, a z-score) cannot wreck a GEMM's output, so it never demotes one.
-    first_wrecked = min(destroyed, key=lambda n: (onsets[n], -_score(ranking, n))) if destroyed else None
+    # Destroyed layers are ordered by their first destroyed step, never by a statistical window
+    # that starts at the run's first step (``onset None``): two layers destroyed on the same step
+    # are both candidate causes, whatever their windows.
+    first_wrecked = min(destroyed, key=lambda n: (destroyed[n], -_score(ranking, n))) if destroyed else None
     roles = {}
     for layer, onset in onsets.items():
         if layer in destroyed and first_wrecked is not None:
-            wrecked_cut = max(ref, onsets[first_wrecked]) + resolution
-            if layer != first_wrecked and onset > wrecked_cut:
+            wrecked_cut = max(ref, destroyed[first_wrecked]) + resolution
+            if layer != first_wrecked and destroyed[layer] > wrecked_cut:
                 roles[layer] = Role(layer, CONSEQUENCE, onset, first_wrecked,
-                                    f"destroyed from step {onset}, more than {resolution} steps after "
-                                    f"{first_wrecked} was destroyed (step {onsets[first_wrecked]}): "
+                                    f"destroyed from step {destroyed[layer]}, more than {resolution} steps "
+                                    f"after {first_wrecked} was destroyed (step {destroyed[first_wrecked]}): "
                                     f"downstream of {first_wrecked}")
             else:
                 roles[layer] = Role(layer, CAUSE, onset, None,
-                                    f"destroyed from step {onset}; no layer was destroyed before it")
+                                    f"destroyed from step {destroyed[layer]}; no layer was destroyed "
+                                    f"more than {resolution} steps before it")
             continue
         if onset > cut:
             after = (f"the loss departed from the control at step {reference}"

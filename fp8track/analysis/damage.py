@@ -59,6 +59,12 @@ class Destroyed:
     worst: Mapping[str, float] = field(default_factory=dict)
 
     @property
+    def lag_only(self) -> bool:
+        """Clipping alone on one sampled step: delayed scaling's one-step lag behind an amax jump
+        (the history catches up at the next step), a note rather than a destroyed GEMM."""
+        return len(self.steps) == 1 and all(set(h) == {"clipped"} for h in self.how.values())
+
+    @property
     def share(self) -> float:
         """Share of its sampled steps on which the tensor was destroyed."""
         return len(self.steps) / self.sampled if self.sampled else 0.0

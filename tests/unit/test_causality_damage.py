@@ -72,3 +72,21 @@ def test_loss_excursion_after_an_onset():
     ex = loss_excursion(fp8, control, onset=80, window=15)
     assert ex["before"] == pytest.approx(1.005) and ex["peak"] == pytest.approx(1.25)
     assert ex["rise"] == pytest.approx(1.25 / 1.005 - 1) and math.isnan(ex["after"]) is False
+
+
+def test_two_layers_destroyed_on_the_same_step_are_both_causes_whatever_their_windows():
+    """A layer whose statistics stand out over the whole run (``onset None``: "anomalous from the
+    first sampled step") and that was destroyed once at step 15 is not destroyed "from step 0": a
+    layer also destroyed from step 15 (a Llama run whose planted q_proj gradient flushed on six
+    sampled steps) is no consequence of it, and the larger anomaly leads."""
+    ranking = [_risk("q_proj", 302.0, 95, 1), _risk("k_proj", 13.3, None, 2), _risk("fc", 1.0, None, 3)]
+    ordered, roles = causal_order(ranking, reference=None, resolution=10, first_step=0,
+                                  destroyed_onsets={"q_proj": 15, "k_proj": 15})
+    assert roles["q_proj"].role == CAUSE and roles["k_proj"].role == CAUSE
+    assert [r.layer for r in ordered][:2] == ["q_proj", "k_proj"]
+    # a layer destroyed well after another one was destroyed is still its consequence
+    ordered, roles = causal_order(ranking, reference=None, resolution=10, first_step=0,
+                                  destroyed_onsets={"q_proj": 60, "k_proj": 15})
+    assert roles["q_proj"].role == CONSEQUENCE and roles["q_proj"].downstream_of == "k_proj"
+    assert "step 60" in roles["q_proj"].reason and "step 15" in roles["q_proj"].reason
+

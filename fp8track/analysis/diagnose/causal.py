@@ -104,7 +104,9 @@ def order_layers(
     """
     destroyed = tuple(d for d in destroyed_layers(fp8_rows) if any(r.layer == d.layer for r in ranking))
     onsets: dict[str, int] = {}
-    for d in destroyed:
+    # A one-step clip (delayed scaling's lag behind an amax jump, Destroyed.lag_only) is a note of
+    # its own (rules_damage), never the first destroyed layer that later damage is "downstream" of.
+    for d in (d for d in destroyed if not d.lag_only):
         onsets[d.layer] = min(onsets.get(d.layer, d.onset), d.onset)
     steps = [int(r.step) for r in fp8_rows]
     reference = departure(loss, only_spikes)

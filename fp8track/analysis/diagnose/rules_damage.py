@@ -65,7 +65,7 @@ def rule_latent_damage(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
         felt = _felt(ex["rise"], ev.loss.noise)
         # Clipping alone on one sampled step, unfelt, is delayed scaling's one-step lag behind an
         # amax jump (the history catches up at the next step): a note, not a destroyed GEMM.
-        lag_only = len(steps) == 1 and all(set(h) == {"clipped"} for d in ds for h in d.how.values())
+        lag_only = len(steps) == 1 and all(d.lag_only for d in ds)
         sev = "high" if felt or gap_first == layer else ("low" if lag_only else "medium")
         conf = CONFIDENCE_MANY if len(steps) >= 2 else CONFIDENCE_ONE
         after = downstream_of(ev, layer)
