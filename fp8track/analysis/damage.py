@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fp8track.analysis.risk_signals import bulk_sqnr_db
+from fp8track.analysis.risk_signals import bulk_sqnr_db, nonzero_underflow_pct
 
 FLUSH_PCT = 50.0
 DESTROYED_SQNR_DB = 3.0
@@ -73,7 +73,8 @@ class Destroyed:
 def destroyed_on(stats: Mapping[str, float]) -> tuple[str, ...]:
     """The criteria (see the module docstring) one row's statistics fail; empty for a healthy row."""
     out = []
-    if float(stats.get("underflow_pct", 0.0)) >= FLUSH_PCT:
+    under = nonzero_underflow_pct(stats)
+    if math.isfinite(under) and under >= FLUSH_PCT:
         out.append("flushed")
     bulk = bulk_sqnr_db(stats)
     if math.isfinite(bulk) and bulk <= DESTROYED_SQNR_DB:

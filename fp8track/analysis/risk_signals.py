@@ -91,6 +91,18 @@ def largest_element_error(stats: Mapping[str, float]) -> float:
     return (amax - q) ** 2
 
 
+def nonzero_underflow_pct(stats: Mapping[str, float]) -> float:
+    """The share of the tensor's *nonzero* elements that underflowed, in percent: ``underflow_pct``
+    (counted over all finite elements) over the nonzero share ``100 - zero_pct``. A post-ReLU input
+    with half its elements exactly zero reads at most 50 % ``underflow_pct`` even when every nonzero
+    element flushed. Rows without ``zero_pct`` (recorded before it existed) give ``underflow_pct``."""
+    under = float(stats.get("underflow_pct", math.nan))
+    zero = float(stats.get("zero_pct", math.nan))
+    if not (math.isfinite(under) and math.isfinite(zero)) or zero >= 100.0:
+        return under
+    return min(100.0, 100.0 * under / (100.0 - zero))
+
+
 def bulk_sqnr_db(stats: Mapping[str, float]) -> float:
     """SQNR of the tensor's ordinary elements, those besides its largest one, in dB; NaN when the
     row does not tell.
@@ -101,15 +113,15 @@ def bulk_sqnr_db(stats: Mapping[str, float]) -> float:
       (:func:`largest_element_error`; 0 when the row lacks its scale, which charges all of the
       error to the others: pessimistic). Only when both remainders are at least
       :data:`BULK_MIN_SHARE` of their totals (below, they are float32 rounding of the kernel's sums).
-    * When at least half of the elements are flushed (``underflow_pct >= 50``) the ordinary
-      element itself is gone, whatever an outlier does to the energies: ``10 log10(100 / u)`` dB,
-      the SQNR the ordinary elements have if the flushed share ``u`` carried its share of their
-      energy (3 dB at 50 %, 0.07 dB at 98.5 %).
+    * When at least half of the nonzero elements are flushed (:func:`nonzero_underflow_pct` >= 50)
+      the ordinary element itself is gone, whatever an outlier does to the energies:
+      ``10 log10(100 / u)`` dB, the SQNR the ordinary elements have if the flushed share ``u``
+      carried its share of their energy (3 dB at 50 %, 0.07 dB at 98.5 %).
 
     The smaller of the two applies.
     """
     mse, sqnr, amax = (float(stats.get(k, math.nan)) for k in ("mse", "sqnr_db", "amax"))
-    numel, under = float(stats.get("numel", math.nan)), float(stats.get("underflow_pct", math.nan))
+    numel, under = float(stats.get("numel", math.nan)), nonzero_underflow_pct(stats)
     flushed = (
         10.0 * math.log10(100.0 / under)
         if math.isfinite(under) and under >= FLUSHED_MAJORITY_PCT

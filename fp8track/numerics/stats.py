@@ -26,6 +26,8 @@ current_scale       M / amax / 2^margin in float32 (1.0 when amax is 0, as TE ke
 scale_drift_log2    log2(scale / current_scale)
 nonfinite_pct       100 * count(NaN or inf) / numel
 numel               element count, non-finite elements included
+zero_pct            100 * (N - nnz(x)) / N: exact zeros of the input (post-ReLU activations,
+                    padding), so that ``underflow_pct`` can be read against the nonzero elements
 =================== ============================================================================
 """
 
@@ -83,19 +85,8 @@ from fp8track.numerics.stats_kernel import (  # noqa: F401  (MAX_FIELDS, SUM_FIE
 )
 
 STAT_NAMES: tuple[str, ...] = (
-    "amax",
-    "amin",
-    "dynamic_range_log2",
-    "underflow_pct",
-    "overflow_pct",
-    "mse",
-    "cos",
-    "sqnr_db",
-    "scale",
-    "current_scale",
-    "scale_drift_log2",
-    "nonfinite_pct",
-    "numel",
+    "amax", "amin", "dynamic_range_log2", "underflow_pct", "overflow_pct", "mse", "cos", "sqnr_db",
+    "scale", "current_scale", "scale_drift_log2", "nonfinite_pct", "numel", "zero_pct",
 )
 """Every statistic :func:`quant_stats` returns, in a fixed order."""
 
@@ -347,6 +338,7 @@ def _finalize_row(p: Sequence[float], cur: float) -> dict[str, float]:
         "scale_drift_log2": drift_log2(scale, cur),
         "nonfinite_pct": 100.0 * (numel - n) / numel if numel else 0.0,
         "numel": numel,
+        "zero_pct": 100.0 * (n - nnz_x) / n if n else 0.0,
     }
 
 

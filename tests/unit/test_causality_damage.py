@@ -90,3 +90,25 @@ def test_two_layers_destroyed_on_the_same_step_are_both_causes_whatever_their_wi
     assert roles["q_proj"].role == CONSEQUENCE and roles["q_proj"].downstream_of == "k_proj"
     assert "step 60" in roles["q_proj"].reason and "step 15" in roles["q_proj"].reason
 
+
+def test_a_flushed_post_relu_input_is_destroyed_against_its_nonzero_elements():
+    """``underflow_pct`` counts over every element: an OPT ``fc2`` input (post-ReLU, 53 % exact zeros)
+    whose nonzero elements an outlier's scale flushed (GEMM error 0.4-0.6 against float32) reads
+    47 % underflow, below the 50 % flush cut, and its outlier hides the rest from the SQNR. Against
+    its nonzero elements (``zero_pct``) it is flushed; a row without ``zero_pct`` reads as before."""
+    from fp8track.analysis.risk_signals import bulk_sqnr_db, nonzero_underflow_pct
+
+    row = {"amax": 999424.0, "underflow_pct": 47.06, "overflow_pct": 0.0, "mse": 0.4028, "cos": 1.0,
+           "sqnr_db": 72.77, "scale": 0.0004, "current_scale": 0.0004, "nonfinite_pct": 0.0,
+           "numel": 131200.0}
+    assert destroyed_on(row) == ()
+    relu = {**row, "zero_pct": 53.0}
+    assert nonzero_underflow_pct(relu) == 100.0  # 47.06 of the 47 % nonzero: clamped
+    assert destroyed_on(relu) == ("flushed", "drowned")
+    assert bulk_sqnr_db(relu) <= 0.1
+    # a healthy post-ReLU input: a few tenths of a percent of its nonzero elements underflow
+    assert destroyed_on({**relu, "underflow_pct": 0.2, "sqnr_db": 31.0, "mse": 1e-4, "amax": 2.0,
+                         "scale": 224.0, "current_scale": 224.0}) == ()
+    # a tensor of zeros only: nothing to flush
+    assert nonzero_underflow_pct({"underflow_pct": 0.0, "zero_pct": 100.0}) == 0.0
+

@@ -100,6 +100,7 @@ def test_hand_worked_current_scaling_e5m2_with_nonfinite(mode):
         "scale_drift_log2": 0.0,
         "nonfinite_pct": 40.0,
         "numel": 5.0,
+        "zero_pct": 100.0 / 3.0,  # one exact zero among the 3 finite elements
     }
 
 
@@ -225,6 +226,7 @@ def reference_stats(x: np.ndarray, fmt: str, scale: float | None, margin: int = 
         "scale_drift_log2": math.log2(float(s)) - math.log2(cur),
         "nonfinite_pct": 100.0 * (x.size - n) / x.size,
         "numel": float(x.size),
+        "zero_pct": 100.0 * (n - np.count_nonzero(xv)) / n,
     }
 
 
