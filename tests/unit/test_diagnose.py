@@ -325,3 +325,16 @@ def test_a_spike_the_control_took_alike_is_shared_even_when_its_detector_missed_
     third = dict(base)
     third[20] += 0.13
     assert not control_rose_alike(event, fp8, third)
+
+
+def test_a_finding_names_no_layer_when_no_layer_stands_out(tmp_path):
+    """An evaluation drop with every layer like the others (scores below the anomaly cut): the
+    finding and the verdict name no layer rather than the best of a flat ranking. (A GPT pair whose
+    planted outlier fell between the monitor's samples every 10 steps headlined blocks.1.mlp.proj,
+    risk score 0.8, a layer nothing was wrong with.)"""
+    ctl_evals = {s: {"val_acc": 0.60 + 0.1 * s / N} for s in range(59, N, 60)}
+    fp8_evals = {s: {"val_acc": v["val_acc"] * (0.7 if s > 200 else 1.0)} for s, v in ctl_evals.items()}
+    d = diagnose(*synthetic_pair(tmp_path, fp8_evals=fp8_evals, ctl_evals=ctl_evals))
+    assert d.top.kind == "downstream_drop_with_normal_loss"
+    assert all(r.score < DiagnosisConfig().outlier_min_score for r in d.layer_ranking)
+    assert d.top.layers == () and d.verdict.verdict == "fp8_problem" and d.verdict.layers == ()

@@ -121,10 +121,14 @@ def order_layers(
     )
     causes = [r for r in ordered if not _consequence(roles, r.layer) and r.layer not in later]
     flagged = out_set | set(onsets)
-    first = [r.layer for r in causes if ordered and r.rank == causes[0].rank] if causes else []
+    # Without a flagged layer, the top-ranked ones are named only when they score as anomalous
+    # (min_score): a layer that does not stand out at all is no suspect, and a finding (and the
+    # verdict's headline) then names none rather than the best of a flat ranking.
+    scored = [r for r in causes if r.score >= min_score]
+    first = [r.layer for r in scored if r.rank == scored[0].rank] if scored else []
     named = tuple(
         [r.layer for r in causes if r.layer in flagged][:top_k]
-        or [r.layer for r in causes][: max(top_k, len(first))]
+        or [r.layer for r in scored][: max(top_k, len(first))]
     )
     return LayerOrder(tuple(ordered), outs_ordered, roles, destroyed, reference, resolution, named, later)
 
