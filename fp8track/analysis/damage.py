@@ -60,9 +60,15 @@ class Destroyed:
 
     @property
     def lag_only(self) -> bool:
-        """Clipping alone on one sampled step: delayed scaling's one-step lag behind an amax jump
-        (the history catches up at the next step), a note rather than a destroyed GEMM."""
-        return len(self.steps) == 1 and all(set(h) == {"clipped"} for h in self.how.values())
+        """Saturation alone on one sampled step: delayed scaling's one-step lag behind an amax jump
+        (the history catches up at the next step), a note rather than a destroyed GEMM. The step
+        clipped (its elements above the stale scale's range saturated) and nothing flushed: either
+        many elements clipped (``clipped``) or a few huge ones did and took the SQNR of the rest
+        with them (``drowned`` with ``overflow_pct > 0``: a gradient whose amax jumped 18x clips
+        0.3 % of its elements at 2 dB, and reads 25 dB again one step later)."""
+        saturated = float(self.worst.get("overflow_pct", 0.0)) > 0.0
+        return len(self.steps) == 1 and saturated and all(
+            set(h) <= {"clipped", "drowned"} for h in self.how.values())
 
     @property
     def share(self) -> float:

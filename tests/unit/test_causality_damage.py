@@ -112,3 +112,26 @@ def test_a_flushed_post_relu_input_is_destroyed_against_its_nonzero_elements():
     # a tensor of zeros only: nothing to flush
     assert nonzero_underflow_pct({"underflow_pct": 0.0, "zero_pct": 100.0}) == 0.0
 
+
+
+def test_a_one_step_saturation_behind_an_amax_jump_is_a_lag_not_a_destroyed_layer():
+    """Delayed scaling, a gradient whose amax jumped 18x at step 20: 0.3 % of its elements clip
+    at the stale scale and drown the rest (2 dB), and one step later the history has caught up
+    (25 dB). One sampled step of saturation is the lag; a flush, or saturation on two sampled
+    steps, is damage."""
+    healthy = {"underflow_pct": 0.0, "overflow_pct": 0.0, "sqnr_db": 25.5, "mse": 1e-14, "amax": 7e-6,
+               "numel": 131072.0, "scale": 8.3e9, "current_scale": 8.3e9}
+    lag = {**healthy, "overflow_pct": 0.31, "sqnr_db": 1.97, "amax": 1.2e-4, "mse": 1e-10}
+    assert destroyed_on(lag) == ("drowned",)
+    rows = [TensorStatsRow(s, "k_proj", "gradient", lag if s == 20 else healthy) for s in range(1, 40)]
+    (d,) = destroyed_layers(rows)
+    assert d.steps == (20,) and d.lag_only
+    twice = [TensorStatsRow(s, "k_proj", "gradient", lag if s in (20, 30) else healthy) for s in range(1, 40)]
+    assert not destroyed_layers(twice)[0].lag_only
+    flushed = {**healthy, "underflow_pct": 99.0, "overflow_pct": 0.3}
+    once_flushed = [TensorStatsRow(s, "k_proj", "gradient", flushed if s == 20 else healthy) for s in range(1, 40)]
+    assert not destroyed_layers(once_flushed)[0].lag_only
+    drowned_no_clip = {**healthy, "sqnr_db": 1.0, "mse": 1e-10}
+    once_drowned = [TensorStatsRow(s, "k_proj", "gradient", drowned_no_clip if s == 20 else healthy)
+                    for s in range(1, 40)]
+    assert not destroyed_layers(once_drowned)[0].lag_only
