@@ -129,7 +129,9 @@ def test_a_one_step_saturation_behind_an_amax_jump_is_a_lag_not_a_destroyed_laye
     twice = [TensorStatsRow(s, "k_proj", "gradient", lag if s in (20, 30) else healthy) for s in range(1, 40)]
     assert not destroyed_layers(twice)[0].lag_only
     flushed = {**healthy, "underflow_pct": 99.0, "overflow_pct": 0.3}
-    once_flushed = [TensorStatsRow(s, "k_proj", "gradient", flushed if s == 20 else healthy) for s in range(1, 40)]
+    once_flushed = [
+        TensorStatsRow(s, "k_proj", "gradient", flushed if s == 20 else healthy) for s in range(1, 40)
+    ]
     assert not destroyed_layers(once_flushed)[0].lag_only
     drowned_no_clip = {**healthy, "sqnr_db": 1.0, "mse": 1e-10}
     once_drowned = [TensorStatsRow(s, "k_proj", "gradient", drowned_no_clip if s == 20 else healthy)

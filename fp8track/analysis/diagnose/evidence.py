@@ -11,7 +11,6 @@ from typing import Any
 import numpy as np
 
 from fp8track.analysis.baseline import Baseline, RunData, classify_spike
-from fp8track.analysis.spike_events import SpikeClassification
 from fp8track.analysis.causes import known_causes
 from fp8track.analysis.diagnose.causal import LayerOrder, order_layers
 from fp8track.analysis.diagnose.model import (
@@ -21,6 +20,7 @@ from fp8track.analysis.diagnose.model import (
 from fp8track.analysis.layer_history import HistoryShift, history_shifts
 from fp8track.analysis.loss_gap import GapConfig, GapJudgement, judge_gap, same_batches, step_noise
 from fp8track.analysis.ranking import LayerRisk, outliers, rank_layers
+from fp8track.analysis.spike_events import SpikeClassification
 from fp8track.analysis.spikes import SpikeConfig, SpikeEvent, detect_spikes
 
 
@@ -323,7 +323,8 @@ def classify_spikes(
     for e in fp8_spikes:
         if e.kind == "spike" and not gap_step_up(e):
             cls = classify_spike(e, control, classify_window)
-            if cls.label != "shared" and fp8_loss is not None and control_rose_alike(e, fp8_loss, control.loss):
+            alike = fp8_loss is not None and control_rose_alike(e, fp8_loss, control.loss)
+            if cls.label != "shared" and alike:
                 # The control's detector did not fire, but its loss took the same excursion at the
                 # same steps (a borderline spike detected on one side only): not FP8's doing.
                 cls = SpikeClassification("shared", classify_window, control_start_step=e.start_step,
