@@ -12,8 +12,9 @@ from typing import Any
 from torch import nn
 
 from fp8track.execution.backends import backend_of
-from fp8track.execution.experts import find_moe
+from fp8track.execution.experts import find_moe, unrecognised_experts
 from fp8track.monitoring.expert_capture import ExpertGroupCapture, ExpertRowCapture
+from fp8track.monitoring.module_flops import ModuleFlopsCapture
 from fp8track.monitoring.router_capture import RouterCapture
 
 
@@ -21,7 +22,8 @@ class MoECaptures:
     """What the monitor adds for a model's MoE blocks (:func:`moe_captures`).
 
     Attributes:
-        captures: ``{record name: capture}``: every expert row, and one router capture per block.
+        captures: ``{record name: capture}``: every expert row, one router capture per block, and
+            a FLOP count of each experts module fp8track does not recognise (DBRX, JetMoE).
         skip: canonical names of selected layers the layer captures must leave out (expert modules,
             whose rows come from here; router subclasses returning tuples, measured by the router
             capture).
@@ -30,7 +32,7 @@ class MoECaptures:
     """
 
     def __init__(self) -> None:
-        self.captures: dict[str, ExpertRowCapture | RouterCapture] = {}
+        self.captures: dict[str, ExpertRowCapture | RouterCapture | ModuleFlopsCapture] = {}
         self.skip: set[str] = set()
         self.token_layers: set[str] = set()
 
@@ -80,7 +82,21 @@ def moe_captures(
             out.captures, by_module.get(id(router)) or f"{block_name}.{block.router.rsplit('.', 1)[-1]}"
         )
         out.captures[key] = cap
+    for fqn in unrecognised_experts(model, moe):
+        stack_block, rest = _stack_block(fqn)
+        holder = model.get_submodule(stack_block)
+        if any(id(m) in by_module for m in holder.modules()):  # its block has a selected layer
+            key = f"{_canonical_prefix(by_module, model, stack_block)}.{rest}" if stack_block else fqn
+            out.captures[key] = ModuleFlopsCapture(key, model.get_submodule(fqn))
     return out
+
+
+def _stack_block(fqn: str) -> tuple[str, str]:
+    """``fqn`` split into the block of the model's layer stack holding it (up to its last numeric
+    name component: ``transformer.blocks.3``) and the rest; ``("", fqn)`` outside any stack."""
+    parts = fqn.split(".")
+    last = max((i for i, p in enumerate(parts[:-1]) if p.isdigit()), default=-1)
+    return ".".join(parts[: last + 1]), ".".join(parts[last + 1:])
 
 
 def _canonical_prefix(by_module: dict[int, str], model: nn.Module, fqn: str) -> str:

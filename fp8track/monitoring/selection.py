@@ -20,6 +20,7 @@ from fp8track.monitoring import te_capture
 from fp8track.monitoring.capture import LayerCapture
 from fp8track.monitoring.capture_config import CaptureConfig
 from fp8track.monitoring.expert_capture import ExpertRowCapture
+from fp8track.monitoring.module_flops import ModuleFlopsCapture
 from fp8track.monitoring.moe_selection import moe_captures
 from fp8track.monitoring.naming import canonical_layer_names
 from fp8track.monitoring.plans import LayerPlan, plan_for
@@ -27,7 +28,7 @@ from fp8track.monitoring.router_capture import RouterCapture
 from fp8track.monitoring.sharding import ShardSpec
 from fp8track.monitoring.stats_batch import StatsBatch
 
-Capture = LayerCapture | ExpertRowCapture | RouterCapture
+Capture = LayerCapture | ExpertRowCapture | RouterCapture | ModuleFlopsCapture
 
 LayerFilter = Callable[[nn.Module, str], bool]
 

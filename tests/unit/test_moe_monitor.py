@@ -164,6 +164,8 @@ class _GemmFlops(TorchFunctionMode):
         if owner is not None:
             if func is F.linear:
                 n = 2 * args[0].numel() * w.shape[0]
+            elif func in (torch.matmul, torch.Tensor.matmul, torch.mm):  # DBRX's experts: x @ w.t()
+                n = 2 * args[0].numel() * out.shape[-1]
             elif func in (torch.bmm, torch._grouped_mm, getattr(F, "grouped_mm", None)) and args[0].dim() in (
                 2,
                 3,
@@ -314,3 +316,35 @@ def test_blocks_outside_the_selected_layers_get_no_router_capture(tmp_path):
     experts_flops = 6 * tokens * K * (H * 2 * 64 + 64 * H)
     router_flops = 6 * tokens * H * E
     assert mon.fp8_flop_share == pytest.approx(experts_flops / (experts_flops + router_flops), rel=1e-6)
+
+
+@pytest.mark.parametrize(("name", "share"), [("dbrx", 0.2558), ("jetmoe", 0.1385)])
+def test_fp8_flop_share_counts_experts_of_an_unrecognised_layout(tmp_path, name, share):
+    """DBRX's and JetMoE's experts (a layout no backend converts, listed as unconverted) run in high
+    precision: the monitor counts their GEMMs (torch's FLOP counter over their forward), so the share
+    equals an independent count of every parameter GEMM (it read 1.0 on DBRX)."""
+    from test_moe_execution import _unrecognised_moe
+
+    ids = batch(5)
+    reference = _unrecognised_moe(name)
+    owners = {
+        p.untyped_storage().data_ptr(): mod_name
+        for mod_name, module in reference.named_modules()
+        for p_name, p in module.named_parameters(recurse=False)
+        if p.dim() >= 2 and "wte" not in mod_name and "embed" not in mod_name
+    }
+    counter = _GemmFlops(owners)
+    with counter, torch.no_grad():
+        reference(input_ids=ids, labels=ids)
+    model = _unrecognised_moe(name)
+    with pytest.warns(UserWarning, match="not converted"):
+        report = apply_fp8(model, "current", backend="emulated")
+    fp8 = sum(f for o, f in counter.flops.items() if o in report.fp8_layers)
+    expected = fp8 / sum(counter.flops.values())
+    with fp8track.Monitor(
+        model, fp8track.MonitorConfig(every_n_steps=1), log_dir=tmp_path, apply_report=report
+    ) as mon:
+        model(input_ids=ids, labels=ids).loss.backward()
+        mon.step(loss=torch.tensor(1.0))
+    assert expected == pytest.approx(share, abs=1e-4)
+    assert mon.fp8_flop_share == pytest.approx(expected, rel=1e-6)
