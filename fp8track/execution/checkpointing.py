@@ -43,6 +43,37 @@ def in_backward() -> bool:
     return graph_task_id is not None and graph_task_id() != -1
 
 
+class RecomputeFilter:
+    """Tells, within one step, the forwards a hook should observe from activation-checkpointing
+    recomputes of forwards already observed (reset it at each step's start).
+
+    A forward that runs inside a backward pass is a recompute. Non-reentrant checkpointing
+    (``use_reentrant=False``, Hugging Face's default) first ran the region with grad enabled, so
+    that forward was observed: skip the recompute, as many times as forwards were observed.
+    Reentrant checkpointing ran it under ``no_grad`` (not observed): its recompute, the only
+    forward that builds a graph (and whose dY reaches the hook), is the one observed.
+    """
+
+    __slots__ = ("forwards", "recomputes")
+
+    def __init__(self) -> None:
+        self.forwards = 0  # training forwards observed this step (outside backward)
+        self.recomputes = 0  # forwards run inside backward this step and taken as their recompute
+
+    def reset(self) -> None:
+        self.forwards = self.recomputes = 0
+
+    def is_recompute(self) -> bool:
+        """Whether the forward now running recomputes one already observed (call once per forward)."""
+        if not in_backward():
+            self.forwards += 1
+            return False
+        if self.recomputes < self.forwards:
+            self.recomputes += 1
+            return True
+        return False
+
+
 class ForwardScales:
     """The delayed-scaling scales one training forward quantised with, kept while its autograd
     graph lives (its Function context holds it), for a recompute to replay."""

@@ -41,7 +41,7 @@ from torch import nn
 
 from fp8track.execution.backends import backend_of
 from fp8track.execution.backends import te as te_backend
-from fp8track.execution.checkpointing import in_backward
+from fp8track.execution.checkpointing import RecomputeFilter
 from fp8track.execution.layers import gemm_weight
 from fp8track.monitoring.plans import (
     COLUMNWISE_SCALINGS,
@@ -109,8 +109,7 @@ class LayerCapture:
         self.te = backend is not None and backend.debug_api  # TE: tuple outputs, FP8 primary weights
         self.active = False
         self._weight_done = False
-        self._forwards = 0  # training forwards observed this step (outside backward)
-        self._recomputes = 0  # forwards run inside backward this step and taken as their recompute
+        self._recompute = RecomputeFilter()  # activation checkpointing's recomputes, per step
         self._resting_weight: torch.Tensor | None = None
         self.partials: dict[tuple[str, str], torch.Tensor] = {}
         self.count_tokens = False  # one expert of a module-list MoE: its rows carry ``tokens``
@@ -202,7 +201,7 @@ class LayerCapture:
     def begin_step(self, sampled: bool) -> None:
         self.active = sampled
         self._weight_done = False
-        self._forwards = self._recomputes = 0
+        self._recompute.reset()
         # Between steps FSDP2 holds the high-precision shard; the forward may see an FP8 all-gather.
         self._resting_weight = getattr(self.module, "weight", None) if sampled else None
 
@@ -314,7 +313,7 @@ class LayerCapture:
     def _capture(self, module: nn.Module, args: tuple, output: object) -> None:
         """The forward's observations, run outside any compiled graph (the statistics kernel is
         compiled on its own); a recompute of an already observed forward is skipped."""
-        if self._is_recompute():
+        if self._recompute.is_recompute():
             return
         with torch.no_grad():
             self._observe_forward(module, args)
@@ -328,23 +327,6 @@ class LayerCapture:
                 output.register_hook(self._gradient_hook)
             elif self.batch is not None:  # the backward's start ends the forward's batch
                 output.register_hook(self._phase_hook)
-
-    def _is_recompute(self) -> bool:
-        """Whether this forward recomputes one already observed this step (activation checkpointing).
-
-        A forward that runs inside a backward pass is a recompute. Non-reentrant checkpointing
-        (``use_reentrant=False``, Hugging Face's default) first ran the region with grad enabled,
-        so that forward was observed: skip the recompute, as many times as forwards were observed.
-        Reentrant checkpointing ran it under ``no_grad`` (not observed): its recompute, the only
-        forward that builds a graph (and whose dY reaches the hook), is the one observed.
-        """
-        if not in_backward():
-            self._forwards += 1
-            return False
-        if self._recomputes < self._forwards:
-            self._recomputes += 1
-            return True
-        return False
 
     def _observe_forward(self, module: nn.Module, args: tuple) -> None:
         if "activation" in self.tensors and args and isinstance(args[0], torch.Tensor):

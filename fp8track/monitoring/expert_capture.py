@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fp8track.execution.checkpointing import in_backward
+from fp8track.execution.checkpointing import RecomputeFilter
 from fp8track.execution.experts import (
     ROUTER_REASON,
     ExpertGroup,
@@ -188,7 +188,7 @@ class ExpertGroupCapture:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._spy: _Spy | None = None
         self._weights_done: set[str] = set()
-        self._forwards = self._recomputes = 0
+        self._recompute = RecomputeFilter()
         self._warned = False
         self.rows: dict[str, ExpertRowCapture] = {}
         self.counts: torch.Tensor | None = None  # routed slots per expert this step (first projection)
@@ -240,7 +240,7 @@ class ExpertGroupCapture:
         """Called by each of the group's rows; the first call of a step resets the step's state."""
         if sampled != self.active or not sampled:
             self._weights_done.clear()
-            self._forwards = self._recomputes = 0
+            self._recompute.reset()
             self.counts = None
             self.partials.clear()
         self.active = sampled
@@ -251,7 +251,7 @@ class ExpertGroupCapture:
 
     # -- hooks -----------------------------------------------------------------------------------
     def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not (self.active and torch.is_grad_enabled()) or self._is_recompute():
+        if not (self.active and torch.is_grad_enabled()) or self._recompute.is_recompute():
             return
         if isinstance(module, EmulatedFP8Experts):
             module.fp8track_tap = self.tap
@@ -292,15 +292,6 @@ class ExpertGroupCapture:
         if self._spy is not None:
             spy, self._spy = self._spy, None
             spy.__exit__(None, None, None)
-
-    def _is_recompute(self) -> bool:
-        if not in_backward():
-            self._forwards += 1
-            return False
-        if self._recomputes < self._forwards:
-            self._recomputes += 1
-            return True
-        return False
 
     def param_of(self, weight: torch.Tensor) -> ExpertParam | None:
         """The projection whose parameter ``weight`` is (or views)."""

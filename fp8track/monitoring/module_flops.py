@@ -19,16 +19,15 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from fp8track.execution.checkpointing import in_backward
-from fp8track.monitoring.plans import LayerPlan, shadow_plan
+from fp8track.execution.checkpointing import RecomputeFilter
+from fp8track.monitoring.plans import RowlessCapture
 
 TRAINING_GEMMS = 3
 """GEMMs a training step runs per forward GEMM: the forward, the input gradient, the weight gradient."""
 
 
-class ModuleFlopsCapture:
-    """The FLOPs of one module's forward on sampled steps, as a capture with no statistics rows
-    (the interface the monitor asks of a layer capture: keys, take, FLOPs, hooks).
+class ModuleFlopsCapture(RowlessCapture):
+    """The FLOPs of one module's forward on sampled steps, as a capture with no statistics rows.
 
     Args:
         name: the capture's key (the module's canonical name).
@@ -36,31 +35,12 @@ class ModuleFlopsCapture:
     """
 
     def __init__(self, name: str, module: nn.Module) -> None:
+        super().__init__(name)
         self.name = name
         self.module = module
-        self.plan: LayerPlan = shadow_plan(name)
-        self.recorder = None  # no tensors to dump
-        self.flops = 0
-        self.active = False
         self._handles: list[Any] = []
         self._counter: FlopCounterMode | None = None
-        self._forwards = self._recomputes = 0
-
-    def keys(self) -> list[tuple[str, str]]:
-        return []
-
-    def range_keys(self) -> list[tuple[str, str]]:
-        return []
-
-    def take(self, device: torch.device) -> list[torch.Tensor]:
-        return []
-
-    def take_ranges(self, device: torch.device) -> list[torch.Tensor]:
-        return []
-
-    def take_flops(self) -> int:
-        flops, self.flops = self.flops, 0
-        return flops
+        self._recompute = RecomputeFilter()
 
     def attach(self) -> None:
         if not self._handles:
@@ -77,7 +57,7 @@ class ModuleFlopsCapture:
 
     def begin_step(self, sampled: bool) -> None:
         self.active = sampled
-        self._forwards = self._recomputes = 0
+        self._recompute.reset()
 
     def _counts(self) -> bool:
         """Whether this forward is one of the step's training forwards (not an activation-
@@ -85,13 +65,7 @@ class ModuleFlopsCapture:
         dispatch mode cannot be entered)."""
         if not (self.active and torch.is_grad_enabled()) or torch.compiler.is_compiling():
             return False
-        if not in_backward():
-            self._forwards += 1
-            return True
-        if self._recomputes < self._forwards:
-            self._recomputes += 1
-            return False
-        return True
+        return not self._recompute.is_recompute()
 
     def _pre_hook(self, module: nn.Module, args: tuple) -> None:
         if self._counter is None and self._counts():

@@ -195,6 +195,35 @@ def shadow_plan(fqn: str, fmt_pair: str = "hybrid") -> LayerPlan:
     return LayerPlan(fqn=fqn, fp8=False, formats=formats)
 
 
+class RowlessCapture:
+    """The interface the monitor asks of a layer capture (keys, partials, FLOPs, a high-precision
+    plan), for a capture that writes no statistics rows: an MoE router's metrics
+    (:class:`fp8track.monitoring.router_capture.RouterCapture`), a module's FLOPs
+    (:class:`fp8track.monitoring.module_flops.ModuleFlopsCapture`). Subclasses count into ``flops``."""
+
+    def __init__(self, name: str) -> None:
+        self.plan: LayerPlan = shadow_plan(name)
+        self.recorder = None  # no tensors to dump
+        self.flops = 0
+        self.active = False
+
+    def keys(self) -> list[tuple[str, str]]:
+        return []
+
+    def range_keys(self) -> list[tuple[str, str]]:
+        return []
+
+    def take(self, device: torch.device) -> list[torch.Tensor]:
+        return []
+
+    def take_ranges(self, device: torch.device) -> list[torch.Tensor]:
+        return []
+
+    def take_flops(self) -> int:
+        flops, self.flops = self.flops, 0
+        return flops
+
+
 def plan_for(fqn: str, module: nn.Module, shadow_format: str = "hybrid") -> LayerPlan:
     """The :class:`LayerPlan` for one layer, asking the backend that owns it
     (:func:`fp8track.execution.backends.backend_of`) how it quantises.

@@ -43,10 +43,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8track.execution.checkpointing import in_backward
+from fp8track.execution.checkpointing import RecomputeFilter
 from fp8track.execution.experts import MoEBlock
 from fp8track.monitoring.naming import run_metric
-from fp8track.monitoring.plans import LayerPlan, shadow_plan
+from fp8track.monitoring.plans import RowlessCapture
 
 ROUTER_STATS = (
     "logit_amax", "logit_std", "entropy", "topk_margin", "flip_pct", "load_cv", "load_max_over_mean",
@@ -55,7 +55,7 @@ ROUTER_STATS = (
 _SCALAR_SUMS = ("tokens", "entropy", "margin", "logit_sum", "logit_sq", "flips", "z2", "dropped")
 
 
-class RouterCapture:
+class RouterCapture(RowlessCapture):
     """The statistics above for one MoE block (see the module docstring).
 
     Args:
@@ -70,6 +70,7 @@ class RouterCapture:
         self, name: str, block: MoEBlock, router: nn.Module, gemm: nn.Module,
         counts: Callable[[], torch.Tensor | None] | None = None,
     ) -> None:
+        super().__init__(name)
         self.name = name
         self.num_experts = block.experts.num_experts
         self.top_k = max(
@@ -78,28 +79,11 @@ class RouterCapture:
         self.router = router
         self.gemm = gemm
         self._counts = counts
-        self.active = False
-        self.flops = 0
         self._sums: torch.Tensor | None = None
         self._max: torch.Tensor | None = None
         self._handle: torch.utils.hooks.RemovableHandle | None = None
-        self._forwards = self._recomputes = 0
+        self._recompute = RecomputeFilter()  # activation checkpointing's recomputes, per step
         self.count_flops = True  # False when the router's GEMM is a monitored layer of its own
-        # The interface of a layer capture, with no statistics rows (the monitor loops over both).
-        self.plan: LayerPlan = shadow_plan(name)
-        self.recorder = None
-
-    def keys(self) -> list[tuple[str, str]]:
-        return []
-
-    def range_keys(self) -> list[tuple[str, str]]:
-        return []
-
-    def take(self, device: torch.device) -> list[torch.Tensor]:
-        return []
-
-    def take_ranges(self, device: torch.device) -> list[torch.Tensor]:
-        return []
 
     @property
     def n_sums(self) -> int:
@@ -117,17 +101,13 @@ class RouterCapture:
 
     def begin_step(self, sampled: bool) -> None:
         self.active = sampled
-        self._forwards = self._recomputes = 0
+        self._recompute.reset()
 
     def _hook(self, module: nn.Module, args: tuple, output: object) -> None:
         if not (self.active and torch.is_grad_enabled()) or not args or not isinstance(args[0], torch.Tensor):
             return
-        if in_backward():  # an activation-checkpointing recompute of a forward already observed
-            if self._recomputes < self._forwards:
-                self._recomputes += 1
-                return
-        else:
-            self._forwards += 1
+        if self._recompute.is_recompute():  # of a forward already observed
+            return
         self.observe(args[0], dispatch_mask(output, self.num_experts) if self.capacity else None)
 
     @property
@@ -178,9 +158,6 @@ class RouterCapture:
         self._max = None
         return out.to(device)
 
-    def take_flops(self) -> int:
-        flops, self.flops = self.flops, 0
-        return flops
 
 
 def router_sums(z: torch.Tensor, z_model: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
