@@ -15,7 +15,7 @@ from fp8track.errors import ConfigError
 from fp8track.execution.attention import linearize_attention
 from fp8track.execution.backends import Backend, Converted, backend_of, get_backend
 from fp8track.execution.blocks import linear_names
-from fp8track.execution.experts import ROUTER_REASON, find_moe, unrecognised_experts
+from fp8track.execution.experts import ROUTER_REASON, MoEMap, find_moe, unrecognised_experts
 from fp8track.execution.fallback import FallbackSpec
 from fp8track.execution.layers import is_convertible, preview_names
 from fp8track.execution.recipes import Recipe
@@ -163,7 +163,7 @@ def _report(
     keep = {**keep, **converted.refused}  # layers the backend would refuse at run time stay BF16
     unconverted = {**dict(refused_attention), **plan.unconverted, **converted.unconverted}
     unconverted.update(_left_out(model, plan, unconverted, list(refused_attention)))
-    unconverted.update(unrecognised_experts(model))  # DBRX, JetMoE: listed, never skipped silently
+    unconverted.update(unrecognised_experts(model, plan.moe))  # DBRX, JetMoE: listed, never skipped silently
     if unconverted and recipe.quantizes:
         _warn_unconverted(unconverted)
     return ApplyReport(
@@ -189,13 +189,14 @@ def _refuse_converted(model: nn.Module) -> None:
 class _Plan:
     """What :func:`apply_fp8` hands the backend: ``gemms`` every GEMM layer, ``names`` those to
     convert, ``unconverted`` expert groups the backend cannot run, ``routers`` the router GEMMs
-    (kept in high precision unless ``fp8_routers``)."""
+    (kept in high precision unless ``fp8_routers``), ``moe`` the model's MoE structure."""
 
     gemms: tuple[str, ...]
     names: tuple[str, ...]
     unconverted: dict[str, str]
     routers: frozenset[str]
     fp8_routers: bool
+    moe: MoEMap
 
 
 def _plan(model: nn.Module, backend: Backend, keep: dict[str, str], fp8_routers: bool) -> _Plan:
@@ -213,7 +214,7 @@ def _plan(model: nn.Module, backend: Backend, keep: dict[str, str], fp8_routers:
         for g in moe.groups if g.fqn in names
     }
     names = [n for n in names if n not in unconverted]
-    return _Plan(tuple(gemms), tuple(names), unconverted, routers, fp8_routers)
+    return _Plan(tuple(gemms), tuple(names), unconverted, routers, fp8_routers, moe)
 
 
 def _left_out(

@@ -285,13 +285,13 @@ def find_moe(model: nn.Module) -> MoEMap:
     return MoEMap(tuple(blocks))
 
 
-def unrecognised_experts(model: nn.Module, moe: MoEMap | None = None) -> dict[str, str]:
+def unrecognised_experts(model: nn.Module, moe: MoEMap) -> dict[str, str]:
     """``{module name: reason}`` of modules that hold expert weights in a layout none of the kinds
     above covers (DBRX's ``DbrxExpertGLU``: 2-D ``w1``/``v1``/``w2`` ``[E * F, H]``; JetMoE's
     ``JetMoeParallelExperts``: a 3-D ``weight``): a class named for experts (not a norm) with its own
-    parameters of two or more dimensions, outside every recognised expert group. No backend
-    converts them and no hook sees their GEMMs, so they must be listed, never skipped silently."""
-    moe = find_moe(model) if moe is None else moe
+    parameters of two or more dimensions, outside every recognised expert group of ``moe``
+    (:func:`find_moe`'s map of ``model``). No backend converts them and no statistics hook sees
+    their GEMMs, so they must be listed, never skipped silently."""
     groups = [g.fqn for g in moe.groups]
     out = {}
     for fqn, m in model.named_modules():
@@ -305,8 +305,8 @@ def unrecognised_experts(model: nn.Module, moe: MoEMap | None = None) -> dict[st
             out[fqn] = (
                 f"{cls} holds expert weights ({', '.join(params)}) in a layout fp8track does not "
                 "recognise (neither fused gate_up_proj/down_proj nor nn.Linear experts): no backend "
-                "converts them, the monitor has no rows for them and the FP8 FLOP share cannot count "
-                "their GEMMs; they run in high precision"
+                "converts them and the monitor has no statistics rows for them; they run in high "
+                "precision (the FP8 FLOP share counts their GEMMs as such)"
             )
     return out
 

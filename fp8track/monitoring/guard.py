@@ -96,12 +96,6 @@ class CheckpointGuard:
         return None
 
 
-def nonfinite_pending(pending: Sequence[PendingStep]) -> str | None:
-    """Why the first buffered step whose loss is non-finite halts (one device wait), or None."""
-    bad = first_nonfinite_pending(pending)
-    return None if bad is None else bad[1]
-
-
 def first_nonfinite_pending(pending: Sequence[PendingStep]) -> tuple[int, str] | None:
     """The first buffered step whose loss is non-finite and the halt reason (one device wait), or None."""
     given = [p for p in pending if p.loss is not None]
