@@ -28,6 +28,7 @@ is one; otherwise (reentrant) it is the training forward itself.
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
 
@@ -106,6 +107,11 @@ class RecomputeQueue:
         rec = ForwardScales()
         self._waiting.append(weakref.ref(rec))
         return rec, False
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The waiting forwards belong to this process's autograd graphs (a copy has none) and
+        # weak references cannot be pickled: a pickled model (torch.save) waits for nothing.
+        return {"_waiting": []}
 
     def end_backward(self, rec: ForwardScales | None) -> None:
         """The backward of the forward that filled ``rec`` ran: it waits no more."""

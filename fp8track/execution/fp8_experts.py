@@ -59,6 +59,12 @@ class EmulatedFP8Experts(nn.Module):
         self.fp8track_tap = None
         self._fp8_quant = {n: GroupQuantizers(recipe, group.num_experts) for n in self.fp8_params}
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # The converted class is made at run time (convert_experts), so pickle cannot find it by
+        # name: rebuild it from the experts class it derives from, then restore the state as
+        # nn.Module's own pickling does (torch.save of the whole model).
+        return _converted_instance, (type(self).__bases__[1],), self.__getstate__()
+
     def fp8_scales(self) -> dict[str, dict[str, torch.Tensor]]:
         """``{param: {tensor kind: [E] scales}}`` used on the most recent forward / backward."""
         return {n: dict(q.last_scales) for n, q in self._fp8_quant.items()}
@@ -134,7 +140,21 @@ class EmulatedFP8Experts(nn.Module):
                 self._fp8_quant[n].load_state_dict(s)
 
 
-_SUBCLASSES: dict[type, type] = {}
+_SUBCLASSES: dict[type, type[nn.Module]] = {}
+
+
+def _converted_class(cls: type) -> type[nn.Module]:
+    """The subclass of ``cls`` and :class:`EmulatedFP8Experts` (one per experts class)."""
+    sub = _SUBCLASSES.get(cls)
+    if sub is None:
+        sub = _SUBCLASSES[cls] = type(f"EmulatedFP8{cls.__name__}", (EmulatedFP8Experts, cls), {})
+    return sub
+
+
+def _converted_instance(cls: type) -> nn.Module:
+    """An empty converted ``cls`` for unpickling (:meth:`EmulatedFP8Experts.__reduce_ex__`)."""
+    sub = _converted_class(cls)
+    return sub.__new__(sub)
 
 
 def convert_experts(
@@ -142,11 +162,7 @@ def convert_experts(
 ) -> None:
     """Make ``module`` (a fused experts module of ``group``) run ``fp8_params`` in emulated FP8, in
     place (its class becomes a subclass of its own class and :class:`EmulatedFP8Experts`)."""
-    cls = type(module)
-    sub = _SUBCLASSES.get(cls)
-    if sub is None:
-        sub = _SUBCLASSES[cls] = type(f"EmulatedFP8{cls.__name__}", (EmulatedFP8Experts, cls), {})
-    module.__class__ = sub
+    module.__class__ = _converted_class(type(module))
     module._init_fp8_experts(recipe, group, fp8_params)  # type: ignore[attr-defined]
 
 
