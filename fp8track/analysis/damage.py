@@ -98,6 +98,20 @@ def _initial_scale(stats: Mapping[str, float]) -> bool:
     return float(stats.get("scale", math.nan)) == 1.0 and float(stats.get("current_scale", 1.0)) != 1.0
 
 
+def judged_steps(rows: Iterable[object]) -> tuple[list[int], int]:
+    """The sampled steps that show the recipe at work, and how many were left out: a step on which
+    every ``actual`` row was quantised at delayed scaling's initial scale (:func:`_initial_scale`,
+    the first sampled step of a delayed-scaling run) shows only the warm-up."""
+    steps: set[int] = set()
+    real: set[int] = set()
+    for r in rows:
+        step = int(r.step)  # type: ignore[attr-defined]
+        steps.add(step)
+        if getattr(r, "variant", "actual") != "actual" or not _initial_scale(r.stats):  # type: ignore[attr-defined]
+            real.add(step)
+    return sorted(real), len(steps - real)
+
+
 def destroyed_layers(rows: Iterable[object]) -> list[Destroyed]:
     """Layer tensors destroyed on at least one sampled step (``actual`` rows only, a tensor's first
     sampled step at the initial scale 1.0 left out: :func:`_initial_scale`), the earliest onset

@@ -50,9 +50,11 @@ class Verdict:
 
 
 def judge(findings: Sequence[Any], loss_steps: int, sampled_steps: int, has_control_rows: bool,
-          extra_notes: Sequence[str] = ()) -> Verdict:
+          extra_notes: Sequence[str] = (), warm_up_steps: int = 0) -> Verdict:
     """The verdict of ``findings`` (sorted, causal first), given how much the pair holds;
-    ``extra_notes`` are observations that are no finding (a control that spiked alone)."""
+    ``extra_notes`` are observations that are no finding (a control that spiked alone);
+    ``sampled_steps`` counts the steps that show the recipe at work, ``warm_up_steps`` the sampled
+    steps left out of it (delayed scaling's initial scale)."""
     notes = tuple(f.title for f in findings if f.kind in NOTE_KINDS or (
         f.kind in FP8_KINDS and f.severity in ("low", "info"))) + tuple(extra_notes)
     fp8 = [f for f in findings if f.kind in FP8_KINDS and f.severity in ("high", "medium")]
@@ -76,7 +78,10 @@ def judge(findings: Sequence[Any], loss_steps: int, sampled_steps: int, has_cont
         return Verdict(
             "inconclusive",
             f"only {sampled_steps} sampled steps of tensor statistics (at least "
-            f"{MIN_SAMPLED_STEPS}): sample more often (every_n_steps) or train longer",
+            f"{MIN_SAMPLED_STEPS}"
+            + (f"; {warm_up_steps} more at delayed scaling's initial scale 1.0 show only its warm-up"
+               if warm_up_steps else "")
+            + "): sample more often (every_n_steps) or train longer",
             notes=notes,
         )
     if not has_control_rows:

@@ -135,3 +135,34 @@ def test_a_healthy_pair_is_healthy_with_no_role_and_no_damage(tmp_path):
     d = diagnose(*_pair(tmp_path))
     assert (d.verdict.verdict, d.kinds()) == ("healthy", ["healthy"])
     assert d.causal_layer is None and not d.roles
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_delayed_scalings_first_sampled_step_does_not_count_towards_a_healthy_verdict(tmp_path, recipe):
+    """30 steps sampled at 0, 10 and 20: under delayed scaling step 0 quantises every tensor at the
+    initial scale 1.0 (only its warm-up), which leaves 2 steps that show the recipe: inconclusive.
+    Under current scaling the 3 steps show it: healthy."""
+    rng = np.random.default_rng(0)
+    n = 30
+    control = healthy(Curve(start=6.0, floor=2.0, tau=60.0, sigma=0.02), n, rng)
+    fp8 = control * (1 + rng.normal(0, 0.002, n))
+
+    def rows(variant):
+        out = []
+        for step in (0, 10, 20):
+            for layer in LAYERS:
+                for t in ("activation", "weight", "gradient"):
+                    s = {**_stats(rng), "scale": 2.0**7, "current_scale": 2.0**7}
+                    if recipe == "delayed" and step == 0 and variant == "actual":
+                        s["scale"] = 1.0
+                    out.append(TensorStatsRow(step, layer, t, s, variant))
+        return out
+
+    ctl = _write(tmp_path, "control", control, rows("shadow"), "bf16")
+    d = diagnose(_write(tmp_path, "fp8", fp8, rows("actual"), recipe), ctl)
+    if recipe == "delayed":
+        assert d.verdict.verdict == "inconclusive"
+        assert "only 2 sampled steps" in d.verdict.reason
+        assert "1 more at delayed scaling's initial scale 1.0" in d.verdict.reason
+    else:
+        assert d.verdict.verdict == "healthy"

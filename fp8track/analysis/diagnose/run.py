@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 from fp8track.analysis.baseline import RunData
+from fp8track.analysis.damage import judged_steps
 from fp8track.analysis.diagnose.evidence import (
     Evidence,
     gather_evidence,
@@ -101,8 +102,9 @@ def diagnose(fp8: RunData, control: RunData, config: DiagnosisConfig | None = No
     findings.sort(key=finding_order)
     steps = sorted({int(r.step) for r in ev.fp8_rows})
     window = (steps[0], steps[-1]) if steps else None
-    verdict = judge(findings, len(ev.loss.steps), len(steps), bool(ev.control_rows),
-                    extra_notes=control_only_spikes(ev))
+    judged, warm_up = judged_steps(ev.fp8_rows)
+    verdict = judge(findings, len(ev.loss.steps), len(judged), bool(ev.control_rows),
+                    extra_notes=control_only_spikes(ev), warm_up_steps=warm_up)
     return Diagnosis(
         fp8.source, control.source, tuple(findings), ev.ranking, window, ev.loss,
         ev.fp8_spikes, tuple(ev.control_base.spikes), ev.evals, verdict, ev.order.roles,
