@@ -338,3 +338,29 @@ def test_a_finding_names_no_layer_when_no_layer_stands_out(tmp_path):
     assert d.top.kind == "downstream_drop_with_normal_loss"
     assert all(r.score < DiagnosisConfig().outlier_min_score for r in d.layer_ranking)
     assert d.top.layers == () and d.verdict.verdict == "fp8_problem" and d.verdict.layers == ()
+
+
+def test_an_evaluation_drop_after_a_layer_was_destroyed_in_training_points_at_that_layer(tmp_path):
+    """val_acc 30 % worse after step 200 with the loss like the control's, and PLANTED's activation
+    flushed (97 % underflow) in training from step 150, before the drop: the first experiment is that
+    layer in BF16, then the inference chain (which stays first without a destroyed layer:
+    test_downstream_drop_with_normal_loss)."""
+    from fp8track.monitoring.records import TensorStatsRow
+
+    def rows(rng):
+        out = []
+        for r in layer_rows(rng):
+            if r.layer == PLANTED and r.tensor == "activation" and r.step >= 150:
+                r = TensorStatsRow(r.step, r.layer, r.tensor, {**r.stats, "underflow_pct": 97.0}, r.variant)
+            out.append(r)
+        return out
+
+    ctl_evals = {s: {"val_acc": 0.60 + 0.1 * s / N} for s in range(59, N, 60)}
+    fp8_evals = {s: {"val_acc": v["val_acc"] * (0.7 if s > 200 else 1.0)} for s, v in ctl_evals.items()}
+    d = diagnose(*synthetic_pair(tmp_path, fp8_rows=rows, fp8_evals=fp8_evals, ctl_evals=ctl_evals))
+    drop = next(f for f in d.findings if f.kind == "downstream_drop_with_normal_loss")
+    assert drop.steps[0] > 200
+    assert drop.evidence["destroyed_before"] == {"layer": PLANTED, "onset": 150}
+    assert drop.next_experiments[0].startswith(f"rerun with {PLANTED} in BF16")
+    assert "check-inference" in drop.next_experiments[1]
+    assert drop.layers == (PLANTED,) and d.verdict.layers[0] == PLANTED

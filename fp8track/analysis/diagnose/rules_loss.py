@@ -210,6 +210,24 @@ def rule_downstream_drop(ev: Evidence, found: Sequence[Finding]) -> list[Finding
     if not dropped or lc.onset_step is not None or ev.nonfinite:
         return []
     worst_name, worst = max(dropped.items(), key=lambda kv: kv[1]["z"])
+    inference = (
+        "check the inference chain: fp8track check-inference CKPT (trained vs fresh scales vs BF16, "
+        "per-layer output error, checkpoint reload of weights and amax histories)",
+        "verify inference loads the trained scaling state (amax histories, scales) and the final "
+        "weights",
+        "use FP8 training + FP8 inference as the control: BF16 inference of an FP8-trained model "
+        "can add error",
+    )
+    damaged = _destroyed_before(ev, int(worst["step"]))
+    trained = ""
+    if damaged is not None:
+        layer, onset = damaged
+        trained = (f" {layer}'s FP8 output was destroyed in training from step {onset}, before this "
+                   "evaluation: the drop can be that damage learned into the weights rather than the "
+                   "inference path.")
+        inference = (f"rerun with {layer} in BF16 (--bf16-layers {layer}) and compare {worst_name}: its "
+                     f"FP8 output was destroyed in training from step {onset}, before the drop",
+                     *inference)
     return [
         Finding(
             "downstream_drop_with_normal_loss",
@@ -220,20 +238,24 @@ def rule_downstream_drop(ev: Evidence, found: Sequence[Finding]) -> list[Finding
             f"({100 * worst['worse_rel']:.1f}% worse, {worst['z']:.0f}x the {worst['noise_source']}), while "
             f"the "
             f"training loss stays within {100 * lc.tolerance:.2f}% of the control. Loss alone misses "
-            "problems in the inference path: scaling factors, weight loading, precision mix.",
+            "problems in the inference path: scaling factors, weight loading, precision mix." + trained,
             steps=(int(worst["step"]),),
-            layers=tuple(ev.named[:1]),
-            evidence={"eval": dropped, "loss_final_gap_rel": lc.final_gap},
-            next_experiments=(
-                "check the inference chain: fp8track check-inference CKPT (trained vs fresh scales vs BF16, "
-                "per-layer output error, checkpoint reload of weights and amax histories)",
-                "verify inference loads the trained scaling state (amax histories, scales) and the final "
-                "weights",
-                "use FP8 training + FP8 inference as the control: BF16 inference of an FP8-trained model "
-                "can add error",
-            ),
+            layers=(damaged[0],) if damaged else tuple(ev.named[:1]),
+            evidence={"eval": dropped, "loss_final_gap_rel": lc.final_gap,
+                      "destroyed_before": {"layer": damaged[0], "onset": damaged[1]} if damaged else None},
+            next_experiments=inference,
         )
     ]
+
+
+def _destroyed_before(ev: Evidence, step: int) -> tuple[str, int] | None:
+    """The first named layer whose FP8 output was destroyed in training at or before ``step`` (not
+    delayed scaling's one-step clip), with its onset: a training cause of a later evaluation drop."""
+    for layer in ev.order.named:
+        onsets = [d.onset for d in ev.order.destroyed_of(layer) if not d.lag_only]
+        if onsets and min(onsets) <= step:
+            return layer, min(onsets)
+    return None
 
 
 def _causal_key(ev: Evidence, layer: str) -> int:
