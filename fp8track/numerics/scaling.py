@@ -23,10 +23,19 @@ AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
-    """``max(|x|)`` as a float32 0-d tensor (0 for an empty tensor; NaN/inf propagate)."""
+    """``max(|x|)`` over the non-NaN elements, as a float32 0-d tensor (0 for an empty or all-NaN
+    tensor; inf propagates).
+
+    NaN elements are skipped as Transformer Engine's amax kernels skip them: its cast and amax
+    kernels reduce with ``fmaxf`` / ``__hmax`` (``common/recipe/current_scaling.cu``, the fused
+    cast kernels), which return the other operand when one is NaN. A NaN amax would instead keep
+    the previous scale and, under delayed scaling, sit in the history for ``amax_history_len``
+    steps, freezing the scale that long.
+    """
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    return x.detach().abs().amax().to(torch.float32)
+    a = x.detach().abs()
+    return torch.where(torch.isnan(a), 0.0, a).amax().to(torch.float32)
 
 
 def scale_from_amax(
@@ -183,9 +192,11 @@ class DelayedScaler:
             self.scale = self.scale.to(device)
 
     def observe(self, amax_value: torch.Tensor) -> None:
-        """Record ``amax_value`` in slot 0 (the max, if several micro-batches write before an update)."""
+        """Record ``amax_value`` in slot 0 (the max, if several micro-batches write before an update).
+
+        A NaN amax leaves the slot as it was, as TE's ``fmaxf`` does (see :func:`amax`)."""
         self._to(amax_value.device)
-        self.amax_history[0] = torch.maximum(self.amax_history[0], amax_value.to(torch.float32))
+        self.amax_history[0] = torch.fmax(self.amax_history[0], amax_value.to(torch.float32))
 
     def update(self) -> torch.Tensor:
         """Compute the next scale from the history, roll the history; returns the new scale."""

@@ -111,3 +111,26 @@ def test_fp8_to_float32_equals_torchs_cast_bit_for_bit(dtype):
     for q in (grid, grid.t(), grid[::3, 1:]):
         assert torch.equal(fp8_to_float32(q).view(torch.int32), q.to(torch.float32).view(torch.int32))
         assert fp8_to_float32(q).shape == q.shape
+
+
+def test_delayed_scaling_skips_nan_like_te():
+    # TE's amax kernels reduce with fmaxf / __hmax, which skip NaN: a NaN element must not freeze
+    # the scale for amax_history_len steps. Hand-worked, history 4, algo max, e4m3:
+    # amaxes 2, 4 (the NaN skipped), 8, 1 -> scales used 1, 224, 112, 56.
+    for algo in ("max", "most_recent"):
+        sc = DelayedScaler("e4m3", history_len=4, algo=algo)
+        used = []
+        for x in ([1.0, 2.0], [4.0, float("nan")], [8.0], [1.0]):
+            _, s = sc.quantize(torch.tensor(x))
+            used.append(s.item())
+        assert used == [1.0, 224.0, 112.0, 56.0], (algo, used)
+        assert not torch.isnan(sc.amax_history).any()
+
+
+def test_amax_skips_nan_keeps_inf():
+    from fp8track.numerics.scaling import amax
+
+    assert amax(torch.tensor([1.0, float("nan"), -3.0])).item() == 3.0
+    assert amax(torch.tensor([float("nan")] * 3)).item() == 0.0
+    assert amax(torch.tensor([1.0, -float("inf"), float("nan")])).item() == float("inf")
+    assert amax(torch.tensor([1.0, float("nan")], dtype=torch.bfloat16)).item() == 1.0
