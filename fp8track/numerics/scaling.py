@@ -381,11 +381,15 @@ def pow2_block_scales(block_amax: torch.Tensor, fmt: str | FP8Format) -> torch.T
     """Float8 block-scaling (128 / 128x128) scales: ``fmt.max / amax`` rounded *down* to a power of two.
 
     Rounding the scale down keeps ``amax * scale <= fmt.max`` (TE's default power-of-two scales);
-    an all-zero or non-finite block gets scale 1.
+    an all-zero or non-finite block gets scale 1. A block so small that ``fmt.max / amax``
+    overflows float32 (amax below ~1.3e-36 for E4M3: float32- or bf16-subnormal data) gets
+    ``2**127``, as TE's ``compute_scale_from_types`` (``common/recipe/recipe_common.cuh``)
+    replaces the infinite scale by the input type's maximum before clearing the mantissa.
     """
     fmt = get_format(fmt)
     a = block_amax.to(torch.float32)
     raw = fmt.max / a
+    raw = torch.where(torch.isinf(raw) & (a > 0), FLOAT32_MAX, raw)
     mantissa, exponent = torch.frexp(raw)
     del mantissa
     scale = torch.exp2((exponent - 1).to(torch.float32))  # 2**floor(log2(raw)) for finite raw > 0

@@ -134,3 +134,16 @@ def test_amax_skips_nan_keeps_inf():
     assert amax(torch.tensor([float("nan")] * 3)).item() == 0.0
     assert amax(torch.tensor([1.0, -float("inf"), float("nan")])).item() == float("inf")
     assert amax(torch.tensor([1.0, float("nan")], dtype=torch.bfloat16)).item() == 1.0
+
+
+def test_pow2_block_scale_of_subnormal_block_like_te():
+    # TE's compute_scale_from_types: 448 / amax overflows float32 -> FLT_MAX -> mantissa cleared
+    # -> 2**127 (not 1, which flushes the whole block to zero).
+    from fp8track.numerics.scaling import pow2_block_scales
+    from fp8track.numerics.stats import block_quant_stats
+
+    amax_b = torch.tensor([[1e-39], [0.0], [float("inf")], [448.0]])
+    assert pow2_block_scales(amax_b, "e4m3").reshape(-1).tolist() == [2.0**127, 1.0, 1.0, 1.0]
+    x = torch.full((2, 128), 1e-39)
+    s = block_quant_stats(x, "block128", "e4m3")
+    assert s["underflow_pct"] == 0.0 and s["scale"] == 2.0**127
