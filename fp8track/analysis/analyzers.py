@@ -130,7 +130,7 @@ class DriftAnalyzer:
         for r in rows:
             if r.variant == "actual":
                 events.extend(self.recipe.update(r.step, r.layer, r.tensor, r.stats["scale_drift_log2"]))
-        worst_whatif = 0.0
+        worst_whatif: float | None = None  # none until a what-if drift exists (the history's first step)
         if self.whatif is not None:
             main = [r for r in rows if r.variant in ("actual", "shadow")]
             whatifs = (
@@ -141,11 +141,11 @@ class DriftAnalyzer:
             for r in main:
                 w = whatifs[(r.layer, r.tensor)]
                 if math.isfinite(w.drift_log2):
-                    worst_whatif = max(worst_whatif, abs(w.drift_log2))
+                    worst_whatif = max(worst_whatif or 0.0, abs(w.drift_log2))
                     events.extend(self.whatif_tracker.update(r.step, r.layer, r.tensor, w.drift_log2))
         self.count += len(events)
         metrics = {run_metric("drift", "count"): float(self.count)}
-        if self.whatif is not None and rows:
+        if worst_whatif is not None:
             metrics[worst_metric("whatif_delayed_abs_drift_log2")] = worst_whatif
         return metrics, [e.to_record() for e in events]
 

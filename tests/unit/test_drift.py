@@ -169,3 +169,19 @@ def test_batched_whatif_equals_one_delayed_scaler_per_tensor():
     clone = WhatIfDelayed("hybrid", history_len=5, algo="max", margin=1)
     clone.load_state_dict(state)
     assert clone.state_dict() == state
+
+
+def test_the_worst_what_if_drift_is_logged_once_a_what_if_scale_exists():
+    """The first sampled step has no what-if history: no drift exists yet, so no worst drift is logged
+    (it read 0.0: 'no drift'). From the second, the worst |drift| over the rows, hand-worked: amax
+    1 then 8 under a 16-long history -> scale from amax 1 vs amax 8 -> 3 binades."""
+    from fp8track.analysis.analyzers import DriftAnalyzer
+    from fp8track.monitoring.records import TensorStatsRow
+
+    a = DriftAnalyzer()
+    name = "fp8/worst/whatif_delayed_abs_drift_log2"
+    stats = {"amax": 1.0, "scale_drift_log2": 0.0}
+    first, _ = a.observe([], [TensorStatsRow(0, "fc", "activation", stats, "shadow")])
+    assert name not in first and first["fp8/drift/count"] == 0.0
+    second, _ = a.observe([], [TensorStatsRow(1, "fc", "activation", {**stats, "amax": 8.0}, "shadow")])
+    assert second[name] == pytest.approx(3.0)
