@@ -20,6 +20,7 @@ operands directly but runs on CUDA only (torch 2.13); the result is the same up 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -88,8 +89,10 @@ def segment_ids(offs: torch.Tensor, rows: int) -> torch.Tensor:
 
 def segment_amax(x2d: torch.Tensor, seg: torch.Tensor, groups: int) -> torch.Tensor:
     """``max |x|`` over the rows of each group (float32 ``[groups]``; 0 for an empty group; NaN
-    propagates), one pass, no host sync."""
-    row = x2d.detach().abs().amax(dim=1).to(torch.float32) if x2d.shape[1] else x2d.new_zeros(x2d.shape[0])
+    elements skipped and inf kept, as :func:`fp8track.numerics.scaling.amax` and TE's ``fmaxf``
+    kernels), one pass, no host sync."""
+    a = x2d.detach().abs().nan_to_num_(0.0, math.inf)  # in place on abs's copy: no second temporary
+    row = a.amax(dim=1).to(torch.float32) if x2d.shape[1] else x2d.new_zeros(x2d.shape[0])
     out = torch.zeros(groups + 1, dtype=torch.float32, device=x2d.device)
     out = out.scatter_reduce(0, seg, row.to(torch.float32), reduce="amax", include_self=True)
     return out[:groups]

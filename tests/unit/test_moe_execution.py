@@ -408,3 +408,11 @@ def test_a_converted_model_pickles_whole_and_trains_on(recipe):
     b.backward()
     experts = loaded.model.layers[0].mlp.experts
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in experts.parameters())
+
+
+def test_segment_amax_skips_nan_and_keeps_inf_as_the_dense_amax():
+    from fp8track.execution.grouped import segment_amax
+
+    x = torch.tensor([[1.0, float("nan")], [-3.0, 2.0], [float("nan"), float("nan")], [0.5, -float("inf")]])
+    got = segment_amax(x, torch.tensor([0, 0, 1, 2]), 3)
+    assert got.tolist() == [3.0, 0.0, float("inf")]
