@@ -63,7 +63,7 @@ class FlopShare:
             return []
         why = why_not_fp8(report)
         missing = [
-            (fqn, why.get(fqn) or not_fp8_reason(captures[fqn], why)  # MoE: expert / router captures
+            (fqn, reason_for(why, fqn) or not_fp8_reason(captures[fqn], why)  # MoE: expert / router captures
              or "its backend runs it in high precision (not an FP8 layer)")
             for fqn, f in sorted(flops.items(), key=lambda kv: -kv[1])
             if f and not captures[fqn].plan.fp8
@@ -79,6 +79,17 @@ class FlopShare:
         data = {"share": share, "layers": [n for n, _ in missing], "reasons": [r for _, r in missing],
                 "alert": True, "level": "WARN", "title": "FP8 is off for much of the model", "text": text}
         return [EventRecord("fp8_share", step, data)]
+
+
+def reason_for(why: Mapping[str, str], fqn: str) -> str | None:
+    """``why``'s reason for the captured layer ``fqn``. The report names layers as ``apply_fp8``
+    saw them, the captures by their canonical names, which drop a LightningModule's holder
+    attribute (``model.blocks.0.fc`` is captured as ``blocks.0.fc``): the one report name that
+    ends in ``.<fqn>`` is the same layer."""
+    if fqn in why:
+        return why[fqn]
+    hits = [r for n, r in why.items() if n.endswith("." + fqn)]
+    return hits[0] if len(hits) == 1 else None
 
 
 def why_not_fp8(report: ApplyReport | None) -> dict[str, str]:

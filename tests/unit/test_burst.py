@@ -281,6 +281,43 @@ def test_fp8_flop_share_warns_naming_refused_layers(tmp_path):
     assert run_summary(mon.run_dir)["fp8_flop_share"] == pytest.approx(share)
 
 
+def test_share_warning_names_the_fallback_reason_under_a_lightning_holder(tmp_path):
+    # apply_fp8 on a LightningModule names its layers model.fc1, model.fc2; the monitor captures
+    # them by their canonical names fc1, fc2: the warning still says why each stayed in BF16
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+        def forward(self, x):
+            return self.fc2(self.fc1(x))
+
+    class Holder(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = Net()
+
+        def forward(self, x):
+            return self.model(x)
+
+    model = Holder()
+    report = fp8track.apply_fp8(model, "current", bf16_layers="first_last")
+    assert dict(report.bf16_layers) == {"model.fc1": "first:1", "model.fc2": "last:1"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Monitor(model, MonitorConfig(every_n_steps=1), log_dir=tmp_path, apply_report=report,
+                     trackers=[]) as mon:
+            model(torch.randn(8, 16)).sum().backward()
+            mon.step(loss=torch.tensor(1.0))
+    text = [str(w.message) for w in caught if "GEMM FLOPs ran in FP8" in str(w.message)]
+    assert len(text) == 1
+    assert "fc1 (kept in BF16: first:1)" in text[0] and "fc2 (kept in BF16: last:1)" in text[0]
+    ev = next(e for e in RunReader(mon.run_dir).events() if e.kind == "fp8_share")
+    assert ev.data["reasons"] == ["kept in BF16: first:1", "kept in BF16: last:1"]
+
+
 def test_no_share_warning_for_a_bf16_control(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 24))
     with warnings.catch_warnings(record=True) as caught:
