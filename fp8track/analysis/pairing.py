@@ -237,13 +237,13 @@ def check_pairing(fp8: RunData, control: RunData) -> Mismatch | None:
     same = _same_run(fp8, control, fl, cl)
     if same is not None:
         return Mismatch("same_run", f"the FP8 run and the control are the same run ({same}): {f_label}; "
-                                    "pass the BF16 control as the baseline")
+                                    "pass the BF16 control run as --control")
     fp, cp = run_precision(fp8), run_precision(control)
     if fp == "bf16" and cp == "fp8":
         return Mismatch(
             "swapped",
             f"the runs are swapped: the FP8 run {f_label} ran in BF16 and the control "
-            f"{c_label} in FP8; pass the FP8 run first and the BF16 control as the baseline",
+            f"{c_label} in FP8; pass the FP8 run first and the BF16 control second (--control)",
         )
     if fp == "bf16":
         return Mismatch("not_fp8", f"the FP8 run {f_label} ran in BF16: nothing to diagnose; pass an FP8 run")

@@ -53,7 +53,9 @@ def print_diagnosis(
         role = d.roles.get(top.layer)
         console.print(
             f"[bold]Top-ranked layer:[/bold] {top.layer} ({top.tensor}, risk score {top.score:.1f}"
-            + (f", anomalous from step {role.onset}" if role else "") + ")",
+            + (f", anomalous from step {role.onset}" if role else "")
+            + (f", tied with {', '.join(top.tied[:3])}" + (" ..." if len(top.tied) > 3 else "")
+               if top.tied else "") + ")",
             highlight=False,
         )
     if html_path is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from rich.console import Console
 from fp8track.analysis.diagnose import Diagnosis, Finding, mismatched_diagnosis
 from fp8track.analysis.loss_gap import GapJudgement
 from fp8track.analysis.pairing import Mismatch
+from fp8track.analysis.ranking import LayerRisk
 from fp8track.cli import COMMANDS, build_parser
 from fp8track.monitoring.records import TensorStatsRow
 from fp8track.report.console import TABLE_WIDTH, print_diagnosis
@@ -125,6 +127,18 @@ def test_the_console_table_fits_80_columns(width):
     assert table and max(len(x) for x in table) <= TABLE_WIDTH
     assert lines[0] == "fp8-delayed (delayed) against the control bf16-control (bf16)"
     assert "model.transformer.h.11.attn.c_attn" in "".join(lines).replace(" ", "")
+
+
+def test_a_top_ranked_layer_tied_with_others_says_so():
+    # a healthy pair whose layers score within the tie margin: the top layer is no outlier
+    ranking = (LayerRisk("inp", 0.46, "gradient", rank=1, tied=("out", "mid")),
+               LayerRisk("out", 0.18, "weight", rank=1, tied=("inp", "mid")))
+    d = replace(_diagnosis(_loss(None)), layer_ranking=ranking)
+    line = next(x for x in _printed(d, 200) if x.startswith("Top-ranked layer:"))
+    assert line == "Top-ranked layer: inp (gradient, risk score 0.5, tied with out, mid)"
+    d = replace(d, layer_ranking=(LayerRisk("inp", 9.0, "gradient"),))
+    line = next(x for x in _printed(d, 200) if x.startswith("Top-ranked layer:"))
+    assert line == "Top-ranked layer: inp (gradient, risk score 9.0)"
 
 
 def test_a_mismatch_prints_one_line_and_no_table():
