@@ -82,7 +82,7 @@ def test_diagnose_against_the_scripts_own_control(tmp_path):
             "fp8track.cli",
             "diagnose",
             str(fp8),
-            "--baseline",
+            "--control",
             str(control),
             "--out",
             str(tmp_path / "diag"),

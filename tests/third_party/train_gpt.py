@@ -157,7 +157,7 @@ monitor = fp8track.Monitor(
     model,
     {"every_n_steps": every_n_steps},
     apply_report=report,  # fp8track
-    baseline=control or None,
+    control=control or None,  # fp8track
     log_dir=os.path.join(out_dir, "fp8track"),
 ).attach()  # fp8track
 for it in range(max_iters):
