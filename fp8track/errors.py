@@ -177,7 +177,17 @@ def dataclass_from_dict(cls: type[T], data: Mapping[str, Any], strict: bool = Tr
 class FromDict:
     """Mixin of the frozen config dataclasses read from YAML/CLI mappings:
     ``Config.from_dict(mapping)`` is :func:`dataclass_from_dict` (an unknown key is a
-    :class:`ConfigError` naming the valid ones)."""
+    :class:`ConfigError` naming the valid ones), and ``Config(unknown=...)`` from Python is the
+    same :class:`ConfigError` (Python's own is a ``TypeError`` that names no valid keyword)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # __new__ sees the keywords before the dataclass's generated __init__ does.
+        if kwargs and dataclasses.is_dataclass(cls):
+            known = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(kwargs) - known)
+            if unknown:
+                raise invalid_choice(f"{cls.__name__} keyword", unknown[0], sorted(known))
+        return super().__new__(cls)
 
     @classmethod
     def from_dict(cls: type[T], data: Mapping[str, Any]) -> T:

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from fp8track.errors import ConfigError, as_names, check_float, check_int, invalid_choice
+from fp8track.errors import ConfigError, FromDict, as_names, check_float, check_int, invalid_choice
 from fp8track.monitoring.dumps import DumpPolicy
 from fp8track.monitoring.plans import WHATIF_VARIANTS
 from fp8track.monitoring.records import EventRecord, RunMeta, StepBatch, TensorStatsRow
@@ -70,7 +70,7 @@ def validate_whatif(whatif: Iterable[str]) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class CaptureConfig:
+class CaptureConfig(FromDict):
     """What to capture and how often. Validated at construction. The frontends take
     :class:`fp8track.MonitorConfig`, which adds the analysis thresholds to these fields. A list
     field given one bare string (``tensors: activation`` in YAML) holds that one name.

@@ -3,6 +3,9 @@ a dict or YAML; unknown keys rejected; the thresholds reach the analyzers."""
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 
@@ -72,6 +75,20 @@ def test_yaml_dict_and_python_build_the_same_config(tmp_path):
 def test_bad_keys_and_values_are_rejected_naming_the_valid_ones(data, message):
     with pytest.raises(ConfigError, match=message):
         fp8track.MonitorConfig.from_dict(data)
+
+
+def test_unknown_keywords_from_python_are_the_same_config_error():
+    """``MonitorConfig(every_n_step=10)`` was Python's TypeError, which names no valid keyword."""
+    from fp8track.analysis.diagnose import DiagnosisConfig
+    from fp8track.analysis.spike_events import SpikeConfig
+
+    for cls, bad, valid in ((fp8track.MonitorConfig, "every_n_step", "every_n_steps"),
+                            (SpikeConfig, "z", "z_threshold"), (DiagnosisConfig, "noise", "noise_k")):
+        with pytest.raises(ConfigError, match=rf"unknown {cls.__name__} keyword '{bad}'; valid .*'{valid}'"):
+            cls(**{bad: 1})
+    c = fp8track.MonitorConfig(every_n_steps=5)  # known keywords, replace and copies as before
+    assert (c.every_n_steps, c.replace(every_n_steps=3).every_n_steps) == (5, 3)
+    assert copy.deepcopy(c) == c == pickle.loads(pickle.dumps(c))
 
 
 def test_bad_files(tmp_path):

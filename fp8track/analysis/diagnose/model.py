@@ -16,7 +16,7 @@ from fp8track.analysis.ranking import (
 )
 from fp8track.analysis.spikes import SpikeEvent
 from fp8track.analysis.verdict import Verdict
-from fp8track.errors import ConfigError, check_float, check_int
+from fp8track.errors import ConfigError, FromDict, check_float, check_int
 
 KINDS = (
     "mismatched_runs",
@@ -41,7 +41,7 @@ LOWER_IS_BETTER = ("loss", "ppl", "perplexity", "error", "err", "wer", "cer", "n
 
 
 @dataclass(frozen=True)
-class DiagnosisConfig:
+class DiagnosisConfig(FromDict):
     """The few knobs of the diagnosis, all in units of the runs' own noise (module docstring).
 
     Attributes:
