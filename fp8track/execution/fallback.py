@@ -206,6 +206,14 @@ def _validate_term(term: str) -> None:
         return
     elif term in ("none", "first", "last", "first_last"):
         raise ConfigError(f"bf16_layers term {term!r} must go through FallbackSpec.parse")
+    elif ":" in term:
+        # KEYWORD:ARG with an unknown keyword ("lst:1"): a module's qualified name holds no colon,
+        # so this is a misspelt keyword, refused here rather than when the model is resolved
+        # (after a sweep's trials have already started and failed on it).
+        raise ConfigError(
+            f"bf16_layers term {term!r}: unknown keyword {term.split(':', 1)[0]!r}; "
+            f"valid forms: {', '.join(KEYWORDS)}"
+        )
 
 
 def resolve_fallback(

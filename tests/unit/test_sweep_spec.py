@@ -93,6 +93,11 @@ def test_the_sweeps_package_itself_rejects_a_bad_method() -> None:
             lambda c: c["parameters"]["bf16_layers"]["values"].append("auto:0"),
             r"value 'auto:0' does not parse: bf16_layers term 'auto:0' needs a positive integer count",
         ),
+        (  # a misspelt keyword: refused here, not after the trials that run it have failed
+            lambda c: c["parameters"]["bf16_layers"]["values"].append("lst:1"),
+            r"value 'lst:1' does not parse: bf16_layers term 'lst:1': unknown keyword 'lst'; valid forms: "
+            r"none, first, last",
+        ),
         (
             lambda c: c["parameters"].update(lerning_rate={"values": [1e-3]}),
             r"parameter \(not an option of the sweep program\) 'lerning_rate'",
