@@ -3,7 +3,7 @@ logging to W&B and MLflow at once. Then print the run at a glance.
 
     python examples/lightning_wandb_mlflow.py --recipe delayed --steps 300
     python examples/lightning_wandb_mlflow.py --recipe bf16 --out fp8track-example/bf16   # the BF16 control
-    python examples/lightning_wandb_mlflow.py --baseline fp8track-example/bf16/fp8track-runs/<run id>
+    python examples/lightning_wandb_mlflow.py --control fp8track-example/bf16/fp8track-runs/<run id>
 
 W&B runs offline unless you pass --wandb-mode online; MLflow writes to fp8track-example/mlflow.db (SQLite):
     mlflow ui --backend-store-uri sqlite:///fp8track-example/mlflow.db
@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--every-n-steps", type=int, default=10)
-    p.add_argument("--baseline", default=None, help="the BF16 control's run directory (or mlflow:<run_id>)")
+    p.add_argument("--control", "--baseline", dest="control", default=None,
+                   help="the BF16 control's run directory (or mlflow:<run_id>); --baseline: the former name")
     p.add_argument(
         "--out",
         default="fp8track-example",
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
                          artifact_location=(out / "mlartifacts").resolve().as_uri()),
         ]
         monitor = fp8track.FP8Monitor(
-            every_n_steps=args.every_n_steps, control=args.baseline, apply_report=report
+            every_n_steps=args.every_n_steps, control=args.control, apply_report=report
         )
         trainer = L.Trainer(
             max_steps=args.steps, accelerator="cpu", devices=1, precision="bf16-mixed", logger=loggers,
