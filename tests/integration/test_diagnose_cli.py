@@ -75,6 +75,10 @@ def test_unusable_input_exits_2_naming_it(tmp_path, monkeypatch):
     assert "nope" in proc.stderr and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
     proc = _cli("diagnose", fp8, "--baseline", "mlflow:abc")
     assert proc.returncode == 2 and "needs a tracking URI" in proc.stderr
+    # a sqlite store that does not exist is refused, not created empty by MLflow on the way
+    missing = tmp_path / "typo.db"
+    proc = _cli("diagnose", fp8, "--baseline", "mlflow:abc", "--tracking-uri", f"sqlite:///{missing}")
+    assert proc.returncode == 2 and "no MLflow database" in proc.stderr and not missing.exists()
 
 
 def test_diagnose_reads_an_mlflow_run_and_logs_the_report_there(tmp_path):

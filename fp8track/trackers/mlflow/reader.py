@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,6 +57,19 @@ def _stored_meta(client: MlflowClient, run_id: str) -> dict[str, Any]:
     return out if isinstance(out, dict) else {}
 
 
+def _require_sqlite_file(run_id: str, tracking_uri: str) -> None:
+    """Reading from a ``sqlite:///`` store that does not exist would create an empty database there
+    (MLflow makes and migrates it on first use) before finding no run: refuse it instead."""
+    if not tracking_uri.lower().startswith("sqlite:"):
+        return
+    from sqlalchemy.engine import make_url
+
+    path = make_url(tracking_uri).database
+    if path and path != ":memory:" and not os.path.isfile(path):
+        raise ConfigError(f"run 'mlflow:{run_id}': no MLflow database at {tracking_uri} ({path!r} does not "
+                          "exist); give the tracking URI the run was logged to")
+
+
 def read_mlflow_run(run_id: str, tracking_uri: str) -> StoredRun:
     """Read back a run :class:`MLflowTracker` (or any MLflow logger) wrote: every metric's full
     history (several values at one step, e.g. a resumed run: the latest write wins), the tensor
@@ -70,6 +84,7 @@ def read_mlflow_run(run_id: str, tracking_uri: str) -> StoredRun:
         from mlflow.tracking import MlflowClient
     except ImportError as err:
         raise ConfigError("an mlflow: run needs MLflow: pip install 'fp8track[mlflow]'") from err
+    _require_sqlite_file(run_id, tracking_uri)
     client = MlflowClient(tracking_uri=tracking_uri)
     try:
         run = client.get_run(run_id)
