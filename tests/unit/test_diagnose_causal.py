@@ -166,3 +166,48 @@ def test_delayed_scalings_first_sampled_step_does_not_count_towards_a_healthy_ve
         assert "1 more at delayed scaling's initial scale 1.0" in d.verdict.reason
     else:
         assert d.verdict.verdict == "healthy"
+
+
+def _clipped(rng):
+    """Delayed scaling's lag at a warm-up step: 6 % of the activation clipped, 28 dB left (the
+    Gemma o_proj of a healthy red-team pair: its GEMM output error was 1.8 % at that step)."""
+    return {**_stats(rng, 28.4), "overflow_pct": 6.05}
+
+
+def test_a_one_step_clip_in_the_warm_up_is_not_felt_by_a_ratio_that_moved_before_it(tmp_path):
+    """The FP8/control ratio wanders in the first steps (1.0 to 1.035 by step 8, back by step 25)
+    and a layer clips on the sampled step 10 only: the rise started before the onset, and ten steps
+    are no level to measure a rise against. Healthy, the clip a low note."""
+    rng = np.random.default_rng(3)
+
+    def bad(layer, tensor, step):
+        return _clipped(rng) if (layer, tensor, step) == ("blocks.2.attn.proj", "activation", 10) else None
+
+    ratio = np.ones(N)
+    ratio[:25] = np.interp(np.arange(25), [0, 8, 14, 24], [1.0, 1.035, 1.035, 1.0])
+    d = diagnose(*_pair(tmp_path, ratio, bad))
+    assert d.verdict.verdict == "healthy", d.verdict.reason
+    (f,) = [f for f in d.findings if f.kind == "latent_damage"]
+    assert f.severity == "low" and not f.evidence["loss_felt_it"]
+
+
+def test_a_spike_names_the_layer_destroyed_from_the_next_sampled_step(tmp_path):
+    """blocks.1.mlp.fc's weight is flushed from step 101 on (first seen at the sampled step 110),
+    the loss spikes at 101 in FP8 only; at the sampled step 100 another layer's statistics jump a
+    little. The spike and the verdict name the destroyed layer first, not the bystander."""
+    rng = np.random.default_rng(4)
+    layer, bystander = "blocks.1.mlp.fc", "blocks.1.mlp.proj"
+
+    def bad(name, tensor, step):
+        if name == layer and tensor == "weight" and step >= 110:
+            return _flushed(rng, 100.0)
+        if name == bystander and tensor == "activation" and step == 100:
+            return _stats(rng, 26.0, 0.6)
+        return None
+
+    ratio = np.ones(N)
+    ratio[101:104] = 1.3
+    d = diagnose(*_pair(tmp_path, ratio, bad))
+    spike = next(f for f in d.findings if f.kind == "fp8_only_spikes")
+    assert spike.layers[0] == layer
+    assert (d.verdict.verdict, d.verdict.layers[0]) == ("fp8_problem", layer)

@@ -8,8 +8,9 @@ recovers makes the damage latent, not harmless. Each destroyed layer that is a c
 ``layer_outlier`` finding already reports gets one ``latent_damage`` finding:
 
 * **severity** from the loss's response (:func:`fp8track.analysis.damage.loss_excursion` over the
-  destroyed span plus the onsets' resolution): ``high`` when the FP8/control loss ratio rose beyond
-  its own noise (at least :data:`FELT_K` standard errors of the 3-step median and
+  destroyed span plus the onsets' resolution, against at least the resolution's steps of the ratio
+  before the onset): ``high`` when the FP8/control loss ratio rose beyond its own noise (at least
+  :data:`FELT_K` standard errors of the 3-step median and
   :data:`FELT_MIN` relative) or a lasting gap names the layer first, else ``medium``; ``low`` only
   for clipping alone on one sampled step that the loss did not feel (delayed scaling's one-step
   lag behind an amax jump);
@@ -62,7 +63,11 @@ def rule_latent_damage(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
         sampled = max(d.sampled for d in ds)
         window = steps[-1] - onset + ev.resolution + 1
         ex = loss_excursion(fl, cl, onset, window)
-        felt = _felt(ex["rise"], ev.loss.noise)
+        # The rise is measured against the ratio's level before the onset: with fewer steps before
+        # it than the onsets' resolution (an onset in the first steps, where delayed scaling's
+        # warm-up moves the ratio by itself) there is no level to measure against.
+        baseline = sum(1 for s in fl if s < onset and s in cl)
+        felt = baseline >= ev.resolution and _felt(ex["rise"], ev.loss.noise)
         # Clipping alone on one sampled step, unfelt, is delayed scaling's one-step lag behind an
         # amax jump (the history catches up at the next step): a note, not a destroyed GEMM.
         lag_only = len(steps) == 1 and all(d.lag_only for d in ds)

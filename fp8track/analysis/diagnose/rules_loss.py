@@ -116,6 +116,15 @@ def rule_fp8_only_spikes(ev: Evidence, found: Sequence[Finding]) -> list[Finding
     layers = tuple(sorted(dict.fromkeys(k[0] for k, _ in hits), key=lambda n: _causal_key(ev, n)))
     layers = tuple(n for n in layers if not ev.order.is_consequence(n))[: cfg.top_k]
     tensors = tuple(dict.fromkeys(k[1] for k, _ in hits if k[0] in layers))
+    # A layer destroyed from within one sampling interval of a spike is the spike's direct
+    # evidence: when the damage starts between two samples, only the sampled step after the spike
+    # shows it, while the step before may show unrelated jumps. It is named first.
+    struck = _destroyed_near(ev, [e.start_step for e, _ in only])
+    if struck:
+        layers = (struck + tuple(n for n in layers if n not in struck))[: cfg.top_k]
+        tensors = tuple(dict.fromkeys(
+            [d.tensor for d in ev.order.destroyed if d.layer in struck]
+            + [k[1] for k, _ in hits if k[0] in layers]))
     # A layer broken for most of the run does not jump at a spike against its own history; the
     # layers that stand out against the others (and the control) are then the suspects, and so are
     # the layers destroyed on sampled steps.
@@ -256,6 +265,15 @@ def _destroyed_before(ev: Evidence, step: int) -> tuple[str, int] | None:
         if onsets and min(onsets) <= step:
             return layer, min(onsets)
     return None
+
+
+def _destroyed_near(ev: Evidence, steps: Sequence[int]) -> tuple[str, ...]:
+    """Candidate-cause layers (causal order) whose destroyed onset lies within one sampling
+    interval of one of ``steps``."""
+    return tuple(dict.fromkeys(
+        r.layer for r in ev.ranking if not ev.order.is_consequence(r.layer) and any(
+            s - ev.row_spacing <= d.onset <= s + ev.row_spacing
+            for d in ev.order.destroyed_of(r.layer) for s in steps)))
 
 
 def _causal_key(ev: Evidence, layer: str) -> int:
