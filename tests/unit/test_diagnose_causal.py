@@ -211,3 +211,26 @@ def test_a_spike_names_the_layer_destroyed_from_the_next_sampled_step(tmp_path):
     spike = next(f for f in d.findings if f.kind == "fp8_only_spikes")
     assert spike.layers[0] == layer
     assert (d.verdict.verdict, d.verdict.layers[0]) == ("fp8_problem", layer)
+
+
+def test_a_one_step_clip_during_another_layers_spike_is_not_the_headline(tmp_path):
+    """blocks.0.mlp.fc's activation is flushed on the sampled steps 100-110 and the loss spikes from
+    step 100; at step 110 blocks.2.attn.proj clips once (6 %, 28 dB: delayed scaling's lag behind
+    the amax the spike raised). The loss rose because of the flush; one sampled step of clipping
+    cannot carry a high finding, so the verdict names the flushed layer."""
+    rng = np.random.default_rng(5)
+    layer, bystander = "blocks.0.mlp.fc", "blocks.2.attn.proj"
+
+    def bad(name, tensor, step):
+        if name == layer and tensor == "activation" and 100 <= step <= 110:
+            return _flushed(rng, 99.0)
+        if (name, tensor, step) == (bystander, "activation", 110):
+            return _clipped(rng)
+        return None
+
+    ratio = np.ones(N)
+    ratio[100:125] = 1.6
+    d = diagnose(*_pair(tmp_path, ratio, bad))
+    assert (d.verdict.verdict, d.verdict.layers[0]) == ("fp8_problem", layer), d.verdict.reason
+    clip = [f for f in d.findings if f.kind == "latent_damage" and f.layers[0] == bystander]
+    assert all(f.severity != "high" for f in clip)

@@ -11,9 +11,9 @@ recovers makes the damage latent, not harmless. Each destroyed layer that is a c
   destroyed span plus the onsets' resolution, against at least the resolution's steps of the ratio
   before the onset): ``high`` when the FP8/control loss ratio rose beyond its own noise (at least
   :data:`FELT_K` standard errors of the 3-step median and
-  :data:`FELT_MIN` relative) or a lasting gap names the layer first, else ``medium``; ``low`` only
-  for clipping alone on one sampled step that the loss did not feel (delayed scaling's one-step
-  lag behind an amax jump);
+  :data:`FELT_MIN` relative) or a lasting gap names the layer first, else ``medium``; clipping alone on one
+  sampled step (delayed scaling's one-step lag behind an amax jump) is ``low``, ``medium`` when
+  the loss felt it, never ``high``;
 * **confidence** from how often it was seen: :data:`CONFIDENCE_ONE` on one sampled step (a single
   observation), :data:`CONFIDENCE_MANY` on two or more.
 """
@@ -71,7 +71,13 @@ def rule_latent_damage(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
         # Clipping alone on one sampled step, unfelt, is delayed scaling's one-step lag behind an
         # amax jump (the history catches up at the next step): a note, not a destroyed GEMM.
         lag_only = len(steps) == 1 and all(d.lag_only for d in ds)
-        sev = "high" if felt or gap_first == layer else ("low" if lag_only else "medium")
+        # Felt or not, one sampled step of clipping alone is no destroyed GEMM (its ordinary elements
+        # keep their SQNR): a loss rise around it belongs to whatever raised the amax, so it is
+        # never a high finding that would outrank the layer that did.
+        if lag_only:
+            sev = "medium" if felt or gap_first == layer else "low"
+        else:
+            sev = "high" if felt or gap_first == layer else "medium"
         conf = CONFIDENCE_MANY if len(steps) >= 2 else CONFIDENCE_ONE
         after = downstream_of(ev, layer)
         tensors = tuple(dict.fromkeys(d.tensor for d in ds))
