@@ -50,11 +50,13 @@ class Verdict:
 
 
 def judge(findings: Sequence[Any], loss_steps: int, sampled_steps: int, has_control_rows: bool,
-          extra_notes: Sequence[str] = (), warm_up_steps: int = 0) -> Verdict:
+          extra_notes: Sequence[str] = (), warm_up_steps: int = 0,
+          control_failed: str | None = None) -> Verdict:
     """The verdict of ``findings`` (sorted, causal first), given how much the pair holds;
     ``extra_notes`` are observations that are no finding (a control that spiked alone);
     ``sampled_steps`` counts the steps that show the recipe at work, ``warm_up_steps`` the sampled
-    steps left out of it (delayed scaling's initial scale)."""
+    steps left out of it (delayed scaling's initial scale); ``control_failed`` why the control
+    cannot vouch for the FP8 run (it went wrong on its own), or ``None``."""
     notes = tuple(f.title for f in findings if f.kind in NOTE_KINDS or (
         f.kind in FP8_KINDS and f.severity in ("low", "info"))) + tuple(extra_notes)
     fp8 = [f for f in findings if f.kind in FP8_KINDS and f.severity in ("high", "medium")]
@@ -71,6 +73,8 @@ def judge(findings: Sequence[Any], loss_steps: int, sampled_steps: int, has_cont
             layers,
             notes,
         )
+    if control_failed:
+        return Verdict("inconclusive", control_failed, notes=notes)
     if loss_steps < MIN_LOSS_STEPS:
         return Verdict("inconclusive", f"only {loss_steps} common loss steps (at least {MIN_LOSS_STEPS} "
                        "needed to tell a gap from noise): train longer", notes=notes)

@@ -234,3 +234,27 @@ def test_a_one_step_clip_during_another_layers_spike_is_not_the_headline(tmp_pat
     assert (d.verdict.verdict, d.verdict.layers[0]) == ("fp8_problem", layer), d.verdict.reason
     clip = [f for f in d.findings if f.kind == "latent_damage" and f.layers[0] == bystander]
     assert all(f.severity != "high" for f in clip)
+
+
+def test_a_control_that_went_wrong_on_its_own_cannot_vouch_for_the_fp8_run(tmp_path):
+    """The control spikes at step 150 and its loss stays 30 % higher; the FP8 run trains on as the
+    control did before. "The loss tracks the control" would be false and the control vouches for
+    nothing: inconclusive, saying so. The same spike without the lasting rise is a note under a
+    healthy verdict (test_shared_spikes_are_a_note_under_a_healthy_verdict's other side)."""
+    rng = np.random.default_rng(0)
+    base = healthy(Curve(start=6.0, floor=2.0, tau=60.0, sigma=0.02), N, rng)
+    fp8 = base * (1 + rng.normal(0, 0.002, N))
+    for lasting, name in ((1.3, "diverged"), (1.0, "spiked")):
+        control = plant_spike(base.copy(), 150, 0.6)
+        control[155:] *= lasting
+        ctl = _write(tmp_path / name, "control", control, _rows(rng, "shadow"), "bf16")
+        d = diagnose(_write(tmp_path / name, "fp8", fp8, _rows(rng), "current"), ctl)
+        assert any("spiked at step(s) 150" in n for n in d.verdict.notes)
+        if lasting > 1:
+            assert d.verdict.verdict == "inconclusive"
+            went_wrong = "the BF16 control went wrong on its own: it spiked at step 150 "
+            assert d.verdict.reason.startswith(went_wrong)
+            assert "ends 23.1% above the FP8 run's" in d.verdict.reason  # 1 - 1/1.3
+            assert d.top.title.startswith("FP8 caused nothing seen; its loss ends 23.")
+        else:
+            assert d.verdict.verdict == "healthy" and d.top.title == "FP8 matches the BF16 control"

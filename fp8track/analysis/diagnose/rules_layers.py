@@ -181,7 +181,8 @@ def rule_healthy(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
             "healthy",
             "info",
             confidence(lc.z_cut / max(abs(lc.max_gap) / lc.noise, 1e-9), 1.0),
-            "FP8 matches the BF16 control",
+            "FP8 matches the BF16 control" if not lc.final_gap < -lc.seed_band else
+            f"FP8 caused nothing seen; its loss ends {100 * -lc.final_gap:.1f}% below the control's",
             (
                 f"Loss gap {100 * lc.final_gap:+.2f}% at the end: a gap from step {lc.band_onset_step} "
                 f"that ends inside the {100 * lc.seed_band:.0f}% band healthy FP8/BF16 pairs drift apart "

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 
+import numpy as np
+
 from fp8track.analysis.baseline import RunData
 from fp8track.analysis.damage import judged_steps
 from fp8track.analysis.diagnose.evidence import (
@@ -32,7 +34,7 @@ from fp8track.analysis.diagnose.rules_loss import (
     rule_shared_spikes,
 )
 from fp8track.analysis.diagnose.rules_moe import rule_expert_outlier, rule_router_divergence
-from fp8track.analysis.loss_gap import GapJudgement
+from fp8track.analysis.loss_gap import GapConfig, GapJudgement
 from fp8track.analysis.pairing import Mismatch, align_runs, check_pairing
 from fp8track.analysis.verdict import Verdict, judge
 
@@ -104,19 +106,45 @@ def diagnose(fp8: RunData, control: RunData, config: DiagnosisConfig | None = No
     window = (steps[0], steps[-1]) if steps else None
     judged, warm_up = judged_steps(ev.fp8_rows)
     verdict = judge(findings, len(ev.loss.steps), len(judged), bool(ev.control_rows),
-                    extra_notes=control_only_spikes(ev), warm_up_steps=warm_up)
+                    extra_notes=control_only_spikes(ev), warm_up_steps=warm_up,
+                    control_failed=control_went_wrong(ev))
     return Diagnosis(
         fp8.source, control.source, tuple(findings), ev.ranking, window, ev.loss,
         ev.fp8_spikes, tuple(ev.control_base.spikes), ev.evals, verdict, ev.order.roles,
     )
 
 
+def _control_alone(ev: Evidence) -> list[int]:
+    """Start steps of the control's spikes that the FP8 run does not share."""
+    fp8_starts = [e.start_step for e, _ in ev.shared_spikes]
+    return [e.start_step for e in ev.control_base.spikes if e.kind == "spike"
+            and all(abs(e.start_step - s) > ev.cfg.classify_window for s in fp8_starts)]
+
+
+def control_went_wrong(ev: Evidence) -> str | None:
+    """Why the control cannot vouch for the FP8 run, or ``None``: it spiked where the FP8 run did
+    not and its loss ends above the FP8 run's by more than the seed band (the median relative gap
+    over the last fifth of the common steps below ``-seed_band``). Healthy pairs end within that
+    band of each other (``GapConfig.seed_band``); beyond it, after a spike of its own, the control
+    diverged (a learning rate or an instability of its own) and "FP8 tracks the control" says
+    nothing."""
+    alone = _control_alone(ev)
+    gaps = [g for g in ev.loss.rel_gap if math.isfinite(g)]
+    if not alone or not gaps:
+        return None
+    end = float(np.median(gaps[-max(1, len(gaps) // 5):]))
+    band = ev.loss.seed_band or GapConfig().seed_band
+    if end >= -band:
+        return None
+    return (f"the BF16 control went wrong on its own: it spiked at step {alone[0]} where the FP8 run did "
+            f"not, and its loss ends {100 * -end:.1f}% above the FP8 run's (healthy pairs end within "
+            f"{100 * band:.0f}%): it cannot vouch for the FP8 run; rerun the control")
+
+
 def control_only_spikes(ev: Evidence) -> tuple[str, ...]:
     """A note for spikes of the control that the FP8 run does not share (a noisy control, not an
     FP8 problem)."""
-    fp8_starts = [e.start_step for e, _ in ev.shared_spikes]
-    alone = [e.start_step for e in ev.control_base.spikes if e.kind == "spike"
-             and all(abs(e.start_step - s) > ev.cfg.classify_window for s in fp8_starts)]
+    alone = _control_alone(ev)
     if not alone:
         return ()
     return (f"the BF16 control spiked at step(s) {', '.join(map(str, alone))} where the FP8 run did not "
