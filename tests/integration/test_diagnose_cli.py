@@ -78,7 +78,7 @@ def test_unusable_input_exits_2_naming_it(tmp_path, monkeypatch):
     # a sqlite store that does not exist is refused, not created empty by MLflow on the way
     missing = tmp_path / "typo.db"
     proc = _cli("diagnose", fp8, "--baseline", "mlflow:abc", "--tracking-uri", f"sqlite:///{missing}")
-    assert proc.returncode == 2 and "no MLflow database" in proc.stderr and not missing.exists()
+    assert proc.returncode == 2 and "no MLflow database there" in proc.stderr and not missing.exists()
 
 
 def test_diagnose_reads_an_mlflow_run_and_logs_the_report_there(tmp_path):

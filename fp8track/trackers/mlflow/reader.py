@@ -66,8 +66,8 @@ def _require_sqlite_file(run_id: str, tracking_uri: str) -> None:
 
     path = make_url(tracking_uri).database
     if path and path != ":memory:" and not os.path.isfile(path):
-        raise ConfigError(f"run 'mlflow:{run_id}': no MLflow database at {tracking_uri} ({path!r} does not "
-                          "exist); give the tracking URI the run was logged to")
+        raise ConfigError(f"run 'mlflow:{run_id}': no such run at {tracking_uri}: no MLflow database there "
+                          f"({path!r} does not exist); give the tracking URI the run was logged to")
 
 
 def read_mlflow_run(run_id: str, tracking_uri: str) -> StoredRun:
