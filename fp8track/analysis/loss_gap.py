@@ -142,6 +142,13 @@ class GapJudgement:
     corroborated_by: str | None = None
 
     @property
+    def end_level(self) -> float:
+        """The median relative gap where the runs end (:func:`end_median`); NaN without steps."""
+        if not self.rel_gap:
+            return math.nan
+        return end_median(np.asarray(self.rel_gap, dtype=np.float64), self.smooth)
+
+    @property
     def unit_label(self) -> str:
         """Words for reports: which noise the gap was judged in."""
         return describe_unit(self.unit)
@@ -298,6 +305,12 @@ def _median(gap: np.ndarray) -> float:
     return float(np.median(_infinite_as_worst(gap)))
 
 
+def end_median(gap: np.ndarray, smooth: int) -> float:
+    """The median of the relative gap ``gap`` over where the runs end: their last fifth, at least
+    ``smooth`` steps (one smoothing width); an infinite gap (FP8 non-finite) counts as the worst."""
+    return _median(gap[-max(smooth, gap.size // 5):])
+
+
 def _noise_unit(gap: np.ndarray, c: np.ndarray, paired: bool) -> float:
     """The noise unit's sigma (module docstring): the paired gap's own step-to-step noise, else the
     control's relative step-to-step noise; floored at 1e-6."""
@@ -389,8 +402,7 @@ def judge_gap(
     phase = _phase(steps, f, c, onset_i, w, cfg.start_fraction) if onset_i is not None else None
     level = _median(gap[onset_i:] if onset_i is not None else gap)
     band_onset: int | None = None
-    # Where the run ends: its last fifth (at least one smoothing width).
-    if onset_i is not None and _median(gap[-max(w, n // 5):]) < cfg.seed_band:
+    if onset_i is not None and end_median(gap, w) < cfg.seed_band:
         # Lasting but ending inside the seed band: what two healthy trajectories drift apart by.
         band_onset, onset_i, phase = steps[onset_i], None, None
     z, z_cut = level / noise, tol / noise

@@ -1,6 +1,8 @@
 """The diagnosis's one answer: cause before consequence in every finding and view, a destroyed FP8
 layer never healthy, one verdict per pair (run directories written with RunWriter)."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -258,3 +260,20 @@ def test_a_control_that_went_wrong_on_its_own_cannot_vouch_for_the_fp8_run(tmp_p
             assert d.top.title.startswith("FP8 caused nothing seen; its loss ends 23.")
         else:
             assert d.verdict.verdict == "healthy" and d.top.title == "FP8 matches the BF16 control"
+
+
+def test_a_control_that_went_wrong_does_not_hide_an_fp8_run_that_blew_up_at_the_end(tmp_path):
+    """The control spikes and stays 30 % higher, but the FP8 run's loss is non-finite over its last
+    quarter: where the runs end the FP8 run is the worse (an infinite gap counts as the worst, as
+    ``judge_gap`` counts it), so "the control went wrong" is not the answer."""
+    rng = np.random.default_rng(0)
+    base = healthy(Curve(start=6.0, floor=2.0, tau=60.0, sigma=0.02), N, rng)
+    fp8 = base * (1 + rng.normal(0, 0.002, N))
+    fp8[-N // 4:] = np.inf
+    control = plant_spike(base.copy(), 150, 0.6)
+    control[155:] *= 1.3
+    ctl = _write(tmp_path, "control", control, _rows(rng, "shadow"), "bf16")
+    d = diagnose(_write(tmp_path, "fp8", fp8, _rows(rng), "current"), ctl)
+    assert d.loss.end_level == math.inf
+    assert "went wrong on its own" not in d.verdict.reason, d.verdict.reason
+    assert d.verdict.verdict == "fp8_problem", d.verdict.reason

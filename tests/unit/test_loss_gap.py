@@ -7,7 +7,14 @@ import math
 import numpy as np
 import pytest
 
-from fp8track.analysis.loss_gap import GapConfig, change_point, judge_gap, same_batches, step_noise
+from fp8track.analysis.loss_gap import (
+    GapConfig,
+    change_point,
+    end_median,
+    judge_gap,
+    same_batches,
+    step_noise,
+)
 from fp8track.analysis.synthetic_loss import Curve, noise, trend
 from fp8track.errors import ConfigError
 
@@ -236,3 +243,12 @@ def test_plain_monitor_takes_the_data_fingerprint_at_construction(tmp_path):
         assert meta["config"]["data"] == fp
         metas.append(meta)
     assert same_batches(metas[0], metas[1]) and not same_batches(metas[0], metas[2])
+
+
+def test_end_median_takes_the_last_fifth_and_at_least_one_smoothing_width():
+    """Hand-worked: the last 5 of 100 steps at +100 % are a minority of the last fifth (20 steps),
+    but a majority of one 9-step width of a 20-step run; an infinite gap counts as the worst."""
+    assert end_median(np.array([0.0] * 95 + [1.0] * 5), 9) == 0.0
+    assert end_median(np.array([0.0] * 15 + [1.0] * 5), 9) == 1.0  # 5 of the last 9
+    assert end_median(np.array([0.0] * 15 + [1.0] * 4), 9) == 0.0  # 4 of the last 9
+    assert end_median(np.array([0.0] * 10 + [np.inf] * 5), 9) == math.inf

@@ -6,8 +6,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 
-import numpy as np
-
 from fp8track.analysis.baseline import RunData
 from fp8track.analysis.damage import judged_steps
 from fp8track.analysis.diagnose.evidence import (
@@ -123,16 +121,15 @@ def _control_alone(ev: Evidence) -> list[int]:
 
 def control_went_wrong(ev: Evidence) -> str | None:
     """Why the control cannot vouch for the FP8 run, or ``None``: it spiked where the FP8 run did
-    not and its loss ends above the FP8 run's by more than the seed band (the median relative gap
-    over the last fifth of the common steps below ``-seed_band``). Healthy pairs end within that
+    not and its loss ends above the FP8 run's by more than the seed band (``GapJudgement.end_level``,
+    the median relative gap where the runs end, below ``-seed_band``). Healthy pairs end within that
     band of each other (``GapConfig.seed_band``); beyond it, after a spike of its own, the control
     diverged (a learning rate or an instability of its own) and "FP8 tracks the control" says
     nothing."""
     alone = _control_alone(ev)
-    gaps = [g for g in ev.loss.rel_gap if math.isfinite(g)]
-    if not alone or not gaps:
+    end = ev.loss.end_level
+    if not alone or math.isnan(end):
         return None
-    end = float(np.median(gaps[-max(1, len(gaps) // 5):]))
     band = ev.loss.seed_band or GapConfig().seed_band
     if end >= -band:
         return None
