@@ -58,7 +58,7 @@ CASES = [
     (("sync", "run", "--wandb-dir", "a-file"), ["--wandb-dir", "a-file", "not a folder"]),
     (
         ("check-inference", "not-a-checkpoint.pt"),
-        ["not-a-checkpoint.pt", "weights_only=True", "UnpicklingError"],
+        ["not-a-checkpoint.pt", "is not an fp8track checkpoint", "UnpicklingError", "save_checkpoint"],
     ),
     (
         ("sync", "run", "--mlflow-uri", "postgresql://alice:s3cret@127.0.0.1/mlflow"),
@@ -81,6 +81,7 @@ def test_one_line_exit_2_and_nothing_created(tmp_path, argv, must_say):
     lines = proc.stderr.strip().splitlines()
     assert proc.stdout == "" and len(lines) == 1, proc.stderr[-3000:]
     assert lines[0].startswith(f"fp8track {argv[0]}: error: ")
+    assert len(lines[0]) < 400 and "\x1b" not in lines[0], lines[0]  # one plain line, not a paragraph
     for fragment in must_say:
         assert fragment in lines[0], lines[0]
     assert "s3cret" not in proc.stderr
