@@ -277,3 +277,22 @@ def test_a_control_that_went_wrong_does_not_hide_an_fp8_run_that_blew_up_at_the_
     assert d.loss.end_level == math.inf
     assert "went wrong on its own" not in d.verdict.reason, d.verdict.reason
     assert d.verdict.verdict == "fp8_problem", d.verdict.reason
+
+
+def test_healthy_confidence_reads_where_the_run_ends_not_its_largest_excursion(tmp_path):
+    """Three healthy verdicts on the same control: a 1.5 % bump over steps 100-140 that the run
+    leaves behind reads as confident as no bump at all (the claim is where the run ends, and a bump
+    below the 2 % cut is no finding); a run that ends 1.8 % worse, just inside the cut, reads low.
+    The largest smoothed gap of the whole run (1.61 %) gave the bump 0.22."""
+    bump = np.ones(N)
+    bump[100:140] = 1.015
+    late = np.ones(N)
+    late[N // 2:] = 1.018
+    conf = {}
+    for name, ratio in (("flat", np.ones(N)), ("bump", bump), ("late", late)):
+        d = diagnose(*_pair(tmp_path / name, ratio))
+        assert d.verdict.verdict == "healthy", (name, d.verdict.reason)
+        conf[name] = d.top.confidence
+        assert d.top.evidence["end_gap_rel"] == d.loss.end_level
+    assert conf["flat"] >= 0.9 and conf["bump"] >= 0.9, conf
+    assert conf["late"] < 0.3, conf
