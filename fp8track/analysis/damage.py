@@ -3,17 +3,26 @@
 A layer's statistics nominate it against the other layers (:mod:`fp8track.analysis.ranking`), and
 the loss usually decides whether that matters. Some statistics need no comparison: a tensor the
 recipe really quantised (``actual`` rows, never the control's hypothetical ``shadow`` rows) whose
-*ordinary* elements were lost is destroyed, whatever the loss did afterwards:
+*ordinary* elements were lost is destroyed, whatever the loss did afterwards.
 
-* **flushed**: at least :data:`FLUSH_PCT` % of its nonzero elements underflowed to zero;
-* **drowned**: its SQNR without its largest element (``bulk_sqnr_db``, the ordinary elements: one
-  huge outlier can keep the plain SQNR high while everything else is lost) at most
-  :data:`DESTROYED_SQNR_DB` dB, signal power at most twice the error power;
-* **clipped**: at least :data:`CLIP_PCT` % of its elements saturated at the format's maximum.
+The test is the error of the GEMMs the tensor enters: a destroyed GEMM's output has a relative
+error against float32 of at least :data:`DESTROYED_GEMM_ERROR` (0.3, the diagnosis bench's), and an
+operand's error power carries over to the output, so a tensor is destroyed when the SQNR of its
+*ordinary* elements (:func:`~fp8track.analysis.risk_signals.bulk_sqnr_db`: without its largest
+element, one huge outlier can keep the plain SQNR high while everything else is lost; from the
+flushed share when a few outliers hide the others' energies) is at most
+:data:`DESTROYED_SQNR_DB` (10.5 dB). The labels say how:
 
-Healthy FP8 tensors sit far from each cut (E4M3 about 31 dB, E5M2 about 25 dB; underflow of a few
-percent at most; overflow only a handful of elements under delayed scaling), so the cuts mean "the
-output of this GEMM was replaced by something else" and need no tuning per model.
+* **flushed**: besides, at least :data:`FLUSH_PCT` % of its nonzero elements underflowed to zero;
+* **drowned**: always (the ordinary elements drowned in their error);
+* **clipped**: besides, at least :data:`CLIP_PCT` % of its elements saturated at the format's maximum.
+
+Neither share alone destroys a GEMM: a gradient spanning many decades flushes 35-99 % of its
+elements at 25-35 dB (GEMM error 0.02-0.05), a bounded tensor a little over the range clips 12 % at
+29 dB (0.03); a Gaussian 47 % flushed reads 9 dB (0.36), 28 % clipped 9 dB (0.35). Healthy FP8
+tensors sit far from the cut (E4M3 about 31 dB, E5M2 about 25 dB), so it means "the output of this
+GEMM was replaced by something else" and needs no tuning per model
+(``test_destroyed_means_a_destroyed_gemm_against_float32``).
 
 :func:`destroyed_layers` lists such layers with the steps, the first of them (the onset) and the
 worst numbers; :func:`loss_excursion` measures how far the FP8/control loss ratio rose in the steps
@@ -33,7 +42,13 @@ import numpy as np
 from fp8track.analysis.risk_signals import bulk_sqnr_db, nonzero_underflow_pct
 
 FLUSH_PCT = 50.0
-DESTROYED_SQNR_DB = 3.0
+DESTROYED_GEMM_ERROR = 0.3
+"""A destroyed GEMM: its output's relative error against float32 at least this (the diagnosis
+bench's ``DAMAGE_MIN``; healthy FP8 GEMMs read 0.03 in E4M3 and 0.05 in E5M2)."""
+DESTROYED_SQNR_DB = -20.0 * math.log10(DESTROYED_GEMM_ERROR)
+"""10.5 dB: an operand whose error power is 9 % of its signal power gives a GEMM output with
+relative error ``10^(-SQNR/20)`` = 0.3 (the error of a sum of products is the operand's, for a
+generic other operand); 21 dB below E4M3's rounding SQNR (31.5), 15 dB below E5M2's (25.5)."""
 CLIP_PCT = 5.0
 
 
@@ -77,14 +92,17 @@ class Destroyed:
 
 
 def destroyed_on(stats: Mapping[str, float]) -> tuple[str, ...]:
-    """The criteria (see the module docstring) one row's statistics fail; empty for a healthy row."""
+    """How one row's tensor was destroyed (see the module docstring): ``flushed``, ``drowned``,
+    ``clipped`` in that order, ``drowned`` always; empty when its ordinary elements' SQNR is above
+    :data:`DESTROYED_SQNR_DB` (or unknown), whatever its underflow and overflow shares."""
     out = []
     under = nonzero_underflow_pct(stats)
     if math.isfinite(under) and under >= FLUSH_PCT:
         out.append("flushed")
     bulk = bulk_sqnr_db(stats)
-    if math.isfinite(bulk) and bulk <= DESTROYED_SQNR_DB:
-        out.append("drowned")
+    if not (math.isfinite(bulk) and bulk <= DESTROYED_SQNR_DB):
+        return tuple(out)
+    out.append("drowned")
     if float(stats.get("overflow_pct", 0.0)) >= CLIP_PCT:
         out.append("clipped")
     return tuple(out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from fp8track.analysis.causality import CAUSE, CONSEQUENCE, causal_order
 from fp8track.analysis.damage import destroyed_layers, destroyed_on, loss_excursion
@@ -44,7 +45,11 @@ def test_destroyed_criteria_and_layers():
                "numel": 4096.0}
     assert destroyed_on(healthy) == ()
     assert destroyed_on({**healthy, "underflow_pct": 97.0}) == ("flushed", "drowned")  # 0.13 dB bulk
-    assert destroyed_on({**healthy, "overflow_pct": 12.0}) == ("clipped",)
+    # clipping destroys what its error destroys: 12 % clipped at 31 dB (a bounded tensor a little
+    # over the range: GEMM error 0.03) is healthy; 28 % of a Gaussian clipped reads 9 dB (0.35)
+    assert destroyed_on({**healthy, "overflow_pct": 12.0}) == ()
+    clipped = {**healthy, "overflow_pct": 28.0, "sqnr_db": 9.0, "mse": 0.1}
+    assert destroyed_on(clipped) == ("drowned", "clipped")
     rows = [TensorStatsRow(s, "fc", "activation", {**healthy, "underflow_pct": 99.0 if s >= 20 else 0.1})
             for s in range(0, 50, 5)]
     shadow = {**healthy, "underflow_pct": 99.0}
@@ -54,7 +59,7 @@ def test_destroyed_criteria_and_layers():
     assert d.share == pytest.approx(0.6)
     # delayed scaling's first step quantises with the initial scale 1.0 (gradients of 1e-5 flush in
     # E5M2 by construction): left out; the same flush at a later step, or at a real scale, counts
-    flushed = {**healthy, "underflow_pct": 99.0}
+    flushed = {**healthy, "underflow_pct": 99.0, }
     first = {**flushed, "scale": 1.0, "current_scale": 2.0**20}
     assert destroyed_layers([TensorStatsRow(0, "fc", "gradient", first),
                              TensorStatsRow(5, "fc", "gradient", {**healthy, "scale": 2.0**20})]) == []
@@ -137,3 +142,52 @@ def test_a_one_step_saturation_behind_an_amax_jump_is_a_lag_not_a_destroyed_laye
     once_drowned = [TensorStatsRow(s, "k_proj", "gradient", drowned_no_clip if s == 20 else healthy)
                     for s in range(1, 40)]
     assert not destroyed_layers(once_drowned)[0].lag_only
+
+
+def _q(x, fmt, scale):
+    """Reference quantisation, independent of the kernel: torch's saturating float8 cast."""
+    from fp8track.numerics.formats import get_format
+
+    f, s = get_format(fmt), torch.tensor(scale, dtype=torch.float32)
+    return (x * s).clamp(-f.max, f.max).to(f.dtype).float() / s
+
+
+def _gemm_error(x, qx, w):
+    """Median over output rows of ``||(Q(x) - x) w|| / ||x w||``, and the Frobenius one: the worse."""
+    ref, got = x @ w, qx @ w
+    rows = float(((got - ref).norm(dim=1) / ref.norm(dim=1)).median())
+    return max(rows, float((got - ref).norm() / ref.norm()))
+
+
+@pytest.mark.parametrize(
+    "case, fmt, stale, destroyed",
+    [
+        # a Gaussian 47 % flushed reads 9 dB from its energies: GEMM error 0.36
+        ("gauss", "e4m3", 2.0**-16, True),
+        # 28 % of a Gaussian clipped: 9 dB, GEMM error 0.35; a bounded tensor 9 % clipped: 0.03
+        ("gauss_clip", "e4m3", 4.0, True),
+        ("uniform_clip", "e4m3", 1.1, False),
+        # two massive activations (two tokens, one channel) set the scale and flush the others
+        ("massive2", "e4m3", 1.0, True),
+    ],
+)
+def test_destroyed_means_a_destroyed_gemm_against_float32(case, fmt, stale, destroyed):
+    """Ground truth from the GEMM: quantise with torch's float8 cast, multiply by a random operand and
+    compare with float32. Destroyed (relative error >= 0.3, the diagnosis bench's) exactly when
+    :func:`destroyed_on` says so; a healthy one reads under 0.1."""
+    from fp8track.numerics.formats import get_format
+    from fp8track.numerics.stats import quant_stats
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(48, 40, generator=g)
+    if case == "lognormal":
+        x = torch.sign(x) * torch.exp(4.0 * torch.randn(48, 40, generator=g)) * 1e-8
+    elif case == "uniform_clip":
+        x = torch.rand(48, 40, generator=g) * 2 - 1
+    elif case == "massive2":
+        x[:2, 7] = 1e6
+    scale = float(torch.tensor(get_format(fmt).max / float(x.abs().max()) * stale, dtype=torch.float32))
+    stats = quant_stats(x, fmt, scale)
+    err = _gemm_error(x, _q(x, fmt, scale), torch.randn(40, 32, generator=g) / 40**0.5)
+    assert (err >= 0.3) == destroyed and (destroyed or err < 0.1), err
+    assert bool(destroyed_on(stats)) == destroyed, (stats, err)

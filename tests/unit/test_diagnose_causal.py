@@ -179,7 +179,8 @@ def _clipped(rng):
 def test_a_one_step_clip_in_the_warm_up_is_not_felt_by_a_ratio_that_moved_before_it(tmp_path):
     """The FP8/control ratio wanders in the first steps (1.0 to 1.035 by step 8, back by step 25)
     and a layer clips on the sampled step 10 only: the rise started before the onset, and ten steps
-    are no level to measure a rise against. Healthy, the clip a low note."""
+    are no level to measure a rise against. Healthy; and the clip (28 dB, GEMM error 1.8 %) destroyed
+    nothing, so it is no latent damage either."""
     rng = np.random.default_rng(3)
 
     def bad(layer, tensor, step):
@@ -189,8 +190,7 @@ def test_a_one_step_clip_in_the_warm_up_is_not_felt_by_a_ratio_that_moved_before
     ratio[:25] = np.interp(np.arange(25), [0, 8, 14, 24], [1.0, 1.035, 1.035, 1.0])
     d = diagnose(*_pair(tmp_path, ratio, bad))
     assert d.verdict.verdict == "healthy", d.verdict.reason
-    (f,) = [f for f in d.findings if f.kind == "latent_damage"]
-    assert f.severity == "low" and not f.evidence["loss_felt_it"]
+    assert not [f for f in d.findings if f.kind == "latent_damage"]
 
 
 def test_a_spike_names_the_layer_destroyed_from_the_next_sampled_step(tmp_path):
