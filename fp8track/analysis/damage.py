@@ -95,13 +95,13 @@ def destroyed_on(stats: Mapping[str, float]) -> tuple[str, ...]:
     """How one row's tensor was destroyed (see the module docstring): ``flushed``, ``drowned``,
     ``clipped`` in that order, ``drowned`` always; empty when its ordinary elements' SQNR is above
     :data:`DESTROYED_SQNR_DB` (or unknown), whatever its underflow and overflow shares."""
+    bulk = bulk_sqnr_db(stats)
+    if not (math.isfinite(bulk) and bulk <= DESTROYED_SQNR_DB):
+        return ()
     out = []
     under = nonzero_underflow_pct(stats)
     if math.isfinite(under) and under >= FLUSH_PCT:
         out.append("flushed")
-    bulk = bulk_sqnr_db(stats)
-    if not (math.isfinite(bulk) and bulk <= DESTROYED_SQNR_DB):
-        return tuple(out)
     out.append("drowned")
     if float(stats.get("overflow_pct", 0.0)) >= CLIP_PCT:
         out.append("clipped")

@@ -74,6 +74,16 @@ sums rows of squares in float32 (~1e-7 relative), so a smaller remainder is roun
 FLUSHED_MAJORITY_PCT = 50.0
 """From this underflow share on, the tensor's median element is flushed (:func:`bulk_sqnr_db`)."""
 
+ROUNDING_SQNR_DB: Mapping[str, float] = {"e4m3": 31.5, "e5m2": 25.5}
+"""The SQNR rounding alone gives ordinary (Gaussian-like) elements in each format: about 6 dB per
+mantissa bit (3 and 2), measured 31.5 and 25.5 dB (docs/statistics.md)."""
+
+HIDDEN_MARGIN_DB = 10.0
+"""Ordinary elements cannot read more than this above their format's :data:`ROUNDING_SQNR_DB`: their
+rounding error alone is ten times larger. An SQNR of "the elements besides the largest" above it is
+that of a few more outliers, exact at the scale they set, which hide the ordinary elements as the
+largest one did (:func:`bulk_sqnr_db`)."""
+
 
 def largest_element_error(stats: Mapping[str, float]) -> float:
     """Squared quantisation error of the tensor's largest element, ``(amax - q(amax))^2``, from the
@@ -113,12 +123,21 @@ def bulk_sqnr_db(stats: Mapping[str, float]) -> float:
       (:func:`largest_element_error`; 0 when the row lacks its scale, which charges all of the
       error to the others: pessimistic). Only when both remainders are at least
       :data:`BULK_MIN_SHARE` of their totals (below, they are float32 rounding of the kernel's sums).
-    * When at least half of the nonzero elements are flushed (:func:`nonzero_underflow_pct` >= 50)
-      the ordinary element itself is gone, whatever an outlier does to the energies:
+    * When at least half of the nonzero elements are flushed (:func:`nonzero_underflow_pct` >= 50):
       ``10 log10(100 / u)`` dB, the SQNR the ordinary elements have if the flushed share ``u``
-      carried its share of their energy (3 dB at 50 %, 0.07 dB at 98.5 %).
+      carried its share of their energy (3 dB at 50 %, 0.07 dB at 98.5 %): the worst case a count
+      allows, for when the energies cannot tell.
 
-    The smaller of the two applies.
+    The energies tell when they were resolved and read at most :data:`HIDDEN_MARGIN_DB` above the
+    format's :data:`ROUNDING_SQNR_DB`: then they are the ordinary elements' own, and the count is
+    not used. A flushed majority costs the energy its flushed elements carried, which the count
+    alone does not know: a gradient spanning many decades (log-normal magnitudes, a softmax's
+    probabilities) flushes 35-99 % of its elements at 25-35 dB, and its GEMMs are as exact as a
+    Gaussian's (relative error 0.02-0.05 against float32), while a Gaussian bulk flushed by a
+    majority reads under 9 dB from its energies alone. Otherwise (no energies, float32 could not
+    resolve them, or they read above that ceiling: a few more outliers, exact at the scale they
+    set, hide the ordinary elements as the largest one did; an element format other than E4M3 and
+    E5M2) the smaller of the two applies.
     """
     mse, sqnr, amax = (float(stats.get(k, math.nan)) for k in ("mse", "sqnr_db", "amax"))
     numel, under = float(stats.get("numel", math.nan)), nonzero_underflow_pct(stats)
@@ -136,6 +155,9 @@ def bulk_sqnr_db(stats: Mapping[str, float]) -> float:
         bulk, bulk_err = total - amax * amax, err - (own if math.isfinite(own) else 0.0)
         if bulk >= BULK_MIN_SHARE * total and bulk_err >= BULK_MIN_SHARE * err:
             energy = 10.0 * math.log10(bulk / bulk_err)
+    ceiling = ROUNDING_SQNR_DB.get(element_format(stats), -math.inf) + HIDDEN_MARGIN_DB
+    if math.isfinite(energy) and energy <= ceiling:
+        return energy
     vals = [v for v in (energy, flushed) if not math.isnan(v)]
     return min(vals) if vals else math.nan
 

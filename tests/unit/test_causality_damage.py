@@ -59,7 +59,7 @@ def test_destroyed_criteria_and_layers():
     assert d.share == pytest.approx(0.6)
     # delayed scaling's first step quantises with the initial scale 1.0 (gradients of 1e-5 flush in
     # E5M2 by construction): left out; the same flush at a later step, or at a real scale, counts
-    flushed = {**healthy, "underflow_pct": 99.0, }
+    flushed = {**healthy, "underflow_pct": 99.0, "sqnr_db": 0.04}  # a Gaussian 99 % flushed: 0.04 dB
     first = {**flushed, "scale": 1.0, "current_scale": 2.0**20}
     assert destroyed_layers([TensorStatsRow(0, "fc", "gradient", first),
                              TensorStatsRow(5, "fc", "gradient", {**healthy, "scale": 2.0**20})]) == []
@@ -133,7 +133,7 @@ def test_a_one_step_saturation_behind_an_amax_jump_is_a_lag_not_a_destroyed_laye
     assert d.steps == (20,) and d.lag_only
     twice = [TensorStatsRow(s, "k_proj", "gradient", lag if s in (20, 30) else healthy) for s in range(1, 40)]
     assert not destroyed_layers(twice)[0].lag_only
-    flushed = {**healthy, "underflow_pct": 99.0, "overflow_pct": 0.3}
+    flushed = {**healthy, "underflow_pct": 99.0, "overflow_pct": 0.3, "sqnr_db": 0.04}
     once_flushed = [
         TensorStatsRow(s, "k_proj", "gradient", flushed if s == 20 else healthy) for s in range(1, 40)
     ]
@@ -162,12 +162,16 @@ def _gemm_error(x, qx, w):
 @pytest.mark.parametrize(
     "case, fmt, stale, destroyed",
     [
+        # a gradient spanning decades, its scale stale: 59 % flushed at 32 dB, its GEMM exact to 0.05
+        ("lognormal", "e5m2", 2.0**-16, False),
         # a Gaussian 47 % flushed reads 9 dB from its energies: GEMM error 0.36
         ("gauss", "e4m3", 2.0**-16, True),
         # 28 % of a Gaussian clipped: 9 dB, GEMM error 0.35; a bounded tensor 9 % clipped: 0.03
         ("gauss_clip", "e4m3", 4.0, True),
         ("uniform_clip", "e4m3", 1.1, False),
-        # two massive activations (two tokens, one channel) set the scale and flush the others
+        # two massive activations (two tokens, one channel) set the scale and flush the others: the
+        # elements besides the largest read 70 dB from their energies (the other outlier), the count
+        # (97 % flushed) tells
         ("massive2", "e4m3", 1.0, True),
     ],
 )
