@@ -49,7 +49,14 @@ def test_destroyed_criteria_and_layers():
     # over the range: GEMM error 0.03) is healthy; 28 % of a Gaussian clipped reads 9 dB (0.35)
     assert destroyed_on({**healthy, "overflow_pct": 12.0}) == ()
     clipped = {**healthy, "overflow_pct": 28.0, "sqnr_db": 9.0, "mse": 0.1}
-    assert destroyed_on(clipped) == ("drowned", "clipped")
+    assert destroyed_on(clipped) == ("clipped",)
+    # 3-10.5 dB: lost to rounding and underflow (nothing saturated: a scale far too small) is
+    # damage; a few elements per thousand saturated is delayed scaling's lag behind an amax jump
+    # (healthy delayed runs read 7-10 dB there at data spikes), back at its usual SQNR next step
+    coarse = {**healthy, "sqnr_db": 8.0, "mse": 0.1}
+    assert destroyed_on(coarse) == ("drowned",)
+    assert destroyed_on({**coarse, "overflow_pct": 0.05}) == ()
+    assert destroyed_on({**coarse, "sqnr_db": 2.0, "overflow_pct": 0.05}) == ("drowned",)
     rows = [TensorStatsRow(s, "fc", "activation", {**healthy, "underflow_pct": 99.0 if s >= 20 else 0.1})
             for s in range(0, 50, 5)]
     shadow = {**healthy, "underflow_pct": 99.0}
