@@ -20,6 +20,13 @@ from fp8track.monitoring.records import EventRecord
 from fp8track.monitoring.reduce import PendingStep
 from fp8track.monitoring.sharding import is_dtensor
 
+NO_SCALER_HINT = (
+    "; the loss was finite: if a torch.amp.GradScaler skipped this step (fp16), pass it to the "
+    "monitor (Monitor(..., grad_scaler=scaler)) so its skipped steps are scaler_skip events, not halts"
+)
+"""Appended to a non-finite grad norm's halt reason when no loss scaler is watched: the halt an
+unwatched fp16 scaler's first skip causes on a healthy run otherwise names no way out."""
+
 
 class CheckpointGuard:
     """Holds the first reason to stop (:attr:`reason`) and the ``halt`` event announcing it.
@@ -88,7 +95,8 @@ class CheckpointGuard:
                 if p.loss is not None and not math.isfinite(loss):
                     return f"non-finite loss ({loss}) at step {p.step}"
                 if p.grad_norm is not None and not math.isfinite(g):
-                    return f"non-finite gradient norm ({g}) at step {p.step}"
+                    return f"non-finite gradient norm ({g}) at step {p.step}" + (
+                        NO_SCALER_HINT if p.scale is None and math.isfinite(loss) else "")
         if self.on_divergence == "stop":
             for e in events:
                 if e.kind == "divergence":

@@ -24,7 +24,9 @@ from fp8track.errors import ConfigError, TrainingHalted
 from fp8track.execution.apply import apply_fp8
 from fp8track.execution.faults import Fault, plant
 from fp8track.lightning import FP8Monitor
+from fp8track.monitoring.guard import CheckpointGuard
 from fp8track.monitoring.records import RunReader
+from fp8track.monitoring.reduce import PendingStep
 
 from helpers.lightning import quiet_trainer
 
@@ -132,7 +134,21 @@ def test_without_the_scaler_the_overflow_halts(tmp_path):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
     mon = Monitor(model, {"every_n_steps": 1}, trackers="none", log_dir=tmp_path)
     _fp16_loop(model, mon, scaler, steps=3)
-    assert mon.halt_reason == "non-finite gradient norm (nan) at step 0"
+    assert mon.halt_reason.startswith("non-finite gradient norm (nan) at step 0; the loss was finite")
+    assert "grad_scaler=scaler" in mon.halt_reason  # the halt names the way out
+
+
+def test_a_watched_scaler_adds_no_hint_and_a_nonfinite_loss_none():
+    # the hint only where no scaler is watched and the loss was finite: a scaler's own step, or a
+    # non-finite loss (which no scaler explains), keeps the plain reason
+    guard = CheckpointGuard("stop", "log")
+    watched = PendingStep(3, torch.tensor(1.0), torch.tensor(math.inf), scale=torch.tensor(2.0**16))
+    guard.after_flush(3, [watched], [1.0], [math.inf], [])
+    assert guard.reason == "non-finite gradient norm (inf) at step 3"
+    guard = CheckpointGuard("stop", "log")
+    unwatched = PendingStep(4, torch.tensor(1.0), torch.tensor(math.nan))
+    guard.after_flush(4, [unwatched], [math.inf], [math.nan], [])
+    assert guard.reason == "non-finite loss (inf) at step 4"
 
 
 def test_nan_weights_under_the_scaler_are_still_caught(tmp_path):
