@@ -296,3 +296,21 @@ def test_healthy_confidence_reads_where_the_run_ends_not_its_largest_excursion(t
         assert d.top.evidence["end_gap_rel"] == d.loss.end_level
     assert conf["flat"] >= 0.9 and conf["bump"] >= 0.9, conf
     assert conf["late"] < 0.3, conf
+
+
+def test_the_fp8_runs_bf16_layers_are_never_ranked_or_named(tmp_path):
+    """The FP8 run keeps ``lm_head`` in BF16 (``bf16_layers``): its rows are ``shadow``, what FP8
+    would do, and FP8 would flush its activation (99 %). It did not run in FP8, so the diagnosis
+    ranks the layers that did and names the BF16 layer nowhere (it was the top-ranked layer)."""
+    rng = np.random.default_rng(4)
+    control = healthy(Curve(start=6.0, floor=2.0, tau=60.0, sigma=0.02), N, rng)
+    fp8 = control * (1 + rng.normal(0, 0.002, N))
+    rows = [TensorStatsRow(r.step, r.layer, r.tensor,
+                           _flushed(rng, 99.0) if r.layer == HEAD and r.tensor == "activation" else r.stats,
+                           "shadow" if r.layer == HEAD else "actual")
+            for r in _rows(rng)]
+    ctl = _write(tmp_path, "control", control, _rows(rng, "shadow"), "bf16")
+    d = diagnose(_write(tmp_path, "fp8", fp8, rows, "current"), ctl)
+    assert d.verdict.verdict == "healthy", d.verdict.reason
+    assert d.layer_ranking and HEAD not in [r.layer for r in d.layer_ranking]
+    assert all(HEAD not in f.layers for f in d.findings)

@@ -22,6 +22,7 @@ from fp8track.analysis.loss_gap import GapConfig, GapJudgement, judge_gap, same_
 from fp8track.analysis.ranking import LayerRisk, outliers, rank_layers
 from fp8track.analysis.spike_events import SpikeClassification
 from fp8track.analysis.spikes import SpikeConfig, SpikeEvent, detect_spikes
+from fp8track.monitoring.records import TensorStatsRow
 
 
 def relative_noise(values: Sequence[float]) -> float:
@@ -245,6 +246,17 @@ def corroborating_break(
     return None
 
 
+def fp8_layer_rows(rows: Sequence[TensorStatsRow]) -> list[TensorStatsRow]:
+    """The rows of the layers that ran in FP8: without the ``shadow`` rows of the FP8 run's BF16
+    layers (``bf16_layers`` fallbacks: what FP8 would do to them). They did not run in FP8, so
+    nothing the FP8 run shows can be theirs, and the diagnosis never names them (a Llama with
+    ``first_last`` named a BF16 layer of block 0 its top-ranked layer). A run without ``actual``
+    rows keeps them all (nothing else to rank)."""
+    if not any(r.variant == "actual" for r in rows):
+        return list(rows)
+    return [r for r in rows if r.variant != "shadow"]
+
+
 def gather_evidence(
     fp8: RunData, control: RunData, cfg: DiagnosisConfig, loss_key: str | None = None
 ) -> Evidence:
@@ -259,7 +271,8 @@ def gather_evidence(
     ctl_base = Baseline.from_series(control.source, {s: cl[s] for s in steps}, scfg, key=ckey)
     fp8_rows, ctl_rows = tuple(fp8.tensor_rows), tuple(control.tensor_rows)
     ranking = tuple(
-        rank_layers(fp8_rows, control=ctl_rows or None, events=fp8.events, history_z=cfg.history_z)
+        rank_layers(fp8_layer_rows(fp8_rows), control=ctl_rows or None, events=fp8.events,
+                    history_z=cfg.history_z)
     )
     outs = tuple(outliers(ranking, cfg.outlier_z, cfg.outlier_min_score))
     row_spacing = _row_spacing(fp8_rows) or spacing
