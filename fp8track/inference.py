@@ -73,18 +73,13 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"checkpoint {str(p)!r} does not exist")
     try:
         ckpt = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as err:  # pickle/zip errors have many types
-        if "Weights only load failed" in str(err):  # torch's own refusal: a paragraph with escapes
-            raise ConfigError(
-                f"{str(p)!r} is not an fp8track checkpoint: it holds pickled Python objects that "
-                "torch.load(weights_only=True) refuses (UnpicklingError; a torch.save of a model?); "
-                "fp8track.inference.save_checkpoint writes one"
-            ) from err
-        first = (str(err).strip().splitlines() or [""])[0]
-        raise ConfigError(
-            f"checkpoint {str(p)!r} cannot be read with torch.load(weights_only=True): "
-            f"{type(err).__name__}: {first[:200]}"
-        ) from err
+    except Exception as err:  # pickle/zip errors have many types; torch's own refusal is a paragraph
+        why = (f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"
+               if "Weights only load failed" not in str(err) else "it holds pickled Python objects "
+               "(UnpicklingError; a torch.save of a model?): not an fp8track checkpoint, which "
+               "fp8track.inference.save_checkpoint writes")
+        raise ConfigError(f"checkpoint {str(p)!r} cannot be read with torch.load(weights_only=True): "
+                          f"{why}") from err
     if not isinstance(ckpt, Mapping) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(
             f"{str(p)!r} is not an fp8track checkpoint (written by fp8track.inference.save_checkpoint)"

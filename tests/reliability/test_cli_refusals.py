@@ -58,7 +58,7 @@ CASES = [
     (("sync", "run", "--wandb-dir", "a-file"), ["--wandb-dir", "a-file", "not a folder"]),
     (
         ("check-inference", "not-a-checkpoint.pt"),
-        ["not-a-checkpoint.pt", "is not an fp8track checkpoint", "UnpicklingError", "save_checkpoint"],
+        ["not-a-checkpoint.pt", "not an fp8track checkpoint", "UnpicklingError", "save_checkpoint"],
     ),
     (
         ("sync", "run", "--mlflow-uri", "postgresql://alice:s3cret@127.0.0.1/mlflow"),
