@@ -326,6 +326,8 @@ class _Sweep:
             return float(twin.value)
         if twin.state.name == "PRUNED":
             raise self.optuna.TrialPruned(f"same configuration as pruned trial {twin.number}")
+        if twin.state.name == "FAIL":
+            raise Duplicate(f"same configuration as trial {twin.number}, which the program refused")
         raise Duplicate(f"same configuration as trial {twin.number}, running elsewhere")
 
 

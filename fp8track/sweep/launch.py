@@ -39,7 +39,7 @@ from fp8track.sweep.command import expand
 from fp8track.sweep.mlflow_runs import SweepRuns, param_text
 from fp8track.sweep.options import MetricNotLogged, ProgramRefused, RunOutcome, SweepOptions
 from fp8track.sweep.runner import ProgramResult, metric_values, run_program
-from fp8track.sweep.sampling import FINISHED_STATES
+from fp8track.sweep.sampling import FINISHED_STATES, REFUSED
 from fp8track.sweep.spec import SweepSpec
 from fp8track.trial import (
     CONTROL_ENV,
@@ -249,7 +249,7 @@ class Launcher:
         if res.timed_out:
             err = f"timed out after {self.options.trial_timeout_s:g} s (--trial-timeout): stopped"
         elif refused is not None:
-            err = f"refused its input: {refused}"
+            err = f"{REFUSED}{refused}"
         else:
             err = f"exit status {res.returncode}: {res.tail(8)}"
         self.runs.client.set_tag(rid, "fp8track.error", err[-5000:])

@@ -36,6 +36,8 @@ from fp8track.trial import cache_key
 PARENT_ATTR = "mlflow_parent_run_id"
 """Study user attribute holding the MLflow parent run's id (workers on other machines wait for it)."""
 FINISHED_STATES = ("COMPLETE", "PRUNED")
+REFUSED = "refused its input: "
+"""How a trial's ``error`` attribute starts when its program refused the parameters (a ConfigError)."""
 
 
 class Surplus(RuntimeError):
@@ -181,6 +183,11 @@ def is_duplicate(trial: Any) -> bool:
     return trial.user_attrs.get(DUPLICATE_ATTR) is not None
 
 
+def is_refused(trial: Any) -> bool:
+    """A failed trial whose program refused its parameters: running them again gives the same."""
+    return trial.state.name == "FAIL" and str(trial.user_attrs.get("error", "")).startswith(REFUSED)
+
+
 def counts(study: Any) -> tuple[int, int]:
     """(COMPLETE + PRUNED, RUNNING) trials of the study, re-proposed configurations not counted."""
     states = [t.state.name for t in study.get_trials(deepcopy=False) if not is_duplicate(t)]
@@ -202,19 +209,19 @@ def space_size(spec: SweepSpec) -> int | None:
 
 def twin_of(study: Any, trial: Any) -> Any:
     """The earliest other trial with ``trial``'s parameters that is evaluated or being evaluated
-    (COMPLETE, PRUNED, RUNNING; not itself a duplicate nor a surplus), or ``None``. A failed
-    trial's parameters may run again (a retry)."""
+    (COMPLETE, PRUNED, RUNNING, or refused by the program; not itself a duplicate nor a surplus),
+    or ``None``. Another failed trial's parameters may run again (a retry)."""
     for t in study.get_trials(deepcopy=False):
-        if (t.number != trial.number and t.state.name in (*FINISHED_STATES, "RUNNING")
+        if (t.number != trial.number and (t.state.name in (*FINISHED_STATES, "RUNNING") or is_refused(t))
                 and not is_duplicate(t) and not t.user_attrs.get("surplus") and t.params == trial.params):
             return t
     return None
 
 
 def unevaluated_point(study: Any, spec: SweepSpec, seed: int) -> dict[str, Any] | None:
-    """A point of a finite search space that no trial has evaluated, runs or waits for (drawn with
-    ``seed``), as ``study.enqueue_trial`` takes it; ``None`` when every point is taken or the space
-    is continuous or larger than :data:`SPACE_LIMIT`."""
+    """A point of a finite search space that no trial has evaluated, runs, waits for or had refused
+    (drawn with ``seed``), as ``study.enqueue_trial`` takes it; ``None`` when every point is taken
+    or the space is continuous or larger than :data:`SPACE_LIMIT`."""
     size = space_size(spec)
     if size is None or size > SPACE_LIMIT:
         return None
@@ -222,7 +229,7 @@ def unevaluated_point(study: Any, spec: SweepSpec, seed: int) -> dict[str, Any] 
             for p in spec.params if p.kind in ("categorical", "int_uniform")}
     taken = [
         t.params for t in study.get_trials(deepcopy=False)
-        if t.state.name in (*FINISHED_STATES, "RUNNING", "WAITING") and not is_duplicate(t)
+        if (t.state.name in (*FINISHED_STATES, "RUNNING", "WAITING") or is_refused(t)) and not is_duplicate(t)
     ]
     free = [dict(zip(axes, values, strict=True)) for values in itertools.product(*axes.values())]
     free = [p for p in free if not any(_same(p, t) for t in taken)]
@@ -263,7 +270,7 @@ def failed(study: Any) -> list[Any]:
     ]
 
 
-__all__ = ["PARENT_ATTR", "FINISHED_STATES", "DUPLICATE_ATTR", "Surplus", "experimental_ok", "trial_seed",
-           "seeded_sampler", "pruner", "suggest", "open_study", "wait_for_parent", "counts", "space_size",
-           "twin_of", "unevaluated_point", "is_duplicate", "summary_writer", "last_trial_of",
-           "failed_trials", "failed"]
+__all__ = ["PARENT_ATTR", "FINISHED_STATES", "DUPLICATE_ATTR", "REFUSED", "Surplus", "experimental_ok",
+           "trial_seed", "seeded_sampler", "pruner", "suggest", "open_study", "wait_for_parent", "counts",
+           "space_size", "twin_of", "unevaluated_point", "is_duplicate", "is_refused", "summary_writer",
+           "last_trial_of", "failed_trials", "failed"]

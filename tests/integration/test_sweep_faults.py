@@ -115,6 +115,29 @@ def test_no_configuration_runs_twice_and_the_budget_counts_distinct_ones(tmp_pat
     assert abs(gaps[best]) < 0.1  # a gap of a few thousandths, not val/loss (about 2)
 
 
+def test_a_refused_configuration_runs_once_and_the_sweep_finishes_on_the_others(tmp_path: Path) -> None:
+    """A grid of three recipes, the program refusing ``mxfp8`` (a ``ConfigError``, as for a
+    ``bf16_layers`` term naming no layer of the model), no ``--trials`` (the whole grid): mxfp8 runs
+    once, is listed under "Failed trials:" with its reason, and the two other points give the summary
+    and a recommendation. Before, every re-proposal of the refused point ran it again (the grid
+    re-draws failed points, the executor queued it as unevaluated): 4 mxfp8 runs, "three trials in a
+    row failed", exit 2 and no summary."""
+    path = sweep_yaml(tmp_path, "refusing", recipe=["current", "mxfp8", "block"], bf16_layers="none",
+                      steps=2, seed=0, refuse_on="mxfp8")
+    out = tmp_path / "out"
+    assert cli(str(path), "--out", str(out), "--control-seeds", "1", "--finalists", "1") == 0
+    study = _study(out, "refusing")
+    ran = [t for t in study.trials if t.user_attrs.get("duplicate_of") is None]
+    assert sorted(t.params["recipe"] for t in ran) == ["block", "current", "mxfp8"]
+    assert [t.state.name for t in ran if t.params["recipe"] == "mxfp8"] == ["FAIL"]
+    client, _, parent, found = runs(out, "refusing")
+    assert sorted(r.data.params["recipe"] for r in found) == ["block", "current", "mxfp8"]
+    assert len(list((out / "logs").glob("*.log"))) == 4  # the control and three trials, nothing twice
+    text = Path(client.download_artifacts(parent, "summary.txt", str(tmp_path))).read_text()
+    assert "planted refusal: mxfp8" in text.split("Failed trials:")[1], text
+    assert "Recommendation: recipe current" in text, text
+
+
 def test_a_hung_trial_is_stopped_by_the_timeout_and_the_sweep_goes_on(tmp_path: Path) -> None:
     pids = tmp_path / "pids"
     pids.mkdir()

@@ -6,8 +6,10 @@ Final value of ``--metric`` (default ``val/loss``) = ``2 + penalty(recipe) * fp8
 improves with steps. ``--hang`` ignores SIGTERM (a pruned run must then be SIGKILLed);
 ``--metric none`` logs nothing (a program that never logs the sweep's metric). It writes its pid
 to ``<MLFLOW_RUN_ID>.pid`` in ``--pid_dir`` so a test can check the process is gone.
-``--fail_on``, ``--hang_on``, ``--silent_on``: comma lists of ``recipe`` or ``recipe@seed``; a run
-matching one exits 1 at once, sleeps for an hour (a hung trial), or logs no ``--metric``.
+``--fail_on``, ``--hang_on``, ``--silent_on``, ``--refuse_on``: comma lists of ``recipe`` or
+``recipe@seed``; a run matching one exits 1 at once, sleeps for an hour (a hung trial), logs no
+``--metric``, or refuses its parameters with fp8track's ``ConfigError`` (as ``apply_fp8`` refuses a
+``bf16_layers`` term that names no layer of the model).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def main() -> None:
     p.add_argument("--fail_on", default="")
     p.add_argument("--hang_on", default="")
     p.add_argument("--silent_on", default="")
+    p.add_argument("--refuse_on", default="")
     args, _ = p.parse_known_args()
 
     def matches(option: str) -> bool:
@@ -58,6 +61,10 @@ def main() -> None:
         Path(args.pid_dir, f"{rid}.pid").write_text(str(os.getpid()))
     if args.hang == "True":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if matches(args.refuse_on):
+        from fp8track.errors import ConfigError
+
+        raise ConfigError(f"planted refusal: {args.recipe} names no layer of this model")
     if matches(args.fail_on):
         raise SystemExit(f"planted failure for {args.recipe}@{args.seed}")
     if matches(args.hang_on):
