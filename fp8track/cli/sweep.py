@@ -173,7 +173,17 @@ def _print_outcome(args: argparse.Namespace, name: str, options: Any, outcome: A
     except Exception:  # the links are a convenience: the sweep itself has finished
         print(f"Look at it: {mlflow_ui_command(options.mlflow_uri)}")
     if options.wandb:
-        print(
-            f"W&B offline runs: {options.out / 'wandb'}  "
-            f"(upload: wandb sync {options.out / 'wandb'}/offline-run-*)"
-        )
+        print(wandb_runs_line(options.out / "wandb"))
+
+
+def wandb_runs_line(root: Path) -> str:
+    """Where the programs' W&B offline runs are and the ``wandb sync`` line that uploads them.
+
+    The sweep sets ``WANDB_DIR=<out>/wandb``; W&B writes its runs one level deeper, in
+    ``$WANDB_DIR/wandb/offline-run-*`` (a program's own ``dir=`` puts them elsewhere), so the
+    folders that hold runs are looked up instead of assumed."""
+    parents = sorted({p.parent for p in root.rglob("offline-run-*") if p.is_dir()})
+    if not parents:
+        return f"W&B offline runs: none under {root} (the program opened no W&B run there)"
+    globs = " ".join(f"{d}/offline-run-*" for d in parents)
+    return f"W&B offline runs: {', '.join(map(str, parents))}  (upload: wandb sync {globs})"
