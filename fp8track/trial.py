@@ -347,8 +347,14 @@ def fp8_flop_share(costs: Sequence[LayerCost], fp8_layers: Sequence[str]) -> flo
     """
     total = sum(c.macs_per_token for c in costs)
     fp8 = set(fp8_layers)
-    on = sum(c.macs_per_token for c in costs if c.name in fp8 or (c.group is not None and c.group in fp8))
+    on = sum(c.macs_per_token for c in costs if runs_fp8(c, fp8))
     return on / total if total else math.nan
+
+
+def runs_fp8(cost: LayerCost, fp8_layers: set[str]) -> bool:
+    """Whether the GEMM ``cost`` runs in FP8: it, or the experts module of an expert projection,
+    is among ``fp8_layers`` (``experts`` converted whole, or one projection of it)."""
+    return cost.name in fp8_layers or (cost.group is not None and cost.group in fp8_layers)
 
 
 def _record_layers(
@@ -362,7 +368,7 @@ def _record_layers(
         from mlflow.tracking import MlflowClient
 
         fp8 = set(report.fp8_layers)
-        rows = [{"layer": c.name, "in": c.in_features, "out": c.out_features, "fp8": c.name in fp8,
+        rows = [{"layer": c.name, "in": c.in_features, "out": c.out_features, "fp8": runs_fp8(c, fp8),
                  "macs_per_token": c.macs_per_token} for c in costs]
         share = fp8_flop_share(costs, report.fp8_layers)
         bf16 = [n for n, _ in report.bf16_layers] if report.recipe.quantizes else []
@@ -486,6 +492,7 @@ __all__ = [
     "align_ranking",
     "layer_costs",
     "fp8_flop_share",
+    "runs_fp8",
     "TrialSettings",
     "add_trial_arguments",
     "read_param_file",

@@ -143,3 +143,33 @@ def test_apply_outside_a_sweep_converts_with_the_trials_settings(monkeypatch) ->
     report = s.apply(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)), backend="emulated")
     assert report.fp8_layers == ("0",) and [n for n, _ in report.bf16_layers] == ["1"]
     assert s.mlflow_logger() is None
+
+
+def test_the_layer_table_marks_experts_converted_whole_as_fp8(tmp_path: Path, monkeypatch) -> None:
+    """An all-FP8 Qwen3-MoE trial (``bf16_layers=none``): the experts module runs in FP8, so its
+    projections' rows in ``fp8track_layers.json`` say ``fp8: true`` and the table's own share is the
+    logged ``fp8_flop_share``. Before, the rows compared the projection's name with the converted
+    module's, so every expert projection read ``fp8: false`` (table share 0.40, logged 0.99 on a
+    two-layer Mixtral sweep) and the torchao information skipped them."""
+    import json
+
+    pytest.importorskip("transformers")
+    mlflow = pytest.importorskip("mlflow")
+    from fp8track.trial import FLOP_SHARE_METRIC, LAYERS_ARTIFACT
+
+    from helpers.moe import tiny_moe
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.tracking.MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("t")).info.run_id
+    monkeypatch.setenv("MLFLOW_RUN_ID", run_id)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    s = trial_settings(["--recipe=current", "--bf16_layers=none"], param_path="")
+    report = s.apply(tiny_moe("qwen3moe"), backend="emulated")
+    assert any(n.endswith("mlp.experts") for n in report.fp8_layers)
+    table = Path(client.download_artifacts(run_id, LAYERS_ARTIFACT, str(tmp_path)))
+    rows = json.loads(table.read_text())["layers"]
+    experts = [r for r in rows if ".experts." in r["layer"]]
+    assert experts and all(r["fp8"] for r in experts), experts
+    share = sum(r["macs_per_token"] for r in rows if r["fp8"]) / sum(r["macs_per_token"] for r in rows)
+    assert share == pytest.approx(client.get_run(run_id).data.metrics[FLOP_SHARE_METRIC])
