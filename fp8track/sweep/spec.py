@@ -266,6 +266,11 @@ def _check_values(p: Param, where: str, example: bool) -> None:
 
     values = (p.value,) if p.kind == "constant" else p.values
     for v in values:
+        if p.name in ("recipe", "bf16_layers") and isinstance(v, bool):
+            raise ConfigError(
+                f"{where}: parameter {p.name!r} value {v!r} is a YAML boolean (off/no/on/yes unquoted), "
+                "not a name: quote it, or write none for no BF16 layers"
+            )
         try:
             if p.name == "recipe":
                 Recipe.parse(str(v))

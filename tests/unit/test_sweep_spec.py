@@ -184,3 +184,14 @@ def test_hyperband_from_max_iter_and_s(tmp_path: Path) -> None:
     cfg["early_terminate"] = {"type": "hyperband", "max_iter": 27, "s": 2, "eta": 3}
     spec = load_sweep(_write(tmp_path, cfg))
     assert (spec.hyperband.min_iter, spec.hyperband.max_iter, spec.hyperband.eta) == (3, 27, 3)
+
+
+@pytest.mark.parametrize("word", [False, True])
+def test_a_yaml_boolean_in_bf16_layers_is_refused_before_any_trial(word) -> None:
+    """``bf16_layers: {values: [none, off]}`` reads ``off`` as False; it used to pass the check as
+    the layer name 'False' and every trial with it failed in the program ("names a missing module
+    'False'", three runs of a one-point grid)."""
+    raw = {"name": "b", "program": "train.py", "method": "grid", "metric": {"name": "val/loss"},
+           "parameters": {"recipe": {"value": "current"}, "bf16_layers": {"values": ["none", word]}}}
+    with pytest.raises(ConfigError, match=f"'bf16_layers' value {word!r} is a YAML boolean"):
+        load_sweep(raw)
