@@ -481,24 +481,8 @@ def ranking_table(ranking: Sequence[LayerRisk]) -> list[dict[str, Any]]:
 
 
 __all__ = [
-    "PARAM_PATH_ENV",
-    "RUN_ID_ENV",
-    "TRACKING_URI_ENV",
-    "CONTROL_ENV",
-    "RANKING_ENV",
-    "LAYERS_ARTIFACT",
-    "FLOP_SHARE_METRIC",
-    "LayerCost",
-    "align_ranking",
-    "layer_costs",
-    "fp8_flop_share",
-    "runs_fp8",
-    "TrialSettings",
-    "add_trial_arguments",
-    "read_param_file",
-    "trial_settings",
-    "cache_key",
-    "JsonCache",
-    "file_lock",
-    "ranking_table",
+    "PARAM_PATH_ENV", "RUN_ID_ENV", "TRACKING_URI_ENV", "CONTROL_ENV", "RANKING_ENV", "LAYERS_ARTIFACT",
+    "FLOP_SHARE_METRIC", "LayerCost", "align_ranking", "layer_costs", "fp8_flop_share", "runs_fp8",
+    "TrialSettings", "add_trial_arguments", "read_param_file", "trial_settings", "cache_key", "JsonCache",
+    "file_lock", "ranking_table",
 ]
