@@ -314,3 +314,37 @@ def test_the_fp8_runs_bf16_layers_are_never_ranked_or_named(tmp_path):
     assert d.verdict.verdict == "healthy", d.verdict.reason
     assert d.layer_ranking and HEAD not in [r.layer for r in d.layer_ranking]
     assert all(HEAD not in f.layers for f in d.findings)
+
+
+def _lagged(rng):
+    """A one-step clip behind an amax jump that took the rest with it: 0.5 % of the gradient
+    saturated, 1.4 dB left of its ordinary elements (a red-team Mistral's layers on the step a
+    planted weight outlier first entered the model), 25 dB again at the next sampled step."""
+    return {**_stats(rng, 1.5), "overflow_pct": 0.5, "mse": 1e-2, "numel": 4096.0}
+
+
+def test_one_step_clips_on_the_step_another_layer_breaks_leave_it_the_loss_rise(tmp_path):
+    """blocks.1.mlp.fc's weight is flushed from the sampled step 110 on and the loss departs from
+    step 101; at the sampled step 100, the step its outlier first entered, five other layers' tensors
+    clip once (delayed scaling's lag behind the amax it raised). The loss rose because of the flushed
+    layer: the clips stay notes (``low``), not five medium findings of their own."""
+    rng = np.random.default_rng(6)
+    layer = "blocks.1.mlp.fc"
+    lagging = ["blocks.0.attn.qkv", "blocks.0.mlp.proj", "blocks.1.attn.proj", "blocks.1.mlp.proj",
+               "blocks.2.mlp.fc"]
+
+    def bad(name, tensor, step):
+        if name == layer and tensor == "weight" and step >= 110:
+            return _flushed(rng, 100.0)
+        if name in lagging and tensor == "gradient" and step == 100:
+            return _lagged(rng)
+        return None
+
+    ratio = np.ones(N)
+    ratio[101:104] = 1.4
+    ratio[104:] = 1.3
+    d = diagnose(*_pair(tmp_path, ratio, bad))
+    assert (d.verdict.verdict, d.verdict.layers[0]) == ("fp8_problem", layer), d.verdict.reason
+    clips = [f for f in d.findings if f.kind == "latent_damage" and f.layers[0] in lagging]
+    assert len(clips) == len(lagging)
+    assert {f.severity for f in clips} == {"low"}, [(f.layers[0], f.severity) for f in clips]

@@ -13,7 +13,8 @@ recovers makes the damage latent, not harmless. Each destroyed layer that is a c
   :data:`FELT_K` standard errors of the 3-step median and
   :data:`FELT_MIN` relative) or a lasting gap names the layer first, else ``medium``; clipping alone on one
   sampled step (delayed scaling's one-step lag behind an amax jump) is ``low``, ``medium`` when
-  the loss felt it, never ``high``;
+  the loss felt it and no layer destroyed for real within the onsets' resolution of it explains
+  the rise, never ``high``;
 * **confidence** from how often it was seen: :data:`CONFIDENCE_ONE` on one sampled step (a single
   observation), :data:`CONFIDENCE_MANY` on two or more.
 """
@@ -74,8 +75,14 @@ def rule_latent_damage(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
         # Felt or not, one sampled step of clipping alone is no destroyed GEMM (its ordinary elements
         # keep their SQNR): a loss rise around it belongs to whatever raised the amax, so it is
         # never a high finding that would outrank the layer that did.
+        # A loss rise around a one-step clip belongs to a layer destroyed for real (not a lag) within
+        # the onsets' resolution of it: the jump that made the others' delayed scales lag came from
+        # there, so the loss's response is that layer's evidence, not this note's.
+        explained = lag_only and any(
+            abs(d.onset - onset) <= ev.resolution for d in ev.order.destroyed
+            if d.layer != layer and not d.lag_only)
         if lag_only:
-            sev = "medium" if felt or gap_first == layer else "low"
+            sev = "medium" if (felt and not explained) or gap_first == layer else "low"
         else:
             sev = "high" if felt or gap_first == layer else "medium"
         conf = CONFIDENCE_MANY if len(steps) >= 2 else CONFIDENCE_ONE
