@@ -348,3 +348,23 @@ def test_one_step_clips_on_the_step_another_layer_breaks_leave_it_the_loss_rise(
     clips = [f for f in d.findings if f.kind == "latent_damage" and f.layers[0] in lagging]
     assert len(clips) == len(lagging)
     assert {f.severity for f in clips} == {"low"}, [(f.layers[0], f.severity) for f in clips]
+
+
+def test_a_one_step_clip_under_a_ratio_wobble_healthy_pairs_show_is_a_note(tmp_path):
+    """A healthy delayed-scaling pair (a red-team Mistral with data spikes both runs took): at the
+    sampled step 40 two gradients clip once (0.2 % saturated, 1.4 dB left: the lag behind an amax
+    jump), and the paired loss ratio wobbles 2 % for a few steps, no FP8-only spike. No layer was
+    destroyed and the loss shows no symptom: healthy, the clips are low notes."""
+    rng = np.random.default_rng(7)
+    lagging = ["blocks.0.attn.qkv", "blocks.0.attn.proj"]
+
+    def bad(name, tensor, step):
+        return _lagged(rng) if name in lagging and tensor == "gradient" and step == 40 else None
+
+    ratio = np.ones(N)
+    ratio[40:46] = 1.02
+    d = diagnose(*_pair(tmp_path, ratio, bad))
+    assert not [f for f in d.findings if f.kind == "fp8_only_spikes"]
+    assert d.verdict.verdict == "healthy", d.verdict.reason
+    clips = [f for f in d.findings if f.kind == "latent_damage"]
+    assert clips and {f.severity for f in clips} == {"low"}

@@ -13,8 +13,8 @@ recovers makes the damage latent, not harmless. Each destroyed layer that is a c
   :data:`FELT_K` standard errors of the 3-step median and
   :data:`FELT_MIN` relative) or a lasting gap names the layer first, else ``medium``; clipping alone on one
   sampled step (delayed scaling's one-step lag behind an amax jump) is ``low``, ``medium`` when
-  the loss felt it and no layer destroyed for real within the onsets' resolution of it explains
-  the rise, never ``high``;
+  the loss felt it with an FP8-only spike finding within the onsets' resolution of it and no layer
+  destroyed for real within that resolution explains the rise, never ``high``;
 * **confidence** from how often it was seen: :data:`CONFIDENCE_ONE` on one sampled step (a single
   observation), :data:`CONFIDENCE_MANY` on two or more.
 """
@@ -81,8 +81,13 @@ def rule_latent_damage(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
         explained = lag_only and any(
             abs(d.onset - onset) <= ev.resolution for d in ev.order.destroyed
             if d.layer != layer and not d.lag_only)
+        # Nor is a rise of a few standard errors, which healthy pairs' paired ratios show too, a
+        # symptom of a lag: only a loss symptom the diagnosis reports on its own (an FP8-only spike
+        # within the onsets' resolution of the clip) lifts the note to ``medium``.
+        spiked = any(f.kind == "fp8_only_spikes" and f.severity in REPORTED_SEVERITIES
+                     and any(abs(s - onset) <= ev.resolution for s in f.steps) for f in found)
         if lag_only:
-            sev = "medium" if (felt and not explained) or gap_first == layer else "low"
+            sev = "medium" if (felt and spiked and not explained) or gap_first == layer else "low"
         else:
             sev = "high" if felt or gap_first == layer else "medium"
         conf = CONFIDENCE_MANY if len(steps) >= 2 else CONFIDENCE_ONE
