@@ -17,6 +17,7 @@ import os
 import re
 import reprlib
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TextIO, TypeVar
 
@@ -314,3 +315,18 @@ def restore_state(
             attr, convert = setter
             setattr(obj, attr, None if value is None else convert(value))
     return found
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn(message, category)`` attributed to the first frame outside fp8track: the
+    user's line that called into it (``monitor.step(...)`` in their loop), whatever path inside the
+    package led there. A fixed ``stacklevel`` points into the package when the path changes (the
+    FP8-share warning named ``monitor.py``); Python 3.12's ``skip_file_prefixes`` does this, and the
+    package supports 3.10."""
+    frame, level = sys._getframe(1), 2  # stacklevel 2 is this function's caller
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)

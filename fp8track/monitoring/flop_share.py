@@ -4,10 +4,10 @@ when it is under ``fp8_share_warn_below`` (docs/monitoring.md, "FP8 share")."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from fp8track.errors import warn_user
 from fp8track.execution.apply import ApplyReport
 from fp8track.monitoring.expert_capture import not_fp8_reason
 from fp8track.monitoring.naming import run_metric
@@ -75,7 +75,7 @@ class FlopShare:
             + (f"; and {len(missing) - MAX_NAMED} more" if len(missing) > MAX_NAMED else "")
         )
         if self.is_writer:
-            warnings.warn(f"fp8track: {text}", stacklevel=5)
+            warn_user(f"fp8track: {text}")
         data = {"share": share, "layers": [n for n, _ in missing], "reasons": [r for _, r in missing],
                 "alert": True, "level": "WARN", "title": "FP8 is off for much of the model", "text": text}
         return [EventRecord("fp8_share", step, data)]

@@ -26,7 +26,6 @@ tensor dumps (:mod:`~fp8track.monitoring.dumps`) and what is written (:mod:`~fp8
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -35,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fp8track.errors import ConfigError
+from fp8track.errors import ConfigError, warn_user
 from fp8track.execution.apply import ApplyReport, applied_report
 from fp8track.monitoring.capture_config import (  # re-exported: they lived here before
     DEFAULT_BURST_STEPS,
@@ -411,7 +410,7 @@ def _warn_once(told: set[str], key: str, message: str) -> None:
     """A ``UserWarning`` of ``message`` (prefixed ``fp8track:``) the first time ``key`` is told."""
     if key not in told:
         told.add(key)
-        warnings.warn(f"fp8track: {message}", UserWarning, stacklevel=4)
+        warn_user(f"fp8track: {message}")
 
 __all__ = [
     "MonitorCore",

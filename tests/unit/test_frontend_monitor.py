@@ -129,7 +129,24 @@ def test_step_after_zero_grad_is_warned_once_and_records_no_grad_norm(tmp_path):
         with fp8track.Monitor(mlp(4, 8, 1), {"every_n_steps": 1}, log_dir=tmp_path) as late:
             _loop(late, 3, step_after_zero_grad=True)
     assert sum("no parameter had a gradient" in str(w.message) for w in caught) == 1
+    # attributed to the user's line that called monitor.step (here _loop), not to the package
+    assert [w.filename for w in caught if "no parameter" in str(w.message)] == [__file__]
     assert _metrics(late.run_dir, norm_key) == {}
+
+
+def test_the_low_fp8_share_warning_points_at_the_users_step_call(tmp_path):
+    """The first layer (4x256, 80 % of the FLOPs) kept in BF16: the share warning fires at the
+    first sampled step and names the line of this file that called ``monitor.step``, as every
+    warning of the monitor's step does (it named ``monitoring/monitor.py``)."""
+    from fp8track.execution.apply import apply_fp8
+
+    model = mlp(4, 256, 1)
+    report = apply_fp8(model, "current", bf16_layers="first", backend="emulated")
+    with pytest.warns(UserWarning, match="GEMM FLOPs ran in FP8") as caught:
+        with fp8track.Monitor(model, {"every_n_steps": 1}, log_dir=tmp_path, apply_report=report) as mon:
+            _loop(mon, 2, step_after_zero_grad=False)
+    share = [w for w in caught if "GEMM FLOPs ran in FP8" in str(w.message)]
+    assert len(share) == 1 and share[0].filename == __file__, [(w.filename, w.lineno) for w in share]
 
 
 def test_a_monitor_never_attached_says_its_first_step_ran_unobserved(tmp_path):
