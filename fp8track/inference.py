@@ -74,10 +74,10 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         ckpt = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as err:  # pickle/zip errors have many types; torch's own refusal is a paragraph
-        why = (f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"
-               if "Weights only load failed" not in str(err) else "it holds pickled Python objects "
-               "(UnpicklingError; a torch.save of a model?): not an fp8track checkpoint, which "
-               "fp8track.inference.save_checkpoint writes")
+        why = ("it holds pickled Python objects (UnpicklingError; a torch.save of a model?): not an "
+               "fp8track checkpoint, which fp8track.inference.save_checkpoint writes"
+               if "Weights only load failed" in str(err)
+               else f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}")
         raise ConfigError(f"checkpoint {str(p)!r} cannot be read with torch.load(weights_only=True): "
                           f"{why}") from err
     if not isinstance(ckpt, Mapping) or ckpt.get("format") != CHECKPOINT_FORMAT:

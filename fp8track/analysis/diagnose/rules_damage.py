@@ -45,6 +45,19 @@ def _felt(rise: float, noise: float) -> bool:
     return rise >= max(FELT_K * sem, FELT_MIN)
 
 
+def _lag_rise_is_its_own(ev: Evidence, found: Sequence[Finding], layer: str, onset: int) -> bool:
+    """Whether a loss rise felt around ``layer``'s one-step clip (delayed scaling's lag from
+    ``onset``) is evidence of that clip: only when the diagnosis reports a loss symptom of its own
+    there (an FP8-only spike within the onsets' resolution: a rise of a few standard errors, which
+    healthy pairs' paired ratios show too, is not one), and no layer destroyed for real (not a lag)
+    within that resolution explains it (the jump that made the others' delayed scales lag came
+    from there, so the loss's response is that layer's evidence)."""
+    spiked = any(f.kind == "fp8_only_spikes" and f.severity in REPORTED_SEVERITIES
+                 and any(abs(s - onset) <= ev.resolution for s in f.steps) for f in found)
+    return spiked and not any(abs(d.onset - onset) <= ev.resolution for d in ev.order.destroyed
+                              if d.layer != layer and not d.lag_only)
+
+
 def rule_latent_damage(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
     """One finding per destroyed candidate-cause layer not already reported as a layer outlier."""
     covered = {f.layers[0] for f in found
@@ -75,19 +88,9 @@ def rule_latent_damage(ev: Evidence, found: Sequence[Finding]) -> list[Finding]:
         # Felt or not, one sampled step of clipping alone is no destroyed GEMM (its ordinary elements
         # keep their SQNR): a loss rise around it belongs to whatever raised the amax, so it is
         # never a high finding that would outrank the layer that did.
-        # A loss rise around a one-step clip belongs to a layer destroyed for real (not a lag) within
-        # the onsets' resolution of it: the jump that made the others' delayed scales lag came from
-        # there, so the loss's response is that layer's evidence, not this note's.
-        explained = lag_only and any(
-            abs(d.onset - onset) <= ev.resolution for d in ev.order.destroyed
-            if d.layer != layer and not d.lag_only)
-        # Nor is a rise of a few standard errors, which healthy pairs' paired ratios show too, a
-        # symptom of a lag: only a loss symptom the diagnosis reports on its own (an FP8-only spike
-        # within the onsets' resolution of the clip) lifts the note to ``medium``.
-        spiked = any(f.kind == "fp8_only_spikes" and f.severity in REPORTED_SEVERITIES
-                     and any(abs(s - onset) <= ev.resolution for s in f.steps) for f in found)
         if lag_only:
-            sev = "medium" if (felt and spiked and not explained) or gap_first == layer else "low"
+            own = felt and _lag_rise_is_its_own(ev, found, layer, onset)
+            sev = "medium" if own or gap_first == layer else "low"
         else:
             sev = "high" if felt or gap_first == layer else "medium"
         conf = CONFIDENCE_MANY if len(steps) >= 2 else CONFIDENCE_ONE

@@ -176,7 +176,8 @@ def _healthy_confidence(lc: GapJudgement) -> float:
     The healthy claim is about where the run ends: an excursion that stayed below the cut earlier
     is no finding (spikes and destroyed layers have rules of their own). The largest smoothed gap of
     the whole run, used before, comes near the cut on most healthy pairs by chance alone (the
-    maximum of a few hundred noisy steps): the benchmark's 12 right healthy verdicts read 0.05-0.64."""
+    maximum of a few hundred noisy steps): the benchmark's 12 healthy verdicts, all right, read
+    0.05-0.99 with a mean of 0.34 by it, against 0.54 by where the run ends."""
     cut = lc.seed_band if lc.band_onset_step is not None else lc.tolerance
     end = abs(lc.end_level)
     if not (math.isfinite(end) and math.isfinite(cut)) or cut <= 0:
